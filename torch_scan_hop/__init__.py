@@ -1,0 +1,14 @@
+"""torch_scan_hop: a scan HigherOrderOperator for eager, torch.compile, export and XLA.
+
+Importing the package installs ``scan_op`` as ``torch.ops.higher_order.scan``.
+"""
+from . import _compat
+from ._op import scan_op
+from . import rule_autograd, rule_eager, rule_fake, rule_functionalize, rule_proxy  # noqa: F401  (register rules)
+from ._trees import ScanError
+from .api import scan
+from .partition import FwdBwd
+
+_compat.install_as_upstream_scan(scan_op)
+
+__all__ = ["scan", "scan_op", "ScanError", "FwdBwd"]

@@ -1,0 +1,99 @@
+"""Every private torch API this package touches, in one place.
+
+torch's HOP internals move between releases; keeping the imports and the thin
+adapters here means a new torch version changes this file, not the rules.
+"""
+import contextlib
+
+import torch
+from torch._C import DispatchKey  # noqa: F401  (re-exported for the rules)
+from torch._higher_order_ops.utils import (  # noqa: F401
+    _maybe_run_with_interpreter,
+    check_input_alias_and_mutation_return_outputs,
+    materialize_as_graph,
+    reenter_make_fx,
+    unique_graph_id,
+)
+from torch._ops import HigherOrderOperator  # noqa: F401
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
+from torch._subclasses.functional_tensor import FunctionalTensor
+from torch.fx.experimental import proxy_tensor as _proxy_tensor
+from torch.fx.experimental.proxy_tensor import (  # noqa: F401
+    ProxyTorchDispatchMode,
+    disable_proxy_modes_tracing,
+    make_fx,
+    track_tensor_tree,
+)
+
+AutoDispatchBelowAutograd = torch._C._AutoDispatchBelowAutograd
+
+
+def install_as_upstream_scan(op):
+    """Make ``torch.ops.higher_order.scan`` resolve to ``op``.
+
+    The HOP registry and the ``torch.ops.higher_order`` namespace cache the
+    first object under a name, so both must be overwritten (NOTES decision 1).
+    """
+    torch._ops._higher_order_ops["scan"] = op
+    setattr(torch.ops.higher_order, "scan", op)
+
+
+def under_make_fx():
+    """True while a make_fx trace is running (so subgraphs must re-enter it)."""
+    return _proxy_tensor._CURRENT_MAKE_FX_TRACER is not None
+
+
+def dispatch_modes_active():
+    from torch.utils._python_dispatch import _len_torch_dispatch_stack
+
+    return _len_torch_dispatch_stack() > 0
+
+
+def is_dynamo_compiling():
+    return torch.compiler.is_dynamo_compiling()
+
+
+def is_plain_tensor(t):
+    """A real, non-wrapper tensor: what the eager fast path can run on."""
+    return (
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and not isinstance(t, FunctionalTensor)
+        and not torch._is_functional_tensor(t)
+        and t.device.type != "xla"
+    )
+
+
+def trace_graph(fn, args, *, force_enable_grad=False):
+    """Trace ``fn(*args)`` to an aten GraphModule in whatever mode is active.
+
+    Re-enters an outer make_fx trace (or fake mode) if there is one; on real
+    tensors traces with a fresh fake mode, so nothing real is computed and
+    closed-over real tensors become constants (which ``_lift`` turns into inputs).
+    """
+    if under_make_fx() or detect_fake_mode(args) is not None:
+        return materialize_as_graph(fn, tuple(args), force_enable_grad=force_enable_grad)
+    with torch.enable_grad() if force_enable_grad else contextlib.nullcontext():
+        return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
+
+
+def fresh_fake_mode():
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def detect_fake_mode(tensors):
+    from torch._guards import detect_fake_mode as _detect
+
+    return _detect(tensors)
+
+
+def partitioner(name):
+    from functorch.compile import default_partition, min_cut_rematerialization_partition
+
+    return {"save_all": default_partition, "min_cut": min_cut_rematerialization_partition}[name]
+
+
+def extract_fwd_bwd(joint, saved_values, num_fwd_outputs):
+    """functorch's fwd/bwd extraction for a hand-chosen list of saved nodes."""
+    from torch._functorch.partitioners import _extract_fwd_bwd_modules
+
+    return _extract_fwd_bwd_modules(joint, saved_values, [], num_fwd_outputs=num_fwd_outputs)

@@ -1,0 +1,55 @@
+"""The scan HigherOrderOperator itself (its rules live in the rule_* modules).
+
+Positional convention is upstream torch's own scan HOP, so upstream's Dynamo
+tracer, front end and inductor pass all run on this object:
+
+    scan_op(combine_fn, init: list, xs: list, additional_inputs: tuple)
+        -> [*final_carry, *ys]
+
+with ``combine_fn(*carry, *x_slice, *additional_inputs) -> [*new_carry, *y]``.
+Keyword-only extras never reach a traced graph: the proxy rule turns
+``reverse`` into flips and drops ``remat``/``unroll`` (consumed by the autograd
+and XLA rules), so graphs keep upstream's exact form.
+"""
+import torch
+
+from . import _compat
+
+REMAT_POLICIES = ("save_all", "min_cut", "recompute_all")
+
+
+class ScanOp(_compat.HigherOrderOperator):
+    def __init__(self):
+        super().__init__("scan")
+
+    def __call__(self, combine_fn, init, xs, additional_inputs, *, reverse=False,
+                 remat="save_all", unroll=1):
+        if not isinstance(additional_inputs, (tuple, list)):
+            raise TypeError(f"scan_op: additional_inputs must be a tuple, got {type(additional_inputs)}")
+        if not xs:
+            raise ValueError("scan_op: xs must have at least one tensor (it carries the length)")
+        kwargs = {}
+        if reverse:
+            kwargs["reverse"] = True
+        if remat != "save_all":
+            kwargs["remat"] = remat
+        if unroll != 1:
+            kwargs["unroll"] = unroll
+        return super().__call__(combine_fn, list(init), list(xs), tuple(additional_inputs), **kwargs)
+
+
+scan_op = ScanOp()
+
+
+def split_out(flat_out, num_carry):
+    return list(flat_out[:num_carry]), list(flat_out[num_carry:])
+
+
+def slice_example(x):
+    """A stand-in for one slice of ``x`` that also exists when ``x`` has length 0."""
+    return torch.zeros(x.shape[1:], dtype=x.dtype, device=x.device)
+
+
+def example_args(init, xs, additional_inputs):
+    """Inputs for tracing the body once: fresh carries, one x slice, the closures."""
+    return [*(c.clone() for c in init), *(slice_example(x) for x in xs), *additional_inputs]

@@ -1,0 +1,153 @@
+"""Pytree bookkeeping and the error messages for bad scan input.
+
+Everything here runs before the loop starts (or on the first step), so a user
+mistake is reported in terms of their own pytree paths, not torch internals.
+"""
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.utils._pytree as pytree
+
+
+class ScanError(ValueError):
+    """Bad input to scan; the message names the leaf and what to do."""
+
+
+def _leaf_paths(tree, root):
+    leaves_with_path, _ = pytree.tree_flatten_with_path(tree)
+    return [root + pytree.keystr(p) for p, _ in leaves_with_path]
+
+
+def _describe(v):
+    if isinstance(v, torch.Tensor):
+        return f"Tensor(shape={tuple(v.shape)}, dtype={v.dtype})"
+    return f"{type(v).__name__} {v!r}"
+
+
+def require_tensor_leaves(tree, root, what):
+    leaves, _ = pytree.tree_flatten(tree)
+    for path, leaf in zip(_leaf_paths(tree, root), leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise ScanError(
+                f"scan: {what} leaf {path} is a {_describe(leaf)}; every {what} leaf must be a "
+                f"torch.Tensor (wrap numbers with torch.tensor(...), or use None for no value)."
+            )
+
+
+@dataclass
+class ScanInputs:
+    """init and xs flattened, validated, with the scan dim moved to 0."""
+
+    init_leaves: list
+    init_spec: Any
+    init_paths: list
+    xs_leaves: list  # each with the scanned dim at 0 (a dummy one when xs is None)
+    xs_spec: Optional[Any]  # None means the user passed xs=None
+    length: int
+
+    @property
+    def num_carry(self):
+        return len(self.init_leaves)
+
+    @property
+    def num_x(self):
+        return 0 if self.xs_spec is None else len(self.xs_leaves)
+
+
+def _check_length(xs_leaves, xs_paths, length, dim):
+    lengths = [x.shape[0] for x in xs_leaves]
+    if lengths and any(n != lengths[0] for n in lengths):
+        detail = ", ".join(f"{p}: {n}" for p, n in zip(xs_paths, lengths))
+        raise ScanError(
+            f"scan: xs leaves have different lengths along dim={dim} ({detail}); "
+            "every xs leaf must have the same size along the scanned dim."
+        )
+    if length is not None and lengths and lengths[0] != length:
+        raise ScanError(
+            f"scan: length={length} disagrees with xs, whose leaves have size {lengths[0]} "
+            f"along dim={dim}; drop length or make them agree."
+        )
+
+
+def prepare_inputs(init, xs, length, dim) -> ScanInputs:
+    require_tensor_leaves(init, "init", "init")
+    init_leaves, init_spec = pytree.tree_flatten(init)
+    init_paths = _leaf_paths(init, "carry")
+    if length is not None and (not isinstance(length, int) or isinstance(length, bool) or length < 0):
+        if not isinstance(length, torch.SymInt):
+            raise ScanError(f"scan: length must be a non-negative int, got {length!r}.")
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise ScanError(f"scan: dim must be an int, got {dim!r}.")
+    xs_leaves, xs_spec = pytree.tree_flatten(xs)
+    if xs is None or not xs_leaves:
+        if length is None:
+            raise ScanError(
+                "scan: xs is None (or has no tensor leaves) and length is not given; "
+                "pass length=N to run fn N times with x=None."
+            )
+        device = init_leaves[0].device if init_leaves else torch.device("cpu")
+        # A zero-width stand-in keeps the op's positional convention (xs carries the length).
+        dummy = torch.empty((length, 0), device=device)
+        return ScanInputs(init_leaves, init_spec, init_paths, [dummy], None, length)
+    require_tensor_leaves(xs, "xs", "xs")
+    xs_paths = _leaf_paths(xs, "xs")
+    moved = []
+    for path, x in zip(xs_paths, xs_leaves):
+        if x.dim() == 0 or not -x.dim() <= dim < x.dim():
+            raise ScanError(
+                f"scan: dim={dim} is out of range for {path} with shape {tuple(x.shape)} "
+                f"({x.dim()} dims); every xs leaf needs the scanned dim."
+            )
+        moved.append(x if dim in (0, -x.dim()) else torch.movedim(x, dim, 0))
+    _check_length(moved, xs_paths, length, dim)
+    return ScanInputs(init_leaves, init_spec, init_paths, moved, xs_spec, moved[0].shape[0])
+
+
+def check_pair(out):
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        got = type(out).__name__ + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else "")
+        raise ScanError(
+            f"scan: fn must return a pair (new_carry, y), but it returned a {got}; "
+            "return (carry, None) if there is no per-step output."
+        )
+    return out
+
+
+def check_carry(new_carry, inputs: ScanInputs):
+    """The carry fn returns must match init in structure, shape and dtype."""
+    leaves, spec = pytree.tree_flatten(new_carry)
+    if spec != inputs.init_spec:
+        got = _leaf_paths(new_carry, "carry")
+        missing = [p for p in inputs.init_paths if p not in got]
+        extra = [p for p in got if p not in inputs.init_paths]
+        hint = f" (missing: {missing}, unexpected: {extra})" if (missing or extra) else ""
+        raise ScanError(
+            "scan: the carry returned by fn has a different pytree structure than init"
+            f"{hint}: init is {inputs.init_spec}, fn returned {spec}. fn must return a carry "
+            "with exactly init's structure."
+        )
+    require_tensor_leaves(new_carry, "carry", "returned carry")
+    check_carry_meta(leaves, inputs)
+    return leaves
+
+
+def check_carry_meta(leaves, inputs: ScanInputs):
+    for path, new, old in zip(inputs.init_paths, leaves, inputs.init_leaves):
+        if new.shape != old.shape or new.dtype != old.dtype:
+            what = []
+            if new.shape != old.shape:
+                what.append(f"shape {tuple(new.shape)} vs init's {tuple(old.shape)}")
+            if new.dtype != old.dtype:
+                what.append(f"dtype {new.dtype} vs init's {old.dtype}")
+            raise ScanError(
+                f"scan: the carry leaf {path} changed across an iteration: {' and '.join(what)}. "
+                "The carry fn returns must keep init's shape and dtype (cast or reshape it, "
+                "or change init)."
+            )
+
+
+def flatten_y(y):
+    leaves, spec = pytree.tree_flatten(y)
+    require_tensor_leaves(y, "y", "y")
+    return leaves, spec

@@ -1,0 +1,144 @@
+"""The user-facing ``scan``: pytrees, validation, closure lifting, eager fast path."""
+import torch
+import torch.utils._pytree as pytree
+
+from . import _compat
+from ._lift import trace_and_lift
+from ._op import example_args, scan_op
+from ._trees import (
+    ScanError, ScanInputs, check_carry, check_carry_meta, check_pair, flatten_y, prepare_inputs,
+)
+from .partition import REMAT
+from .rule_eager import run_loop, stack_ys
+
+
+class FlatBody:
+    """``fn(carry, x) -> (carry, y)`` as the op's flat body ``(*carry, *x) -> [*carry, *y]``.
+
+    Validates every call (structure, leaf types, carry shape/dtype) and
+    remembers the y pytree spec for unflattening the stacked ys.
+    """
+
+    def __init__(self, fn, inputs: ScanInputs):
+        self.fn, self.inputs, self.y_spec = fn, inputs, None
+
+    def __call__(self, *args):
+        inputs = self.inputs
+        nc = inputs.num_carry
+        carry = pytree.tree_unflatten(list(args[:nc]), inputs.init_spec)
+        x = None if inputs.xs_spec is None else pytree.tree_unflatten(list(args[nc:nc + inputs.num_x]), inputs.xs_spec)
+        new_carry, y = check_pair(self.fn(carry, x))
+        carry_leaves = check_carry(new_carry, inputs)
+        y_leaves, self.y_spec = flatten_y(y)
+        return [*carry_leaves, *y_leaves]
+
+
+def _check_options(fn, reverse, remat, unroll):
+    if not callable(fn):
+        raise ScanError(f"scan: fn must be callable as fn(carry, x) -> (new_carry, y), got {type(fn).__name__}.")
+    if not isinstance(reverse, bool):
+        raise ScanError(f"scan: reverse must be a bool, got {reverse!r}.")
+    if not (callable(remat) or remat in REMAT):
+        raise ScanError(f"scan: remat={remat!r} is not a policy; use one of {REMAT} or a partition function.")
+    if not isinstance(unroll, int) or isinstance(unroll, bool) or unroll < 1:
+        raise ScanError(f"scan: unroll must be an int >= 1, got {unroll!r}.")
+
+
+def scan(fn, init, xs=None, *, length=None, reverse=False, dim=0, remat="save_all", unroll=1):
+    """Loop ``fn(carry, x) -> (new_carry, y)`` over ``xs`` along ``dim``.
+
+    Returns ``(final_carry, ys)`` with the ys stacked along dim 0 in input order
+    (also when ``reverse=True``, as ``jax.lax.scan``). ``xs=None`` with
+    ``length=N`` calls fn with ``x=None`` N times. Tensors fn closes over are
+    lifted into the op's ``additional_inputs`` and receive gradients.
+    ``remat`` picks what the backward saves ("save_all", "min_cut",
+    "recompute_all" or a partition function); ``unroll`` is a hint for the XLA
+    lowering (body calls per loop iteration), ignored in eager.
+    """
+    _check_options(fn, reverse, remat, unroll)
+    inputs = prepare_inputs(init, xs, length, dim)
+    if _can_run_fast_eager(inputs):
+        result = _fast_eager(fn, inputs, reverse)
+        if result is not None:
+            return result
+    body = FlatBody(fn, inputs)
+    flat_out = _call_op(body, inputs, reverse=reverse, remat=remat, unroll=unroll)
+    nc = inputs.num_carry
+    carry = pytree.tree_unflatten(list(flat_out[:nc]), inputs.init_spec)
+    return carry, pytree.tree_unflatten(list(flat_out[nc:]), body.y_spec)
+
+
+def _call_op(body, inputs, **kwargs):
+    init, xs = inputs.init_leaves, inputs.xs_leaves
+    if _compat.is_dynamo_compiling():  # Dynamo's tracer lifts closures itself
+        return scan_op(body, init, xs, (), **kwargs)
+    with _compat.disable_proxy_modes_tracing():
+        args = example_args(init, xs, ())
+    gm, lifted = trace_and_lift(body, args)
+    return scan_op(gm, init, xs, tuple(lifted), **kwargs)
+
+
+def _can_run_fast_eager(inputs):
+    """Plain tensors, no tracing: the op would only dispatch to its eager loop."""
+    if _compat.is_dynamo_compiling() or _compat.dispatch_modes_active() or inputs.length == 0:
+        return False
+    return all(_compat.is_plain_tensor(t) for t in (*inputs.init_leaves, *inputs.xs_leaves))
+
+
+def _x_slices(inputs):
+    if inputs.xs_spec is None:
+        return [None] * inputs.length
+    columns = [x.unbind(0) for x in inputs.xs_leaves]
+    if len(columns) == 1 and inputs.xs_spec.is_leaf():
+        return columns[0]
+    return [pytree.tree_unflatten(list(s), inputs.xs_spec) for s in zip(*columns)]
+
+
+def _any_requires_grad(leaves):
+    return any(t.requires_grad for t in leaves)
+
+
+def _fast_eager(fn, inputs, reverse):
+    """The eager loop straight on the user's pytrees, no tracing.
+
+    Only valid when no gradient is needed. Closed-over tensors are invisible
+    before running fn, so the first step doubles as the probe: if its outputs
+    require grad, return None and let the traced, lifted path take over.
+    """
+    nc_leaf = inputs.init_spec.is_leaf()
+    grad_on = torch.is_grad_enabled()
+    if grad_on and _any_requires_grad(inputs.init_leaves + inputs.xs_leaves):
+        return None
+    state = {"first": True, "y_spec": None}
+
+    def step(carry, x):
+        new_carry, y = check_pair(fn(carry, x))
+        if state["first"]:
+            state["first"] = False
+            carry_leaves = check_carry(new_carry, inputs)
+            y_leaves, state["y_spec"] = flatten_y(y)
+            if grad_on and _any_requires_grad(carry_leaves + y_leaves):
+                raise _NeedsGrad
+            return new_carry, y_leaves
+        if nc_leaf and isinstance(new_carry, torch.Tensor):
+            check_carry_meta([new_carry], inputs)
+        else:
+            check_carry(new_carry, inputs)
+        if isinstance(y, torch.Tensor) and state["y_spec"].is_leaf():
+            return new_carry, [y]
+        y_leaves, spec = flatten_y(y)
+        if spec != state["y_spec"]:
+            raise ScanError(f"scan: fn returned y with structure {spec} after {state['y_spec']}; "
+                            "y must have the same structure at every step.")
+        return new_carry, y_leaves
+
+    try:
+        carry, ys = run_loop(step, pytree.tree_unflatten(inputs.init_leaves, inputs.init_spec),
+                             _x_slices(inputs), inputs.length, reverse)
+    except _NeedsGrad:
+        return None
+    return carry, pytree.tree_unflatten(stack_ys(ys), state["y_spec"])
+
+
+class _NeedsGrad(Exception):
+    """The probe step found a closed-over tensor that requires grad."""

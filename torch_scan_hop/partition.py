@@ -1,0 +1,148 @@
+"""One step of the body as a partitioned forward/backward pair (the public ``fwd_bwd``).
+
+The body's joint graph (outputs and input-gradients of ONE step) is traced once
+with make_fx and split by a functorch partitioner, exactly as AOTAutograd does
+for a whole model. The result has a documented, stable signature::
+
+    fwd(*carry, *x, *lifted)            -> (*new_carry, *y, *saved)
+    bwd(*saved, *grad_new_carry, *grad_y) -> (*grad_carry, *grad_x, *grad_lifted)
+
+``bwd`` takes one gradient per output (those of integer/bool outputs are
+ignored; pass None) and returns one per input (None where an input has no
+gradient: integer inputs, or x/lifted inputs that do not require grad).
+"""
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import _compat
+from ._trees import ScanError
+
+REMAT = ("save_all", "min_cut", "recompute_all")
+
+
+def _differentiable(t):
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+def _joint_fn(body, grad_mask):
+    """primals, tangents -> (*outputs, *grads): the shape AOTAutograd's partitioners expect."""
+
+    num_primals = len(grad_mask)
+
+    def joint(*args):
+        primals, tangents = args[:num_primals], args[num_primals:]
+        outs = list(body(*primals))
+        pairs = [(o, t) for o, t in zip(outs, tangents) if isinstance(o, torch.Tensor) and o.requires_grad]
+        wanted = [p for p, m in zip(primals, grad_mask) if m]
+        grads = []
+        if pairs and wanted:
+            grads = list(torch.autograd.grad([o for o, _ in pairs], wanted, [t for _, t in pairs], allow_unused=True))
+        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads or [None] * len(wanted), wanted)]
+        it = iter(grads)
+        return [*outs, *[next(it) if m else None for m in grad_mask]]
+
+    return joint
+
+
+def _name_joint_placeholders(joint, num_primals):
+    """Partitioners tell primals from tangents by placeholder name, as AOTAutograd names them."""
+    for i, node in enumerate(joint.graph.find_nodes(op="placeholder")):
+        new = f"primals_{i + 1}" if i < num_primals else f"tangents_{i - num_primals + 1}"
+        node.target = new
+        node._rename(new)
+    joint.recompile()
+
+
+def _recompute_all_partition(joint, _inputs, *, num_fwd_outputs):
+    """Save only the step's inputs (and random values, which must not be redrawn)."""
+    saved = [n for n in joint.graph.find_nodes(op="placeholder") if "tangents" not in n.target]
+    for n in joint.graph.nodes:
+        if n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
+            saved.append(n)
+    return _compat.extract_fwd_bwd(joint, saved, num_fwd_outputs)
+
+
+def _partition_fn(remat):
+    if callable(remat):
+        return remat
+    if remat == "recompute_all":
+        return _recompute_all_partition
+    if remat in REMAT:
+        return _compat.partitioner(remat)
+    raise ScanError(
+        f"scan: remat={remat!r} is not a policy; use one of {REMAT} or an AOTAutograd partition "
+        "function (joint_module, joint_inputs, *, num_fwd_outputs) -> (fwd, bwd)."
+    )
+
+
+@dataclass
+class FwdBwd:
+    """A partitioned body step. ``saved_from[i]`` says where saved value i comes from:
+    ("step", None) for a value the forward computes, or ("carry"|"x"|"lifted", k)
+    when it is simply that input (so a scan can reuse it instead of stacking it)."""
+
+    fwd: torch.fx.GraphModule
+    bwd: torch.fx.GraphModule
+    num_carry: int
+    num_x: int
+    num_lifted: int
+    num_y: int
+    out_vals: list  # example (fake) values of the step's outputs
+    grad_mask: list  # per input: does bwd return a gradient for it
+    saved_from: list
+    lifted: list = field(default_factory=list)
+    carry_spec: Optional[Any] = None
+    x_spec: Optional[Any] = None
+    y_spec: Optional[Any] = None
+
+    @property
+    def num_saved(self):
+        return len(self.saved_from)
+
+
+def _input_kind(i, num_carry, num_x):
+    if i < num_carry:
+        return ("carry", i)
+    if i < num_carry + num_x:
+        return ("x", i - num_carry)
+    return ("lifted", i - num_carry - num_x)
+
+
+def _classify_saved(fwd, num_outputs, num_carry, num_x):
+    placeholders = list(fwd.graph.find_nodes(op="placeholder"))
+    (outs,) = fwd.graph.find_nodes(op="output")[0].args
+    saved_nodes = list(outs[num_outputs:])
+    if any(not isinstance(n.meta.get("val"), torch.Tensor) for n in saved_nodes):
+        raise NotImplementedError(
+            "scan: the body's backward needs a symbolic size saved from the forward; "
+            "scan autograd supports bodies with static slice shapes only for now."
+        )
+    return [
+        _input_kind(placeholders.index(n), num_carry, num_x) if n.op == "placeholder" else ("step", None)
+        for n in saved_nodes
+    ]
+
+
+def partition_body(body: Callable, carry, x, lifted, grad_mask, remat="save_all") -> FwdBwd:
+    """Trace and partition one step of ``body(*carry, *x, *lifted) -> [*new_carry, *y]``.
+
+    ``carry``/``x``/``lifted`` are example tensors of one step (any mode);
+    ``grad_mask`` marks the inputs whose gradient the backward must return.
+    """
+    num_carry, num_x = len(carry), len(x)
+    examples = [*carry, *x, *lifted]
+    out_graph = _compat.trace_graph(body, [e.detach() for e in examples])
+    (out_nodes,) = out_graph.graph.find_nodes(op="output")[0].args
+    out_vals = [n.meta["val"] for n in out_nodes]
+    primals = [e.detach().requires_grad_(bool(m)) for e, m in zip(examples, grad_mask)]
+    tangents = [torch.zeros(v.shape, dtype=v.dtype, device=v.device) for v in out_vals]
+    joint = _compat.trace_graph(_joint_fn(body, grad_mask), [*primals, *tangents], force_enable_grad=True)
+    _name_joint_placeholders(joint, len(primals))
+    fwd, bwd = _partition_fn(remat)(joint, [primals, tangents], num_fwd_outputs=len(out_vals))
+    return FwdBwd(
+        fwd=fwd, bwd=bwd, num_carry=num_carry, num_x=num_x, num_lifted=len(lifted),
+        num_y=len(out_vals) - num_carry, out_vals=out_vals, grad_mask=list(grad_mask),
+        saved_from=_classify_saved(fwd, len(out_vals), num_carry, num_x),
+    )

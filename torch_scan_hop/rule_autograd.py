@@ -1,0 +1,150 @@
+"""Autograd: the forward scan saves what the partitioned backward needs; the
+backward is itself a scan (reverse direction) over the backward graph.
+
+Per step nothing is recorded on the autograd tape: the body's joint graph is
+traced once (``partition.partition_body``), the forward scan runs the ``fwd``
+graph and stacks the per-step saved values, and ``backward`` runs one more
+``scan_op`` whose carry holds the carry-gradient and the running sum of the
+closure gradients. Saved values that are just an x slice or a closure are not
+stacked: the backward reads xs / the closure directly.
+"""
+import copy
+
+import torch
+
+from . import _compat
+from ._op import example_args, scan_op
+from ._trees import ScanError
+from .partition import FwdBwd, _differentiable, partition_body
+
+
+def _fwd_step_graph(fb: FwdBwd, step_saved):
+    """fwd graph trimmed to (*new_carry, *y, *per-step saved); outputs that are
+    inputs get a clone so the body never returns an alias of its argument."""
+    gm = copy.deepcopy(fb.fwd)
+    out_node = gm.graph.find_nodes(op="output")[0]
+    (outs,) = out_node.args
+    num_out = fb.num_carry + fb.num_y
+    keep = list(outs[:num_out]) + [outs[num_out + i] for i in step_saved]
+    with gm.graph.inserting_before(out_node):
+        keep = [gm.graph.call_function(torch.ops.aten.clone.default, (n,)) if n.op == "placeholder" else n
+                for n in keep]
+    out_node.args = (keep,)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+class ScanGradPlan:
+    """Index bookkeeping between the forward scan, the saved values and the backward scan."""
+
+    def __init__(self, fb: FwdBwd, init, reverse):
+        self.fb, self.reverse = fb, reverse
+        kinds = fb.saved_from
+        self.step_saved = [i for i, (k, _) in enumerate(kinds) if k in ("step", "carry")]
+        self.x_needed = sorted({j for k, j in kinds if k == "x"})
+        self.lifted_needed = sorted({j for k, j in kinds if k == "lifted"})
+        self.fwd_step = _fwd_step_graph(fb, self.step_saved)
+        nc, nx = fb.num_carry, fb.num_x
+        self.carry_grad = [i for i in range(nc) if fb.grad_mask[i]]
+        self.x_grad = [i for i in range(nx) if fb.grad_mask[nc + i]]
+        self.lifted_grad = [i for i in range(fb.num_lifted) if fb.grad_mask[nc + nx + i]]
+        self.y_grad = [j for j in range(fb.num_y) if _differentiable(fb.out_vals[nc + j])]
+
+    def bwd_step(self, *args):
+        """(*g_carry, *g_lifted_sum, *step_saved, *x_needed, *g_y, *lifted_needed)
+        -> [*g_carry_in, *g_lifted_sum', *g_x]"""
+        fb = self.fb
+        it = iter(args)
+        g_carry = [next(it) for _ in self.carry_grad]
+        g_sum = [next(it) for _ in self.lifted_grad]
+        step = [next(it) for _ in self.step_saved]
+        xs = dict(zip(self.x_needed, [next(it) for _ in self.x_needed]))
+        g_y = [None] * fb.num_y
+        for j in self.y_grad:
+            g_y[j] = next(it)
+        lifted = dict(zip(self.lifted_needed, [next(it) for _ in self.lifted_needed]))
+        step_it = iter(step)
+        saved = [next(step_it) if k in ("step", "carry") else (xs[j] if k == "x" else lifted[j])
+                 for k, j in fb.saved_from]
+        tangents = [None] * fb.num_carry
+        for i, g in zip(self.carry_grad, g_carry):
+            tangents[i] = g
+        grads = fb.bwd(*saved, *tangents, *g_y)
+        nc, nx = fb.num_carry, fb.num_x
+        return [
+            *(grads[i] for i in self.carry_grad),
+            *(s + grads[nc + nx + i] for s, i in zip(g_sum, self.lifted_grad)),
+            *(grads[nc + i] for i in self.x_grad),
+        ]
+
+
+class ScanAutogradFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan, num_init, num_xs, *flat):
+        init, xs, lifted = flat[:num_init], flat[num_init:num_init + num_xs], flat[num_init + num_xs:]
+        out = scan_op(plan.fwd_step, init, xs, lifted, reverse=plan.reverse)
+        num_out = num_init + plan.fb.num_y
+        result, step_saved = out[:num_out], out[num_out:]
+        ctx.plan, ctx.num_init, ctx.num_xs = plan, num_init, num_xs
+        ctx.save_for_backward(*step_saved, *(xs[i] for i in plan.x_needed),
+                              *(lifted[i] for i in plan.lifted_needed), *lifted)
+        ctx.out_meta = [(r.shape, r.dtype, r.device) for r in result]
+        ctx.mark_non_differentiable(*(r for r in result if not _differentiable(r)))
+        return tuple(result)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        plan = ctx.plan
+        if torch.is_grad_enabled() and any(isinstance(g, torch.Tensor) and g.requires_grad for g in grads):
+            raise ScanError("scan: double backward (create_graph=True through scan) is not supported.")
+        saved = list(ctx.saved_tensors)
+        n_step, n_x, n_l = len(plan.step_saved), len(plan.x_needed), len(plan.lifted_needed)
+        step_saved, xs_needed = saved[:n_step], saved[n_step:n_step + n_x]
+        lifted_needed, lifted = saved[n_step + n_x:n_step + n_x + n_l], saved[n_step + n_x + n_l:]
+        num_init = ctx.num_init
+        g_carry = [_grad_or_zeros(grads[i], ctx.out_meta[i]) for i in plan.carry_grad]
+        g_y = [_grad_or_zeros(grads[num_init + j], ctx.out_meta[num_init + j]) for j in plan.y_grad]
+        g_sum0 = [torch.zeros_like(lifted[i]) for i in plan.lifted_grad]
+        out = scan_op(plan.bwd_step, [*g_carry, *g_sum0], [*step_saved, *xs_needed, *g_y],
+                      tuple(lifted_needed), reverse=not plan.reverse)
+        it = iter(out)
+        g_init = dict(zip(plan.carry_grad, [next(it) for _ in plan.carry_grad]))
+        g_lifted = dict(zip(plan.lifted_grad, [next(it) for _ in plan.lifted_grad]))
+        g_xs = dict(zip(plan.x_grad, [next(it) for _ in plan.x_grad]))
+        return (None, None, None,
+                *(g_init.get(i) for i in range(num_init)),
+                *(g_xs.get(i) for i in range(ctx.num_xs)),
+                *(g_lifted.get(i) for i in range(len(lifted))))
+
+
+def _grad_or_zeros(g, meta):
+    """autograd passes None for outputs nobody used; the backward scan needs zeros."""
+    if g is not None:
+        return g
+    shape, dtype, device = meta
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _needs_grad(flat):
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat)
+
+
+def build_plan(combine_fn, init, xs, additional_inputs, reverse, remat):
+    with torch.no_grad():
+        examples = example_args(init, xs, additional_inputs)
+    nc, nx = len(init), len(xs)
+    flat = [*init, *xs, *additional_inputs]
+    grad_mask = [_differentiable(t) and (i < nc or t.requires_grad) for i, t in enumerate(flat)]
+    fb = partition_body(combine_fn, examples[:nc], examples[nc:nc + nx], examples[nc + nx:], grad_mask, remat)
+    return ScanGradPlan(fb, init, reverse)
+
+
+@scan_op.py_autograd_impl
+def scan_autograd(combine_fn, init, xs, additional_inputs, *, reverse=False, remat="save_all", unroll=1):
+    flat = [*init, *xs, *additional_inputs]
+    if not _needs_grad(flat):
+        with _compat.AutoDispatchBelowAutograd():
+            return scan_op(combine_fn, init, xs, additional_inputs, reverse=reverse, unroll=unroll)
+    plan = build_plan(combine_fn, init, xs, additional_inputs, reverse, remat)
+    return list(ScanAutogradFn.apply(plan, len(init), len(xs), *flat))

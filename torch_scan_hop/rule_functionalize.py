@@ -1,0 +1,41 @@
+"""Functionalize: run the body functionalized; in-place mutation of inputs is an error.
+
+Scan bodies are pure functions of (carry, x, closures) — that is what lets the
+backward replay them and XLA put them in a While. A body that writes into its
+carry, its x slice or a closed-over tensor is rejected with the index of the
+offending input rather than silently functionalized into a different program.
+"""
+from . import _compat
+from ._op import example_args, scan_op
+from ._trees import ScanError
+
+
+def _input_name(i, num_carry, num_x):
+    if i < num_carry:
+        return f"carry leaf {i}"
+    if i < num_carry + num_x:
+        return f"x leaf {i - num_carry}"
+    return f"closed-over tensor {i - num_carry - num_x} (additional_inputs)"
+
+
+def check_no_input_mutation(combine_fn, init, xs, additional_inputs):
+    args = example_args(init, xs, additional_inputs)
+    gm = _compat.materialize_as_graph(combine_fn, tuple(args))
+    vals = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+    *_, mutated, _ = _compat.check_input_alias_and_mutation_return_outputs(gm, vals)
+    if mutated:
+        names = ", ".join(_input_name(i, len(init), len(xs)) for i in mutated)
+        raise ScanError(
+            f"scan: fn mutates its input in place ({names}). Scan bodies must be functional: "
+            "use out-of-place ops (c = c + x, not c += x / c.add_(x))."
+        )
+
+
+@scan_op.py_functionalize_impl
+def scan_functionalize(ctx, combine_fn, init, xs, additional_inputs, **kwargs):
+    init, xs, additional_inputs = (ctx.unwrap_tensors(list(t)) for t in (init, xs, additional_inputs))
+    with ctx.redispatch_to_next():
+        check_no_input_mutation(combine_fn, init, xs, additional_inputs)
+        body = ctx.functionalize(_compat._maybe_run_with_interpreter(combine_fn))
+        out = scan_op(body, init, xs, tuple(additional_inputs), **kwargs)
+    return ctx.wrap_tensors(out)
