@@ -10,6 +10,17 @@ import torch
 import torch.utils._pytree as pytree
 
 
+_LEAF_SPEC = pytree.tree_structure(0)
+
+
+def flatten(tree):
+    """``pytree.tree_flatten`` with a shortcut for a bare tensor (the common carry/x/y),
+    where pytree's node-type lookup alone costs several microseconds."""
+    if isinstance(tree, torch.Tensor):
+        return [tree], _LEAF_SPEC
+    return pytree.tree_flatten(tree)
+
+
 class ScanError(ValueError):
     """Bad input to scan; the message names the leaf and what to do."""
 
@@ -25,8 +36,11 @@ def _describe(v):
     return f"{type(v).__name__} {v!r}"
 
 
-def require_tensor_leaves(tree, root, what):
-    leaves, _ = pytree.tree_flatten(tree)
+def require_tensor_leaves(tree, root, what, leaves=None):
+    """Paths are computed only on failure: they cost more than the check."""
+    leaves = pytree.tree_leaves(tree) if leaves is None else leaves
+    if all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        return
     for path, leaf in zip(_leaf_paths(tree, root), leaves):
         if not isinstance(leaf, torch.Tensor):
             raise ScanError(
@@ -41,10 +55,13 @@ class ScanInputs:
 
     init_leaves: list
     init_spec: Any
-    init_paths: list
     xs_leaves: list  # each with the scanned dim at 0 (a dummy one when xs is None)
     xs_spec: Optional[Any]  # None means the user passed xs=None
     length: int
+
+    @property
+    def init_paths(self):
+        return _leaf_paths(pytree.tree_unflatten(self.init_leaves, self.init_spec), "carry")
 
     @property
     def num_carry(self):
@@ -55,9 +72,10 @@ class ScanInputs:
         return 0 if self.xs_spec is None else len(self.xs_leaves)
 
 
-def _check_length(xs_leaves, xs_paths, length, dim):
+def _check_length(xs, xs_leaves, length, dim):
     lengths = [x.shape[0] for x in xs_leaves]
     if lengths and any(n != lengths[0] for n in lengths):
+        xs_paths = _leaf_paths(xs, "xs")
         detail = ", ".join(f"{p}: {n}" for p, n in zip(xs_paths, lengths))
         raise ScanError(
             f"scan: xs leaves have different lengths along dim={dim} ({detail}); "
@@ -71,15 +89,14 @@ def _check_length(xs_leaves, xs_paths, length, dim):
 
 
 def prepare_inputs(init, xs, length, dim) -> ScanInputs:
-    require_tensor_leaves(init, "init", "init")
-    init_leaves, init_spec = pytree.tree_flatten(init)
-    init_paths = _leaf_paths(init, "carry")
+    init_leaves, init_spec = flatten(init)
+    require_tensor_leaves(init, "init", "init", init_leaves)
     if length is not None and (not isinstance(length, int) or isinstance(length, bool) or length < 0):
         if not isinstance(length, torch.SymInt):
             raise ScanError(f"scan: length must be a non-negative int, got {length!r}.")
     if not isinstance(dim, int) or isinstance(dim, bool):
         raise ScanError(f"scan: dim must be an int, got {dim!r}.")
-    xs_leaves, xs_spec = pytree.tree_flatten(xs)
+    xs_leaves, xs_spec = flatten(xs)
     if xs is None or not xs_leaves:
         if length is None:
             raise ScanError(
@@ -89,19 +106,19 @@ def prepare_inputs(init, xs, length, dim) -> ScanInputs:
         device = init_leaves[0].device if init_leaves else torch.device("cpu")
         # A zero-width stand-in keeps the op's positional convention (xs carries the length).
         dummy = torch.empty((length, 0), device=device)
-        return ScanInputs(init_leaves, init_spec, init_paths, [dummy], None, length)
-    require_tensor_leaves(xs, "xs", "xs")
-    xs_paths = _leaf_paths(xs, "xs")
+        return ScanInputs(init_leaves, init_spec, [dummy], None, length)
+    require_tensor_leaves(xs, "xs", "xs", xs_leaves)
     moved = []
-    for path, x in zip(xs_paths, xs_leaves):
+    for k, x in enumerate(xs_leaves):
         if x.dim() == 0 or not -x.dim() <= dim < x.dim():
+            path = _leaf_paths(xs, "xs")[k]
             raise ScanError(
                 f"scan: dim={dim} is out of range for {path} with shape {tuple(x.shape)} "
                 f"({x.dim()} dims); every xs leaf needs the scanned dim."
             )
         moved.append(x if dim in (0, -x.dim()) else torch.movedim(x, dim, 0))
-    _check_length(moved, xs_paths, length, dim)
-    return ScanInputs(init_leaves, init_spec, init_paths, moved, xs_spec, moved[0].shape[0])
+    _check_length(xs, moved, length, dim)
+    return ScanInputs(init_leaves, init_spec, moved, xs_spec, moved[0].shape[0])
 
 
 def check_pair(out):
@@ -116,7 +133,7 @@ def check_pair(out):
 
 def check_carry(new_carry, inputs: ScanInputs):
     """The carry fn returns must match init in structure, shape and dtype."""
-    leaves, spec = pytree.tree_flatten(new_carry)
+    leaves, spec = flatten(new_carry)
     if spec != inputs.init_spec:
         got = _leaf_paths(new_carry, "carry")
         missing = [p for p in inputs.init_paths if p not in got]
@@ -127,14 +144,15 @@ def check_carry(new_carry, inputs: ScanInputs):
             f"{hint}: init is {inputs.init_spec}, fn returned {spec}. fn must return a carry "
             "with exactly init's structure."
         )
-    require_tensor_leaves(new_carry, "carry", "returned carry")
+    require_tensor_leaves(new_carry, "carry", "returned carry", leaves)
     check_carry_meta(leaves, inputs)
     return leaves
 
 
 def check_carry_meta(leaves, inputs: ScanInputs):
-    for path, new, old in zip(inputs.init_paths, leaves, inputs.init_leaves):
+    for k, (new, old) in enumerate(zip(leaves, inputs.init_leaves)):
         if new.shape != old.shape or new.dtype != old.dtype:
+            path = inputs.init_paths[k]
             what = []
             if new.shape != old.shape:
                 what.append(f"shape {tuple(new.shape)} vs init's {tuple(old.shape)}")
@@ -148,6 +166,6 @@ def check_carry_meta(leaves, inputs: ScanInputs):
 
 
 def flatten_y(y):
-    leaves, spec = pytree.tree_flatten(y)
-    require_tensor_leaves(y, "y", "y")
+    leaves, spec = flatten(y)
+    require_tensor_leaves(y, "y", "y", leaves)
     return leaves, spec

@@ -6,10 +6,10 @@ from . import _compat
 from ._lift import trace_and_lift
 from ._op import example_args, scan_op
 from ._trees import (
-    ScanError, ScanInputs, check_carry, check_carry_meta, check_pair, flatten_y, prepare_inputs,
+    ScanError, ScanInputs, check_carry, check_pair, flatten_y, prepare_inputs,
 )
 from .partition import REMAT
-from .rule_eager import run_loop, stack_ys
+from .rule_eager import stack_column, stack_ys
 
 
 class FlatBody:
@@ -104,40 +104,49 @@ def _fast_eager(fn, inputs, reverse):
     Only valid when no gradient is needed. Closed-over tensors are invisible
     before running fn, so the first step doubles as the probe: if its outputs
     require grad, return None and let the traced, lifted path take over.
+    Step 0 is checked in full; later steps only pay for what the loop must do
+    anyway (shape changes later surface when the carry is re-checked at the end
+    and when ys are stacked).
     """
-    nc_leaf = inputs.init_spec.is_leaf()
     grad_on = torch.is_grad_enabled()
     if grad_on and _any_requires_grad(inputs.init_leaves + inputs.xs_leaves):
         return None
-    state = {"first": True, "y_spec": None}
-
-    def step(carry, x):
-        new_carry, y = check_pair(fn(carry, x))
-        if state["first"]:
-            state["first"] = False
-            carry_leaves = check_carry(new_carry, inputs)
-            y_leaves, state["y_spec"] = flatten_y(y)
-            if grad_on and _any_requires_grad(carry_leaves + y_leaves):
-                raise _NeedsGrad
-            return new_carry, y_leaves
-        if nc_leaf and isinstance(new_carry, torch.Tensor):
-            check_carry_meta([new_carry], inputs)
-        else:
-            check_carry(new_carry, inputs)
-        if isinstance(y, torch.Tensor) and state["y_spec"].is_leaf():
-            return new_carry, [y]
-        y_leaves, spec = flatten_y(y)
-        if spec != state["y_spec"]:
-            raise ScanError(f"scan: fn returned y with structure {spec} after {state['y_spec']}; "
-                            "y must have the same structure at every step.")
-        return new_carry, y_leaves
-
-    try:
-        carry, ys = run_loop(step, pytree.tree_unflatten(inputs.init_leaves, inputs.init_spec),
-                             _x_slices(inputs), inputs.length, reverse)
-    except _NeedsGrad:
+    x_slices = _x_slices(inputs)
+    order = list(range(inputs.length - 1, -1, -1) if reverse else range(inputs.length))
+    carry, y = check_pair(fn(pytree.tree_unflatten(inputs.init_leaves, inputs.init_spec), x_slices[order[0]]))
+    carry_leaves = check_carry(carry, inputs)
+    y_leaves, y_spec = flatten_y(y)
+    if grad_on and _any_requires_grad(carry_leaves + y_leaves):
         return None
-    return carry, pytree.tree_unflatten(stack_ys(ys), state["y_spec"])
+    if y_spec.is_leaf():  # one tensor y: a flat list, stacked once
+        ys = [y]
+        for i in order[1:]:
+            carry, y = _pair(fn(carry, x_slices[i]))
+            ys.append(y)
+    else:
+        ys = [y_leaves]
+        for i in order[1:]:
+            carry, y = _pair(fn(carry, x_slices[i]))
+            ys.append(_same_structure_y(y, y_spec))
+    check_carry(carry, inputs)
+    if reverse:
+        ys.reverse()
+    stacked = [stack_column(ys, 0)] if y_spec.is_leaf() else stack_ys(ys)
+    return carry, pytree.tree_unflatten(stacked, y_spec)
+
+
+def _pair(out):
+    if type(out) is not tuple or len(out) != 2:
+        check_pair(out)
+    return out
+
+
+def _same_structure_y(y, y_spec):
+    leaves, spec = flatten_y(y)
+    if spec != y_spec:
+        raise ScanError(f"scan: fn returned y with structure {spec} after {y_spec}; "
+                        "y must have the same structure at every step.")
+    return leaves
 
 
 class _NeedsGrad(Exception):

@@ -8,6 +8,7 @@ import torch
 
 from . import _compat
 from ._op import example_args, scan_op, split_out
+from ._trees import ScanError
 
 
 def run_loop(step, carry, x_slices, length, reverse):
@@ -26,8 +27,21 @@ def run_loop(step, carry, x_slices, length, reverse):
     return carry, ys
 
 
+def stack_column(column, k):
+    """One y leaf's per-step values -> one tensor (a clear error if shapes drift)."""
+    try:
+        return torch.stack(column)
+    except (RuntimeError, TypeError) as e:
+        kinds = sorted({(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else type(t).__name__
+                        for t in column}, key=str)
+        raise ScanError(
+            f"scan: y leaf {k} changed across iterations (saw {kinds}); each step must "
+            "return ys of the same structure, shape and dtype."
+        ) from e
+
+
 def stack_ys(ys):
-    return [torch.stack(column) for column in zip(*ys)]
+    return [stack_column(column, k) for k, column in enumerate(zip(*ys))]
 
 
 def empty_ys(combine_fn, init, xs, additional_inputs):
