@@ -7,8 +7,9 @@ from ._op import scan_op
 from . import rule_autograd, rule_eager, rule_fake, rule_functionalize, rule_proxy  # noqa: F401  (register rules)
 from ._trees import ScanError
 from .api import scan
+from .graphs import fwd_bwd
 from .partition import FwdBwd
 
 _compat.install_as_upstream_scan(scan_op)
 
-__all__ = ["scan", "scan_op", "ScanError", "FwdBwd"]
+__all__ = ["scan", "scan_op", "fwd_bwd", "ScanError", "FwdBwd"]

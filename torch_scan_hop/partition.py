@@ -102,6 +102,45 @@ class FwdBwd:
         return len(self.saved_from)
 
 
+def _invariant_roots(node, invariant_inputs):
+    """The lifted placeholders ``node`` is computed from, or None if it depends on
+    anything else (carry, x, random ops): then it really varies per step."""
+    roots, stack, seen = [], [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            if n not in invariant_inputs:
+                return None
+            roots.append(n)
+        elif n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
+            return None
+        else:
+            stack.extend(n.all_input_nodes)
+    return roots
+
+
+def _hoist_invariant_saves(joint, fwd, bwd, num_outputs, num_varying):
+    """Partitioners happily save ``t(weight)``: per scan step that is a stacked copy
+    of a loop-invariant. Save the weight (a closure, read once) instead and let
+    the backward recompute the cheap op."""
+    (outs,) = fwd.graph.find_nodes(op="output")[0].args
+    by_name = {n.name: n for n in joint.graph.nodes}
+    placeholders = [n for n in joint.graph.find_nodes(op="placeholder") if "tangents" not in n.target]
+    invariant = set(placeholders[num_varying:])
+    saved, changed = [], False
+    for out in outs[num_outputs:]:
+        node = by_name[out.name]
+        roots = None if node.op == "placeholder" else _invariant_roots(node, invariant)
+        changed |= roots is not None
+        for n in roots if roots is not None else [node]:
+            if n not in saved:
+                saved.append(n)
+    return _compat.extract_fwd_bwd(joint, saved, num_outputs) if changed else (fwd, bwd)
+
+
 def _input_kind(i, num_carry, num_x):
     if i < num_carry:
         return ("carry", i)
@@ -140,7 +179,8 @@ def partition_body(body: Callable, carry, x, lifted, grad_mask, remat="save_all"
     tangents = [torch.zeros(v.shape, dtype=v.dtype, device=v.device) for v in out_vals]
     joint = _compat.trace_graph(_joint_fn(body, grad_mask), [*primals, *tangents], force_enable_grad=True)
     _name_joint_placeholders(joint, len(primals))
-    fwd, bwd = _partition_fn(remat)(joint, [primals, tangents], num_fwd_outputs=len(out_vals))
+    fwd, bwd = _partition_fn(remat)(joint, [*primals, *tangents], num_fwd_outputs=len(out_vals))
+    fwd, bwd = _hoist_invariant_saves(joint, fwd, bwd, len(out_vals), num_carry + num_x)
     return FwdBwd(
         fwd=fwd, bwd=bwd, num_carry=num_carry, num_x=num_x, num_lifted=len(lifted),
         num_y=len(out_vals) - num_carry, out_vals=out_vals, grad_mask=list(grad_mask),
