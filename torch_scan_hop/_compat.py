@@ -8,6 +8,7 @@ import contextlib
 import torch
 from torch._C import DispatchKey  # noqa: F401  (re-exported for the rules)
 from torch._higher_order_ops.utils import (  # noqa: F401
+    _from_fun,
     _maybe_run_with_interpreter,
     check_input_alias_and_mutation_return_outputs,
     materialize_as_graph,
@@ -16,7 +17,8 @@ from torch._higher_order_ops.utils import (  # noqa: F401
 )
 from torch._ops import HigherOrderOperator  # noqa: F401
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
-from torch._subclasses.functional_tensor import FunctionalTensor
+from torch._dispatch.python import suspend_functionalization
+from torch._subclasses.functional_tensor import FunctionalTensor, disable_functional_mode
 from torch.fx.experimental import proxy_tensor as _proxy_tensor
 from torch.fx.experimental.proxy_tensor import (  # noqa: F401
     ProxyTorchDispatchMode,
@@ -53,12 +55,21 @@ def is_dynamo_compiling():
     return torch.compiler.is_dynamo_compiling()
 
 
+def is_functional(t):
+    return isinstance(t, FunctionalTensor) or torch._is_functional_tensor(t) or _is_functorch_wrapped(t)
+
+
+def _is_functorch_wrapped(t):
+    return torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
 def is_plain_tensor(t):
     """A real, non-wrapper tensor: what the eager fast path can run on."""
     return (
         type(t) in (torch.Tensor, torch.nn.Parameter)
         and not isinstance(t, FunctionalTensor)
         and not torch._is_functional_tensor(t)
+        and not _is_functorch_wrapped(t)
         and t.device.type != "xla"
     )
 
@@ -72,7 +83,14 @@ def trace_graph(fn, args, *, force_enable_grad=False):
     """
     if under_make_fx() or detect_fake_mode(args) is not None:
         return materialize_as_graph(fn, tuple(args), force_enable_grad=force_enable_grad)
-    with torch.enable_grad() if force_enable_grad else contextlib.nullcontext():
+    with contextlib.ExitStack() as stack:
+        # Functional wrappers (torch.func.functionalize, XLA) would hide the
+        # body from make_fx: trace on plain stand-ins of the same metadata.
+        stack.enter_context(suspend_functionalization())
+        stack.enter_context(disable_functional_mode())
+        args = [_from_fun(a) for a in args]
+        if force_enable_grad:
+            stack.enter_context(torch.enable_grad())
         return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
 
 

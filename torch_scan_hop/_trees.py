@@ -10,15 +10,50 @@ import torch
 import torch.utils._pytree as pytree
 
 
-_LEAF_SPEC = pytree.tree_structure(0)
+class TreeDef:
+    """A pytree spec in which None leaves mean "no value".
+
+    torch's pytree treats None as a leaf; for scan (as in JAX) None is an empty
+    subtree, so flat lists hold tensors only and None comes back on unflatten.
+    """
+
+    __slots__ = ("spec", "none_mask")
+
+    def __init__(self, spec, none_mask):
+        self.spec, self.none_mask = spec, none_mask
+
+    def __eq__(self, other):
+        return isinstance(other, TreeDef) and self.none_mask == other.none_mask and self.spec == other.spec
+
+    def __hash__(self):
+        return hash(self.none_mask)
+
+    def __repr__(self):
+        return repr(pytree.tree_unflatten(["*" if not m else None for m in self.none_mask], self.spec))
+
+    def is_leaf(self):
+        return self.spec.is_leaf() and self.none_mask == (False,)
+
+    def unflatten(self, leaves):
+        it = iter(leaves)
+        return pytree.tree_unflatten([None if m else next(it) for m in self.none_mask], self.spec)
+
+
+_LEAF = TreeDef(pytree.tree_structure(0), (False,))
 
 
 def flatten(tree):
-    """``pytree.tree_flatten`` with a shortcut for a bare tensor (the common carry/x/y),
-    where pytree's node-type lookup alone costs several microseconds."""
+    """(tensor-or-other leaves without the Nones, TreeDef); a bare tensor skips
+    pytree, whose node-type lookup alone costs several microseconds."""
     if isinstance(tree, torch.Tensor):
-        return [tree], _LEAF_SPEC
-    return pytree.tree_flatten(tree)
+        return [tree], _LEAF
+    leaves, spec = pytree.tree_flatten(tree)
+    mask = tuple(leaf is None for leaf in leaves)
+    return [leaf for leaf in leaves if leaf is not None], TreeDef(spec, mask)
+
+
+def unflatten(leaves, treedef):
+    return treedef.unflatten(leaves)
 
 
 class ScanError(ValueError):
@@ -26,8 +61,9 @@ class ScanError(ValueError):
 
 
 def _leaf_paths(tree, root):
+    """Key paths of the non-None leaves, e.g. ``carry['h'][0]``."""
     leaves_with_path, _ = pytree.tree_flatten_with_path(tree)
-    return [root + pytree.keystr(p) for p, _ in leaves_with_path]
+    return [root + pytree.keystr(p) for p, leaf in leaves_with_path if leaf is not None]
 
 
 def _describe(v):
@@ -38,7 +74,7 @@ def _describe(v):
 
 def require_tensor_leaves(tree, root, what, leaves=None):
     """Paths are computed only on failure: they cost more than the check."""
-    leaves = pytree.tree_leaves(tree) if leaves is None else leaves
+    leaves = flatten(tree)[0] if leaves is None else leaves
     if all(isinstance(leaf, torch.Tensor) for leaf in leaves):
         return
     for path, leaf in zip(_leaf_paths(tree, root), leaves):
@@ -61,7 +97,7 @@ class ScanInputs:
 
     @property
     def init_paths(self):
-        return _leaf_paths(pytree.tree_unflatten(self.init_leaves, self.init_spec), "carry")
+        return _leaf_paths(self.init_spec.unflatten(self.init_leaves), "carry")
 
     @property
     def num_carry(self):
@@ -97,7 +133,7 @@ def prepare_inputs(init, xs, length, dim) -> ScanInputs:
     if not isinstance(dim, int) or isinstance(dim, bool):
         raise ScanError(f"scan: dim must be an int, got {dim!r}.")
     xs_leaves, xs_spec = flatten(xs)
-    if xs is None or not xs_leaves:
+    if not xs_leaves:
         if length is None:
             raise ScanError(
                 "scan: xs is None (or has no tensor leaves) and length is not given; "

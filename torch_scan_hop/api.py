@@ -1,6 +1,5 @@
 """The user-facing ``scan``: pytrees, validation, closure lifting, eager fast path."""
 import torch
-import torch.utils._pytree as pytree
 
 from . import _compat
 from ._lift import trace_and_lift
@@ -25,8 +24,8 @@ class FlatBody:
     def __call__(self, *args):
         inputs = self.inputs
         nc = inputs.num_carry
-        carry = pytree.tree_unflatten(list(args[:nc]), inputs.init_spec)
-        x = None if inputs.xs_spec is None else pytree.tree_unflatten(list(args[nc:nc + inputs.num_x]), inputs.xs_spec)
+        carry = inputs.init_spec.unflatten(args[:nc])
+        x = None if inputs.xs_spec is None else inputs.xs_spec.unflatten(args[nc:nc + inputs.num_x])
         new_carry, y = check_pair(self.fn(carry, x))
         carry_leaves = check_carry(new_carry, inputs)
         y_leaves, self.y_spec = flatten_y(y)
@@ -64,13 +63,17 @@ def scan(fn, init, xs=None, *, length=None, reverse=False, dim=0, remat="save_al
     body = FlatBody(fn, inputs)
     flat_out = _call_op(body, inputs, reverse=reverse, remat=remat, unroll=unroll)
     nc = inputs.num_carry
-    carry = pytree.tree_unflatten(list(flat_out[:nc]), inputs.init_spec)
-    return carry, pytree.tree_unflatten(list(flat_out[nc:]), body.y_spec)
+    carry = inputs.init_spec.unflatten(flat_out[:nc])
+    return carry, body.y_spec.unflatten(flat_out[nc:])
 
 
 def _call_op(body, inputs, **kwargs):
     init, xs = inputs.init_leaves, inputs.xs_leaves
     if _compat.is_dynamo_compiling():  # Dynamo's tracer lifts closures itself
+        return scan_op(body, init, xs, (), **kwargs)
+    if not _compat.under_make_fx() and any(_compat.is_functional(t) for t in (*init, *xs)):
+        # torch.func.functionalize in eager: make_fx cannot see through its
+        # wrappers; the Functionalize rule unwraps and runs the body directly.
         return scan_op(body, init, xs, (), **kwargs)
     with _compat.disable_proxy_modes_tracing():
         args = example_args(init, xs, ())
@@ -91,7 +94,7 @@ def _x_slices(inputs):
     columns = [x.unbind(0) for x in inputs.xs_leaves]
     if len(columns) == 1 and inputs.xs_spec.is_leaf():
         return columns[0]
-    return [pytree.tree_unflatten(list(s), inputs.xs_spec) for s in zip(*columns)]
+    return [inputs.xs_spec.unflatten(s) for s in zip(*columns)]
 
 
 def _any_requires_grad(leaves):
@@ -113,7 +116,7 @@ def _fast_eager(fn, inputs, reverse):
         return None
     x_slices = _x_slices(inputs)
     order = list(range(inputs.length - 1, -1, -1) if reverse else range(inputs.length))
-    carry, y = check_pair(fn(pytree.tree_unflatten(inputs.init_leaves, inputs.init_spec), x_slices[order[0]]))
+    carry, y = check_pair(fn(inputs.init_spec.unflatten(inputs.init_leaves), x_slices[order[0]]))
     carry_leaves = check_carry(carry, inputs)
     y_leaves, y_spec = flatten_y(y)
     if grad_on and _any_requires_grad(carry_leaves + y_leaves):
@@ -132,7 +135,7 @@ def _fast_eager(fn, inputs, reverse):
     if reverse:
         ys.reverse()
     stacked = [stack_column(ys, 0)] if y_spec.is_leaf() else stack_ys(ys)
-    return carry, pytree.tree_unflatten(stacked, y_spec)
+    return carry, y_spec.unflatten(stacked)
 
 
 def _pair(out):

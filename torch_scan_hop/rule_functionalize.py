@@ -20,7 +20,7 @@ def _input_name(i, num_carry, num_x):
 
 def check_no_input_mutation(combine_fn, init, xs, additional_inputs):
     args = example_args(init, xs, additional_inputs)
-    gm = _compat.materialize_as_graph(combine_fn, tuple(args))
+    gm = _compat.trace_graph(combine_fn, args)
     vals = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
     *_, mutated, _ = _compat.check_input_alias_and_mutation_return_outputs(gm, vals)
     if mutated:

@@ -1,0 +1,43 @@
+import os
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.utils._pytree as pytree  # noqa: E402
+
+import torch_scan_hop  # noqa: E402,F401
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def reference_scan(fn, init, xs=None, *, length=None, reverse=False, dim=0):
+    """The plain Python for-loop every test compares against."""
+    leaves, spec = pytree.tree_flatten(xs)
+    n = length if not leaves else leaves[0].shape[dim]
+    order = range(n - 1, -1, -1) if reverse else range(n)
+    carry, ys = init, [None] * n
+    for i in order:
+        x = None if not leaves else pytree.tree_unflatten([t.select(dim, i) for t in leaves], spec)
+        carry, ys[i] = fn(carry, x)
+    if n == 0:
+        return carry, None
+    y_leaves = [pytree.tree_flatten(y)[0] for y in ys]
+    stacked = [None if col[0] is None else torch.stack(col) for col in zip(*y_leaves)]
+    return carry, pytree.tree_unflatten(stacked, pytree.tree_flatten(ys[0])[1])
+
+
+def assert_trees_close(got, want, **kw):
+    g, gs = pytree.tree_flatten(got)
+    w, ws = pytree.tree_flatten(want)
+    assert gs == ws, f"structure {gs} != {ws}"
+    for a, b in zip(g, w):
+        if a is None or b is None:
+            assert a is None and b is None
+            continue
+        assert a.dtype == b.dtype, (a.dtype, b.dtype)
+        assert a.shape == b.shape, (a.shape, b.shape)
+        torch.testing.assert_close(a, b, **kw)

@@ -1,0 +1,100 @@
+"""Bad input gets a ScanError naming the leaf and the fix, before work starts where possible."""
+import re
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from torch_scan_hop import ScanError, scan
+
+
+def raises(match):
+    return pytest.raises(ScanError, match=match)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_carry_shape_change_names_leaf(grad):
+    init = {"h": torch.zeros(2, 3, requires_grad=grad), "n": torch.tensor(0)}
+    with raises(re.escape("carry['h'] changed across an iteration: shape (2, 6) vs init's (2, 3)")):
+        scan(lambda c, x: ({"h": torch.cat([c["h"], c["h"]], -1), "n": c["n"]}, None), init, torch.zeros(2, 1))
+
+
+def test_carry_dtype_change_names_leaf():
+    with raises(re.escape("carry[1] changed across an iteration: dtype torch.float32 vs init's torch.int64")):
+        scan(lambda c, x: ((c[0], c[1] * 0.5), None), (torch.zeros(2), torch.tensor(1)), torch.zeros(3, 1))
+
+
+def test_carry_structure_change_names_missing_leaf():
+    with raises(r"different pytree structure than init \(missing: \[\"carry\['b'\]\"\]"):
+        scan(lambda c, x: ({"a": c["a"]}, None), {"a": torch.zeros(1), "b": torch.zeros(1)}, torch.zeros(3))
+
+
+def test_carry_non_tensor_leaf():
+    with raises(r"returned carry leaf carry\[1\] is a int 3"):
+        scan(lambda c, x: ((c[0], 3), None), (torch.zeros(1), torch.tensor(1)), torch.zeros(2))
+
+
+def test_init_and_xs_non_tensor_leaves():
+    with raises(r"init leaf init\['n'\] is a int 0; every init leaf must be a torch.Tensor"):
+        scan(lambda c, x: (c, x), {"n": 0}, torch.zeros(2))
+    with raises(r"xs leaf xs\[1\]\[0\] is a float 1.0"):
+        scan(lambda c, x: (c, x), torch.zeros(()), (torch.zeros(2), [1.0, 2.0]))
+
+
+def test_y_non_tensor_leaf():
+    with raises(r"y leaf y\['k'\] is a float 1.0"):
+        scan(lambda c, x: (c, {"k": 1.0}), torch.zeros(()), torch.zeros(2))
+
+
+def test_xs_lengths_differ():
+    with raises(re.escape("xs leaves have different lengths along dim=0 (xs['a']: 3, xs['b']: 4)")):
+        scan(lambda c, x: (c, None), torch.zeros(()), {"a": torch.zeros(3), "b": torch.zeros(4)})
+
+
+def test_length_disagrees_with_xs():
+    with raises("length=5 disagrees with xs, whose leaves have size 3 along dim=0"):
+        scan(lambda c, x: (c, None), torch.zeros(()), torch.zeros(3), length=5)
+
+
+def test_xs_none_without_length():
+    with raises("xs is None .* and length is not given; pass length=N"):
+        scan(lambda c, x: (c, None), torch.zeros(()))
+
+
+@pytest.mark.parametrize("bad", [(1, 2, 3), [torch.zeros(1)], torch.zeros(1), None])
+def test_fn_not_returning_pair(bad):
+    with raises("fn must return a pair \\(new_carry, y\\)"):
+        scan(lambda c, x: bad, torch.zeros(1), torch.zeros(2))
+
+
+def test_dim_out_of_range_names_leaf():
+    with raises(re.escape("dim=2 is out of range for xs['b'] with shape (3, 4) (2 dims)")):
+        scan(lambda c, x: (c, None), torch.zeros(()), {"a": torch.zeros(3, 4, 5), "b": torch.zeros(3, 4)}, dim=2)
+    with raises(re.escape("dim=0 is out of range for xs with shape () (0 dims)")):
+        scan(lambda c, x: (c, None), torch.zeros(()), torch.tensor(1.0))
+
+
+def test_bad_options():
+    with raises("fn must be callable"):
+        scan(None, torch.zeros(()), torch.zeros(2))
+    with raises("remat='everything' is not a policy"):
+        scan(lambda c, x: (c, x), torch.zeros(()), torch.zeros(2), remat="everything")
+    with raises("length must be a non-negative int"):
+        scan(lambda c, x: (c, x), torch.zeros(()), length=-1)
+    with raises("unroll must be an int >= 1"):
+        scan(lambda c, x: (c, x), torch.zeros(()), torch.zeros(2), unroll=0)
+    with raises("reverse must be a bool"):
+        scan(lambda c, x: (c, x), torch.zeros(()), torch.zeros(2), reverse="yes")
+
+
+def test_y_shape_drift_in_eager():
+    with raises("y leaf 0 changed across iterations"):
+        scan(lambda c, x: (c + 1, torch.zeros(int(c.item()) + 1)), torch.zeros(()), torch.zeros(3))
+
+
+def test_carry_error_under_make_fx():
+    def f(init, xs):
+        return scan(lambda c, x: (c.sum(), x), init, xs)
+
+    with raises(re.escape("carry leaf carry changed across an iteration: shape () vs init's (2,)")):
+        make_fx(f, tracing_mode="fake")(torch.zeros(2), torch.zeros(3, 2))

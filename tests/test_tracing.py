@@ -1,0 +1,145 @@
+"""make_fx emits ONE scan node with the body as a subgraph; fake and functionalize rules."""
+import expecttest
+import pytest
+import torch
+from conftest import assert_trees_close, reference_scan
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from torch_scan_hop import ScanError, scan, scan_op
+
+W = torch.randn(4, 4)
+
+
+def rnn(c, x):
+    c = torch.tanh(c @ W + x)
+    return c, c.sum(-1)
+
+
+def tree_body(c, x):
+    h = torch.sigmoid(c["h"] * x["a"]) + x["b"]
+    return {"h": h, "n": c["n"] + 1}, {"mean": h.mean(-1), "n": c["n"]}
+
+
+def scan_nodes(gm):
+    return [n for n in gm.graph.nodes if n.target is scan_op]
+
+
+def trace(f, *args, mode="fake"):
+    return make_fx(f, tracing_mode=mode, _allow_non_fake_inputs=True)(*args)
+
+
+class TestGraphs(expecttest.TestCase):
+    def test_rnn_graph_with_lifted_closure(self):
+        gm = trace(lambda c, xs: scan(rnn, c, xs), torch.zeros(2, 4), torch.randn(5, 2, 4))
+        self.assertEqual(len(scan_nodes(gm)), 1)
+        self.assertExpectedInline(gm.code.strip(), """\
+def forward(self, c_1, xs_1):
+    scan_combine_graph_0 = self.scan_combine_graph_0
+    _tensor_constant0 = self._tensor_constant0
+    scan = torch.ops.higher_order.scan(scan_combine_graph_0, [c_1], [xs_1], (_tensor_constant0,));  scan_combine_graph_0 = c_1 = xs_1 = _tensor_constant0 = None
+    getitem = scan[0]
+    getitem_1 = scan[1];  scan = None
+    return (getitem, getitem_1)""")
+        self.assertExpectedInline(gm.scan_combine_graph_0.code.strip(), """\
+def forward(self, arg0_1, arg1_1, arg2_1):
+    mm = torch.ops.aten.mm.default(arg0_1, arg2_1);  arg0_1 = arg2_1 = None
+    add = torch.ops.aten.add.Tensor(mm, arg1_1);  mm = arg1_1 = None
+    tanh = torch.ops.aten.tanh.default(add);  add = None
+    sum_1 = torch.ops.aten.sum.dim_IntList(tanh, [-1])
+    return [tanh, sum_1]""")
+
+    def test_pytree_reverse_graph(self):
+        init = {"h": torch.zeros(3), "n": torch.tensor(0)}
+        xs = {"a": torch.randn(4, 3), "b": torch.randn(4, 3)}
+        gm = trace(lambda i, x: scan(tree_body, i, x, reverse=True), init, xs)
+        self.assertEqual(len(scan_nodes(gm)), 1)
+        self.assertExpectedInline(gm.code.strip(), """\
+def forward(self, i, x):
+    i_1, i_2, x_1, x_2, = fx_pytree.tree_flatten_spec([i, x], self._in_spec)
+    flip = torch.ops.aten.flip.default(x_1, [0]);  x_1 = None
+    flip_1 = torch.ops.aten.flip.default(x_2, [0]);  x_2 = None
+    scan_combine_graph_0 = self.scan_combine_graph_0
+    scan = torch.ops.higher_order.scan(scan_combine_graph_0, [i_1, i_2], [flip, flip_1], ());  scan_combine_graph_0 = i_1 = i_2 = flip = flip_1 = None
+    getitem = scan[0]
+    getitem_1 = scan[1]
+    getitem_2 = scan[2]
+    getitem_3 = scan[3];  scan = None
+    flip_2 = torch.ops.aten.flip.default(getitem_2, [0]);  getitem_2 = None
+    flip_3 = torch.ops.aten.flip.default(getitem_3, [0]);  getitem_3 = None
+    return pytree.tree_unflatten([getitem, getitem_1, flip_2, flip_3], self._out_spec)""")
+        self.assertExpectedInline(gm.scan_combine_graph_0.code.strip(), """\
+def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
+    mul = torch.ops.aten.mul.Tensor(arg0_1, arg2_1);  arg0_1 = arg2_1 = None
+    sigmoid = torch.ops.aten.sigmoid.default(mul);  mul = None
+    add = torch.ops.aten.add.Tensor(sigmoid, arg3_1);  sigmoid = arg3_1 = None
+    add_1 = torch.ops.aten.add.Tensor(arg1_1, 1)
+    mean = torch.ops.aten.mean.dim(add, [-1])
+    return [add, add_1, mean, arg1_1]""")
+
+
+@pytest.mark.parametrize("mode", ["real", "fake", "symbolic"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_traced_graph_runs_and_matches_loop(mode, reverse):
+    init, xs = torch.randn(2, 4), torch.randn(6, 2, 4)
+    gm = trace(lambda c, x: scan(rnn, c, x, reverse=reverse), init, xs, mode=mode)
+    assert len(scan_nodes(gm)) == 1
+    (body_node,) = [n for n in gm.graph.nodes if n.op == "get_attr" and "scan_combine" in n.target]
+    assert isinstance(getattr(gm, body_node.target), torch.fx.GraphModule)
+    assert_trees_close(tuple(gm(init, xs)), reference_scan(rnn, init, xs, reverse=reverse))
+
+
+def test_symbolic_trace_runs_other_lengths():
+    init = torch.randn(2, 4)
+    gm = trace(lambda c, x: scan(rnn, c, x), init, torch.randn(6, 2, 4), mode="symbolic")
+    for n in (1, 3, 11):
+        xs = torch.randn(n, 2, 4)
+        assert_trees_close(tuple(gm(init, xs)), reference_scan(rnn, init, xs))
+
+
+def test_module_parameters_become_graph_inputs():
+    cell = torch.nn.GRUCell(3, 3)
+    gm = trace(lambda h, xs: scan(lambda h, x: (cell(x, h), None), h, xs), torch.zeros(2, 3), torch.randn(4, 2, 3))
+    (node,) = scan_nodes(gm)
+    lifted = [getattr(gm, a.target) for a in node.args[3]]
+    assert {id(t) for t in lifted} == {id(p) for p in cell.parameters()}
+
+
+def test_fake_mode_metadata_without_running_loop():
+    calls = []
+
+    def body(c, x):
+        calls.append(1)
+        return c + x, (c * x).to(torch.float64)
+
+    with FakeTensorMode() as mode:
+        init, xs = torch.zeros(3), torch.randn(1000, 3)
+        carry, ys = scan(body, init, xs)
+    assert ys.shape == (1000, 3) and ys.dtype == torch.float64 and carry.shape == (3,)
+    assert len(calls) <= 2  # traced once (plus the lift trace), not 1000 times
+    assert mode is not None
+
+
+def test_functionalize_matches_and_rejects_mutation():
+    init, xs = torch.randn(2, 4), torch.randn(5, 2, 4)
+    got = torch.func.functionalize(lambda c, x: scan(rnn, c, x))(init, xs)
+    assert_trees_close(tuple(got), reference_scan(rnn, init, xs))
+
+    def mutating(c, x):
+        c.add_(x)
+        return c, c.clone()
+
+    with pytest.raises(ScanError, match=r"fn mutates its input in place \(carry leaf 0\)"):
+        make_fx(torch.func.functionalize(lambda c, x: scan(mutating, c, x)))(init, xs)
+
+
+def test_functionalize_rejects_closure_mutation():
+    buf = torch.zeros(4)
+
+    def body(c, x):
+        buf.add_(1)
+        return c + buf, None
+
+    with pytest.raises(ScanError, match=r"closed-over tensor 0 \(additional_inputs\)"):
+        make_fx(torch.func.functionalize(lambda c, x: scan(body, c, x)), _allow_non_fake_inputs=True)(
+            torch.zeros(4), torch.zeros(3, 4))
