@@ -96,7 +96,7 @@ class ScanAutogradFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         plan = ctx.plan
-        if torch.is_grad_enabled() and any(isinstance(g, torch.Tensor) and g.requires_grad for g in grads):
+        if torch.is_grad_enabled():  # only true under create_graph=True
             raise ScanError("scan: double backward (create_graph=True through scan) is not supported.")
         saved = list(ctx.saved_tensors)
         n_step, n_x, n_l = len(plan.step_saved), len(plan.x_needed), len(plan.lifted_needed)

@@ -1,0 +1,217 @@
+"""Gradients: gradcheck in float64, the Python-loop reference, remat policies, fwd_bwd graphs."""
+import itertools
+
+import expecttest
+import pytest
+import torch
+from conftest import assert_trees_close, reference_scan
+
+import torch_scan_hop
+from torch_scan_hop import ScanError, fwd_bwd, scan
+
+D = torch.float64
+REMATS = ["save_all", "min_cut", "recompute_all"]
+
+
+def make_body(w, h):
+    def body(c, x):
+        a = torch.cos(torch.sin(c["h"]) @ w + x["u"]) @ h
+        new = {"h": torch.sigmoid(a) * x["v"], "k": c["k"] + 1}
+        return new, {"s": a.sum(-1), "k": c["k"] * 2}
+    return body
+
+
+def inputs(n=4, init_grad=True, xs_grad=True):
+    init = {"h": torch.randn(2, 3, dtype=D, requires_grad=init_grad), "k": torch.tensor(0)}
+    xs = {"u": torch.randn(n, 2, 3, dtype=D, requires_grad=xs_grad), "v": torch.rand(n, 1, 3, dtype=D)}
+    return init, xs
+
+
+def loss_of(out):
+    carry, ys = out
+    return carry["h"].pow(2).sum() + ys["s"].sin().sum()
+
+
+@pytest.mark.parametrize("remat", ["save_all", "recompute_all"])  # min_cut: slow partitioner, see below
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("init_grad,xs_grad,w_grad", [
+    (a, b, c) for a, b, c in itertools.product([True, False], repeat=3) if a or b or c])
+def test_grads_match_loop_every_requires_grad_mix(remat, reverse, init_grad, xs_grad, w_grad):
+    w = torch.randn(3, 3, dtype=D, requires_grad=w_grad)
+    h = torch.randn(3, 3, dtype=D, requires_grad=w_grad)
+    init, xs = inputs(init_grad=init_grad, xs_grad=xs_grad)
+    body = make_body(w, h)
+    wrt = [t for t in (init["h"], xs["u"], w, h) if t.requires_grad]
+    got = torch.autograd.grad(loss_of(scan(body, init, xs, reverse=reverse, remat=remat)), wrt)
+    want = torch.autograd.grad(loss_of(reference_scan(body, init, xs, reverse=reverse)), wrt)
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r)
+
+
+@pytest.mark.parametrize("remat,reverse,dim", [
+    ("save_all", False, 0), ("save_all", True, 1), ("recompute_all", True, 0), ("recompute_all", False, 2),
+    ("min_cut", True, 0)])
+def test_gradcheck(remat, reverse, dim):
+    w = torch.randn(3, 3, dtype=D, requires_grad=True)
+
+    def f(c, xs, w):
+        def body(c, x):
+            c = torch.tanh(c @ w + x[..., :3] * x[..., 3:])
+            return c, (c * c).sum(-1)
+        return scan(body, c, xs, reverse=reverse, dim=dim, remat=remat)
+
+    c = torch.randn(2, 3, dtype=D, requires_grad=True)
+    xs = torch.randn(3, 2, 6, dtype=D, requires_grad=True).movedim(0, dim).detach().requires_grad_()
+    assert torch.autograd.gradcheck(f, (c, xs, w))
+
+
+def test_gradcheck_module_parameters():
+    cell = torch.nn.GRUCell(3, 3).double()
+
+    def f(h, xs, *params):
+        return scan(lambda h, x: (cell(x, h), h.sum(-1)), h, xs)
+
+    h, xs = torch.randn(2, 3, dtype=D, requires_grad=True), torch.randn(4, 2, 3, dtype=D, requires_grad=True)
+    assert torch.autograd.gradcheck(f, (h, xs, *cell.parameters()))
+    scan(lambda h, x: (cell(x, h), None), h.detach(), xs.detach())[0].sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in cell.parameters())
+
+
+def test_init_without_grad_xs_with_grad_pytorch_184528():
+    init = torch.zeros(3, dtype=D)  # does not require grad
+    xs = torch.randn(5, 3, dtype=D, requires_grad=True)
+    body = lambda c, x: (c * 0.5 + x.sin(), c.clone())  # noqa: E731
+    got = torch.autograd.grad(scan(body, init, xs)[1].sum(), xs)[0]
+    want = torch.autograd.grad(reference_scan(body, init, xs)[1].sum(), xs)[0]
+    torch.testing.assert_close(got, want)
+
+
+def test_unused_outputs_and_integer_only_ys():
+    w = torch.randn(3, dtype=D, requires_grad=True)
+    xs = torch.randn(4, 3, dtype=D)
+    body = lambda c, x: (c * w + x, (c > 0).long())  # noqa: E731
+    carry, ys = scan(body, torch.ones(3, dtype=D), xs)
+    assert ys.dtype == torch.long and not ys.requires_grad
+    (g,) = torch.autograd.grad(carry.sum(), w)
+    (r,) = torch.autograd.grad(reference_scan(body, torch.ones(3, dtype=D), xs)[0].sum(), w)
+    torch.testing.assert_close(g, r)
+
+
+def test_zero_length_grad():
+    w = torch.randn(3, requires_grad=True)
+    carry, ys = scan(lambda c, x: (c * w, c), torch.ones(3), torch.zeros(0, 3))
+    assert ys.shape == (0, 3)
+    assert torch.equal(carry, torch.ones(3))
+
+
+def test_double_backward_is_a_clear_error():
+    w = torch.randn(3, dtype=D, requires_grad=True)
+    c, _ = scan(lambda c, x: (torch.sin(c * w + x), None), torch.ones(3, dtype=D), torch.randn(4, 3, dtype=D))
+    with pytest.raises(ScanError, match="double backward"):
+        torch.autograd.grad(c.sum(), w, create_graph=True)
+
+
+def test_custom_partition_function_is_called():
+    from functorch.compile import default_partition
+
+    calls = []
+
+    def partition(joint, inputs, *, num_fwd_outputs):
+        calls.append(num_fwd_outputs)
+        return default_partition(joint, inputs, num_fwd_outputs=num_fwd_outputs)
+
+    w = torch.randn(3, dtype=D, requires_grad=True)
+    c, _ = scan(lambda c, x: (torch.sin(c * w + x), None), torch.ones(3, dtype=D), torch.randn(4, 3, dtype=D),
+                remat=partition)
+    c.sum().backward()
+    assert calls == [1] and w.grad is not None
+
+
+def test_x_slices_are_not_saved_twice():
+    w = torch.randn(4, 4, requires_grad=True)
+    fb = fwd_bwd(lambda c, x: (c @ w * x, None), torch.randn(2, 4), torch.randn(2, 4))
+    kinds = [k for k, _ in fb.saved_from]
+    assert ("x", 0) in fb.saved_from and ("lifted", 0) in fb.saved_from, fb.saved_from
+    assert kinds.count("step") == 1  # only the per-step c @ w
+
+
+def seed_body():
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, requires_grad=True)
+    h = torch.randn(4, 4, requires_grad=True)
+
+    def body(c, x):
+        c = torch.sigmoid(torch.cos(torch.sin(c) @ w + x) @ h)
+        return c, c.sum(-1)
+
+    return body, (w, h)
+
+
+class TestFwdBwdGraphs(expecttest.TestCase):
+    def test_seed_body_save_all(self):
+        body, (w, h) = seed_body()
+        fb = fwd_bwd(body, torch.randn(2, 4), torch.randn(2, 4))
+        self.assertEqual([t is w for t in fb.lifted], [True, False])
+        self.assertExpectedInline(fb.fwd.code.strip(), """\
+def forward(self, primals_1, primals_2, primals_3, primals_4):
+    sin = torch.ops.aten.sin.default(primals_1)
+    mm = torch.ops.aten.mm.default(sin, primals_3)
+    add = torch.ops.aten.add.Tensor(mm, primals_2);  mm = primals_2 = None
+    cos = torch.ops.aten.cos.default(add)
+    mm_1 = torch.ops.aten.mm.default(cos, primals_4)
+    sigmoid = torch.ops.aten.sigmoid.default(mm_1);  mm_1 = None
+    sum_1 = torch.ops.aten.sum.dim_IntList(sigmoid, [-1])
+    return (sigmoid, sum_1, primals_1, primals_3, primals_4, sin, add, cos, sigmoid)""")
+        self.assertExpectedInline(fb.bwd.code.strip(), """\
+def forward(self, primals_1, primals_3, primals_4, sin, add, cos, sigmoid, tangents_1, tangents_2):
+    detach_copy = torch.ops.aten.detach_copy.default(sigmoid);  sigmoid = None
+    unsqueeze_copy = torch.ops.aten.unsqueeze_copy.default(tangents_2, -1);  tangents_2 = None
+    expand_copy = torch.ops.aten.expand_copy.default(unsqueeze_copy, [2, 4]);  unsqueeze_copy = None
+    add_1 = torch.ops.aten.add.Tensor(tangents_1, expand_copy);  tangents_1 = expand_copy = None
+    detach_copy_1 = torch.ops.aten.detach_copy.default(detach_copy);  detach_copy = None
+    sigmoid_backward = torch.ops.aten.sigmoid_backward.default(add_1, detach_copy_1);  add_1 = detach_copy_1 = None
+    t_copy = torch.ops.aten.t_copy.default(cos);  cos = None
+    mm_2 = torch.ops.aten.mm.default(t_copy, sigmoid_backward);  t_copy = None
+    t_copy_1 = torch.ops.aten.t_copy.default(primals_4);  primals_4 = None
+    mm_3 = torch.ops.aten.mm.default(sigmoid_backward, t_copy_1);  sigmoid_backward = t_copy_1 = None
+    sin_1 = torch.ops.aten.sin.default(add);  add = None
+    neg = torch.ops.aten.neg.default(sin_1);  sin_1 = None
+    mul = torch.ops.aten.mul.Tensor(mm_3, neg);  mm_3 = neg = None
+    t_copy_2 = torch.ops.aten.t_copy.default(sin);  sin = None
+    mm_4 = torch.ops.aten.mm.default(t_copy_2, mul);  t_copy_2 = None
+    t_copy_3 = torch.ops.aten.t_copy.default(primals_3);  primals_3 = None
+    mm_5 = torch.ops.aten.mm.default(mul, t_copy_3);  t_copy_3 = None
+    cos_1 = torch.ops.aten.cos.default(primals_1);  primals_1 = None
+    mul_1 = torch.ops.aten.mul.Tensor(mm_5, cos_1);  mm_5 = cos_1 = None
+    return (mul_1, mul, mm_4, mm_2)""")
+
+    def test_seed_body_recompute_all(self):
+        body, _ = seed_body()
+        fb = fwd_bwd(body, torch.randn(2, 4), torch.randn(2, 4), remat="recompute_all")
+        self.assertExpectedInline(str(fb.saved_from), """[('carry', 0), ('x', 0), ('lifted', 0), ('lifted', 1)]""")
+        self.assertExpectedInline(fb.fwd.code.strip(), """\
+def forward(self, primals_1, primals_2, primals_3, primals_4):
+    sin = torch.ops.aten.sin.default(primals_1)
+    mm = torch.ops.aten.mm.default(sin, primals_3);  sin = None
+    add = torch.ops.aten.add.Tensor(mm, primals_2);  mm = None
+    cos = torch.ops.aten.cos.default(add);  add = None
+    mm_1 = torch.ops.aten.mm.default(cos, primals_4);  cos = None
+    sigmoid = torch.ops.aten.sigmoid.default(mm_1);  mm_1 = None
+    sum_1 = torch.ops.aten.sum.dim_IntList(sigmoid, [-1])
+    return (sigmoid, sum_1, primals_1, primals_2, primals_3, primals_4)""")
+
+
+def test_fwd_bwd_graphs_compute_the_step_and_its_vjp():
+    body, (w, h) = seed_body()
+    c, x = torch.randn(2, 4, dtype=torch.float32), torch.randn(2, 4)
+    fb = fwd_bwd(body, c, x)
+    new_c, y, *saved = fb.fwd(c, x, *fb.lifted)
+    ref_c, ref_y = body(c, x)
+    torch.testing.assert_close(new_c, ref_c)
+    gc, gy = torch.randn_like(new_c), torch.randn_like(y)
+    grads = fb.bwd(*saved, gc, gy)
+    cc, xx = c.clone().requires_grad_(), x.clone().requires_grad_()
+    want = torch.autograd.grad(body(cc, xx), [cc, xx, w, h], [gc, gy])
+    for g, r in zip(grads, want):
+        torch.testing.assert_close(g, r)
+    assert torch_scan_hop.FwdBwd is type(fb)
