@@ -171,17 +171,20 @@ def partition_body(body: Callable, carry, x, lifted, grad_mask, remat="save_all"
     ``grad_mask`` marks the inputs whose gradient the backward must return.
     """
     num_carry, num_x = len(carry), len(x)
-    examples = [*carry, *x, *lifted]
-    out_graph = _compat.trace_graph(body, [e.detach() for e in examples])
+    with _compat.disable_proxy_modes_tracing():  # example values, not part of any graph
+        examples = [e.detach() for e in (*carry, *x, *lifted)]
+    out_graph = _compat.trace_graph(body, examples)
     (out_nodes,) = out_graph.graph.find_nodes(op="output")[0].args
     out_vals = [n.meta["val"] for n in out_nodes]
-    primals = [e.detach().requires_grad_(bool(m)) for e, m in zip(examples, grad_mask)]
-    tangents = [torch.zeros(v.shape, dtype=v.dtype, device=v.device) for v in out_vals]
+    with _compat.disable_proxy_modes_tracing():
+        primals = [e.detach().requires_grad_(bool(m)) for e, m in zip(examples, grad_mask)]
+        tangents = [torch.zeros(v.shape, dtype=v.dtype, device=v.device) for v in out_vals]
+        plain = [t.detach() for t in (*primals, *tangents)]
     joint = _compat.trace_graph(_joint_fn(body, grad_mask), [*primals, *tangents], force_enable_grad=True)
     # Re-traced functionalized: decompositions (GRUCell's, say) emit in-place ops,
     # and a backward writing into a slice of the stacked saved values corrupts them.
     functional = torch.func.functionalize(joint, remove="mutations_and_views")
-    joint = _compat.trace_graph(functional, [t.detach() for t in (*primals, *tangents)])
+    joint = _compat.trace_graph(functional, plain)
     _name_joint_placeholders(joint, len(primals))
     fwd, bwd = _partition_fn(remat)(joint, [*primals, *tangents], num_fwd_outputs=len(out_vals))
     fwd, bwd = _hoist_invariant_saves(joint, fwd, bwd, len(out_vals), num_carry + num_x)

@@ -131,7 +131,7 @@ def _needs_grad(flat):
 
 
 def build_plan(combine_fn, init, xs, additional_inputs, reverse, remat):
-    with torch.no_grad():
+    with torch.no_grad(), _compat.disable_proxy_modes_tracing():
         examples = example_args(init, xs, additional_inputs)
     nc, nx = len(init), len(xs)
     flat = [*init, *xs, *additional_inputs]
