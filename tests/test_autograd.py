@@ -164,23 +164,25 @@ def forward(self, primals_1, primals_2, primals_3, primals_4):
     return (sigmoid, sum_1, primals_1, primals_3, primals_4, sin, add, cos, sigmoid)""")
         self.assertExpectedInline(fb.bwd.code.strip(), """\
 def forward(self, primals_1, primals_3, primals_4, sin, add, cos, sigmoid, tangents_1, tangents_2):
-    detach_copy = torch.ops.aten.detach_copy.default(sigmoid);  sigmoid = None
-    unsqueeze_copy = torch.ops.aten.unsqueeze_copy.default(tangents_2, -1);  tangents_2 = None
-    expand_copy = torch.ops.aten.expand_copy.default(unsqueeze_copy, [2, 4]);  unsqueeze_copy = None
-    add_1 = torch.ops.aten.add.Tensor(tangents_1, expand_copy);  tangents_1 = expand_copy = None
-    detach_copy_1 = torch.ops.aten.detach_copy.default(detach_copy);  detach_copy = None
-    sigmoid_backward = torch.ops.aten.sigmoid_backward.default(add_1, detach_copy_1);  add_1 = detach_copy_1 = None
-    t_copy = torch.ops.aten.t_copy.default(cos);  cos = None
-    mm_2 = torch.ops.aten.mm.default(t_copy, sigmoid_backward);  t_copy = None
-    t_copy_1 = torch.ops.aten.t_copy.default(primals_4);  primals_4 = None
-    mm_3 = torch.ops.aten.mm.default(sigmoid_backward, t_copy_1);  sigmoid_backward = t_copy_1 = None
+    detach = torch.ops.aten.detach.default(sigmoid);  sigmoid = None
+    detach_1 = torch.ops.aten.detach.default(detach);  detach = None
+    unsqueeze = torch.ops.aten.unsqueeze.default(tangents_2, -1);  tangents_2 = None
+    expand = torch.ops.aten.expand.default(unsqueeze, [2, 4]);  unsqueeze = None
+    add_1 = torch.ops.aten.add.Tensor(tangents_1, expand);  tangents_1 = expand = None
+    detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
+    detach_3 = torch.ops.aten.detach.default(detach_2);  detach_2 = None
+    sigmoid_backward = torch.ops.aten.sigmoid_backward.default(add_1, detach_3);  add_1 = detach_3 = None
+    t = torch.ops.aten.t.default(cos);  cos = None
+    mm_2 = torch.ops.aten.mm.default(t, sigmoid_backward);  t = None
+    t_1 = torch.ops.aten.t.default(primals_4);  primals_4 = None
+    mm_3 = torch.ops.aten.mm.default(sigmoid_backward, t_1);  sigmoid_backward = t_1 = None
     sin_1 = torch.ops.aten.sin.default(add);  add = None
     neg = torch.ops.aten.neg.default(sin_1);  sin_1 = None
     mul = torch.ops.aten.mul.Tensor(mm_3, neg);  mm_3 = neg = None
-    t_copy_2 = torch.ops.aten.t_copy.default(sin);  sin = None
-    mm_4 = torch.ops.aten.mm.default(t_copy_2, mul);  t_copy_2 = None
-    t_copy_3 = torch.ops.aten.t_copy.default(primals_3);  primals_3 = None
-    mm_5 = torch.ops.aten.mm.default(mul, t_copy_3);  t_copy_3 = None
+    t_2 = torch.ops.aten.t.default(sin);  sin = None
+    mm_4 = torch.ops.aten.mm.default(t_2, mul);  t_2 = None
+    t_3 = torch.ops.aten.t.default(primals_3);  primals_3 = None
+    mm_5 = torch.ops.aten.mm.default(mul, t_3);  t_3 = None
     cos_1 = torch.ops.aten.cos.default(primals_1);  primals_1 = None
     mul_1 = torch.ops.aten.mul.Tensor(mm_5, cos_1);  mm_5 = cos_1 = None
     return (mul_1, mul, mm_4, mm_2)""")

@@ -183,7 +183,7 @@ def partition_body(body: Callable, carry, x, lifted, grad_mask, remat="save_all"
     joint = _compat.trace_graph(_joint_fn(body, grad_mask), [*primals, *tangents], force_enable_grad=True)
     # Re-traced functionalized: decompositions (GRUCell's, say) emit in-place ops,
     # and a backward writing into a slice of the stacked saved values corrupts them.
-    functional = torch.func.functionalize(joint, remove="mutations_and_views")
+    functional = torch.func.functionalize(joint, remove="mutations")
     joint = _compat.trace_graph(functional, plain)
     _name_joint_placeholders(joint, len(primals))
     fwd, bwd = _partition_fn(remat)(joint, [*primals, *tangents], num_fwd_outputs=len(out_vals))
