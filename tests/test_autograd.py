@@ -217,3 +217,21 @@ def test_fwd_bwd_graphs_compute_the_step_and_its_vjp():
     for g, r in zip(grads, want):
         torch.testing.assert_close(g, r)
     assert torch_scan_hop.FwdBwd is type(fb)
+
+
+def test_make_fx_of_a_training_step_has_forward_and_backward_scans():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def train(c, xs, w):
+        def cell(c, x):
+            c = torch.tanh(c @ w + x)
+            return c, c.sum(-1)
+
+        carry, ys = scan(cell, c, xs)
+        return torch.autograd.grad(carry.sum() + ys.sum(), [w])
+
+    args = (torch.zeros(2, 4), torch.randn(6, 2, 4), torch.randn(4, 4, requires_grad=True))
+    gm = make_fx(train, tracing_mode="fake")(*args)
+    scans = [n for n in gm.graph.nodes if n.target is torch_scan_hop.scan_op]
+    assert len(scans) == 2  # the forward scan and the backward (reverse) scan
+    torch.testing.assert_close(gm(*args)[0], train(*args)[0])
