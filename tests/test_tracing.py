@@ -130,7 +130,9 @@ def test_functionalize_matches_and_rejects_mutation():
         return c, c.clone()
 
     with pytest.raises(ScanError, match=r"fn mutates its input in place \(carry leaf 0\)"):
-        make_fx(torch.func.functionalize(lambda c, x: scan(mutating, c, x)))(init, xs)
+        torch.func.functionalize(lambda c, x: scan(mutating, c, x))(init.clone(), xs)
+    with pytest.raises(ScanError, match=r"fn mutates its input in place \(carry leaf 0\)"):
+        make_fx(lambda c, x: scan(mutating, c, x))(init.clone(), xs)
 
 
 def test_functionalize_rejects_closure_mutation():
@@ -141,5 +143,4 @@ def test_functionalize_rejects_closure_mutation():
         return c + buf, None
 
     with pytest.raises(ScanError, match=r"closed-over tensor 0 \(additional_inputs\)"):
-        make_fx(torch.func.functionalize(lambda c, x: scan(body, c, x)), _allow_non_fake_inputs=True)(
-            torch.zeros(4), torch.zeros(3, 4))
+        make_fx(lambda c, x: scan(body, c, x), _allow_non_fake_inputs=True)(torch.zeros(4), torch.zeros(3, 4))

@@ -20,11 +20,15 @@ def _input_name(i, num_carry, num_x):
 
 def check_no_input_mutation(combine_fn, init, xs, additional_inputs):
     args = example_args(init, xs, additional_inputs)
-    gm = _compat.trace_graph(combine_fn, args)
+    check_graph_mutation(_compat.trace_graph(combine_fn, args), len(init), len(xs))
+
+
+def check_graph_mutation(gm, num_carry, num_x):
+    """Raise if the traced body ``gm`` writes into one of its inputs."""
     vals = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
     *_, mutated, _ = _compat.check_input_alias_and_mutation_return_outputs(gm, vals)
     if mutated:
-        names = ", ".join(_input_name(i, len(init), len(xs)) for i in mutated)
+        names = ", ".join(_input_name(i, num_carry, num_x) for i in mutated)
         raise ScanError(
             f"scan: fn mutates its input in place ({names}). Scan bodies must be functional: "
             "use out-of-place ops (c = c + x, not c += x / c.add_(x))."

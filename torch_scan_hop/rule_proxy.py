@@ -11,6 +11,7 @@ import torch.utils._pytree as pytree
 from . import _compat
 from ._op import example_args, scan_op, split_out
 from .rule_fake import check_body_carry
+from .rule_functionalize import check_graph_mutation
 
 
 def trace_body(combine_fn, init, xs, additional_inputs):
@@ -26,6 +27,8 @@ def _body_outputs(body):
 
 def emit_scan_node(mode, combine_fn, init, xs, additional_inputs):
     body = trace_body(combine_fn, init, xs, additional_inputs)
+    with _compat.disable_proxy_modes_tracing():
+        check_graph_mutation(body, len(init), len(xs))
     check_body_carry(init, _body_outputs(body)[: len(init)])
     _, name = _compat.unique_graph_id(mode, prefix="scan_combine_graph")
     mode.tracer.root.register_module(name, body)
