@@ -15,9 +15,6 @@ import torch
 
 from . import _compat
 
-REMAT_POLICIES = ("save_all", "min_cut", "recompute_all")
-
-
 class ScanOp(_compat.HigherOrderOperator):
     def __init__(self):
         super().__init__("scan")

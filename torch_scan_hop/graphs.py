@@ -5,8 +5,6 @@ the signatures): the argument order is the function's own flattened order,
 closures are explicit trailing inputs (``FwdBwd.lifted``), and the pytree
 specs map every flat argument back to the user's structure.
 """
-import torch
-
 from ._lift import trace_and_lift
 from ._trees import ScanInputs, flatten, require_tensor_leaves
 from .api import FlatBody
@@ -31,9 +29,7 @@ def fwd_bwd(fn, carry, x=None, *, remat="save_all") -> FwdBwd:
     gm, lifted = trace_and_lift(body, examples)
     flat = [*carry_leaves, *x_leaves, *lifted]
     grad_mask = [_differentiable(t) for t in flat]
-    with torch.no_grad():
-        lifted_examples = [t.detach() for t in lifted]
     fb = partition_body(gm, examples[: len(carry_leaves)], examples[len(carry_leaves):],
-                        lifted_examples, grad_mask, remat)
+                        lifted, grad_mask, remat)  # partition_body detaches its examples
     fb.lifted, fb.carry_spec, fb.x_spec, fb.y_spec = lifted, carry_spec, inputs.xs_spec, body.y_spec
     return fb

@@ -38,7 +38,7 @@ def _fwd_step_graph(fb: FwdBwd, step_saved):
 class ScanGradPlan:
     """Index bookkeeping between the forward scan, the saved values and the backward scan."""
 
-    def __init__(self, fb: FwdBwd, init, reverse):
+    def __init__(self, fb: FwdBwd, reverse):
         self.fb, self.reverse = fb, reverse
         kinds = fb.saved_from
         self.step_saved = [i for i, (k, _) in enumerate(kinds) if k in ("step", "carry")]
@@ -137,7 +137,7 @@ def build_plan(combine_fn, init, xs, additional_inputs, reverse, remat):
     flat = [*init, *xs, *additional_inputs]
     grad_mask = [_differentiable(t) and (i < nc or t.requires_grad) for i, t in enumerate(flat)]
     fb = partition_body(combine_fn, examples[:nc], examples[nc:nc + nx], examples[nc + nx:], grad_mask, remat)
-    return ScanGradPlan(fb, init, reverse)
+    return ScanGradPlan(fb, reverse)
 
 
 @scan_op.py_autograd_impl

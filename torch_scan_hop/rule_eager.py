@@ -14,8 +14,7 @@ from ._trees import ScanError
 def run_loop(step, carry, x_slices, length, reverse):
     """Run ``step(carry, x) -> (carry, y_leaves)`` over ``x_slices``; stack ys.
 
-    Shared by the op's eager rule (flat lists) and the front end's fast path
-    (user pytrees); returns ``(carry, per_step_y_leaves)`` in input order.
+    Returns ``(carry, per_step_y_leaves)`` with the ys in input order.
     """
     ys = []
     order = range(length - 1, -1, -1) if reverse else range(length)
