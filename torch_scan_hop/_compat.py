@@ -74,6 +74,14 @@ def is_plain_tensor(t):
     )
 
 
+def is_concrete(t):
+    """A tensor with real data and static shape (plain, Parameter or XLA): safe to cache on."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return (isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor)
+            and all(type(d) is int for d in t.shape))
+
+
 def trace_graph(fn, args, *, force_enable_grad=False):
     """Trace ``fn(*args)`` to an aten GraphModule in whatever mode is active.
 

@@ -1,7 +1,7 @@
 """The user-facing ``scan``: pytrees, validation, closure lifting, eager fast path."""
 import torch
 
-from . import _compat
+from . import _cache, _compat
 from ._lift import trace_and_lift
 from ._op import example_args, scan_op
 from ._trees import (
@@ -60,25 +60,41 @@ def scan(fn, init, xs=None, *, length=None, reverse=False, dim=0, remat="save_al
         result = _fast_eager(fn, inputs, reverse)
         if result is not None:
             return result
-    body = FlatBody(fn, inputs)
-    flat_out = _call_op(body, inputs, reverse=reverse, remat=remat, unroll=unroll)
+    flat_out, y_spec = _call_op(fn, inputs, reverse=reverse, remat=remat, unroll=unroll)
     nc = inputs.num_carry
     carry = inputs.init_spec.unflatten(flat_out[:nc])
-    return carry, body.y_spec.unflatten(flat_out[nc:])
+    return carry, y_spec.unflatten(flat_out[nc:])
 
 
-def _call_op(body, inputs, **kwargs):
+def _call_op(fn, inputs, **kwargs):
+    """Run the op on the flat inputs; returns (flat outputs, y spec)."""
     init, xs = inputs.init_leaves, inputs.xs_leaves
-    if _compat.is_dynamo_compiling():  # Dynamo's tracer lifts closures itself
-        return scan_op(body, init, xs, (), **kwargs)
-    if not _compat.under_make_fx() and any(_compat.is_functional(t) for t in (*init, *xs)):
-        # torch.func.functionalize in eager: make_fx cannot see through its
-        # wrappers; the Functionalize rule unwraps and runs the body directly.
-        return scan_op(body, init, xs, (), **kwargs)
+    if _compat.is_dynamo_compiling() or (
+            not _compat.under_make_fx() and any(_compat.is_functional(t) for t in (*init, *xs))):
+        # Dynamo's tracer lifts closures itself; under torch.func.functionalize
+        # in eager make_fx cannot see through the wrappers, and the
+        # Functionalize rule unwraps and runs the body directly.
+        body = FlatBody(fn, inputs)
+        return scan_op(body, init, xs, (), **kwargs), body.y_spec
+    gm, lifted, y_spec = _traced_body(fn, inputs)
+    return scan_op(gm, init, xs, tuple(lifted), **kwargs), y_spec
+
+
+def _traced_body(fn, inputs):
+    """The lifted body graph, from the cache when fn and the input metadata match."""
+    cacheable = not _compat.dispatch_modes_active() and not _compat.under_make_fx()
+    found = _cache.body_key(fn, inputs) if cacheable else None
+    if found is not None:
+        hit = _cache.lookup_traced(found[0])
+        if hit is not None:
+            return hit
+    body = FlatBody(fn, inputs)
     with _compat.disable_proxy_modes_tracing():
-        args = example_args(init, xs, ())
+        args = example_args(inputs.init_leaves, inputs.xs_leaves, ())
     gm, lifted = trace_and_lift(body, args)
-    return scan_op(gm, init, xs, tuple(lifted), **kwargs)
+    if found is not None:
+        _cache.store_traced(found[0], found[1], gm, lifted, body.y_spec)
+    return gm, lifted, body.y_spec
 
 
 def _can_run_fast_eager(inputs):
