@@ -21,3 +21,17 @@ def print_table(headers, rows):
     print("-" * len(line))
     for r in rows:
         print("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
+
+
+def interleaved_best_times(fns, repeat=5):
+    """Best time per call of each fn in a dict, running them round-robin so that
+    a burst of load on the machine hits every variant alike."""
+    for fn in fns.values():
+        fn()  # warm up (and fill caches)
+    best = {name: float("inf") for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best

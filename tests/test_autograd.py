@@ -164,14 +164,10 @@ def forward(self, primals_1, primals_2, primals_3, primals_4):
     return (sigmoid, sum_1, primals_1, primals_3, primals_4, sin, add, cos, sigmoid)""")
         self.assertExpectedInline(fb.bwd.code.strip(), """\
 def forward(self, primals_1, primals_3, primals_4, sin, add, cos, sigmoid, tangents_1, tangents_2):
-    detach = torch.ops.aten.detach.default(sigmoid);  sigmoid = None
-    detach_1 = torch.ops.aten.detach.default(detach);  detach = None
     unsqueeze = torch.ops.aten.unsqueeze.default(tangents_2, -1);  tangents_2 = None
     expand = torch.ops.aten.expand.default(unsqueeze, [2, 4]);  unsqueeze = None
     add_1 = torch.ops.aten.add.Tensor(tangents_1, expand);  tangents_1 = expand = None
-    detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
-    detach_3 = torch.ops.aten.detach.default(detach_2);  detach_2 = None
-    sigmoid_backward = torch.ops.aten.sigmoid_backward.default(add_1, detach_3);  add_1 = detach_3 = None
+    sigmoid_backward = torch.ops.aten.sigmoid_backward.default(add_1, sigmoid);  add_1 = sigmoid = None
     t = torch.ops.aten.t.default(cos);  cos = None
     mm_2 = torch.ops.aten.mm.default(t, sigmoid_backward);  t = None
     t_1 = torch.ops.aten.t.default(primals_4);  primals_4 = None

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import _compat
+from ._graph_passes import simplify
 from ._trees import ScanError
 
 REMAT = ("save_all", "min_cut", "recompute_all")
@@ -188,6 +189,7 @@ def partition_body(body: Callable, carry, x, lifted, grad_mask, remat="save_all"
     _name_joint_placeholders(joint, len(primals))
     fwd, bwd = _partition_fn(remat)(joint, [*primals, *tangents], num_fwd_outputs=len(out_vals))
     fwd, bwd = _hoist_invariant_saves(joint, fwd, bwd, len(out_vals), num_carry + num_x)
+    fwd, bwd = simplify(fwd), simplify(bwd)
     return FwdBwd(
         fwd=fwd, bwd=bwd, num_carry=num_carry, num_x=num_x, num_lifted=len(lifted),
         num_y=len(out_vals) - num_carry, out_vals=out_vals, grad_mask=list(grad_mask),

@@ -12,7 +12,8 @@ import copy
 
 import torch
 
-from . import _compat
+from . import _cache, _compat
+from ._graph_passes import fuse_accumulate
 from ._op import example_args, scan_op
 from ._trees import ScanError
 from .partition import FwdBwd, _differentiable, partition_body
@@ -51,32 +52,43 @@ class ScanGradPlan:
         self.lifted_grad = [i for i in range(fb.num_lifted) if fb.grad_mask[nc + nx + i]]
         self.y_grad = [j for j in range(fb.num_y) if _differentiable(fb.out_vals[nc + j])]
 
-    def bwd_step(self, *args):
-        """(*g_carry, *g_lifted_sum, *step_saved, *x_needed, *g_y, *lifted_needed)
-        -> [*g_carry_in, *g_lifted_sum', *g_x]"""
-        fb = self.fb
-        it = iter(args)
-        g_carry = [next(it) for _ in self.carry_grad]
-        g_sum = [next(it) for _ in self.lifted_grad]
-        step = [next(it) for _ in self.step_saved]
-        xs = dict(zip(self.x_needed, [next(it) for _ in self.x_needed]))
-        g_y = [None] * fb.num_y
-        for j in self.y_grad:
-            g_y[j] = next(it)
-        lifted = dict(zip(self.lifted_needed, [next(it) for _ in self.lifted_needed]))
-        step_it = iter(step)
-        saved = [next(step_it) if k in ("step", "carry") else (xs[j] if k == "x" else lifted[j])
-                 for k, j in fb.saved_from]
-        tangents = [None] * fb.num_carry
-        for i, g in zip(self.carry_grad, g_carry):
-            tangents[i] = g
-        grads = fb.bwd(*saved, *tangents, *g_y)
-        nc, nx = fb.num_carry, fb.num_x
-        return [
-            *(grads[i] for i in self.carry_grad),
-            *(s + grads[nc + nx + i] for s, i in zip(g_sum, self.lifted_grad)),
-            *(grads[nc + i] for i in self.x_grad),
-        ]
+        self.bwd_step = _bwd_step_graph(self)
+
+
+def _bwd_step_graph(plan):
+    """The backward scan's body as one GraphModule:
+
+        (*g_carry, *g_lifted_sum, *step_saved, *x_needed, *g_y, *lifted_needed)
+            -> [*g_carry_in, *g_lifted_sum + g_lifted, *g_x]
+
+    ``fb.bwd``'s nodes are inlined behind placeholders in that order, so each
+    step is one straight-line graph call (no Python bookkeeping per step) and
+    the body traces like any other graph (make_fx, XLA).
+    """
+    fb = plan.fb
+    graph = torch.fx.Graph()
+
+    def inputs(prefix, n):
+        return [graph.placeholder(f"{prefix}_{k}") for k in range(n)]
+
+    g_carry = inputs("g_carry", len(plan.carry_grad))
+    g_sum = inputs("g_lifted_sum", len(plan.lifted_grad))
+    step = iter(inputs("saved", len(plan.step_saved)))
+    xs = dict(zip(plan.x_needed, inputs("x", len(plan.x_needed))))
+    g_y = dict(zip(plan.y_grad, inputs("g_y", len(plan.y_grad))))
+    lifted = dict(zip(plan.lifted_needed, inputs("lifted", len(plan.lifted_needed))))
+    saved = [next(step) if k in ("step", "carry") else (xs[j] if k == "x" else lifted[j])
+             for k, j in fb.saved_from]
+    tangents = [None] * fb.num_carry + [g_y.get(j) for j in range(fb.num_y)]
+    for i, g in zip(plan.carry_grad, g_carry):
+        tangents[i] = g
+    val_map = dict(zip(fb.bwd.graph.find_nodes(op="placeholder"), saved + tangents))
+    grads = graph.graph_copy(fb.bwd.graph, val_map)
+    nc, nx = fb.num_carry, fb.num_x
+    sums = [fuse_accumulate(graph, graph.call_function(torch.ops.aten.add.Tensor, (s, grads[nc + nx + i])))
+            for s, i in zip(g_sum, plan.lifted_grad)]
+    graph.output([*(grads[i] for i in plan.carry_grad), *sums, *(grads[nc + i] for i in plan.x_grad)])
+    return torch.fx.GraphModule(fb.bwd, graph)
 
 
 class ScanAutogradFn(torch.autograd.Function):
@@ -146,5 +158,9 @@ def scan_autograd(combine_fn, init, xs, additional_inputs, *, reverse=False, rem
     if not _needs_grad(flat):
         with _compat.AutoDispatchBelowAutograd():
             return scan_op(combine_fn, init, xs, additional_inputs, reverse=reverse, unroll=unroll)
-    plan = build_plan(combine_fn, init, xs, additional_inputs, reverse, remat)
+    build = lambda: build_plan(combine_fn, init, xs, additional_inputs, reverse, remat)  # noqa: E731
+    if _compat.dispatch_modes_active() or not all(_compat.is_concrete(t) for t in flat):
+        plan = build()
+    else:
+        plan = _cache.plan_for(combine_fn, flat, reverse, remat, build)
     return list(ScanAutogradFn.apply(plan, len(init), len(xs), *flat))
