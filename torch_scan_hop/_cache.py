@@ -174,24 +174,33 @@ def body_key(fn, inputs):
     return (key, meta, _ambient_state()), refs
 
 
-_plans = weakref.WeakKeyDictionary()
+_memos = weakref.WeakKeyDictionary()
 
 
-def plan_for(combine_fn, flat, reverse, remat, build):
-    """``build()`` once per (body object, input metadata, reverse, remat)."""
+def memo(owner, key, build):
+    """``build()`` once per (owner object, key); forgotten with the owner.
+
+    Owners that cannot be weakly referenced (or keys that cannot be hashed)
+    are not cached: build() runs every time.
+    """
     try:
-        per_body = _plans.setdefault(combine_fn, {})
-        key = (tensor_meta(flat, with_grad=True), reverse, remat, _ambient_state())
+        per_owner = _memos.setdefault(owner, {})
         hash(key)
     except TypeError:
         return build()
-    plan = per_body.get(key)
-    if plan is None:
-        plan = per_body[key] = build()
-    return plan
+    value = per_owner.get(key)
+    if value is None:
+        value = per_owner[key] = build()
+    return value
+
+
+def plan_for(combine_fn, flat, reverse, remat, build):
+    """The autograd plan, once per (body object, input metadata, reverse, remat)."""
+    key = ("plan", tensor_meta(flat, with_grad=True), reverse, remat, _ambient_state())
+    return memo(combine_fn, key, build)
 
 
 def clear():
     """Forget every cached trace and plan (e.g. after monkey-patching a body's helpers)."""
     _traced.clear()
-    _plans.clear()
+    _memos.clear()

@@ -18,7 +18,11 @@ from torch._higher_order_ops.utils import (  # noqa: F401
 from torch._ops import HigherOrderOperator  # noqa: F401
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
 from torch._dispatch.python import suspend_functionalization
-from torch._subclasses.functional_tensor import FunctionalTensor, disable_functional_mode
+from torch._subclasses.functional_tensor import (  # noqa: F401
+    CppFunctionalizeAPI,
+    FunctionalTensor,
+    disable_functional_mode,
+)
 from torch.fx.experimental import proxy_tensor as _proxy_tensor
 from torch.fx.experimental.proxy_tensor import (  # noqa: F401
     ProxyTorchDispatchMode,
@@ -56,6 +60,11 @@ def is_dynamo_compiling():
 
 
 def is_functional(t):
+    """Wrapped by a functionalization pass (torch.func.functionalize, a
+    FunctionalTensorMode). XLA tensors are functional wrappers by construction
+    (torch_xla's own functionalization); they are not counted here."""
+    if t.device.type == "xla":
+        return isinstance(t, FunctionalTensor) or _is_functorch_wrapped(t)
     return isinstance(t, FunctionalTensor) or torch._is_functional_tensor(t) or _is_functorch_wrapped(t)
 
 
@@ -100,6 +109,51 @@ def trace_graph(fn, args, *, force_enable_grad=False):
         if force_enable_grad:
             stack.enter_context(torch.enable_grad())
         return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
+
+
+class _ClosureStandIns(torch.overrides.TorchFunctionMode):
+    """Swaps closed-over functional tensors (every XLA tensor is one) for their
+    unwrapped values as torch functions receive them, and remembers which is which.
+
+    make_fx cannot trace through a functional wrapper it did not create: ops
+    on it run below the tracer and their results come out untracked. The plain
+    inner value traces like any constant; lifting then hands back the user's
+    tensor, which keeps its autograd identity.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.outer, self._by_id = {}, {}
+
+    def _stand_in(self, t):
+        if not (isinstance(t, torch.Tensor) and torch._is_functional_tensor(t)) \
+                or isinstance(t, _fake_tensor_type()):
+            return t
+        hit = self._by_id.get(id(t))
+        if hit is None:
+            torch._sync(t)
+            plain = torch._from_functional_tensor(t)  # its value, without the wrapper
+            hit = self._by_id[id(t)] = (plain, t)
+            self.outer[id(plain)] = t
+        return hit[0]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        args, kwargs = torch.utils._pytree.tree_map(self._stand_in, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def _fake_tensor_type():
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return FakeTensor
+
+
+@contextlib.contextmanager
+def recording_functional_closures():
+    """Yields ``outer(t)``: the user's functional tensor that stand-in t replaced (else t)."""
+    mode = _ClosureStandIns()
+    with mode:
+        yield lambda t: mode.outer.get(id(t), t)
 
 
 def fresh_fake_mode():

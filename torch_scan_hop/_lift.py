@@ -44,6 +44,6 @@ def lift_constants(gm):
 
 def trace_and_lift(flat_body, example_args):
     """(GraphModule taking (*example_args, *lifted), lifted tensors)."""
-    with torch.no_grad():
+    with torch.no_grad(), _compat.recording_functional_closures() as outer:
         gm = _compat.trace_graph(flat_body, example_args)
-    return gm, lift_constants(gm)
+        return gm, [outer(t) for t in lift_constants(gm)]

@@ -1,0 +1,177 @@
+"""XLA: one While per scan (forward and backward), values and gradients equal CPU eager."""
+import re
+
+import pytest
+import torch
+from conftest import assert_trees_close
+
+import torch_scan_hop
+from torch_scan_hop import scan
+
+torch_xla = pytest.importorskip("torch_xla")
+import torch_xla.core.xla_model as xm  # noqa: E402
+
+DEV = torch_xla.device()
+D = torch.float32
+
+
+def to_xla(tree):
+    return torch.utils._pytree.tree_map(lambda t: t.to(DEV) if isinstance(t, torch.Tensor) else t, tree)
+
+
+def to_cpu(tree):
+    return torch.utils._pytree.tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, tree)
+
+
+def hlo_of(tensors):
+    return torch_xla._XLAC._get_xla_tensors_hlo(list(tensors))
+
+
+def count_ops(hlo, opcode):
+    return len(re.findall(rf"\b{re.escape(opcode)}\(", hlo))
+
+
+def rnn_cell(w):
+    def cell(c, x):
+        c = torch.tanh(c @ w + x)
+        return c, c.sum(-1)
+    return cell
+
+
+def test_forward_is_one_while_and_hlo_size_is_flat_in_length():
+    w = (torch.randn(16, 16) * 0.1).to(DEV)  # device data: the HLO holds the scan only
+    sizes = []
+    for n in (10, 1000):
+        c, ys = scan(rnn_cell(w), torch.zeros(4, 16).to(DEV), torch.randn(n, 4, 16).to(DEV))
+        hlo = hlo_of([c, ys])
+        assert count_ops(hlo, "while") == 1
+        assert count_ops(hlo, "tanh") == 1  # the body is lowered once, not unrolled
+        sizes.append(len(re.findall(r"^\s*(?:ROOT )?%\S+ = ", hlo, flags=re.M)))
+    assert sizes[0] == sizes[1]
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_pytree_values_match_cpu(reverse):
+    w = torch.randn(3, 3) * 0.5
+
+    def body(c, x):
+        h = torch.sin(c["h"] @ w) * x["a"] + x["b"].sum(0)
+        return {"h": h, "n": c["n"] + 1}, {"h": h, "k": c["n"] * 2, "none": None}
+
+    init = {"h": torch.randn(2, 3), "n": torch.tensor(0)}
+    xs = {"a": torch.randn(5, 2, 3), "b": torch.randn(5, 4, 3)}
+    want = scan(body, init, xs, reverse=reverse)
+    w = w.to(DEV)
+    got = scan(body, to_xla(init), to_xla(xs), reverse=reverse)
+    hlo = hlo_of([got[0]["h"], got[1]["h"]])
+    assert count_ops(hlo, "while") == 1 and count_ops(hlo, "reverse") == 0
+    assert_trees_close(to_cpu(got), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("unroll", [1, 3, 12])
+def test_unroll_values_and_structure(unroll):
+    w = torch.randn(8, 8) * 0.3
+    init, xs = torch.randn(2, 8), torch.randn(10, 2, 8)
+    want = scan(rnn_cell(w), init, xs, reverse=True)
+    c, ys = scan(rnn_cell(w.to(DEV)), init.to(DEV), xs.to(DEV), reverse=True, unroll=unroll)
+    hlo = hlo_of([c, ys])
+    calls_per_iter = min(unroll, 10)
+    assert count_ops(hlo, "while") == (1 if 10 % calls_per_iter == 0 else 2)
+    body_calls = len(re.findall(r"\bcall\(.*to_apply=%scan_body\.", hlo))
+    assert body_calls == calls_per_iter + (1 if 10 % calls_per_iter else 0)
+    assert_trees_close(to_cpu((c, ys)), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_training_grads_match_cpu_and_backward_is_one_while(reverse):
+    torch.manual_seed(1)
+    w_cpu = (torch.randn(6, 6) * 0.3).requires_grad_()
+    init_cpu = torch.randn(3, 6, requires_grad=True)
+    xs_cpu = torch.randn(7, 3, 6, requires_grad=True)
+
+    def loss(w, init, xs):
+        c, ys = scan(rnn_cell(w), init, xs, reverse=reverse)
+        return (c ** 2).sum() + ys.sin().sum()
+
+    want = torch.autograd.grad(loss(w_cpu, init_cpu, xs_cpu), (w_cpu, init_cpu, xs_cpu))
+    w, init, xs = (t.detach().to(DEV).requires_grad_() for t in (w_cpu, init_cpu, xs_cpu))
+    got = torch.autograd.grad(loss(w, init, xs), (w, init, xs))
+    assert count_ops(hlo_of(got), "while") == 2  # forward While + backward While
+    assert_trees_close(to_cpu(got), want, atol=1e-4, rtol=1e-4)
+
+
+def test_module_parameters_get_grads():
+    torch.manual_seed(2)
+    lin = torch.nn.Linear(4, 4)
+    lin_x = torch.nn.Linear(4, 4).to(DEV)
+    lin_x.load_state_dict(lin.state_dict())
+    init, xs = torch.randn(2, 4), torch.randn(5, 2, 4)
+    for m, i, x in ((lin, init, xs), (lin_x, init.to(DEV), xs.to(DEV))):
+        c, ys = scan(lambda c, x: (torch.tanh(m(c) + x), c.mean()), i, x)
+        (c.sum() + ys.sum()).backward()
+    assert_trees_close([p.grad.cpu() for p in lin_x.parameters()], [p.grad for p in lin.parameters()],
+                       atol=1e-5, rtol=1e-5)
+
+
+def test_int_and_bool_carries_and_ys_without_grad_path():
+    def body(c, x):
+        n, flag, h = c
+        h = h * 0.5 + x
+        return (n + 1, flag | (h.sum() > 0), h), (n * 3, h.detach().argmax())
+
+    init = (torch.tensor(0), torch.tensor(False), torch.zeros(3))
+    xs = torch.randn(6, 3)
+    want = scan(body, init, xs)
+    got = scan(body, to_xla(init), xs.to(DEV))
+    assert_trees_close(to_cpu(got), want)
+    with torch.no_grad():
+        assert_trees_close(to_cpu(scan(body, to_xla(init), xs.to(DEV))), want)
+
+
+def test_zero_length():
+    w = torch.randn(3, 3, device=DEV)
+    c, ys = scan(rnn_cell(w), torch.ones(2, 3, device=DEV), torch.randn(0, 2, 3, device=DEV))
+    assert ys.shape == (0, 2) and ys.device.type == "xla"
+    assert torch.equal(c.cpu(), torch.ones(2, 3))
+
+
+def test_random_numbers_differ_per_step_and_repeat_with_seed():
+    def body(c, x):
+        noise = torch.rand(4, device=x.device)
+        return c + noise.sum(), torch.nn.functional.dropout(x, 0.5) + noise
+
+    def run():
+        xm.set_rng_state(1234)
+        return to_cpu(scan(body, torch.zeros((), device=DEV), torch.ones(6, 4, device=DEV)))
+
+    (c1, ys1), (c2, ys2) = run(), run()
+    assert torch.equal(ys1, ys2) and torch.equal(c1, c2)
+    assert len({tuple(row.tolist()) for row in ys1}) == 6  # a different draw on every step
+    dropped, kept = ys1 < 1, ys1 >= 2  # x = 1: dropped -> noise, kept -> 2 + noise
+    assert bool((dropped | kept).all()) and bool(dropped.any()) and bool(kept.any())
+
+
+def test_repeated_call_does_not_retrace_body():
+    calls = [0]
+    w = torch.randn(5, 5, device=DEV, requires_grad=True)
+
+    def cell(c, x):
+        calls[0] += 1
+        return torch.tanh(c @ w + x), c.sum()
+
+    torch_scan_hop.clear_cache()
+    for expected_calls in (1, 0, 0):
+        calls[0] = 0
+        c, ys = scan(cell, torch.zeros(2, 5, device=DEV), torch.randn(4, 2, 5, device=DEV))
+        (c.sum() + ys.sum()).backward()
+        assert calls[0] == expected_calls
+    assert w.grad is not None
+
+
+def test_mutating_body_is_rejected_on_xla():
+    def body(c, x):
+        c.add_(x)
+        return c, x
+
+    with pytest.raises(torch_scan_hop.ScanError, match="mutates its input in place.*carry leaf 0"):
+        scan(body, torch.zeros(3, device=DEV), torch.ones(4, 3, device=DEV))
