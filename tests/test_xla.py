@@ -1,6 +1,8 @@
 """XLA: one While per scan (forward and backward), values and gradients equal CPU eager."""
 import re
 
+import expecttest
+
 import pytest
 import torch
 from conftest import assert_trees_close
@@ -175,3 +177,67 @@ def test_mutating_body_is_rejected_on_xla():
 
     with pytest.raises(torch_scan_hop.ScanError, match="mutates its input in place.*carry leaf 0"):
         scan(body, torch.zeros(3, device=DEV), torch.ones(4, 3, device=DEV))
+
+
+def _emitted_structure(computation):
+    """The scan's own computations (loop, cond, entry) with ids and layouts stripped."""
+    text = torch_xla._XLAC._xla_computation_text(computation)
+    ours = text[text.index("%scan_loop"):]
+    ours = re.sub(r"\.\d+", "", ours)
+    ours = re.sub(r"(?<=\])\{[\d,]*\}", "", ours)  # layouts
+    ours = re.sub(r"\(\(s64\[\], [^)]*\) ", "(state ", ours)  # the loop-state tuple type, once per line
+    return "\n".join(line.rstrip() for line in ours.strip().splitlines())
+
+
+class TestEmittedModule(expecttest.TestCase):
+    def test_structure_of_reverse_scan_module(self):
+        from torch_scan_hop import xla_lower
+
+        def body(c, x, w):
+            h = c * w + x
+            return [h, h.sum()]
+
+        z = torch.zeros(2, device=DEV)
+        lowered = xla_lower._lower(body, [z], [torch.zeros(5, 2, device=DEV)], (z,), reverse=True, unroll=1)
+        self.assertExpectedInline(_emitted_structure(lowered.computation), """\
+%scan_loop (scan_parameter: (s64[], f32[2], f32[5,2], f32[5], f32[2])) -> (s64[], f32[2], f32[5,2], f32[5], f32[2]) {
+  %scan_parameter = (s64[], f32[2], f32[5,2], f32[5], f32[2]) parameter(0)
+  %scan_get-tuple-element = s64[] get-tuple-element(state %scan_parameter), index=0
+  %scan_constant = s64[] constant(1)
+  %scan_add = s64[] add(s64[] %scan_get-tuple-element, s64[] %scan_constant)
+  %scan_get-tuple-element = f32[5,2] get-tuple-element(state %scan_parameter), index=2
+  %scan_constant = s64[] constant(4)
+  %scan_subtract = s64[] subtract(s64[] %scan_constant, s64[] %scan_get-tuple-element)
+  %scan_constant = s64[] constant(0)
+  %scan_dynamic-slice = f32[1,2] dynamic-slice(f32[5,2] %scan_get-tuple-element, s64[] %scan_subtract, s64[] %scan_constant), dynamic_slice_sizes={1,2}
+  %scan_reshape = f32[2] reshape(f32[1,2] %scan_dynamic-slice)
+  %scan_get-tuple-element = f32[2] get-tuple-element(state %scan_parameter), index=4
+  %scan_get-tuple-element = f32[2] get-tuple-element(state %scan_parameter), index=1
+  %scan_call = (f32[2], f32[]) call(f32[2] %scan_reshape, f32[2] %scan_get-tuple-element, f32[2] %scan_get-tuple-element), to_apply=%scan_body
+  %scan_get-tuple-element = f32[2] get-tuple-element((f32[2], f32[]) %scan_call), index=0
+  %scan_get-tuple-element = f32[5] get-tuple-element(state %scan_parameter), index=3
+  %scan_get-tuple-element = f32[] get-tuple-element((f32[2], f32[]) %scan_call), index=1
+  %scan_reshape = f32[1] reshape(f32[] %scan_get-tuple-element)
+  %scan_dynamic-update-slice = f32[5] dynamic-update-slice(f32[5] %scan_get-tuple-element, f32[1] %scan_reshape, s64[] %scan_subtract)
+  ROOT %scan_tuple = (s64[], f32[2], f32[5,2], f32[5], f32[2]) tuple(s64[] %scan_add, f32[2] %scan_get-tuple-element, f32[5,2] %scan_get-tuple-element, f32[5] %scan_dynamic-update-slice, f32[2] %scan_get-tuple-element)
+}
+
+%scan_cond (scan_parameter: (s64[], f32[2], f32[5,2], f32[5], f32[2])) -> pred[] {
+  %scan_parameter = (s64[], f32[2], f32[5,2], f32[5], f32[2]) parameter(0)
+  %scan_get-tuple-element = s64[] get-tuple-element(state %scan_parameter), index=0
+  %scan_constant = s64[] constant(5)
+  ROOT %scan_compare = pred[] compare(s64[] %scan_get-tuple-element, s64[] %scan_constant), direction=LT
+}
+
+ENTRY %scan_entry (scan_parameter: f32[2], scan_parameter: f32[5,2], scan_parameter: f32[5], scan_parameter: f32[2]) -> (f32[2], f32[5]) {
+  %scan_constant = s64[] constant(0)
+  %scan_parameter = f32[2] parameter(0)
+  %scan_parameter = f32[5,2] parameter(1)
+  %scan_parameter = f32[5] parameter(2)
+  %scan_parameter = f32[2] parameter(3)
+  %scan_tuple = (s64[], f32[2], f32[5,2], f32[5], f32[2]) tuple(s64[] %scan_constant, f32[2] %scan_parameter, f32[5,2] %scan_parameter, f32[5] %scan_parameter, f32[2] %scan_parameter)
+  %scan_while = (s64[], f32[2], f32[5,2], f32[5], f32[2]) while(state %scan_tuple), condition=%scan_cond, body=%scan_loop
+  %scan_get-tuple-element = f32[2] get-tuple-element(state %scan_while), index=1
+  %scan_get-tuple-element = f32[5] get-tuple-element(state %scan_while), index=3
+  ROOT %scan_tuple = (f32[2], f32[5]) tuple(f32[2] %scan_get-tuple-element, f32[5] %scan_get-tuple-element)
+}""")
