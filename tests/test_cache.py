@@ -130,3 +130,17 @@ def test_uncacheable_closure_still_gives_right_answers():
         holder.w = torch.randn(3, 3, dtype=D, requires_grad=True)
         got = grads_of(lambda i, x: scan(body, i, x), init, xs, [holder.w])
         assert_trees_close(got, grads_of(lambda i, x: reference_scan(body, i, x), init, xs, [holder.w]))
+
+
+def test_new_length_reuses_the_trace_and_plan():
+    w = torch.randn(3, 3, dtype=D, requires_grad=True)
+    counter = Counting()
+    body = counter.wrap(lambda c, x: (torch.tanh(c @ w + x), c.sum(-1)))
+    init = torch.randn(2, 3, dtype=D, requires_grad=True)
+    grads_of(lambda i, x: scan(body, i, x), init, torch.randn(4, 2, 3, dtype=D), [w, init])
+    for n in (7, 1):
+        xs = torch.randn(n, 2, 3, dtype=D)
+        counter.calls = 0
+        got = grads_of(lambda i, x: scan(body, i, x), init, xs, [w, init])
+        assert counter.calls == 0  # init requires grad: no probe step, and no re-trace for the new length
+        assert_trees_close(got, grads_of(lambda i, x: reference_scan(body, i, x), init, xs, [w, init]))

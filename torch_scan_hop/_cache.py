@@ -133,8 +133,12 @@ def _ambient_state():
     return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
 
 
-def tensor_meta(tensors, with_grad=False):
-    return tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad if with_grad else None) for t in tensors)
+def tensor_meta(tensors, with_grad=False, drop_lead=False):
+    """Shapes/dtypes/devices (and requires_grad); ``drop_lead`` keys xs by their
+    slice shape: the body never sees the length, so a new length reuses it."""
+    start = 1 if drop_lead else 0
+    return tuple((tuple(t.shape[start:]), t.dtype, t.device, t.requires_grad if with_grad else None)
+                 for t in tensors)
 
 
 _traced = collections.OrderedDict()
@@ -170,7 +174,8 @@ def body_key(fn, inputs):
     if fp is None:
         return None
     key, refs = fp
-    meta = (inputs.init_spec, inputs.xs_spec, tensor_meta(inputs.init_leaves), tensor_meta(inputs.xs_leaves))
+    meta = (inputs.init_spec, inputs.xs_spec, tensor_meta(inputs.init_leaves),
+            tensor_meta(inputs.xs_leaves, drop_lead=True))
     return (key, meta, _ambient_state()), refs
 
 
@@ -194,9 +199,10 @@ def memo(owner, key, build):
     return value
 
 
-def plan_for(combine_fn, flat, reverse, remat, build):
-    """The autograd plan, once per (body object, input metadata, reverse, remat)."""
-    key = ("plan", tensor_meta(flat, with_grad=True), reverse, remat, _ambient_state())
+def plan_for(combine_fn, init, xs, additional_inputs, reverse, remat, build):
+    """The autograd plan, once per (body object, per-step input metadata, reverse, remat)."""
+    meta = (tensor_meta(init, True), tensor_meta(xs, True, drop_lead=True), tensor_meta(additional_inputs, True))
+    key = ("plan", meta, reverse, remat, _ambient_state())
     return memo(combine_fn, key, build)
 
 

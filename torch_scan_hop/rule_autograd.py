@@ -162,5 +162,5 @@ def scan_autograd(combine_fn, init, xs, additional_inputs, *, reverse=False, rem
     if _compat.dispatch_modes_active() or not all(_compat.is_concrete(t) for t in flat):
         plan = build()
     else:
-        plan = _cache.plan_for(combine_fn, flat, reverse, remat, build)
+        plan = _cache.plan_for(combine_fn, init, xs, additional_inputs, reverse, remat, build)
     return list(ScanAutogradFn.apply(plan, len(init), len(xs), *flat))
