@@ -177,3 +177,11 @@ def extract_fwd_bwd(joint, saved_values, num_fwd_outputs):
     from torch._functorch.partitioners import _extract_fwd_bwd_modules
 
     return _extract_fwd_bwd_modules(joint, saved_values, [], num_fwd_outputs=num_fwd_outputs)
+
+
+def allow_scalar_outputs(shape_env):
+    """Let this ShapeEnv produce unbacked scalars (what capture_scalar_outputs sets per frame)."""
+    import dataclasses
+
+    if shape_env is not None and not shape_env.settings.allow_scalar_outputs:
+        shape_env.settings = dataclasses.replace(shape_env.settings, allow_scalar_outputs=True)

@@ -6,6 +6,8 @@ Parameter). Each becomes a trailing placeholder, and the tensor itself is
 passed as an ``additional_inputs`` entry, so it receives gradients and is an
 explicit input of every graph that contains the scan.
 """
+import contextlib
+
 import torch
 
 from . import _compat
@@ -44,6 +46,9 @@ def lift_constants(gm):
 
 def trace_and_lift(flat_body, example_args):
     """(GraphModule taking (*example_args, *lifted), lifted tensors)."""
-    with torch.no_grad(), _compat.recording_functional_closures() as outer:
+    # Under an outer trace (export's pre-dispatch make_fx) a grad-mode switch
+    # would be recorded into the user's graph; the subgraph tracer needs none.
+    grad_off = contextlib.nullcontext() if _compat.under_make_fx() else torch.no_grad()
+    with grad_off, _compat.recording_functional_closures() as outer:
         gm = _compat.trace_graph(flat_body, example_args)
         return gm, [outer(t) for t in lift_constants(gm)]

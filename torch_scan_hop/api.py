@@ -8,6 +8,7 @@ from ._trees import (
     ScanError, ScanInputs, check_carry, check_pair, flatten_y, prepare_inputs,
 )
 from .partition import REMAT
+from .rule_dynamo import dynamo_body
 from .rule_eager import stack_column, stack_ys
 
 
@@ -56,6 +57,10 @@ def scan(fn, init, xs=None, *, length=None, reverse=False, dim=0, remat="save_al
     """
     _check_options(fn, reverse, remat, unroll)
     inputs = prepare_inputs(init, xs, length, dim)
+    if _compat.is_dynamo_compiling():  # rule_dynamo captures fn as a subgraph, closures lifted
+        out = scan_op(dynamo_body(fn, inputs), inputs.init_leaves, inputs.xs_leaves, (),
+                      reverse=reverse, remat=remat, unroll=unroll)
+        return inputs.init_spec.unflatten(out[:inputs.num_carry]), out[inputs.num_carry]
     if _can_run_fast_eager(inputs):
         result = _fast_eager(fn, inputs, reverse)
         if result is not None:
@@ -69,11 +74,9 @@ def scan(fn, init, xs=None, *, length=None, reverse=False, dim=0, remat="save_al
 def _call_op(fn, inputs, **kwargs):
     """Run the op on the flat inputs; returns (flat outputs, y spec)."""
     init, xs = inputs.init_leaves, inputs.xs_leaves
-    if _compat.is_dynamo_compiling() or (
-            not _compat.under_make_fx() and any(_compat.is_functional(t) for t in (*init, *xs))):
-        # Dynamo's tracer lifts closures itself; under torch.func.functionalize
-        # in eager make_fx cannot see through the wrappers, and the
-        # Functionalize rule unwraps and runs the body directly.
+    if not _compat.under_make_fx() and any(_compat.is_functional(t) for t in (*init, *xs)):
+        # Under torch.func.functionalize in eager make_fx cannot see through
+        # the wrappers; the Functionalize rule unwraps and runs the body directly.
         body = FlatBody(fn, inputs)
         return scan_op(body, init, xs, (), **kwargs), body.y_spec
     gm, lifted, y_spec = _traced_body(fn, inputs)

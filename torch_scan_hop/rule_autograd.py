@@ -22,7 +22,7 @@ from .partition import FwdBwd, _differentiable, partition_body
 def _fwd_step_graph(fb: FwdBwd, step_saved):
     """fwd graph trimmed to (*new_carry, *y, *per-step saved); outputs that are
     inputs get a clone so the body never returns an alias of its argument."""
-    gm = copy.deepcopy(fb.fwd)
+    gm = torch.fx.GraphModule(fb.fwd, copy.deepcopy(fb.fwd.graph))  # shares constants, copies nodes
     out_node = gm.graph.find_nodes(op="output")[0]
     (outs,) = out_node.args
     num_out = fb.num_carry + fb.num_y

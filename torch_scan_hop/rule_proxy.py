@@ -36,7 +36,8 @@ def emit_scan_node(mode, combine_fn, init, xs, additional_inputs):
     proxy_args = pytree.tree_map(mode.tracer.unwrap_proxy, args)
     out_proxy = mode.tracer.create_proxy("call_function", scan_op, proxy_args, {}, name="scan")
     with _compat.disable_proxy_modes_tracing():
-        out = scan_op(body, list(init), list(xs), tuple(additional_inputs))
+        # a tuple: torch.export's serializer only knows tuple outputs of HOPs
+        out = tuple(scan_op(body, list(init), list(xs), tuple(additional_inputs)))
     return _compat.track_tensor_tree(out, out_proxy, constant=None, tracer=mode.tracer)
 
 
@@ -49,4 +50,4 @@ def scan_proxy(mode, combine_fn, init, xs, additional_inputs, *, reverse=False, 
     out = emit_scan_node(mode, combine_fn, init, xs, additional_inputs)
     carry, ys = split_out(out, len(init))
     with mode:
-        return carry + [torch.flip(y, [0]) for y in ys]
+        return tuple(carry + [torch.flip(y, [0]) for y in ys])

@@ -1,0 +1,122 @@
+"""Dynamo: a VariableTracker that captures scan as ONE node with the body as a subgraph.
+
+Dynamo picks the tracker for a HigherOrderOperator by name, so ours replaces
+upstream's "scan" entry (NOTES decision 5) and hands upstream's own op object,
+if it ever shows up, to upstream's tracker.
+
+Our front end calls the op with ``functools.partial(pytree_step, ...)``: the
+body takes flat leaves and returns ``[*carry_leaves, y]`` with ``y`` the user's
+pytree. The subgraph's outputs are flattened (None leaves dropped) and the op's
+flat result is unflattened back to ``[*carry_leaves, ys]`` for the front end,
+so no Python-side state has to leave the speculated body. Tensors the body
+closes over (and module parameters) become explicit additional inputs.
+A graph break inside the body is a hard error naming the body.
+"""
+import functools
+
+import torch
+
+from . import _compat
+from ._trees import ScanError, check_carry
+
+
+def pytree_step(*flat, fn, inputs):
+    """The body as Dynamo traces it: flat leaves in, ``[*carry_leaves, y_tree]`` out."""
+    nc, nx = inputs.num_carry, inputs.num_x
+    carry = inputs.init_spec.unflatten(flat[:nc])
+    x = None if inputs.xs_spec is None else inputs.xs_spec.unflatten(flat[nc:nc + nx])
+    out = fn(carry, x)
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise ScanError("scan: fn must return a pair (new_carry, y).")
+    new_carry, y = out
+    return [*check_carry(new_carry, inputs), y]
+
+
+def dynamo_body(fn, inputs):
+    return functools.partial(pytree_step, fn=fn, inputs=inputs)
+
+
+def _slice_example(x):
+    return torch.zeros(x.shape[1:], dtype=x.dtype, device=x.device)
+
+
+def _make_tracker_class():
+    from torch._dynamo.exc import unimplemented
+    from torch._dynamo.variables import higher_order_ops as hops
+    from torch._dynamo.variables.lazy import LazyVariableTracker
+
+    upstream_cls = hops._hop_name_to_variable_class["scan"]
+
+    class ScanVariable(hops.TorchHigherOrderOperatorVariable):
+        upstream = upstream_cls
+
+        def _call_function(self, tx, args, kwargs):
+            from . import scan_op
+
+            if self.value is not scan_op:  # upstream's own op object: upstream's rules
+                return self.upstream(self.value, self.source)._call_function(tx, args, kwargs)
+            return self._call_ours(tx, args, kwargs)
+
+        @hops.raise_hard_error_if_graph_break(
+            reason="torch_scan_hop.scan: the body fn must be captured whole by torch.compile "
+                   "(no graph breaks inside the scanned function)")
+        def _call_ours(self, tx, args, kwargs):
+            args, kwargs = LazyVariableTracker.realize_all((args, kwargs))
+            if len(args) != 4:
+                unimplemented(f"scan: expected (combine_fn, init, xs, additional_inputs), got {len(args)} args")
+            combine_fn, init, xs, additional = args
+            options = _non_default_options({k: v.as_python_constant() for k, v in kwargs.items()})
+            init_vars, xs_vars = init.unpack_var_sequence(tx), xs.unpack_var_sequence(tx)
+            add_vars = additional.unpack_var_sequence(tx)
+            with hops.discard_graph_changes(tx):
+                sub_args = [v.call_method(tx, "clone", args=(), kwargs={}) for v in init_vars]
+                sub_args += [hops._make_inlined(tx, _slice_example)(v) for v in xs_vars]
+                sub_args += [v.call_method(tx, "clone", args=(), kwargs={}) for v in add_vars]
+            (_, spec), graph, freevars = hops.speculate_subgraph(
+                tx, combine_fn, sub_args, sub_kwargs={}, description="torch_scan_hop.scan body",
+                source_target=self.value, set_subgraph_inputs="flatten_manual",
+                should_flatten_outputs=True, supports_input_mutation=False, supports_aliasing=False)
+            _reject_constant_ys(spec, len(init_vars))
+            _allow_scalar_outputs(tx)
+            body = torch.fx.GraphModule(dict(tx.output.nn_modules), graph)
+            name = tx.output.install_subgraph("scan_body", body)
+            p_args = (hops.make_attr(tx, name), init.as_proxy(), xs.as_proxy(),
+                      tuple(additional.as_proxy()) + tuple(freevars.keys()))
+            return hops._call_function_and_unflatten_output(tx, self.value, p_args, options, None, spec)
+
+    return ScanVariable
+
+
+def _allow_scalar_outputs(tx):
+    """Inductor rewrites scan into a while_loop that indexes with
+    ``aten._local_scalar_dense`` (pytorch 153437); that needs this frame's
+    ShapeEnv to accept scalar outputs, which users should not have to set up."""
+    _compat.allow_scalar_outputs(tx.output.shape_env)
+
+
+def _non_default_options(options):
+    """Defaults stay out of the graph, so it keeps upstream's kwarg-free form."""
+    defaults = {"reverse": False, "remat": "save_all", "unroll": 1}
+    return {k: v for k, v in options.items() if k not in defaults or v != defaults[k]}
+
+
+def _reject_constant_ys(spec, num_carry):
+    """Only None may be a non-tensor leaf of y (as in eager)."""
+    if not spec.masks_to_filter_const_values:
+        return
+    for mask, value in zip(spec.masks_to_filter_const_values, spec.const_values):
+        if mask and value is not None:
+            raise ScanError(f"scan: fn returned the non-tensor value {value!r} as a carry or y leaf; "
+                            "leaves must be tensors (use torch.tensor(...)) or None.")
+
+
+def install():
+    """Register our tracker for the name "scan" (idempotent)."""
+    from torch._dynamo.variables import higher_order_ops as hops
+
+    if getattr(hops._hop_name_to_variable_class["scan"], "_torch_scan_hop", False):
+        return
+    cls = _make_tracker_class()
+    cls._torch_scan_hop = True
+    hops._hop_name_to_variable_class["scan"] = cls
+
