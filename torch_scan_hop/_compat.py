@@ -185,3 +185,17 @@ def allow_scalar_outputs(shape_env):
 
     if shape_env is not None and not shape_env.settings.allow_scalar_outputs:
         shape_env.settings = dataclasses.replace(shape_env.settings, allow_scalar_outputs=True)
+
+
+@contextlib.contextmanager
+def eager_autograd_engine():
+    """Run torch.autograd.grad inside our joint trace on the plain engine, even
+    while compiled autograd is on (it would try to Dynamo-compile our trace)."""
+    import sys
+
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    if ca is None:
+        yield
+        return
+    with ca._disable():
+        yield

@@ -173,15 +173,17 @@ def partition_body(body: Callable, carry, x, lifted, grad_mask, remat="save_all"
     """
     num_carry, num_x = len(carry), len(x)
     with _compat.disable_proxy_modes_tracing():  # example values, not part of any graph
-        examples = [e.detach() for e in (*carry, *x, *lifted)]
+        examples = [e.detach() if isinstance(e, torch.Tensor) else e for e in (*carry, *x, *lifted)]
     out_graph = _compat.trace_graph(body, examples)
     (out_nodes,) = out_graph.graph.find_nodes(op="output")[0].args
     out_vals = [n.meta["val"] for n in out_nodes]
     with _compat.disable_proxy_modes_tracing():
-        primals = [e.detach().requires_grad_(bool(m)) for e, m in zip(examples, grad_mask)]
+        primals = [e.detach().requires_grad_(bool(m)) if isinstance(e, torch.Tensor) else e
+                   for e, m in zip(examples, grad_mask)]
         tangents = [torch.zeros(v.shape, dtype=v.dtype, device=v.device) for v in out_vals]
-        plain = [t.detach() for t in (*primals, *tangents)]
-    joint = _compat.trace_graph(_joint_fn(body, grad_mask), [*primals, *tangents], force_enable_grad=True)
+        plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in (*primals, *tangents)]
+    with _compat.eager_autograd_engine():
+        joint = _compat.trace_graph(_joint_fn(body, grad_mask), [*primals, *tangents], force_enable_grad=True)
     # Re-traced functionalized: decompositions (GRUCell's, say) emit in-place ops,
     # and a backward writing into a slice of the stacked saved values corrupts them.
     functional = torch.func.functionalize(joint, remove="mutations")

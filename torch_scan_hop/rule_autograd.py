@@ -99,8 +99,11 @@ class ScanAutogradFn(torch.autograd.Function):
         num_out = num_init + plan.fb.num_y
         result, step_saved = out[:num_out], out[num_out:]
         ctx.plan, ctx.num_init, ctx.num_xs = plan, num_init, num_xs
+        # additional inputs may be SymInts (Dynamo lifts free symbols): only tensors are saved
+        ctx.lifted_scalars = [None if isinstance(a, torch.Tensor) else a for a in lifted]
         ctx.save_for_backward(*step_saved, *(xs[i] for i in plan.x_needed),
-                              *(lifted[i] for i in plan.lifted_needed), *lifted)
+                              *(lifted[i] for i in plan.lifted_needed if isinstance(lifted[i], torch.Tensor)),
+                              *(a for a in lifted if isinstance(a, torch.Tensor)))
         ctx.out_meta = [(r.shape, r.dtype, r.device) for r in result]
         ctx.mark_non_differentiable(*(r for r in result if not _differentiable(r)))
         return tuple(result)
@@ -113,7 +116,8 @@ class ScanAutogradFn(torch.autograd.Function):
         saved = list(ctx.saved_tensors)
         n_step, n_x, n_l = len(plan.step_saved), len(plan.x_needed), len(plan.lifted_needed)
         step_saved, xs_needed = saved[:n_step], saved[n_step:n_step + n_x]
-        lifted_needed, lifted = saved[n_step + n_x:n_step + n_x + n_l], saved[n_step + n_x + n_l:]
+        lifted = _with_scalars(saved[n_step + n_x + n_l:], ctx.lifted_scalars)
+        lifted_needed = [lifted[i] for i in plan.lifted_needed]
         num_init = ctx.num_init
         g_carry = [_grad_or_zeros(grads[i], ctx.out_meta[i]) for i in plan.carry_grad]
         g_y = [_grad_or_zeros(grads[num_init + j], ctx.out_meta[num_init + j]) for j in plan.y_grad]
@@ -128,6 +132,11 @@ class ScanAutogradFn(torch.autograd.Function):
                 *(g_init.get(i) for i in range(num_init)),
                 *(g_xs.get(i) for i in range(ctx.num_xs)),
                 *(g_lifted.get(i) for i in range(len(lifted))))
+
+
+def _with_scalars(tensors, scalars):
+    it = iter(tensors)
+    return [next(it) if s is None else s for s in scalars]
 
 
 def _grad_or_zeros(g, meta):

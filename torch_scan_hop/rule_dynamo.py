@@ -17,19 +17,28 @@ import functools
 import torch
 
 from . import _compat
-from ._trees import ScanError, check_carry
+from ._trees import ScanError, check_carry, check_pair
+
+
+_ERROR = "__torch_scan_hop_error__"
 
 
 def pytree_step(*flat, fn, inputs):
-    """The body as Dynamo traces it: flat leaves in, ``[*carry_leaves, y_tree]`` out."""
+    """The body as Dynamo traces it: flat leaves in, ``[*carry_leaves, y_tree]`` out.
+
+    A bad carry or return value comes back as the constants ``[_ERROR, message]``
+    (an exception raised inside the speculated body would lose its message);
+    the tracker raises it as a ScanError.
+    """
     nc, nx = inputs.num_carry, inputs.num_x
     carry = inputs.init_spec.unflatten(flat[:nc])
     x = None if inputs.xs_spec is None else inputs.xs_spec.unflatten(flat[nc:nc + nx])
-    out = fn(carry, x)
-    if not isinstance(out, tuple) or len(out) != 2:
-        raise ScanError("scan: fn must return a pair (new_carry, y).")
-    new_carry, y = out
-    return [*check_carry(new_carry, inputs), y]
+    try:
+        new_carry, y = check_pair(fn(carry, x))
+        leaves = check_carry(new_carry, inputs)
+    except ScanError as e:
+        return [_ERROR, e.args[0]]
+    return [*leaves, y]
 
 
 def dynamo_body(fn, inputs):
@@ -65,6 +74,7 @@ def _make_tracker_class():
             if len(args) != 4:
                 unimplemented(f"scan: expected (combine_fn, init, xs, additional_inputs), got {len(args)} args")
             combine_fn, init, xs, additional = args
+            _materialize_lazy_graph(combine_fn)
             options = _non_default_options({k: v.as_python_constant() for k, v in kwargs.items()})
             init_vars, xs_vars = init.unpack_var_sequence(tx), xs.unpack_var_sequence(tx)
             add_vars = additional.unpack_var_sequence(tx)
@@ -75,8 +85,9 @@ def _make_tracker_class():
             (_, spec), graph, freevars = hops.speculate_subgraph(
                 tx, combine_fn, sub_args, sub_kwargs={}, description="torch_scan_hop.scan body",
                 source_target=self.value, set_subgraph_inputs="flatten_manual",
-                should_flatten_outputs=True, supports_input_mutation=False, supports_aliasing=False)
+                should_flatten_outputs=True, supports_input_mutation=False, supports_aliasing=True)
             _reject_constant_ys(spec, len(init_vars))
+            _clone_outputs_that_are_inputs(graph)
             _allow_scalar_outputs(tx)
             body = torch.fx.GraphModule(dict(tx.output.nn_modules), graph)
             name = tx.output.install_subgraph("scan_body", body)
@@ -85,6 +96,27 @@ def _make_tracker_class():
             return hops._call_function_and_unflatten_output(tx, self.value, p_args, options, None, spec)
 
     return ScanVariable
+
+
+def _clone_outputs_that_are_inputs(graph):
+    """A body may return its input (``y = c``), as in eager; the op's subgraph
+    must not alias, so such outputs get a clone."""
+    out = graph.find_nodes(op="output")[0]
+    (values,) = out.args
+    with graph.inserting_before(out):
+        values = [graph.call_method("clone", (v,)) if isinstance(v, torch.fx.Node) and v.op == "placeholder"
+                  else v for v in values]
+    out.args = (tuple(values),)
+    graph.lint()
+
+
+def _materialize_lazy_graph(fn_var):
+    """A body that is a lazily compiled GraphModule (compiled autograd's backward
+    graphs, re-traced graphs) must get its real forward before Dynamo inlines it:
+    Dynamo skips ``_LazyGraphModule._lazy_forward``."""
+    gm = getattr(fn_var, "value", None)
+    if isinstance(gm, torch.fx.GraphModule) and hasattr(gm, "real_recompile"):
+        gm.real_recompile()
 
 
 def _allow_scalar_outputs(tx):
@@ -104,6 +136,9 @@ def _reject_constant_ys(spec, num_carry):
     """Only None may be a non-tensor leaf of y (as in eager)."""
     if not spec.masks_to_filter_const_values:
         return
+    consts = [v for m, v in zip(spec.masks_to_filter_const_values, spec.const_values) if m]
+    if consts[:1] == [_ERROR]:
+        raise ScanError(consts[1])
     for mask, value in zip(spec.masks_to_filter_const_values, spec.const_values):
         if mask and value is not None:
             raise ScanError(f"scan: fn returned the non-tensor value {value!r} as a carry or y leaf; "

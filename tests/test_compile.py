@@ -1,0 +1,259 @@
+"""torch.compile: one Dynamo node, every backend equal to eager, dynamic length, compiled autograd."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import expecttest
+import pytest
+import torch
+from conftest import assert_trees_close
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.utils import counters
+
+from torch_scan_hop import scan
+
+
+class RNN(torch.nn.Module):
+    def __init__(self, h=4):
+        super().__init__()
+        self.lin = torch.nn.Linear(h, h)
+
+    def forward(self, h0, xs):
+        return scan(lambda h, x: (torch.tanh(self.lin(h) + x), h.sum(-1)), h0, xs)
+
+
+def capture_graphs():
+    graphs = []
+
+    def backend(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    return graphs, backend
+
+
+def scan_nodes(gm):
+    return [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.scan]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+class TestGraphs(expecttest.TestCase):
+    def test_dynamo_graph_is_one_scan_node_with_explicit_parameters(self):
+        torch.manual_seed(0)
+        model = RNN()
+        graphs, backend = capture_graphs()
+        h0, xs = torch.zeros(2, 4), torch.randn(5, 2, 4)
+        out = torch.compile(model, backend=backend, fullgraph=True)(h0, xs)
+        assert_trees_close(out, model(h0, xs))
+        self.assertEqual(len(graphs), 1)
+        self.assertEqual(dict(counters["stats"]), {"calls_captured": 3, "unique_graphs": 1})
+        self.assertEqual(dict(counters["graph_break"]), {})
+        self.assertEqual(len(scan_nodes(graphs[0])), 1)
+        self.assertExpectedInline(graphs[0].code.strip(), """\
+def forward(self, L_h0_ : torch.Tensor, L_xs_ : torch.Tensor, L_self_modules_lin_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_lin_parameters_bias_ : torch.nn.parameter.Parameter):
+    l_h0_ = L_h0_
+    l_xs_ = L_xs_
+    l_self_modules_lin_parameters_weight_ = L_self_modules_lin_parameters_weight_
+    l_self_modules_lin_parameters_bias_ = L_self_modules_lin_parameters_bias_
+    scan_body_0 = self.scan_body_0
+    scan = torch.ops.higher_order.scan(scan_body_0, [l_h0_], [l_xs_], (l_self_modules_lin_parameters_weight_, l_self_modules_lin_parameters_bias_));  scan_body_0 = l_h0_ = l_xs_ = l_self_modules_lin_parameters_weight_ = l_self_modules_lin_parameters_bias_ = None
+    getitem = scan[0]
+    getitem_1 = scan[1];  scan = None
+    return (getitem, getitem_1)""")
+        body = getattr(graphs[0], scan_nodes(graphs[0])[0].args[0].target)
+        self.assertExpectedInline(body.code.strip(), """\
+def forward(self, child : torch.Tensor, child_1 : torch.Tensor, l_self_modules_lin_parameters_weight_ : torch._subclasses.fake_tensor.FakeTensor, l_self_modules_lin_parameters_bias_ : torch._subclasses.fake_tensor.FakeTensor):
+    linear = torch._C._nn.linear(child, l_self_modules_lin_parameters_weight_, l_self_modules_lin_parameters_bias_);  l_self_modules_lin_parameters_weight_ = l_self_modules_lin_parameters_bias_ = None
+    add = linear + child_1;  linear = child_1 = None
+    new_carry = torch.tanh(add);  add = None
+    y = child.sum(-1);  child = None
+    return (new_carry, y)""")
+
+    def test_aot_forward_and_backward_graphs(self):
+        torch.manual_seed(0)
+        model = RNN()
+        fw, bw = [], []
+        backend = aot_autograd(fw_compiler=lambda gm, _: fw.append(gm) or gm.forward,
+                               bw_compiler=lambda gm, _: bw.append(gm) or gm.forward)
+        h0, xs = torch.zeros(2, 4), torch.randn(5, 2, 4)
+        c, ys = torch.compile(model, backend=backend, fullgraph=True)(h0, xs)
+        (c.sum() + ys.sum()).backward()
+        self.assertEqual([len(scan_nodes(g)) for g in fw + bw], [1, 1])
+        self.assertExpectedInline(fw[0].code.strip(), """\
+def forward(self, primals_1, primals_2, primals_3, primals_4):
+    scan_combine_graph_0 = self.scan_combine_graph_0
+    scan = torch.ops.higher_order.scan(scan_combine_graph_0, [primals_1], [primals_2], (primals_3, primals_4));  scan_combine_graph_0 = primals_1 = primals_2 = None
+    getitem = scan[0]
+    getitem_1 = scan[1]
+    getitem_2 = scan[2]
+    getitem_3 = scan[3];  scan = None
+    return (getitem, getitem_1, primals_3, primals_4, getitem_2, getitem_3)""")
+        self.assertExpectedInline(bw[0].code.strip(), """\
+def forward(self, primals_3, primals_4, getitem_2, getitem_3, tangents_1, tangents_2):
+    zeros_like = torch.ops.aten.zeros_like.default(primals_3, pin_memory = False)
+    zeros_like_1 = torch.ops.aten.zeros_like.default(primals_4, pin_memory = False);  primals_4 = None
+    flip = torch.ops.aten.flip.default(getitem_2, [0]);  getitem_2 = None
+    flip_1 = torch.ops.aten.flip.default(getitem_3, [0]);  getitem_3 = None
+    flip_2 = torch.ops.aten.flip.default(tangents_2, [0]);  tangents_2 = None
+    scan_combine_graph_1 = self.scan_combine_graph_1
+    scan_1 = torch.ops.higher_order.scan(scan_combine_graph_1, [tangents_1, zeros_like, zeros_like_1], [flip, flip_1, flip_2], (primals_3,));  scan_combine_graph_1 = tangents_1 = zeros_like = zeros_like_1 = flip = flip_1 = flip_2 = primals_3 = None
+    getitem_5 = scan_1[1]
+    getitem_6 = scan_1[2];  scan_1 = None
+    return (None, None, getitem_5, getitem_6)""")
+
+
+def body_with_everything(w):
+    def body(c, x):
+        h = torch.sin(c["h"] @ w) * x["a"] + x["b"]
+        return {"h": h, "n": c["n"] + 1}, {"s": h.sum(-1), "none": None, "n": c["n"]}
+    return body
+
+
+def everything_inputs(grad=True):
+    torch.manual_seed(3)
+    w = torch.randn(3, 3, requires_grad=grad)
+    init = {"h": torch.randn(2, 3, requires_grad=grad), "n": torch.tensor(0)}
+    xs = {"a": torch.randn(6, 2, 3), "b": torch.randn(6, 2, 3, requires_grad=grad)}
+    return w, init, xs
+
+
+def loss_and_grads(fn, w, init, xs):
+    carry, ys = fn(init, xs)
+    loss = carry["h"].pow(2).sum() + ys["s"].sum()
+    return [carry, ys, *torch.autograd.grad(loss, [w, init["h"], xs["b"]])]
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_backends_match_eager_forward_and_backward(backend, reverse):
+    w, init, xs = everything_inputs()
+
+    def f(init, xs):
+        return scan(body_with_everything(w), init, xs, reverse=reverse)
+
+    want = loss_and_grads(f, w, init, xs)
+    got = loss_and_grads(torch.compile(f, backend=backend, fullgraph=True), w, init, xs)
+    assert_trees_close(got, want, atol=1e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+
+INDUCTOR_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch._inductor.fx_passes.post_grad  # inductor and Dynamo's HOP table first:
+    import torch._dynamo.variables.higher_order_ops  # import order must not matter
+    import torch
+    from torch._inductor.utils import run_and_get_code
+    import torch_scan_hop
+    sys.path.insert(0, sys.argv[1])
+    from test_compile import body_with_everything, everything_inputs, loss_and_grads
+
+    w, init, xs = everything_inputs()
+    f = lambda init, xs: torch_scan_hop.scan(body_with_everything(w), init, xs, reverse=True)
+    want = loss_and_grads(f, w, init, xs)
+    got = loss_and_grads(torch.compile(f, backend="inductor", fullgraph=True), w, init, xs)
+    flat = lambda t: [v for v in torch.utils._pytree.tree_leaves(t) if v is not None]
+    err = max(float((a.float() - b.float()).abs().max()) for a, b in zip(flat(got), flat(want)))
+    code_lines = []
+    for n in (4, 64):  # a rolled loop: the generated code does not grow with the length
+        torch._dynamo.reset()
+        g = lambda c, xs: torch_scan_hop.scan(lambda c, x: (torch.tanh(c @ w.detach() + x), c.sum()), c, xs)
+        _, codes = run_and_get_code(torch.compile(g, backend="inductor"), torch.zeros(2, 3), torch.randn(n, 2, 3))
+        code_lines.append(sum(len(c.splitlines()) for c in codes))
+    print(json.dumps({"err": err, "code_lines": code_lines}))
+""")
+
+
+def test_inductor_matches_eager_keeps_loop_rolled_and_ignores_import_order():
+    out = subprocess.run([sys.executable, "-c", INDUCTOR_SCRIPT, os.path.dirname(__file__)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["err"] < 1e-4
+    assert result["code_lines"][0] == result["code_lines"][1]
+
+
+@pytest.mark.parametrize("how", ["mark_dynamic", "dynamic=True"])
+def test_dynamic_length_compiles_once(how):
+    w = torch.randn(4, 4)
+
+    def f(c, xs):
+        return scan(lambda c, x: (torch.tanh(c @ w + x), c.sum(-1)), c, xs)
+
+    cf = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=True if how == "dynamic=True" else None)
+    for n in (3, 5, 8):
+        xs = torch.randn(n, 2, 4)
+        if how == "mark_dynamic":
+            torch._dynamo.mark_dynamic(xs, 0)
+        assert_trees_close(cf(torch.zeros(2, 4), xs), f(torch.zeros(2, 4), xs))
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_upstream_front_end_under_compile_runs_on_our_op():
+    from torch._higher_order_ops.scan import scan as upstream_scan
+
+    w = torch.randn(4, 4)
+    cell = lambda c, x: (torch.tanh(c @ w + x), c.sum(-1))  # noqa: E731
+    graphs, backend = capture_graphs()
+    c0, xs = torch.zeros(2, 4), torch.randn(5, 2, 4)
+    got = torch.compile(lambda c, xs: upstream_scan(cell, c, xs), backend=backend, fullgraph=True)(c0, xs)
+    assert_trees_close(list(got), list(scan(cell, c0, xs)))
+    assert len(scan_nodes(graphs[0])) == 1
+
+
+def test_graph_break_in_body_is_a_hard_error_naming_the_body():
+    def f(c, xs):
+        def body(c, x):
+            print("side effect")
+            return c + x, c
+        return scan(body, c, xs)
+
+    with pytest.raises(Exception, match=r"torch_scan_hop.scan: the body fn must be captured whole"):
+        torch.compile(f, backend="eager")(torch.zeros(2), torch.randn(3, 2))
+
+
+def test_non_tensor_y_leaf_is_rejected_under_compile():
+    def f(c, xs):
+        return scan(lambda c, x: (c + x, 3), c, xs)
+
+    with pytest.raises(Exception, match="non-tensor value 3"):
+        torch.compile(f, backend="eager", fullgraph=True)(torch.zeros(2), torch.randn(3, 2))
+
+
+def test_zero_length_under_compile():
+    w = torch.randn(2, 2)
+    f = lambda c, xs: scan(lambda c, x: (c @ w + x, c.sum()), c, xs)  # noqa: E731
+    c, ys = torch.compile(f, backend="aot_eager", fullgraph=True)(torch.ones(2), torch.randn(0, 2))
+    assert torch.equal(c, torch.ones(2)) and ys.shape == (0,)
+
+
+def test_compiled_autograd_captures_the_backward_scan():
+    torch.manual_seed(0)
+    model = RNN()
+    h0, xs = torch.zeros(2, 4), torch.randn(5, 2, 4)
+    c, ys = model(h0, xs)
+    (c.sum() + ys.sum()).backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager", fullgraph=True)):
+        c, ys = compiled(h0, xs)
+        (c.sum() + ys.sum()).backward()
+    assert counters["compiled_autograd"]["captures"] == 1
+    assert not counters["graph_break"]
+    assert_trees_close([p.grad for p in model.parameters()], want, atol=1e-6, rtol=1e-5)
+
+
+def test_init_error_is_reported_under_compile_too():
+    f = lambda c, xs: scan(lambda c, x: (torch.cat([c, x]), c), c, xs)  # noqa: E731
+    with pytest.raises(Exception, match=r"carry.*shape"):
+        torch.compile(f, backend="eager", fullgraph=True)(torch.zeros(2), torch.randn(3, 2))
+

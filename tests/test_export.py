@@ -1,0 +1,81 @@
+"""torch.export: one scan node over explicit parameters/buffers/constants; save/load; Dim on the length."""
+import io
+
+import expecttest
+import pytest
+import torch
+from conftest import assert_trees_close
+
+from torch_scan_hop import scan
+
+
+class ScaledRNN(torch.nn.Module):
+    """Parameters (lin), a buffer (scale) and a plain tensor attribute (bias_k) closed over."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.tensor(0.5))
+        self.bias_k = torch.randn(4)
+
+    def forward(self, h0, xs):
+        k = self.bias_k
+
+        def cell(h, x):
+            h = torch.tanh(self.lin(h) * self.scale + x + k)
+            return h, {"s": h.sum(-1), "none": None}
+
+        return scan(cell, h0, xs, reverse=True)
+
+
+def scan_nodes(gm):
+    return [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.scan]
+
+
+def round_trip(ep):
+    buf = io.BytesIO()
+    torch.export.save(ep, buf)
+    buf.seek(0)
+    return torch.export.load(buf)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_export_save_load_and_dynamic_length(strict):
+    torch.manual_seed(0)
+    model = ScaledRNN()
+    h0, xs = torch.zeros(2, 4), torch.randn(5, 2, 4)
+    length = torch.export.Dim("length", min=1, max=1024)
+    ep = torch.export.export(model, (h0, xs), strict=strict, dynamic_shapes={"h0": None, "xs": {0: length}})
+    assert len(scan_nodes(ep.graph_module)) == 1
+    loaded = round_trip(ep)
+    for n in (5, 9, 1):
+        xs_n = torch.randn(n, 2, 4)
+        assert_trees_close(loaded.module()(h0, xs_n), model(h0, xs_n), atol=1e-6, rtol=1e-5)
+    decomposed = ep.run_decompositions()
+    assert len(scan_nodes(decomposed.graph_module)) == 1
+    assert_trees_close(decomposed.module()(h0, xs), model(h0, xs), atol=1e-6, rtol=1e-5)
+
+
+class TestExportedGraph(expecttest.TestCase):
+    def test_exported_graph(self):
+        torch.manual_seed(0)
+        ep = torch.export.export(ScaledRNN(), (torch.zeros(2, 4), torch.randn(5, 2, 4)), strict=False)
+        self.assertExpectedInline(ep.graph_module.code.strip(), """\
+def forward(self, p_lin_weight, p_lin_bias, b_scale, c_bias_k, h0, xs):
+    flip = torch.ops.aten.flip.default(xs, [0]);  xs = None
+    scan_combine_graph_0 = self.scan_combine_graph_0
+    scan = torch.ops.higher_order.scan(scan_combine_graph_0, [h0], [flip], (p_lin_weight, p_lin_bias, b_scale, c_bias_k));  scan_combine_graph_0 = h0 = flip = p_lin_weight = p_lin_bias = b_scale = c_bias_k = None
+    getitem = scan[0]
+    getitem_1 = scan[1];  scan = None
+    flip_1 = torch.ops.aten.flip.default(getitem_1, [0]);  getitem_1 = None
+    return (getitem, flip_1, None)""")
+        body = getattr(ep.graph_module, scan_nodes(ep.graph_module)[0].args[0].target)
+        self.assertExpectedInline(body.code.strip(), """\
+def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1):
+    linear = torch.ops.aten.linear.default(arg0_1, arg2_1, arg3_1);  arg0_1 = arg2_1 = arg3_1 = None
+    mul = torch.ops.aten.mul.Tensor(linear, arg4_1);  linear = arg4_1 = None
+    add = torch.ops.aten.add.Tensor(mul, arg1_1);  mul = arg1_1 = None
+    add_1 = torch.ops.aten.add.Tensor(add, arg5_1);  add = arg5_1 = None
+    tanh = torch.ops.aten.tanh.default(add_1);  add_1 = None
+    sum_1 = torch.ops.aten.sum.dim_IntList(tanh, [-1])
+    return [tanh, sum_1]""")
