@@ -257,3 +257,20 @@ def test_init_error_is_reported_under_compile_too():
     with pytest.raises(Exception, match=r"carry.*shape"):
         torch.compile(f, backend="eager", fullgraph=True)(torch.zeros(2), torch.randn(3, 2))
 
+
+
+@pytest.mark.parametrize("unroll", [2, 4, 7])
+def test_unroll_under_compile_is_a_blocked_loop_with_same_values(unroll):
+    w, init, xs = everything_inputs()
+    fw = []
+    backend = aot_autograd(fw_compiler=lambda gm, _: fw.append(gm) or gm.forward)
+
+    def f(init, xs):
+        return scan(body_with_everything(w), init, xs, reverse=True, unroll=unroll)
+
+    want = loss_and_grads(f, w, init, xs)
+    got = loss_and_grads(torch.compile(f, backend=backend, fullgraph=True), w, init, xs)
+    assert_trees_close(got, want, atol=1e-5, rtol=1e-5)
+    # length 6: one scan over blocks of `unroll` steps, plus a remainder scan unless it divides 6
+    # (unroll > length: a plain scan)
+    assert len(scan_nodes(fw[0])) == (2 if unroll < 6 and 6 % unroll else 1)

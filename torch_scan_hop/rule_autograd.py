@@ -93,9 +93,10 @@ def _bwd_step_graph(plan):
 
 class ScanAutogradFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, plan, num_init, num_xs, *flat):
+    def forward(ctx, plan, unroll, num_init, num_xs, *flat):
         init, xs, lifted = flat[:num_init], flat[num_init:num_init + num_xs], flat[num_init + num_xs:]
-        out = scan_op(plan.fwd_step, init, xs, lifted, reverse=plan.reverse)
+        out = scan_op(plan.fwd_step, init, xs, lifted, reverse=plan.reverse, unroll=unroll)
+        ctx.unroll = unroll
         num_out = num_init + plan.fb.num_y
         result, step_saved = out[:num_out], out[num_out:]
         ctx.plan, ctx.num_init, ctx.num_xs = plan, num_init, num_xs
@@ -123,12 +124,12 @@ class ScanAutogradFn(torch.autograd.Function):
         g_y = [_grad_or_zeros(grads[num_init + j], ctx.out_meta[num_init + j]) for j in plan.y_grad]
         g_sum0 = [torch.zeros_like(lifted[i]) for i in plan.lifted_grad]
         out = scan_op(plan.bwd_step, [*g_carry, *g_sum0], [*step_saved, *xs_needed, *g_y],
-                      tuple(lifted_needed), reverse=not plan.reverse)
+                      tuple(lifted_needed), reverse=not plan.reverse, unroll=ctx.unroll)
         it = iter(out)
         g_init = dict(zip(plan.carry_grad, [next(it) for _ in plan.carry_grad]))
         g_lifted = dict(zip(plan.lifted_grad, [next(it) for _ in plan.lifted_grad]))
         g_xs = dict(zip(plan.x_grad, [next(it) for _ in plan.x_grad]))
-        return (None, None, None,
+        return (None, None, None, None,
                 *(g_init.get(i) for i in range(num_init)),
                 *(g_xs.get(i) for i in range(ctx.num_xs)),
                 *(g_lifted.get(i) for i in range(len(lifted))))
@@ -172,4 +173,4 @@ def scan_autograd(combine_fn, init, xs, additional_inputs, *, reverse=False, rem
         plan = build()
     else:
         plan = _cache.plan_for(combine_fn, init, xs, additional_inputs, reverse, remat, build)
-    return list(ScanAutogradFn.apply(plan, len(init), len(xs), *flat))
+    return list(ScanAutogradFn.apply(plan, unroll, len(init), len(xs), *flat))

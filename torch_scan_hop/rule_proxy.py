@@ -2,8 +2,9 @@
 
 The emitted node has upstream's exact form (no kwargs), because inductor's
 ``decompose_scan_to_while_loop`` and the exporters read it positionally:
-``reverse`` becomes ``flip`` around the node, ``remat``/``unroll`` were
-already consumed by the autograd/XLA rules.
+``reverse`` becomes ``flip`` around the node, ``unroll=k`` a k-step body over
+blocks of k slices (plus a remainder scan), ``remat`` was consumed by the
+autograd rule.
 """
 import torch
 import torch.utils._pytree as pytree
@@ -41,13 +42,50 @@ def emit_scan_node(mode, combine_fn, init, xs, additional_inputs):
     return _compat.track_tensor_tree(out, out_proxy, constant=None, tracer=mode.tracer)
 
 
+def _unrolled_body(combine_fn, num_carry, num_x, k):
+    """k steps of combine_fn over x blocks of k slices: one loop iteration = k body calls."""
+
+    def body(*args):
+        carry, blocks, rest = args[:num_carry], args[num_carry:num_carry + num_x], args[num_carry + num_x:]
+        ys = []
+        for j in range(k):
+            carry, y = split_out(combine_fn(*carry, *(b[j] for b in blocks), *rest), num_carry)
+            ys.append(y)
+        return [*carry, *(torch.stack(col) for col in zip(*ys))]
+
+    return body
+
+
+def _forward_scan(mode, combine_fn, init, xs, additional_inputs, unroll):
+    """Scan in input order; ``unroll=k`` (static length) scans blocks of k steps
+    with a k-step body, then the remainder with the plain body."""
+    length = xs[0].shape[0]
+    if unroll <= 1 or not isinstance(length, int) or length < unroll:
+        return emit_scan_node(mode, combine_fn, init, xs, additional_inputs)
+    nc, blocks, main = len(init), length // unroll, (length // unroll) * unroll
+    with mode:
+        head = [x[:main].reshape(blocks, unroll, *x.shape[1:]) for x in xs]
+    body = _unrolled_body(combine_fn, nc, len(xs), unroll)
+    carry, ys = split_out(emit_scan_node(mode, body, init, head, additional_inputs), nc)
+    with mode:
+        ys = [y.reshape(main, *y.shape[2:]) for y in ys]
+    if main == length:
+        return (*carry, *ys)
+    with mode:
+        tail = [x[main:] for x in xs]
+    carry, tail_ys = split_out(emit_scan_node(mode, combine_fn, carry, tail, additional_inputs), nc)
+    with mode:
+        return (*carry, *(torch.cat([a, b]) for a, b in zip(ys, tail_ys)))
+
+
 @scan_op.py_impl(_compat.ProxyTorchDispatchMode)
 def scan_proxy(mode, combine_fn, init, xs, additional_inputs, *, reverse=False, remat=None, unroll=1):
+    if reverse:
+        with mode:
+            xs = [torch.flip(x, [0]) for x in xs]
+    out = _forward_scan(mode, combine_fn, init, xs, additional_inputs, unroll)
     if not reverse:
-        return emit_scan_node(mode, combine_fn, init, xs, additional_inputs)
-    with mode:
-        xs = [torch.flip(x, [0]) for x in xs]
-    out = emit_scan_node(mode, combine_fn, init, xs, additional_inputs)
+        return tuple(out)
     carry, ys = split_out(out, len(init))
     with mode:
         return tuple(carry + [torch.flip(y, [0]) for y in ys])
