@@ -26,16 +26,42 @@ def _body_outputs(body):
     return [n.meta["val"] for n in out]
 
 
+class ScanWithBody:
+    """``scan_op`` with its body bound: the node target used for XLA tensors.
+
+    torch_xla's Dynamo bridge (backend="openxla") partitions the graph and
+    passes every non-call node feeding a fused region as an argument; a body
+    GraphModule (the usual ``get_attr`` first argument) is rejected there. With
+    the body inside the target, the node's inputs are tensors only.
+    """
+
+    __name__ = __qualname__ = "scan_with_body"
+
+    def __init__(self, body):
+        self.body = body
+
+    def __call__(self, init, xs, additional_inputs):
+        return tuple(scan_op(self.body, init, xs, additional_inputs))
+
+
+def _on_xla(init, xs):
+    return any(t.device.type == "xla" for t in (*init, *xs))
+
+
 def emit_scan_node(mode, combine_fn, init, xs, additional_inputs):
     body = trace_body(combine_fn, init, xs, additional_inputs)
     with _compat.disable_proxy_modes_tracing():
         check_graph_mutation(body, len(init), len(xs))
     check_body_carry(init, _body_outputs(body)[: len(init)])
-    _, name = _compat.unique_graph_id(mode, prefix="scan_combine_graph")
-    mode.tracer.root.register_module(name, body)
-    args = (body, list(init), list(xs), tuple(additional_inputs))
+    args = (list(init), list(xs), tuple(additional_inputs))
+    if _on_xla(init, xs):
+        target = ScanWithBody(body)
+    else:
+        _, name = _compat.unique_graph_id(mode, prefix="scan_combine_graph")
+        mode.tracer.root.register_module(name, body)
+        target, args = scan_op, (body, *args)
     proxy_args = pytree.tree_map(mode.tracer.unwrap_proxy, args)
-    out_proxy = mode.tracer.create_proxy("call_function", scan_op, proxy_args, {}, name="scan")
+    out_proxy = mode.tracer.create_proxy("call_function", target, proxy_args, {}, name="scan")
     with _compat.disable_proxy_modes_tracing():
         # a tuple: torch.export's serializer only knows tuple outputs of HOPs
         out = tuple(scan_op(body, list(init), list(xs), tuple(additional_inputs)))
