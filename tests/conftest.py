@@ -8,6 +8,12 @@ import torch.utils._pytree as pytree  # noqa: E402
 
 import torch_scan_hop  # noqa: E402,F401
 
+try:  # start the XLA runtime before any backward: the autograd engine sizes its
+    import torch_xla  # per-device queues at its first use, and an XLA backward
+    torch_xla.device()  # after that would hit an internal assert
+except ImportError:
+    pass
+
 
 @pytest.fixture(autouse=True)
 def _seed():

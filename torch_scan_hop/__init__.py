@@ -9,9 +9,10 @@ from ._cache import clear as clear_cache
 from ._trees import ScanError
 from .api import scan
 from .graphs import fwd_bwd
+from .layers import scan_layers
 from .partition import FwdBwd
 
 _compat.install_as_upstream_scan(scan_op)
 rule_dynamo.install()
 
-__all__ = ["scan", "scan_op", "fwd_bwd", "ScanError", "FwdBwd", "clear_cache"]
+__all__ = ["scan", "scan_layers", "scan_op", "fwd_bwd", "ScanError", "FwdBwd", "clear_cache"]

@@ -46,9 +46,19 @@ def fuse_accumulate(graph, add_node):
     return fused
 
 
+def _views_to_reshapes(graph):
+    """Per-step inputs of a step graph are slices of stacked tensors, which are
+    contiguous even where the traced value was not (a saved transpose, say):
+    a ``view`` that relied on the traced strides would fail, ``reshape`` adapts."""
+    for node in graph.nodes:
+        if _is(node, aten.view.default) or _is(node, aten._unsafe_view.default):
+            node.target = aten.reshape.default
+
+
 def simplify(gm):
     """Apply the rewrites in place; return gm."""
     _drop_detach(gm.graph)
+    _views_to_reshapes(gm.graph)
     _fold_double_transpose(gm.graph)
     gm.graph.eliminate_dead_code()
     gm.recompile()

@@ -11,6 +11,7 @@ for a whole model. The result has a documented, stable signature::
 ignored; pass None) and returns one per input (None where an input has no
 gradient: integer inputs, or x/lifted inputs that do not require grad).
 """
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -61,7 +62,9 @@ def _recompute_all_partition(joint, _inputs, *, num_fwd_outputs):
     saved = [n for n in joint.graph.find_nodes(op="placeholder") if "tangents" not in n.target]
     for n in joint.graph.nodes:
         if n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
-            saved.append(n)
+            # multi-output ops (SDPA's CPU kernel, say) are saved through their getitems
+            saved.extend([u for u in n.users if u.target is operator.getitem]
+                         if isinstance(n.meta.get("val"), (tuple, list)) else [n])
     return _compat.extract_fwd_bwd(joint, saved, num_fwd_outputs)
 
 
@@ -150,6 +153,30 @@ def _input_kind(i, num_carry, num_x):
     return ("lifted", i - num_carry - num_x)
 
 
+def _inline_constant_saves(fwd, bwd, num_outputs):
+    """Saved plain Python numbers (static sizes the backward reads) become
+    constants of the backward graph instead of per-step saved values."""
+    fwd_out = fwd.graph.find_nodes(op="output")[0]
+    (outs,) = fwd_out.args
+    saved = list(outs[num_outputs:])
+    bwd_inputs = list(bwd.graph.find_nodes(op="placeholder"))
+    keep = []
+    for node, ph in zip(saved, bwd_inputs):
+        val = node.meta.get("val")
+        if isinstance(val, (int, float, bool)) and not isinstance(val, torch.SymInt):
+            ph.replace_all_uses_with(val)
+            bwd.graph.erase_node(ph)
+        else:
+            keep.append(node)
+    if len(keep) == len(saved):
+        return fwd, bwd
+    fwd_out.args = (tuple(outs[:num_outputs]) + tuple(keep),)
+    for gm in (fwd, bwd):
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return fwd, bwd
+
+
 def _classify_saved(fwd, num_outputs, num_carry, num_x):
     placeholders = list(fwd.graph.find_nodes(op="placeholder"))
     (outs,) = fwd.graph.find_nodes(op="output")[0].args
@@ -191,6 +218,7 @@ def partition_body(body: Callable, carry, x, lifted, grad_mask, remat="save_all"
     _name_joint_placeholders(joint, len(primals))
     fwd, bwd = _partition_fn(remat)(joint, [*primals, *tangents], num_fwd_outputs=len(out_vals))
     fwd, bwd = _hoist_invariant_saves(joint, fwd, bwd, len(out_vals), num_carry + num_x)
+    fwd, bwd = _inline_constant_saves(fwd, bwd, len(out_vals))
     fwd, bwd = simplify(fwd), simplify(bwd)
     return FwdBwd(
         fwd=fwd, bwd=bwd, num_carry=num_carry, num_x=num_x, num_lifted=len(lifted),
