@@ -274,3 +274,20 @@ def test_unroll_under_compile_is_a_blocked_loop_with_same_values(unroll):
     # length 6: one scan over blocks of `unroll` steps, plus a remainder scan unless it divides 6
     # (unroll > length: a plain scan)
     assert len(scan_nodes(fw[0])) == (2 if unroll < 6 and 6 % unroll else 1)
+
+
+def test_mark_dynamic_length_training_compiles_once():
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def loss(c, xs):
+        c, ys = scan(lambda c, x: (torch.tanh(c @ w + x), c.sum(-1)), c, xs)
+        return c.sum() + ys.sum()
+
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    for n in (3, 5, 8):
+        xs = torch.randn(n, 2, 4)
+        torch._dynamo.mark_dynamic(xs, 0)
+        (got,) = torch.autograd.grad(compiled(torch.zeros(2, 4), xs), w)
+        (want,) = torch.autograd.grad(loss(torch.zeros(2, 4), xs), w)
+        torch.testing.assert_close(got, want)
+    assert counters["stats"]["unique_graphs"] == 1

@@ -192,6 +192,18 @@ def _classify_saved(fwd, num_outputs, num_carry, num_x):
     ]
 
 
+def _output_metas(gm):
+    """The body's output values (for their shape/dtype) from its graph, when it
+    is one that carries them: saves a trace of the body."""
+    if not isinstance(gm, torch.fx.GraphModule):
+        return None
+    outs = gm.graph.find_nodes(op="output")
+    if not outs or not isinstance(outs[0].args[0], (list, tuple)):
+        return None
+    vals = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in outs[0].args[0]]
+    return vals if all(isinstance(v, torch.Tensor) for v in vals) else None
+
+
 def partition_body(body: Callable, carry, x, lifted, grad_mask, remat="save_all") -> FwdBwd:
     """Trace and partition one step of ``body(*carry, *x, *lifted) -> [*new_carry, *y]``.
 
@@ -201,9 +213,7 @@ def partition_body(body: Callable, carry, x, lifted, grad_mask, remat="save_all"
     num_carry, num_x = len(carry), len(x)
     with _compat.disable_proxy_modes_tracing():  # example values, not part of any graph
         examples = [e.detach() if isinstance(e, torch.Tensor) else e for e in (*carry, *x, *lifted)]
-    out_graph = _compat.trace_graph(body, examples)
-    (out_nodes,) = out_graph.graph.find_nodes(op="output")[0].args
-    out_vals = [n.meta["val"] for n in out_nodes]
+    out_vals = _output_metas(body) or _output_metas(_compat.trace_graph(body, examples))
     with _compat.disable_proxy_modes_tracing():
         primals = [e.detach().requires_grad_(bool(m)) if isinstance(e, torch.Tensor) else e
                    for e, m in zip(examples, grad_mask)]

@@ -1,0 +1,128 @@
+"""scan_layers vs torch_xla's scan_layers vs the for-loop: a decoder stack 8, 32 and 64 deep.
+
+Pre-norm decoder block (hidden 128, 4 heads, causal attention), batch 4, sequence 16, training
+step (forward + backward). On XLA (CPU): first call (trace + compile + run) and steady step
+time. Under inductor (CPU): compile (first call) and steady step time. One table each and a
+PNG plot of the XLA first-call times.
+Targets: compile time flat in depth and <= torch_xla's scan_layers; steady step <= 1.2x the loop.
+Run: python benchmarks/layers.py [--depths 8,32,64] [--plot benchmarks/layers.png] [--skip-inductor]
+"""
+import copy
+import os
+import sys
+import time
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.dirname(__file__))
+from _timing import print_table  # noqa: E402
+from decoder import make_stack, run_loop  # noqa: E402
+
+from torch_scan_hop import scan_layers  # noqa: E402
+
+D, HEADS, BATCH, SEQ = 128, 4, 4, 16
+
+
+def ours(layers, x):
+    return scan_layers(layers, x)
+
+
+def torch_xla_scan_layers(layers, x):
+    from torch_xla.experimental.scan_layers import scan_layers as txla
+
+    return txla(layers, x)
+
+
+def step(fn, layers, x, sync):
+    layers.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    fn(layers, x).pow(2).mean().backward()
+    sync([p.grad for p in layers.parameters()])
+    return time.perf_counter() - t0
+
+
+def measure(fn, layers, x, sync, reps=3):
+    first = step(fn, layers, x, sync)
+    return first, min(step(fn, layers, x, sync) for _ in range(reps))
+
+
+def xla_table(depths):
+    import torch_xla
+
+    dev = torch_xla.device()
+
+    def sync(tensors):
+        torch_xla.sync()
+        torch_xla._XLAC._xla_wait_device_ops([])  # noqa: SLF001
+        tensors[0].cpu()
+
+    results = {}
+    for depth in depths:
+        base = make_stack(depth, D, HEADS)
+        x = torch.randn(BATCH, SEQ, D).to(dev)
+        for name, fn in (("ours", ours), ("torch_xla", torch_xla_scan_layers), ("loop", run_loop)):
+            results[name, depth] = measure(fn, copy.deepcopy(base).to(dev), x, sync)
+    return results
+
+
+def inductor_table(depths):
+    results = {}
+    for depth in depths:
+        base = make_stack(depth, D, HEADS)
+        x = torch.randn(BATCH, SEQ, D)
+        for name, fn in (("ours", ours), ("loop", run_loop)):
+            torch._dynamo.reset()
+            results[name, depth] = measure(torch.compile(fn, backend="inductor"), copy.deepcopy(base), x,
+                                           lambda ts: None)
+    return results
+
+
+def report(title, results, depths, names):
+    rows = []
+    for d in depths:
+        loop_first, loop_run = results["loop", d]
+        row = [d]
+        for n in names:
+            first, run = results[n, d]
+            row += [f"{first:.2f}", f"{run * 1e3:.1f}", f"{run / loop_run:.2f}x"]
+        rows.append(row)
+    print(title)
+    print_table(["depth"] + [f"{n} {c}" for n in names for c in ("1st s", "step ms", "/loop")], rows)
+
+
+def plot(results, depths, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in ("ours", "torch_xla", "loop"):
+        ax.plot(depths, [results[name, d][0] for d in depths], marker="o", label=name)
+    ax.set(xlabel="depth (layers)", ylabel="first training step: trace + compile + run (s)",
+           title=f"decoder stack on XLA (CPU), hidden {D}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"plot written to {path}")
+
+
+def main():
+    depths = [8, 32, 64]
+    if "--depths" in sys.argv:
+        depths = [int(v) for v in sys.argv[sys.argv.index("--depths") + 1].split(",")]
+    xla = xla_table(depths)
+    report(f"XLA (CPU) training step, decoder hidden {D}, batch {BATCH}x{SEQ}", xla, depths,
+           ["ours", "torch_xla", "loop"])
+    if "--plot" in sys.argv:
+        plot(xla, depths, sys.argv[sys.argv.index("--plot") + 1])
+    if "--skip-inductor" not in sys.argv:
+        torch.set_num_threads(1)
+        report("inductor (CPU) training step", inductor_table(depths), depths, ["ours", "loop"])
+
+
+if __name__ == "__main__":
+    main()
