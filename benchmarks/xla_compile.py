@@ -20,6 +20,7 @@ import torch  # noqa: E402
 import torch_xla  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _rnn import cell, run_loop  # noqa: E402
 from _timing import print_table  # noqa: E402
 
 H, B = 64, 8
@@ -33,12 +34,6 @@ def make_inputs(n, batch=B):
     w = (torch.randn(H, H, generator=g) * 0.1).to(DEV)
     return w, torch.zeros(batch, H).to(DEV), torch.randn(n, batch, H, generator=g).to(DEV)
 
-
-def cell(w):
-    def body(c, x):
-        c = torch.tanh(c @ w + x)
-        return c, c.sum(-1)
-    return body
 
 
 def run_ours(w, c0, xs):
@@ -63,14 +58,6 @@ def run_upstream(w, c0, xs):
     from torch._higher_order_ops.scan import scan
 
     return scan(lambda c, x: cell(w)(c, x), c0, xs)
-
-
-def run_loop(w, c0, xs):
-    body, c, ys = cell(w), c0, []
-    for x in xs:
-        c, y = body(c, x)
-        ys.append(y)
-    return c, torch.stack(ys)
 
 
 def one_call(runner, inputs, train):
