@@ -81,7 +81,7 @@ def test_bad_options():
         scan(lambda c, x: (c, x), torch.zeros(()), torch.zeros(2), remat="everything")
     with raises("length must be a non-negative int"):
         scan(lambda c, x: (c, x), torch.zeros(()), length=-1)
-    with raises("unroll must be an int >= 1"):
+    with raises("unroll must be None or an int >= 1"):
         scan(lambda c, x: (c, x), torch.zeros(()), torch.zeros(2), unroll=0)
     with raises("reverse must be a bool"):
         scan(lambda c, x: (c, x), torch.zeros(()), torch.zeros(2), reverse="yes")

@@ -8,7 +8,7 @@ from ._trees import (
     ScanError, ScanInputs, check_carry, check_pair, flatten_y, prepare_inputs,
 )
 from .partition import REMAT
-from .rule_dynamo import dynamo_body
+from .rule_dynamo import AUTO_UNROLL, dynamo_body
 from .rule_eager import stack_column, stack_ys
 
 
@@ -40,11 +40,11 @@ def _check_options(fn, reverse, remat, unroll):
         raise ScanError(f"scan: reverse must be a bool, got {reverse!r}.")
     if not (callable(remat) or remat in REMAT):
         raise ScanError(f"scan: remat={remat!r} is not a policy; use one of {REMAT} or a partition function.")
-    if not isinstance(unroll, int) or isinstance(unroll, bool) or unroll < 1:
-        raise ScanError(f"scan: unroll must be an int >= 1, got {unroll!r}.")
+    if unroll is not None and (not isinstance(unroll, int) or isinstance(unroll, bool) or unroll < 1):
+        raise ScanError(f"scan: unroll must be None or an int >= 1, got {unroll!r}.")
 
 
-def scan(fn, init, xs=None, *, length=None, reverse=False, dim=0, remat="save_all", unroll=1):
+def scan(fn, init, xs=None, *, length=None, reverse=False, dim=0, remat="save_all", unroll=None):
     """Loop ``fn(carry, x) -> (new_carry, y)`` over ``xs`` along ``dim``.
 
     Returns ``(final_carry, ys)`` with the ys stacked along dim 0 in input order
@@ -59,13 +59,13 @@ def scan(fn, init, xs=None, *, length=None, reverse=False, dim=0, remat="save_al
     inputs = prepare_inputs(init, xs, length, dim)
     if _compat.is_dynamo_compiling():  # rule_dynamo captures fn as a subgraph, closures lifted
         out = scan_op(dynamo_body(fn, inputs), inputs.init_leaves, inputs.xs_leaves, (),
-                      reverse=reverse, remat=remat, unroll=unroll)
+                      reverse=reverse, remat=remat, unroll=AUTO_UNROLL if unroll is None else unroll)
         return inputs.init_spec.unflatten(out[:inputs.num_carry]), out[inputs.num_carry]
     if _can_run_fast_eager(inputs):
         result = _fast_eager(fn, inputs, reverse)
         if result is not None:
             return result
-    flat_out, y_spec = _call_op(fn, inputs, reverse=reverse, remat=remat, unroll=unroll)
+    flat_out, y_spec = _call_op(fn, inputs, reverse=reverse, remat=remat, unroll=unroll or 1)
     nc = inputs.num_carry
     carry = inputs.init_spec.unflatten(flat_out[:nc])
     return carry, y_spec.unflatten(flat_out[nc:])

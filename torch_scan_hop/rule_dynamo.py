@@ -21,6 +21,8 @@ from ._trees import ScanError, check_carry, check_pair
 
 
 _ERROR = "__torch_scan_hop_error__"
+AUTO_UNROLL = "auto"  # scan(unroll=None) under torch.compile: the tracker picks
+_AUTO_MIN_LENGTH, _AUTO_BLOCK = 16, 8
 
 
 def pytree_step(*flat, fn, inputs):
@@ -75,7 +77,9 @@ def _make_tracker_class():
                 unimplemented(f"scan: expected (combine_fn, init, xs, additional_inputs), got {len(args)} args")
             combine_fn, init, xs, additional = args
             _materialize_lazy_graph(combine_fn)
-            options = _non_default_options({k: v.as_python_constant() for k, v in kwargs.items()})
+            options = {k: v.as_python_constant() for k, v in kwargs.items()}
+            options["unroll"] = _resolve_unroll(tx, options.get("unroll", 1), xs.unpack_var_sequence(tx))
+            options = _non_default_options(options)
             init_vars, xs_vars = init.unpack_var_sequence(tx), xs.unpack_var_sequence(tx)
             add_vars = additional.unpack_var_sequence(tx)
             with hops.discard_graph_changes(tx):
@@ -124,6 +128,21 @@ def _allow_scalar_outputs(tx):
     ``aten._local_scalar_dense`` (pytorch 153437); that needs this frame's
     ShapeEnv to accept scalar outputs, which users should not have to set up."""
     _compat.allow_scalar_outputs(tx.output.shape_env)
+
+
+def _resolve_unroll(tx, unroll, xs_vars):
+    """``unroll=None`` under torch.compile: blocks of 8 steps per loop iteration
+    for a static length >= 16 (inductor's while_loop pays a fixed cost per
+    iteration, ~as much as a small RNN step), else 1. Export keeps the plain
+    one-node form."""
+    if unroll != AUTO_UNROLL:
+        return unroll
+    from torch._dynamo.utils import get_fake_value
+
+    length = get_fake_value(xs_vars[0].as_proxy().node, tx).shape[0] if xs_vars else None
+    if getattr(tx.output, "export", False) or not isinstance(length, int) or length < _AUTO_MIN_LENGTH:
+        return 1
+    return _AUTO_BLOCK
 
 
 def _non_default_options(options):
