@@ -309,3 +309,17 @@ def test_default_unroll_blocks_long_static_scans_under_compile(unroll, length, s
     (node,) = scan_nodes(graphs[0])
     body = getattr(graphs[0], node.args[0].target)
     assert sum(n.target is torch.ops.aten.tanh.default for n in body.graph.nodes) == steps_per_iteration
+
+
+def test_scan_without_ys_compiles_with_inductor():
+    """Inductor's scan->while_loop rewrite needs at least one y; the proxy rule adds a scalar one."""
+    w = torch.randn(4, 4)
+
+    def f(c, xs):
+        return scan(lambda c, x: (torch.tanh(c @ w + x), None), c, xs)
+
+    c0, xs = torch.zeros(2, 4), torch.randn(20, 2, 4)
+    with torch.no_grad():
+        c, ys = torch.compile(f, backend="inductor", fullgraph=True)(c0, xs)
+    assert ys is None
+    torch.testing.assert_close(c, f(c0, xs)[0])

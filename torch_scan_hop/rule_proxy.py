@@ -6,6 +6,8 @@ The emitted node has upstream's exact form (no kwargs), because inductor's
 blocks of k slices (plus a remainder scan), ``remat`` was consumed by the
 autograd rule.
 """
+import contextlib
+
 import torch
 import torch.utils._pytree as pytree
 
@@ -48,11 +50,33 @@ def _on_xla(init, xs):
     return any(t.device.type == "xla" for t in (*init, *xs))
 
 
+def _add_dummy_y(body, device):
+    """Inductor's scan->while_loop rewrite fails on a scan without ys (its
+    output is not unpacked as a tuple); one scalar per step avoids that."""
+    out = body.graph.find_nodes(op="output")[0]
+    with body.graph.inserting_before(out):
+        dummy = body.graph.call_function(torch.ops.aten.zeros.default, ([],), {"device": device})
+    carry_val = _body_outputs(body)[0]
+    fake_mode = getattr(carry_val, "fake_mode", None)
+    with _compat.disable_proxy_modes_tracing(), (fake_mode or contextlib.nullcontext()):
+        dummy.meta["val"] = torch.zeros((), device=device)  # exporters need a val on every node
+    out.args = (list(out.args[0]) + [dummy],)
+    body.recompile()
+
+
 def emit_scan_node(mode, combine_fn, init, xs, additional_inputs):
     body = trace_body(combine_fn, init, xs, additional_inputs)
     with _compat.disable_proxy_modes_tracing():
         check_graph_mutation(body, len(init), len(xs))
     check_body_carry(init, _body_outputs(body)[: len(init)])
+    if len(_body_outputs(body)) == len(init) and init:
+        _add_dummy_y(body, init[0].device)
+        return emit_scan_node_of(mode, body, init, xs, additional_inputs)[: len(init)]
+    return emit_scan_node_of(mode, body, init, xs, additional_inputs)
+
+
+def emit_scan_node_of(mode, body, init, xs, additional_inputs):
+    """Record one scan node running the traced ``body``."""
     args = (list(init), list(xs), tuple(additional_inputs))
     if _on_xla(init, xs):
         target = ScanWithBody(body)
