@@ -323,3 +323,21 @@ def test_scan_without_ys_compiles_with_inductor():
         c, ys = torch.compile(f, backend="inductor", fullgraph=True)(c0, xs)
     assert ys is None
     torch.testing.assert_close(c, f(c0, xs)[0])
+
+
+def test_dynamic_true_training_matches_eager_and_compiles_once():
+    """Symbolic per-step shapes: the backward's saved sizes are evaluated once, not stacked."""
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def loss(c, xs):
+        c, ys = scan(lambda c, x: (torch.tanh(c @ w + x), c.sum(-1)), c, xs, reverse=True)
+        return c.pow(2).sum() + ys.sum()
+
+    compiled = torch.compile(loss, backend="aot_eager", dynamic=True)
+    for n, batch in ((3, 2), (5, 3), (8, 2)):
+        c0 = torch.randn(batch, 4, requires_grad=True)
+        xs = torch.randn(n, batch, 4)
+        got = torch.autograd.grad(compiled(c0, xs), (w, c0))
+        want = torch.autograd.grad(loss(c0, xs), (w, c0))
+        assert_trees_close(list(got), list(want), atol=1e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1

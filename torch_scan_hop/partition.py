@@ -181,15 +181,13 @@ def _classify_saved(fwd, num_outputs, num_carry, num_x):
     placeholders = list(fwd.graph.find_nodes(op="placeholder"))
     (outs,) = fwd.graph.find_nodes(op="output")[0].args
     saved_nodes = list(outs[num_outputs:])
-    if any(not isinstance(n.meta.get("val"), torch.Tensor) for n in saved_nodes):
-        raise NotImplementedError(
-            "scan: the body's backward needs a symbolic size saved from the forward; "
-            "scan autograd supports bodies with static slice shapes only for now."
-        )
-    return [
-        _input_kind(placeholders.index(n), num_carry, num_x) if n.op == "placeholder" else ("step", None)
-        for n in saved_nodes
-    ]
+
+    def kind(n):
+        if isinstance(n.meta.get("val"), torch.SymInt):  # a symbolic size: the same every step
+            return ("sym", None)
+        return _input_kind(placeholders.index(n), num_carry, num_x) if n.op == "placeholder" else ("step", None)
+
+    return [kind(n) for n in saved_nodes]
 
 
 def _output_metas(gm):

@@ -19,6 +19,18 @@ from ._trees import ScanError
 from .partition import FwdBwd, _differentiable, partition_body
 
 
+def _sym_graph(fb: FwdBwd, sym_saved):
+    """fwd graph trimmed to the symbolic sizes the backward needs (they depend on
+    shapes only, so one evaluation on the inputs serves every step)."""
+    gm = torch.fx.GraphModule(fb.fwd, copy.deepcopy(fb.fwd.graph))
+    out_node = gm.graph.find_nodes(op="output")[0]
+    (outs,) = out_node.args
+    out_node.args = ([outs[fb.num_carry + fb.num_y + i] for i in sym_saved],)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
 def _fwd_step_graph(fb: FwdBwd, step_saved):
     """fwd graph trimmed to (*new_carry, *y, *per-step saved); outputs that are
     inputs get a clone so the body never returns an alias of its argument."""
@@ -45,6 +57,8 @@ class ScanGradPlan:
         self.step_saved = [i for i, (k, _) in enumerate(kinds) if k in ("step", "carry")]
         self.x_needed = sorted({j for k, j in kinds if k == "x"})
         self.lifted_needed = sorted({j for k, j in kinds if k == "lifted"})
+        self.sym_saved = [i for i, (k, _) in enumerate(kinds) if k == "sym"]
+        self.sym_graph = _sym_graph(fb, self.sym_saved) if self.sym_saved else None
         self.fwd_step = _fwd_step_graph(fb, self.step_saved)
         nc, nx = fb.num_carry, fb.num_x
         self.carry_grad = [i for i in range(nc) if fb.grad_mask[i]]
@@ -58,7 +72,7 @@ class ScanGradPlan:
 def _bwd_step_graph(plan):
     """The backward scan's body as one GraphModule:
 
-        (*g_carry, *g_lifted_sum, *step_saved, *x_needed, *g_y, *lifted_needed)
+        (*g_carry, *g_lifted_sum, *step_saved, *x_needed, *g_y, *lifted_needed, *sym_sizes)
             -> [*g_carry_in, *g_lifted_sum + g_lifted, *g_x]
 
     ``fb.bwd``'s nodes are inlined behind placeholders in that order, so each
@@ -77,8 +91,12 @@ def _bwd_step_graph(plan):
     xs = dict(zip(plan.x_needed, inputs("x", len(plan.x_needed))))
     g_y = dict(zip(plan.y_grad, inputs("g_y", len(plan.y_grad))))
     lifted = dict(zip(plan.lifted_needed, inputs("lifted", len(plan.lifted_needed))))
-    saved = [next(step) if k in ("step", "carry") else (xs[j] if k == "x" else lifted[j])
+    syms = iter(inputs("sym", len(plan.sym_saved)))
+    saved = [next(step) if k in ("step", "carry") else next(syms) if k == "sym" else (xs[j] if k == "x" else lifted[j])
              for k, j in fb.saved_from]
+    # AOT partitions return saved sizes after saved tensors but take them first
+    is_sym = [k == "sym" for k, _ in fb.saved_from]
+    saved = [v for v, m in zip(saved, is_sym) if m] + [v for v, m in zip(saved, is_sym) if not m]
     tangents = [None] * fb.num_carry + [g_y.get(j) for j in range(fb.num_y)]
     for i, g in zip(plan.carry_grad, g_carry):
         tangents[i] = g
@@ -99,6 +117,8 @@ class ScanAutogradFn(torch.autograd.Function):
         ctx.unroll = unroll
         num_out = num_init + plan.fb.num_y
         result, step_saved = out[:num_out], out[num_out:]
+        ctx.sym_sizes = [] if plan.sym_graph is None else list(plan.sym_graph(
+            *init, *(x.new_empty(x.shape[1:]) for x in xs), *lifted))
         ctx.plan, ctx.num_init, ctx.num_xs = plan, num_init, num_xs
         # additional inputs may be SymInts (Dynamo lifts free symbols): only tensors are saved
         ctx.lifted_scalars = [None if isinstance(a, torch.Tensor) else a for a in lifted]
@@ -124,7 +144,7 @@ class ScanAutogradFn(torch.autograd.Function):
         g_y = [_grad_or_zeros(grads[num_init + j], ctx.out_meta[num_init + j]) for j in plan.y_grad]
         g_sum0 = [torch.zeros_like(lifted[i]) for i in plan.lifted_grad]
         out = scan_op(plan.bwd_step, [*g_carry, *g_sum0], [*step_saved, *xs_needed, *g_y],
-                      tuple(lifted_needed), reverse=not plan.reverse, unroll=ctx.unroll)
+                      (*lifted_needed, *ctx.sym_sizes), reverse=not plan.reverse, unroll=ctx.unroll)
         it = iter(out)
         g_init = dict(zip(plan.carry_grad, [next(it) for _ in plan.carry_grad]))
         g_lifted = dict(zip(plan.lifted_grad, [next(it) for _ in plan.lifted_grad]))
