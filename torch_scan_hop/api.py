@@ -10,6 +10,7 @@ from ._trees import (
 from .partition import REMAT
 from .rule_dynamo import AUTO_UNROLL, dynamo_body
 from .rule_eager import stack_column, stack_ys
+from .rule_functionalize import mark_checked
 
 
 class FlatBody:
@@ -95,6 +96,8 @@ def _traced_body(fn, inputs):
     with _compat.disable_proxy_modes_tracing():
         args = example_args(inputs.init_leaves, inputs.xs_leaves, ())
     gm, lifted = trace_and_lift(body, args)
+    if not _compat.under_make_fx():  # checked once here, on the graph we already have
+        mark_checked(gm, inputs.num_carry, inputs.num_x)
     if found is not None:
         _cache.store_traced(found[0], found[1], gm, lifted, body.y_spec)
     return gm, lifted, body.y_spec

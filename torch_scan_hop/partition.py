@@ -190,6 +190,11 @@ def _classify_saved(fwd, num_outputs, num_carry, num_x):
     return [kind(n) for n in saved_nodes]
 
 
+def _mutates(gm):
+    return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+               and n.target._schema.is_mutable for n in gm.graph.nodes)
+
+
 def _output_metas(gm):
     """The body's output values (for their shape/dtype) from its graph, when it
     is one that carries them: saves a trace of the body."""
@@ -219,10 +224,11 @@ def partition_body(body: Callable, carry, x, lifted, grad_mask, remat="save_all"
         plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in (*primals, *tangents)]
     with _compat.eager_autograd_engine():
         joint = _compat.trace_graph(_joint_fn(body, grad_mask), [*primals, *tangents], force_enable_grad=True)
-    # Re-traced functionalized: decompositions (GRUCell's, say) emit in-place ops,
-    # and a backward writing into a slice of the stacked saved values corrupts them.
-    functional = torch.func.functionalize(joint, remove="mutations")
-    joint = _compat.trace_graph(functional, plain)
+    # Re-traced functionalized when it mutates: decompositions (GRUCell's, say) emit
+    # in-place ops, and a backward writing into a slice of the stacked saved values
+    # corrupts them. Most joints have none, and the re-trace costs as much as the trace.
+    if _mutates(joint):
+        joint = _compat.trace_graph(torch.func.functionalize(joint, remove="mutations"), plain)
     _name_joint_placeholders(joint, len(primals))
     fwd, bwd = _partition_fn(remat)(joint, [*primals, *tangents], num_fwd_outputs=len(out_vals))
     fwd, bwd = _hoist_invariant_saves(joint, fwd, bwd, len(out_vals), num_carry + num_x)

@@ -16,6 +16,7 @@ from . import _cache, _compat
 from ._graph_passes import fuse_accumulate
 from ._op import example_args, scan_op
 from ._trees import ScanError
+from .rule_functionalize import mark_functional
 from .partition import FwdBwd, _differentiable, partition_body
 
 
@@ -59,14 +60,14 @@ class ScanGradPlan:
         self.lifted_needed = sorted({j for k, j in kinds if k == "lifted"})
         self.sym_saved = [i for i, (k, _) in enumerate(kinds) if k == "sym"]
         self.sym_graph = _sym_graph(fb, self.sym_saved) if self.sym_saved else None
-        self.fwd_step = _fwd_step_graph(fb, self.step_saved)
+        self.fwd_step = mark_functional(_fwd_step_graph(fb, self.step_saved))
         nc, nx = fb.num_carry, fb.num_x
         self.carry_grad = [i for i in range(nc) if fb.grad_mask[i]]
         self.x_grad = [i for i in range(nx) if fb.grad_mask[nc + i]]
         self.lifted_grad = [i for i in range(fb.num_lifted) if fb.grad_mask[nc + nx + i]]
         self.y_grad = [j for j in range(fb.num_y) if _differentiable(fb.out_vals[nc + j])]
 
-        self.bwd_step = _bwd_step_graph(self)
+        self.bwd_step = mark_functional(_bwd_step_graph(self))
 
 
 def _bwd_step_graph(plan):

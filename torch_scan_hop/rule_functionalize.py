@@ -35,9 +35,26 @@ def check_graph_mutation(gm, num_carry, num_x):
         )
 
 
+_CHECKED = "_torch_scan_hop_no_input_mutation"
+
+
+def mark_checked(gm, num_carry, num_x):
+    """Check a body graph for input mutation now (no re-trace) and remember it passed."""
+    check_graph_mutation(gm, num_carry, num_x)
+    setattr(gm, _CHECKED, True)
+
+
+def mark_functional(gm):
+    """Graphs built by this package from functional graphs (the autograd step graphs)."""
+    setattr(gm, _CHECKED, True)
+    return gm
+
+
 def _checked_once(ctx, combine_fn, init, xs, additional_inputs):
     """check_no_input_mutation, memoized per body and input metadata in plain
     eager (C++ functionalization, e.g. XLA tensors); tracers check every time."""
+    if getattr(combine_fn, _CHECKED, False):
+        return
     check = lambda: check_no_input_mutation(combine_fn, init, xs, additional_inputs) or True  # noqa: E731
     flat = [*init, *xs, *additional_inputs]
     if isinstance(ctx, _compat.CppFunctionalizeAPI) and not _compat.dispatch_modes_active() \
