@@ -16,7 +16,7 @@ from torch._higher_order_ops.utils import (  # noqa: F401
     unique_graph_id,
 )
 from torch._ops import HigherOrderOperator  # noqa: F401
-from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401
 from torch._dispatch.python import suspend_functionalization
 from torch._subclasses.functional_tensor import (  # noqa: F401
     CppFunctionalizeAPI,
@@ -83,10 +83,12 @@ def is_plain_tensor(t):
     )
 
 
+def on_xla(tensors):
+    return any(t.device.type == "xla" for t in tensors)
+
+
 def is_concrete(t):
     """A tensor with real data and static shape (plain, Parameter or XLA): safe to cache on."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return (isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor)
             and all(type(d) is int for d in t.shape))
 
@@ -127,7 +129,7 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
 
     def _stand_in(self, t):
         if not (isinstance(t, torch.Tensor) and torch._is_functional_tensor(t)) \
-                or isinstance(t, _fake_tensor_type()):
+                or isinstance(t, FakeTensor):
             return t
         hit = self._by_id.get(id(t))
         if hit is None:
@@ -140,12 +142,6 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         args, kwargs = torch.utils._pytree.tree_map(self._stand_in, (args, kwargs or {}))
         return func(*args, **kwargs)
-
-
-def _fake_tensor_type():
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return FakeTensor
 
 
 @contextlib.contextmanager

@@ -172,7 +172,3 @@ def _same_structure_y(y, y_spec):
         raise ScanError(f"scan: fn returned y with structure {spec} after {y_spec}; "
                         "y must have the same structure at every step.")
     return leaves
-
-
-class _NeedsGrad(Exception):
-    """The probe step found a closed-over tensor that requires grad."""

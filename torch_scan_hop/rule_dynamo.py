@@ -17,6 +17,7 @@ import functools
 import torch
 
 from . import _compat
+from ._op import slice_example
 from ._trees import ScanError, check_carry, check_pair
 
 
@@ -45,10 +46,6 @@ def pytree_step(*flat, fn, inputs):
 
 def dynamo_body(fn, inputs):
     return functools.partial(pytree_step, fn=fn, inputs=inputs)
-
-
-def _slice_example(x):
-    return torch.zeros(x.shape[1:], dtype=x.dtype, device=x.device)
 
 
 def _make_tracker_class():
@@ -84,13 +81,13 @@ def _make_tracker_class():
             add_vars = additional.unpack_var_sequence(tx)
             with hops.discard_graph_changes(tx):
                 sub_args = [v.call_method(tx, "clone", args=(), kwargs={}) for v in init_vars]
-                sub_args += [hops._make_inlined(tx, _slice_example)(v) for v in xs_vars]
+                sub_args += [hops._make_inlined(tx, slice_example)(v) for v in xs_vars]
                 sub_args += [v.call_method(tx, "clone", args=(), kwargs={}) for v in add_vars]
             (_, spec), graph, freevars = hops.speculate_subgraph(
                 tx, combine_fn, sub_args, sub_kwargs={}, description="torch_scan_hop.scan body",
                 source_target=self.value, set_subgraph_inputs="flatten_manual",
                 should_flatten_outputs=True, supports_input_mutation=False, supports_aliasing=True)
-            _reject_constant_ys(spec, len(init_vars))
+            _reject_constant_ys(spec)
             _clone_outputs_that_are_inputs(graph)
             _allow_scalar_outputs(tx)
             body = torch.fx.GraphModule(dict(tx.output.nn_modules), graph)
@@ -151,15 +148,15 @@ def _non_default_options(options):
     return {k: v for k, v in options.items() if k not in defaults or v != defaults[k]}
 
 
-def _reject_constant_ys(spec, num_carry):
+def _reject_constant_ys(spec):
     """Only None may be a non-tensor leaf of y (as in eager)."""
     if not spec.masks_to_filter_const_values:
         return
     consts = [v for m, v in zip(spec.masks_to_filter_const_values, spec.const_values) if m]
     if consts[:1] == [_ERROR]:
         raise ScanError(consts[1])
-    for mask, value in zip(spec.masks_to_filter_const_values, spec.const_values):
-        if mask and value is not None:
+    for value in consts:
+        if value is not None:
             raise ScanError(f"scan: fn returned the non-tensor value {value!r} as a carry or y leaf; "
                             "leaves must be tensors (use torch.tensor(...)) or None.")
 

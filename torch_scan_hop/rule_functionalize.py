@@ -64,16 +64,12 @@ def _checked_once(ctx, combine_fn, init, xs, additional_inputs):
         check()
 
 
-def _on_xla(tensors):
-    return any(t.device.type == "xla" for t in tensors)
-
-
 @scan_op.py_functionalize_impl
 def scan_functionalize(ctx, combine_fn, init, xs, additional_inputs, **kwargs):
     init, xs, additional_inputs = (ctx.unwrap_tensors(list(t)) for t in (init, xs, additional_inputs))
     with ctx.redispatch_to_next():
         _checked_once(ctx, combine_fn, init, xs, additional_inputs)
-        if _on_xla([*init, *xs]):
+        if _compat.on_xla([*init, *xs]):
             # The XLA rule lowers the body on its own placeholder tensors, where
             # internal in-place ops are fine; keeping the body object lets it
             # cache the lowered While per body.

@@ -46,17 +46,13 @@ class ScanWithBody:
         return tuple(scan_op(self.body, init, xs, additional_inputs))
 
 
-def _on_xla(init, xs):
-    return any(t.device.type == "xla" for t in (*init, *xs))
-
-
-def _add_dummy_y(body, device):
+def _add_dummy_y(body, carry_val):
     """Inductor's scan->while_loop rewrite fails on a scan without ys (its
     output is not unpacked as a tuple); one scalar per step avoids that."""
+    device = carry_val.device
     out = body.graph.find_nodes(op="output")[0]
     with body.graph.inserting_before(out):
         dummy = body.graph.call_function(torch.ops.aten.zeros.default, ([],), {"device": device})
-    carry_val = _body_outputs(body)[0]
     fake_mode = getattr(carry_val, "fake_mode", None)
     with _compat.disable_proxy_modes_tracing(), (fake_mode or contextlib.nullcontext()):
         dummy.meta["val"] = torch.zeros((), device=device)  # exporters need a val on every node
@@ -68,9 +64,10 @@ def emit_scan_node(mode, combine_fn, init, xs, additional_inputs):
     body = trace_body(combine_fn, init, xs, additional_inputs)
     with _compat.disable_proxy_modes_tracing():
         check_graph_mutation(body, len(init), len(xs))
-    check_body_carry(init, _body_outputs(body)[: len(init)])
-    if len(_body_outputs(body)) == len(init) and init:
-        _add_dummy_y(body, init[0].device)
+    outputs = _body_outputs(body)
+    check_body_carry(init, outputs[: len(init)])
+    if len(outputs) == len(init) and init:
+        _add_dummy_y(body, outputs[0])
         return emit_scan_node_of(mode, body, init, xs, additional_inputs)[: len(init)]
     return emit_scan_node_of(mode, body, init, xs, additional_inputs)
 
@@ -78,7 +75,7 @@ def emit_scan_node(mode, combine_fn, init, xs, additional_inputs):
 def emit_scan_node_of(mode, body, init, xs, additional_inputs):
     """Record one scan node running the traced ``body``."""
     args = (list(init), list(xs), tuple(additional_inputs))
-    if _on_xla(init, xs):
+    if _compat.on_xla([*init, *xs]):
         target = ScanWithBody(body)
     else:
         _, name = _compat.unique_graph_id(mode, prefix="scan_combine_graph")
