@@ -51,7 +51,43 @@ def _state(module):
 def _stacked_state(layers):
     names = [name for name, _ in _state(layers[0])]
     per_layer = [dict(_state(layer)) for layer in layers]
-    return {name: torch.stack([state[name] for state in per_layer]) for name in names}
+    return {name: _stack([state[name] for state in per_layer]) for name in names}
+
+
+def _stack(tensors):
+    if tensors[0].device.type == "xla" and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _StackGatherGrad.apply(*tensors)
+    return torch.stack(tensors)
+
+
+class _StackGatherGrad(torch.autograd.Function):
+    """torch.stack whose backward gathers each layer's gradient row instead of slicing it.
+
+    WHY: XLA's CPU compiler spends ~5 ms per slice output; with 64 layers of 12
+    parameters, the 768 slices of ``unbind`` cost 4 s of compile, more than
+    the scan itself. A gather by index compiles ~6x faster.
+    """
+
+    @staticmethod
+    def forward(ctx, *tensors):
+        ctx.n = len(tensors)
+        return torch.stack(tensors)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows = _row_indices(grad.device, ctx.n)
+        return tuple(grad.index_select(0, row).squeeze(0) for row in rows)
+
+
+_ROWS = {}
+
+
+def _row_indices(device, n):
+    """One-element index tensors 0..n-1, made once per device (device data, not per-step uploads)."""
+    key = (str(device), n)
+    if key not in _ROWS:
+        _ROWS[key] = [torch.tensor([i], device=device) for i in range(n)]
+    return _ROWS[key]
 
 
 class _LayerView:
