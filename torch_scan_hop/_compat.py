@@ -59,6 +59,18 @@ def is_dynamo_compiling():
     return torch.compiler.is_dynamo_compiling()
 
 
+def is_exporting():
+    """torch.export is tracing, strict or not.
+
+    Under Dynamo, torch 2.9 folds ``torch.compiler.is_exporting()`` to True even
+    for torch.compile, and strict export runs Dynamo before setting its own
+    flag; export's Dynamo config (no runtime asserts) is the reliable tell.
+    """
+    if torch.compiler.is_dynamo_compiling():
+        return bool(torch._dynamo.config.do_not_emit_runtime_asserts)
+    return torch.compiler.is_exporting()
+
+
 def is_functional(t):
     """Wrapped by a functionalization pass (torch.func.functionalize, a
     FunctionalTensorMode). XLA tensors are functional wrappers by construction
