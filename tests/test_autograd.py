@@ -135,6 +135,18 @@ def test_x_slices_are_not_saved_twice():
     assert kinds.count("step") == 1  # only the per-step c @ w
 
 
+def test_views_of_x_slices_are_recomputed_not_saved():
+    """A weight scanned as x (scan_layers): the backward needs t(W[i]); saving it
+    would stack a copy of every weight per step, re-slicing W costs nothing."""
+    body = lambda c, w: (torch.tanh(c @ w.t() + w.sum()), None)  # noqa: E731
+    fb = fwd_bwd(body, torch.randn(2, 4), torch.randn(4, 4))
+    assert [k for k, _ in fb.saved_from].count("step") == 1, fb.saved_from  # tanh's output only
+    assert ("x", 0) in fb.saved_from
+    w = torch.randn(5, 4, 4, dtype=torch.float64, requires_grad=True)
+    c0 = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda c0, w: scan(body, c0, w)[0], (c0, w))
+
+
 def seed_body():
     torch.manual_seed(0)
     w = torch.randn(4, 4, requires_grad=True)

@@ -106,38 +106,53 @@ class FwdBwd:
         return len(self.saved_from)
 
 
-def _invariant_roots(node, invariant_inputs):
-    """The lifted placeholders ``node`` is computed from, or None if it depends on
-    anything else (carry, x, random ops): then it really varies per step."""
-    roots, stack, seen = [], [node], set()
+def _is_view(node):
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and (
+        target.is_view or target is torch.ops.aten._unsafe_view.default)
+
+
+def _recompute_roots(node, invariant, per_step):
+    """The step inputs the backward can recompute ``node`` from, or None.
+
+    From lifted (loop-invariant) inputs any deterministic op qualifies; from
+    x slices only views do (``t(W[i])`` in scan_layers), since recomputing real
+    work every backward step would cost more than saving its result. Carries
+    and random ops make a value truly per-step: None.
+    """
+    roots, stack, seen, views_only, uses_x = [], [node], set(), True, False
     while stack:
         n = stack.pop()
         if n in seen:
             continue
         seen.add(n)
         if n.op == "placeholder":
-            if n not in invariant_inputs:
+            if n not in invariant and n not in per_step:
                 return None
+            uses_x |= n in per_step
             roots.append(n)
         elif n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
             return None
         else:
+            views_only &= _is_view(n)
             stack.extend(n.all_input_nodes)
-    return roots
+    return None if uses_x and not views_only else roots
 
 
-def _hoist_invariant_saves(joint, fwd, bwd, num_outputs, num_varying):
-    """Partitioners happily save ``t(weight)``: per scan step that is a stacked copy
-    of a loop-invariant. Save the weight (a closure, read once) instead and let
-    the backward recompute the cheap op."""
+def _hoist_recomputable_saves(joint, fwd, bwd, num_outputs, num_carry, num_x):
+    """Partitioners happily save ``t(weight)``: per scan step that is a stacked
+    copy of a loop-invariant (a closure) or of an x slice (scan_layers' stacked
+    weights). Save the input instead (a closure is read once, an x slice is
+    re-sliced from xs) and let the backward recompute the cheap op."""
     (outs,) = fwd.graph.find_nodes(op="output")[0].args
     by_name = {n.name: n for n in joint.graph.nodes}
     placeholders = [n for n in joint.graph.find_nodes(op="placeholder") if "tangents" not in n.target]
-    invariant = set(placeholders[num_varying:])
+    per_step = set(placeholders[num_carry:num_carry + num_x])
+    invariant = set(placeholders[num_carry + num_x:])
     saved, changed = [], False
     for out in outs[num_outputs:]:
         node = by_name[out.name]
-        roots = None if node.op == "placeholder" else _invariant_roots(node, invariant)
+        roots = None if node.op == "placeholder" else _recompute_roots(node, invariant, per_step)
         changed |= roots is not None
         for n in roots if roots is not None else [node]:
             if n not in saved:
@@ -231,7 +246,7 @@ def partition_body(body: Callable, carry, x, lifted, grad_mask, remat="save_all"
         joint = _compat.trace_graph(torch.func.functionalize(joint, remove="mutations"), plain)
     _name_joint_placeholders(joint, len(primals))
     fwd, bwd = _partition_fn(remat)(joint, [*primals, *tangents], num_fwd_outputs=len(out_vals))
-    fwd, bwd = _hoist_invariant_saves(joint, fwd, bwd, len(out_vals), num_carry + num_x)
+    fwd, bwd = _hoist_recomputable_saves(joint, fwd, bwd, len(out_vals), num_carry, num_x)
     fwd, bwd = _inline_constant_saves(fwd, bwd, len(out_vals))
     fwd, bwd = simplify(fwd), simplify(bwd)
     return FwdBwd(
