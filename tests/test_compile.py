@@ -101,11 +101,9 @@ def forward(self, primals_1, primals_2, primals_3, primals_4):
 def forward(self, primals_3, primals_4, getitem_2, getitem_3, tangents_1, tangents_2):
     zeros_like = torch.ops.aten.zeros_like.default(primals_3, pin_memory = False)
     zeros_like_1 = torch.ops.aten.zeros_like.default(primals_4, pin_memory = False);  primals_4 = None
-    flip = torch.ops.aten.flip.default(getitem_2, [0]);  getitem_2 = None
-    flip_1 = torch.ops.aten.flip.default(getitem_3, [0]);  getitem_3 = None
-    flip_2 = torch.ops.aten.flip.default(tangents_2, [0]);  tangents_2 = None
+    arange = torch.ops.aten.arange.start_step(4, -1, -1, device = device(type='cpu'), pin_memory = False)
     scan_combine_graph_1 = self.scan_combine_graph_1
-    scan_1 = torch.ops.higher_order.scan(scan_combine_graph_1, [tangents_1, zeros_like, zeros_like_1], [flip, flip_1, flip_2], (primals_3,));  scan_combine_graph_1 = tangents_1 = zeros_like = zeros_like_1 = flip = flip_1 = flip_2 = primals_3 = None
+    scan_1 = torch.ops.higher_order.scan(scan_combine_graph_1, [tangents_1, zeros_like, zeros_like_1], [arange], (primals_3, getitem_2, getitem_3, tangents_2));  scan_combine_graph_1 = tangents_1 = zeros_like = zeros_like_1 = arange = primals_3 = getitem_2 = getitem_3 = tangents_2 = None
     getitem_5 = scan_1[1]
     getitem_6 = scan_1[2];  scan_1 = None
     return (None, None, getitem_5, getitem_6)""")

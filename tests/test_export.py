@@ -62,19 +62,22 @@ class TestExportedGraph(expecttest.TestCase):
         ep = torch.export.export(ScaledRNN(), (torch.zeros(2, 4), torch.randn(5, 2, 4)), strict=False)
         self.assertExpectedInline(ep.graph_module.code.strip(), """\
 def forward(self, p_lin_weight, p_lin_bias, b_scale, c_bias_k, h0, xs):
-    flip = torch.ops.aten.flip.default(xs, [0]);  xs = None
+    arange = torch.ops.aten.arange.start_step(4, -1, -1, device = device(type='cpu'), pin_memory = False)
     scan_combine_graph_0 = self.scan_combine_graph_0
-    scan = torch.ops.higher_order.scan(scan_combine_graph_0, [h0], [flip], (p_lin_weight, p_lin_bias, b_scale, c_bias_k));  scan_combine_graph_0 = h0 = flip = p_lin_weight = p_lin_bias = b_scale = c_bias_k = None
+    scan = torch.ops.higher_order.scan(scan_combine_graph_0, [h0], [arange], (p_lin_weight, p_lin_bias, b_scale, c_bias_k, xs));  scan_combine_graph_0 = h0 = arange = p_lin_weight = p_lin_bias = b_scale = c_bias_k = xs = None
     getitem = scan[0]
     getitem_1 = scan[1];  scan = None
-    flip_1 = torch.ops.aten.flip.default(getitem_1, [0]);  getitem_1 = None
-    return (getitem, flip_1, None)""")
+    flip = torch.ops.aten.flip.default(getitem_1, [0]);  getitem_1 = None
+    return (getitem, flip, None)""")
         body = getattr(ep.graph_module, scan_nodes(ep.graph_module)[0].args[0].target)
         self.assertExpectedInline(body.code.strip(), """\
-def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1):
+def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1):
+    reshape = torch.ops.aten.reshape.default(arg1_1, [1]);  arg1_1 = None
+    index_select = torch.ops.aten.index_select.default(arg6_1, 0, reshape);  arg6_1 = reshape = None
+    squeeze = torch.ops.aten.squeeze.dim(index_select, 0);  index_select = None
     linear = torch.ops.aten.linear.default(arg0_1, arg2_1, arg3_1);  arg0_1 = arg2_1 = arg3_1 = None
     mul = torch.ops.aten.mul.Tensor(linear, arg4_1);  linear = arg4_1 = None
-    add = torch.ops.aten.add.Tensor(mul, arg1_1);  mul = arg1_1 = None
+    add = torch.ops.aten.add.Tensor(mul, squeeze);  mul = squeeze = None
     add_1 = torch.ops.aten.add.Tensor(add, arg5_1);  add = arg5_1 = None
     tanh = torch.ops.aten.tanh.default(add_1);  add_1 = None
     sum_1 = torch.ops.aten.sum.dim_IntList(tanh, [-1])

@@ -2,7 +2,8 @@
 
 The emitted node has upstream's exact form (no kwargs), because inductor's
 ``decompose_scan_to_while_loop`` and the exporters read it positionally:
-``reverse`` becomes ``flip`` around the node, ``unroll=k`` a k-step body over
+``reverse`` becomes a scan over reversed step indices whose body gathers
+its slices (ys flipped after), ``unroll=k`` a k-step body over
 blocks of k slices (plus a remainder scan), ``remat`` was consumed by the
 autograd rule.
 """
@@ -125,9 +126,38 @@ def _forward_scan(mode, combine_fn, init, xs, additional_inputs, unroll):
         return (*carry, *(torch.cat([a, b]) for a, b in zip(ys, tail_ys)))
 
 
+def _indexed_body(combine_fn, num_carry, num_lifted):
+    """The body of a scan over step indices: it gathers its x slices from the
+    whole xs (passed after the lifted inputs) at the index it is given."""
+
+    def body(*args):
+        carry, idx = args[:num_carry], args[num_carry]
+        lifted, full = args[num_carry + 1:num_carry + 1 + num_lifted], args[num_carry + 1 + num_lifted:]
+        row = idx.reshape(1)
+        return combine_fn(*carry, *(x.index_select(0, row).squeeze(0) for x in full), *lifted)
+
+    return body
+
+
+def _reverse_scan(mode, combine_fn, init, xs, additional_inputs, unroll):
+    """Reverse as a forward scan over the indices L-1..0, gathering each step's
+    slices: flipping xs would copy them all (in a training backward, every
+    saved activation) before the loop starts. Only the ys are flipped."""
+    length = xs[0].shape[0]
+    with mode:
+        idx = torch.arange(length - 1, -1, -1, device=xs[0].device)
+    body = _indexed_body(combine_fn, len(init), len(additional_inputs))
+    out = _forward_scan(mode, body, init, [idx], (*additional_inputs, *xs), unroll)
+    carry, ys = split_out(out, len(init))
+    with mode:
+        return tuple(carry + [torch.flip(y, [0]) for y in ys])
+
+
 @scan_op.py_impl(_compat.ProxyTorchDispatchMode)
 def scan_proxy(mode, combine_fn, init, xs, additional_inputs, *, reverse=False, remat=None, unroll=1):
-    if reverse:
+    if reverse and not _compat.on_xla([*init, *xs]):
+        return _reverse_scan(mode, combine_fn, init, xs, additional_inputs, unroll)
+    if reverse:  # XLA: keep the plain form torch_xla's bridge knows
         with mode:
             xs = [torch.flip(x, [0]) for x in xs]
     out = _forward_scan(mode, combine_fn, init, xs, additional_inputs, unroll)
