@@ -339,3 +339,21 @@ def test_dynamic_true_training_matches_eager_and_compiles_once():
         want = torch.autograd.grad(loss(c0, xs), (w, c0))
         assert_trees_close(list(got), list(want), atol=1e-5, rtol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_tracker_that_cannot_be_built_warns_and_leaves_upstream_in_place(monkeypatch):
+    """On a torch whose Dynamo internals moved, importing must not crash: it warns."""
+    from torch._dynamo.variables import higher_order_ops as hops
+
+    from torch_scan_hop import rule_dynamo
+
+    ours = hops._hop_name_to_variable_class["scan"]
+    monkeypatch.setitem(hops._hop_name_to_variable_class, "scan", ours.upstream)
+
+    def moved():
+        raise AttributeError("module has no attribute 'speculate_subgraph'")
+
+    monkeypatch.setattr(rule_dynamo, "_make_tracker_class", moved)
+    with pytest.warns(UserWarning, match="supports torch 2.9.*speculate_subgraph"):
+        rule_dynamo.install()
+    assert hops._hop_name_to_variable_class["scan"] is ours.upstream

@@ -13,6 +13,7 @@ closes over (and module parameters) become explicit additional inputs.
 A graph break inside the body is a hard error naming the body.
 """
 import functools
+import warnings
 
 import torch
 
@@ -54,9 +55,12 @@ def _make_tracker_class():
     from torch._dynamo.variables.lazy import LazyVariableTracker
 
     upstream_cls = hops._hop_name_to_variable_class["scan"]
+    # torch 2.9 needs this to make a graph break in the body a hard error; later versions dropped it
+    hard_error = getattr(hops, "raise_hard_error_if_graph_break", lambda reason: lambda fn: fn)
 
     class ScanVariable(hops.TorchHigherOrderOperatorVariable):
         upstream = upstream_cls
+        _HOP_NAME = "scan"  # newer torch requires it on every HOP tracker
 
         def _call_function(self, tx, args, kwargs):
             from . import scan_op
@@ -65,7 +69,7 @@ def _make_tracker_class():
                 return self.upstream(self.value, self.source)._call_function(tx, args, kwargs)
             return self._call_ours(tx, args, kwargs)
 
-        @hops.raise_hard_error_if_graph_break(
+        @hard_error(
             reason="torch_scan_hop.scan: the body fn must be captured whole by torch.compile "
                    "(no graph breaks inside the scanned function)")
         def _call_ours(self, tx, args, kwargs):
@@ -167,7 +171,12 @@ def install():
 
     if getattr(hops._hop_name_to_variable_class["scan"], "_torch_scan_hop", False):
         return
-    cls = _make_tracker_class()
+    try:
+        cls = _make_tracker_class()
+    except (AttributeError, TypeError) as e:  # a torch whose Dynamo internals moved
+        warnings.warn(f"torch_scan_hop supports torch 2.9; on torch {torch.__version__} its torch.compile "
+                      f"tracker could not be installed ({e}).")
+        return
     cls._torch_scan_hop = True
     hops._hop_name_to_variable_class["scan"] = cls
 
