@@ -5,7 +5,7 @@ step (forward + backward). On XLA (CPU): first call (trace + compile + run) and 
 time. Under inductor (CPU): compile (first call) and steady step time. One table each and a
 PNG plot of the XLA first-call times.
 Targets: compile time flat in depth and <= torch_xla's scan_layers; steady step <= 1.2x the loop.
-Run: python benchmarks/layers.py [--depths 8,32,64] [--plot benchmarks/layers.png] [--skip-inductor]
+Run: python benchmarks/layers.py [--depths 8,32,64] [--plot benchmarks/layers.png] [--skip-inductor|--skip-xla]
 """
 import copy
 import os
@@ -117,11 +117,12 @@ def main():
     depths = [8, 32, 64]
     if "--depths" in sys.argv:
         depths = [int(v) for v in sys.argv[sys.argv.index("--depths") + 1].split(",")]
-    xla = xla_table(depths)
-    report(f"XLA (CPU) training step, decoder hidden {D}, batch {BATCH}x{SEQ}", xla, depths,
-           ["ours", "torch_xla", "loop"])
-    if "--plot" in sys.argv:
-        plot(xla, depths, sys.argv[sys.argv.index("--plot") + 1])
+    if "--skip-xla" not in sys.argv:
+        xla = xla_table(depths)
+        report(f"XLA (CPU) training step, decoder hidden {D}, batch {BATCH}x{SEQ}", xla, depths,
+               ["ours", "torch_xla", "loop"])
+        if "--plot" in sys.argv:
+            plot(xla, depths, sys.argv[sys.argv.index("--plot") + 1])
     if "--skip-inductor" not in sys.argv:
         torch.set_num_threads(1)
         report("inductor (CPU) training step", inductor_table(depths), depths, ["ours", "loop"])
