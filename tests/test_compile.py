@@ -101,9 +101,8 @@ def forward(self, primals_1, primals_2, primals_3, primals_4):
 def forward(self, primals_3, primals_4, getitem_2, getitem_3, tangents_1, tangents_2):
     zeros_like = torch.ops.aten.zeros_like.default(primals_3, pin_memory = False)
     zeros_like_1 = torch.ops.aten.zeros_like.default(primals_4, pin_memory = False);  primals_4 = None
-    arange = torch.ops.aten.arange.start_step(4, -1, -1, device = device(type='cpu'), pin_memory = False)
     scan_combine_graph_1 = self.scan_combine_graph_1
-    scan_1 = torch.ops.higher_order.scan(scan_combine_graph_1, [tangents_1, zeros_like, zeros_like_1], [arange], (primals_3, getitem_2, getitem_3, tangents_2));  scan_combine_graph_1 = tangents_1 = zeros_like = zeros_like_1 = arange = primals_3 = getitem_2 = getitem_3 = tangents_2 = None
+    scan_1 = torch.ops.higher_order.scan(scan_combine_graph_1, [tangents_1, zeros_like, zeros_like_1], [getitem_2, getitem_3, tangents_2], (primals_3,), reverse = True);  scan_combine_graph_1 = tangents_1 = zeros_like = zeros_like_1 = getitem_2 = getitem_3 = tangents_2 = primals_3 = None
     getitem_5 = scan_1[1]
     getitem_6 = scan_1[2];  scan_1 = None
     return (None, None, getitem_5, getitem_6)""")
@@ -357,3 +356,33 @@ def test_tracker_that_cannot_be_built_warns_and_leaves_upstream_in_place(monkeyp
     with pytest.warns(UserWarning, match="supports torch 2.9.*speculate_subgraph"):
         rule_dynamo.install()
     assert hops._hop_name_to_variable_class["scan"] is ours.upstream
+
+
+@pytest.mark.parametrize("case", ["training", "reverse_no_ys", "zero_length", "dynamic"])
+def test_inductor_lowers_reverse_scans_in_place_without_flips(case):
+    """A reverse scan (every training backward) reads and writes slice L-1-i in the
+    while loop: no flip or gather of xs, no flip of ys (copies of every saved activation)."""
+    from torch._inductor.utils import run_and_get_code
+
+    w = torch.randn(4, 4, requires_grad=True)
+    n = {"zero_length": 0, "dynamic": 7}.get(case, 6)
+    c0, xs = torch.randn(2, 4, requires_grad=True), torch.randn(n, 2, 4, requires_grad=True)
+    reverse = case != "training"  # "training": a forward scan, whose backward is the reverse scan
+
+    def step(c0, xs):
+        ys_fn = (lambda c: None) if case == "reverse_no_ys" else (lambda c: c.sum(-1))
+        c, ys = scan(lambda c, x: (torch.tanh(c @ w + x), ys_fn(c)), c0, xs, reverse=reverse)
+        loss = c.pow(2).sum() + (0 if ys is None else ys.pow(2).sum())
+        return [c, ys, *torch.autograd.grad(loss, [c0, xs, w])]
+
+    want = step(c0, xs)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="inductor", dynamic=case == "dynamic")
+    got, codes = run_and_get_code(compiled, c0, xs)
+    assert_trees_close(got, want, atol=1e-5, rtol=1e-4)
+    code = "\n".join(codes)
+    assert "flip" not in code and "index_select" not in code
+    assert code.count("while ") == (0 if n == 0 else 2)  # forward and backward loops; none for no steps
+    if case == "dynamic":
+        xs9 = torch.randn(9, 2, 4, requires_grad=True)
+        assert_trees_close(compiled(c0, xs9), step(c0, xs9), atol=1e-5, rtol=1e-4)

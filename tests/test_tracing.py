@@ -57,26 +57,18 @@ def forward(self, arg0_1, arg1_1, arg2_1):
         self.assertExpectedInline(gm.code.strip(), """\
 def forward(self, i, x):
     i_1, i_2, x_1, x_2, = fx_pytree.tree_flatten_spec([i, x], self._in_spec)
-    arange = torch.ops.aten.arange.start_step(3, -1, -1, device = device(type='cpu'), pin_memory = False)
     scan_combine_graph_0 = self.scan_combine_graph_0
-    scan = torch.ops.higher_order.scan(scan_combine_graph_0, [i_1, i_2], [arange], (x_1, x_2));  scan_combine_graph_0 = i_1 = i_2 = arange = x_1 = x_2 = None
+    scan = torch.ops.higher_order.scan(scan_combine_graph_0, [i_1, i_2], [x_1, x_2], (), reverse = True);  scan_combine_graph_0 = i_1 = i_2 = x_1 = x_2 = None
     getitem = scan[0]
     getitem_1 = scan[1]
     getitem_2 = scan[2]
     getitem_3 = scan[3];  scan = None
-    flip = torch.ops.aten.flip.default(getitem_2, [0]);  getitem_2 = None
-    flip_1 = torch.ops.aten.flip.default(getitem_3, [0]);  getitem_3 = None
-    return pytree.tree_unflatten([getitem, getitem_1, flip, flip_1], self._out_spec)""")
+    return pytree.tree_unflatten([getitem, getitem_1, getitem_2, getitem_3], self._out_spec)""")
         self.assertExpectedInline(gm.scan_combine_graph_0.code.strip(), """\
-def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1):
-    view = torch.ops.aten.view.default(arg2_1, [1]);  arg2_1 = None
-    index_select = torch.ops.aten.index_select.default(arg3_1, 0, view);  arg3_1 = None
-    squeeze = torch.ops.aten.squeeze.dim(index_select, 0);  index_select = None
-    index_select_1 = torch.ops.aten.index_select.default(arg4_1, 0, view);  arg4_1 = view = None
-    squeeze_1 = torch.ops.aten.squeeze.dim(index_select_1, 0);  index_select_1 = None
-    mul = torch.ops.aten.mul.Tensor(arg0_1, squeeze);  arg0_1 = squeeze = None
+def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
+    mul = torch.ops.aten.mul.Tensor(arg0_1, arg2_1);  arg0_1 = arg2_1 = None
     sigmoid = torch.ops.aten.sigmoid.default(mul);  mul = None
-    add = torch.ops.aten.add.Tensor(sigmoid, squeeze_1);  sigmoid = squeeze_1 = None
+    add = torch.ops.aten.add.Tensor(sigmoid, arg3_1);  sigmoid = arg3_1 = None
     add_1 = torch.ops.aten.add.Tensor(arg1_1, 1)
     mean = torch.ops.aten.mean.dim(add, [-1])
     return [add, add_1, mean, arg1_1]""")

@@ -1,18 +1,19 @@
 """ProxyTorchDispatchMode: make_fx records ONE scan node with the body as a subgraph.
 
-The emitted node has upstream's exact form (no kwargs), because inductor's
-``decompose_scan_to_while_loop`` and the exporters read it positionally:
-``reverse`` becomes a scan over reversed step indices whose body gathers
-its slices (ys flipped after), ``unroll=k`` a k-step body over
-blocks of k slices (plus a remainder scan), ``remat`` was consumed by the
-autograd rule.
+The emitted node has upstream's positional form, because inductor's
+``decompose_scan_to_while_loop`` and the exporters read it positionally. The
+one kwarg kept is ``reverse=True`` for a compiler (our inductor pass lowers it
+in place, see ``inductor_reverse``); for export a reverse scan becomes a scan
+over reversed step indices whose body gathers its slices (ys flipped after).
+``unroll=k`` becomes a k-step body over blocks of k slices (plus a remainder
+scan); ``remat`` was consumed by the autograd rule.
 """
 import contextlib
 
 import torch
 import torch.utils._pytree as pytree
 
-from . import _compat
+from . import _compat, inductor_reverse
 from ._op import example_args, scan_op, split_out
 from .rule_fake import check_body_carry
 from .rule_functionalize import check_graph_mutation
@@ -61,7 +62,7 @@ def _add_dummy_y(body, carry_val):
     body.recompile()
 
 
-def emit_scan_node(mode, combine_fn, init, xs, additional_inputs):
+def emit_scan_node(mode, combine_fn, init, xs, additional_inputs, **kwargs):
     body = trace_body(combine_fn, init, xs, additional_inputs)
     with _compat.disable_proxy_modes_tracing():
         check_graph_mutation(body, len(init), len(xs))
@@ -69,11 +70,11 @@ def emit_scan_node(mode, combine_fn, init, xs, additional_inputs):
     check_body_carry(init, outputs[: len(init)])
     if len(outputs) == len(init) and init:
         _add_dummy_y(body, outputs[0])
-        return emit_scan_node_of(mode, body, init, xs, additional_inputs)[: len(init)]
-    return emit_scan_node_of(mode, body, init, xs, additional_inputs)
+        return emit_scan_node_of(mode, body, init, xs, additional_inputs, **kwargs)[: len(init)]
+    return emit_scan_node_of(mode, body, init, xs, additional_inputs, **kwargs)
 
 
-def emit_scan_node_of(mode, body, init, xs, additional_inputs):
+def emit_scan_node_of(mode, body, init, xs, additional_inputs, **kwargs):
     """Record one scan node running the traced ``body``."""
     args = (list(init), list(xs), tuple(additional_inputs))
     if _compat.on_xla([*init, *xs]):
@@ -83,10 +84,10 @@ def emit_scan_node_of(mode, body, init, xs, additional_inputs):
         mode.tracer.root.register_module(name, body)
         target, args = scan_op, (body, *args)
     proxy_args = pytree.tree_map(mode.tracer.unwrap_proxy, args)
-    out_proxy = mode.tracer.create_proxy("call_function", target, proxy_args, {}, name="scan")
+    out_proxy = mode.tracer.create_proxy("call_function", target, proxy_args, kwargs, name="scan")
     with _compat.disable_proxy_modes_tracing():
         # a tuple: torch.export's serializer only knows tuple outputs of HOPs
-        out = tuple(scan_op(body, list(init), list(xs), tuple(additional_inputs)))
+        out = tuple(scan_op(body, list(init), list(xs), tuple(additional_inputs), **kwargs))
     return _compat.track_tensor_tree(out, out_proxy, constant=None, tracer=mode.tracer)
 
 
@@ -155,6 +156,9 @@ def _reverse_scan(mode, combine_fn, init, xs, additional_inputs, unroll):
 
 @scan_op.py_impl(_compat.ProxyTorchDispatchMode)
 def scan_proxy(mode, combine_fn, init, xs, additional_inputs, *, reverse=False, remat=None, unroll=1):
+    if reverse and unroll <= 1 and not _compat.on_xla([*init, *xs]) and not _compat.is_exporting():
+        inductor_reverse.install()  # for a compiler: inductor lowers reverse=True natively
+        return tuple(emit_scan_node(mode, combine_fn, init, xs, additional_inputs, reverse=True))
     if reverse and not _compat.on_xla([*init, *xs]):
         return _reverse_scan(mode, combine_fn, init, xs, additional_inputs, unroll)
     if reverse:  # XLA: keep the plain form torch_xla's bridge knows
