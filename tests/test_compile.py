@@ -358,20 +358,21 @@ def test_tracker_that_cannot_be_built_warns_and_leaves_upstream_in_place(monkeyp
     assert hops._hop_name_to_variable_class["scan"] is ours.upstream
 
 
-@pytest.mark.parametrize("case", ["training", "reverse_no_ys", "zero_length", "dynamic"])
+@pytest.mark.parametrize("case", ["training", "reverse_no_ys", "zero_length", "dynamic", "unroll", "unroll_exact"])
 def test_inductor_lowers_reverse_scans_in_place_without_flips(case):
     """A reverse scan (every training backward) reads and writes slice L-1-i in the
     while loop: no flip or gather of xs, no flip of ys (copies of every saved activation)."""
     from torch._inductor.utils import run_and_get_code
 
     w = torch.randn(4, 4, requires_grad=True)
-    n = {"zero_length": 0, "dynamic": 7}.get(case, 6)
+    n = {"zero_length": 0, "dynamic": 7, "unroll": 7}.get(case, 6)
     c0, xs = torch.randn(2, 4, requires_grad=True), torch.randn(n, 2, 4, requires_grad=True)
     reverse = case != "training"  # "training": a forward scan, whose backward is the reverse scan
+    unroll = 3 if case.startswith("unroll") else 1  # 7 = two blocks of 3 + a remainder step
 
     def step(c0, xs):
         ys_fn = (lambda c: None) if case == "reverse_no_ys" else (lambda c: c.sum(-1))
-        c, ys = scan(lambda c, x: (torch.tanh(c @ w + x), ys_fn(c)), c0, xs, reverse=reverse)
+        c, ys = scan(lambda c, x: (torch.tanh(c @ w + x), ys_fn(c)), c0, xs, reverse=reverse, unroll=unroll)
         loss = c.pow(2).sum() + (0 if ys is None else ys.pow(2).sum())
         return [c, ys, *torch.autograd.grad(loss, [c0, xs, w])]
 
@@ -382,7 +383,8 @@ def test_inductor_lowers_reverse_scans_in_place_without_flips(case):
     assert_trees_close(got, want, atol=1e-5, rtol=1e-4)
     code = "\n".join(codes)
     assert "flip" not in code and "index_select" not in code
-    assert code.count("while ") == (0 if n == 0 else 2)  # forward and backward loops; none for no steps
+    loops = {0: 0, 6: 2, 7: 2 if unroll == 1 else 4}[n]  # forward and backward; blocks + remainder
+    assert code.count("while ") == loops
     if case == "dynamic":
         xs9 = torch.randn(9, 2, 4, requires_grad=True)
         assert_trees_close(compiled(c0, xs9), step(c0, xs9), atol=1e-5, rtol=1e-4)

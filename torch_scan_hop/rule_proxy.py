@@ -91,38 +91,43 @@ def emit_scan_node_of(mode, body, init, xs, additional_inputs, **kwargs):
     return _compat.track_tensor_tree(out, out_proxy, constant=None, tracer=mode.tracer)
 
 
-def _unrolled_body(combine_fn, num_carry, num_x, k):
-    """k steps of combine_fn over x blocks of k slices: one loop iteration = k body calls."""
+def _unrolled_body(combine_fn, num_carry, num_x, k, reverse=False):
+    """k steps of combine_fn over x blocks of k slices: one loop iteration = k body calls
+    (last slice first when reverse; the block's ys stay in index order)."""
 
     def body(*args):
         carry, blocks, rest = args[:num_carry], args[num_carry:num_carry + num_x], args[num_carry + num_x:]
-        ys = []
-        for j in range(k):
-            carry, y = split_out(combine_fn(*carry, *(b[j] for b in blocks), *rest), num_carry)
-            ys.append(y)
+        ys = [None] * k
+        for j in (range(k - 1, -1, -1) if reverse else range(k)):
+            carry, ys[j] = split_out(combine_fn(*carry, *(b[j] for b in blocks), *rest), num_carry)
         return [*carry, *(torch.stack(col) for col in zip(*ys))]
 
     return body
 
 
-def _forward_scan(mode, combine_fn, init, xs, additional_inputs, unroll):
-    """Scan in input order; ``unroll=k`` (static length) scans blocks of k steps
-    with a k-step body, then the remainder with the plain body."""
+def _forward_scan(mode, combine_fn, init, xs, additional_inputs, unroll, reverse=False):
+    """Scan in input order (or, with ``reverse``, as reverse=True nodes); ``unroll=k``
+    (static length) scans blocks of k steps with a k-step body, and the
+    remainder with the plain body (first when reverse: it holds the last indices)."""
+    kwargs = {"reverse": True} if reverse else {}
     length = xs[0].shape[0]
     if unroll <= 1 or not isinstance(length, int) or length < unroll:
-        return emit_scan_node(mode, combine_fn, init, xs, additional_inputs)
+        return emit_scan_node(mode, combine_fn, init, xs, additional_inputs, **kwargs)
     nc, blocks, main = len(init), length // unroll, (length // unroll) * unroll
     with mode:
         head = [x[:main].reshape(blocks, unroll, *x.shape[1:]) for x in xs]
-    body = _unrolled_body(combine_fn, nc, len(xs), unroll)
-    carry, ys = split_out(emit_scan_node(mode, body, init, head, additional_inputs), nc)
+        tail = [x[main:] for x in xs]
+    carry, tail_ys = init, None
+    if reverse and main != length:
+        carry, tail_ys = split_out(emit_scan_node(mode, combine_fn, carry, tail, additional_inputs, **kwargs), nc)
+    body = _unrolled_body(combine_fn, nc, len(xs), unroll, reverse)
+    carry, ys = split_out(emit_scan_node(mode, body, carry, head, additional_inputs, **kwargs), nc)
     with mode:
         ys = [y.reshape(main, *y.shape[2:]) for y in ys]
-    if main == length:
+    if not reverse and main != length:
+        carry, tail_ys = split_out(emit_scan_node(mode, combine_fn, carry, tail, additional_inputs), nc)
+    if tail_ys is None:
         return (*carry, *ys)
-    with mode:
-        tail = [x[main:] for x in xs]
-    carry, tail_ys = split_out(emit_scan_node(mode, combine_fn, carry, tail, additional_inputs), nc)
     with mode:
         return (*carry, *(torch.cat([a, b]) for a, b in zip(ys, tail_ys)))
 
@@ -156,9 +161,9 @@ def _reverse_scan(mode, combine_fn, init, xs, additional_inputs, unroll):
 
 @scan_op.py_impl(_compat.ProxyTorchDispatchMode)
 def scan_proxy(mode, combine_fn, init, xs, additional_inputs, *, reverse=False, remat=None, unroll=1):
-    if reverse and unroll <= 1 and not _compat.on_xla([*init, *xs]) and not _compat.is_exporting():
+    if reverse and not _compat.on_xla([*init, *xs]) and not _compat.is_exporting():
         inductor_reverse.install()  # for a compiler: inductor lowers reverse=True natively
-        return tuple(emit_scan_node(mode, combine_fn, init, xs, additional_inputs, reverse=True))
+        return tuple(_forward_scan(mode, combine_fn, init, xs, additional_inputs, unroll, reverse=True))
     if reverse and not _compat.on_xla([*init, *xs]):
         return _reverse_scan(mode, combine_fn, init, xs, additional_inputs, unroll)
     if reverse:  # XLA: keep the plain form torch_xla's bridge knows
