@@ -78,7 +78,7 @@ def _make_tracker_class():
                 unimplemented(f"scan: expected (combine_fn, init, xs, additional_inputs), got {len(args)} args")
             combine_fn, init, xs, additional = args
             _materialize_lazy_graph(combine_fn)
-            options = {k: v.as_python_constant() for k, v in kwargs.items()}
+            options = {k: _option_value(tx, v) for k, v in kwargs.items()}
             options["unroll"] = _resolve_unroll(tx, options.get("unroll", 1), xs.unpack_var_sequence(tx))
             options = _non_default_options(options)
             init_vars, xs_vars = init.unpack_var_sequence(tx), xs.unpack_var_sequence(tx)
@@ -163,6 +163,16 @@ def _reject_constant_ys(spec):
         if value is not None:
             raise ScanError(f"scan: fn returned the non-tensor value {value!r} as a carry or y leaf; "
                             "leaves must be tensors (use torch.tensor(...)) or None.")
+
+
+def _option_value(tx, var):
+    """A keyword option as a Python value; a symbolic int (an int variable under
+    dynamic=True, say unroll=k) is specialized, with a guard, to its value."""
+    from torch._dynamo.variables import SymNodeVariable
+
+    if isinstance(var, SymNodeVariable):
+        return var.evaluate_expr(tx.output)
+    return var.as_python_constant()
 
 
 def install():
