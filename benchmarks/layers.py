@@ -1,11 +1,12 @@
 """scan_layers vs torch_xla's scan_layers vs the for-loop: a decoder stack 8, 32 and 64 deep.
 
-Pre-norm decoder block (hidden 128, 4 heads, causal attention), batch 4, sequence 16, training
+Pre-norm decoder block (hidden 128, 4 heads, causal attention), batch 4, sequence 16 (--batch), training
 step (forward + backward). On XLA (CPU): first call (trace + compile + run) and steady step
 time. Under inductor (CPU): compile (first call) and steady step time. One table each and a
 PNG plot of the XLA first-call times.
 Targets: compile time flat in depth and <= torch_xla's scan_layers; steady step <= 1.2x the loop.
-Run: python benchmarks/layers.py [--depths 8,32,64] [--plot benchmarks/layers.png] [--skip-inductor|--skip-xla]
+Run: python benchmarks/layers.py [--depths 8,32,64] [--batch 4x16] [--plot benchmarks/layers.png]
+     [--skip-inductor|--skip-xla]
 """
 import copy
 import os
@@ -120,7 +121,10 @@ def plot(results, depths, path):
 
 
 def main():
+    global BATCH, SEQ
     depths = [8, 32, 64]
+    if "--batch" in sys.argv:  # BxS, e.g. 8x128: more tokens per weight than the default 4x16
+        BATCH, SEQ = (int(v) for v in sys.argv[sys.argv.index("--batch") + 1].split("x"))
     if "--depths" in sys.argv:
         depths = [int(v) for v in sys.argv[sys.argv.index("--depths") + 1].split(",")]
     if "--skip-xla" not in sys.argv:
@@ -131,7 +135,8 @@ def main():
             plot(xla, depths, sys.argv[sys.argv.index("--plot") + 1])
     if "--skip-inductor" not in sys.argv:
         torch.set_num_threads(1)
-        report("inductor (CPU) training step", inductor_table(depths), depths, ["ours", "loop"])
+        report(f"inductor (CPU) training step, batch {BATCH}x{SEQ}", inductor_table(depths), depths,
+               ["ours", "loop"])
 
 
 if __name__ == "__main__":
