@@ -42,7 +42,8 @@ def _is_ours_to_lower(match):
     if node.kwargs and (set(node.kwargs) != {"reverse"} or node.kwargs["reverse"] is not True):
         return False
     xs = node.args[2]
-    return bool(node.kwargs) or (bool(xs) and xs[0].meta["val"].shape[0] == 0)
+    length = xs[0].meta["val"].shape[0] if xs else None
+    return bool(node.kwargs) or (isinstance(length, int) and length == 0)  # a symbolic length: no guard
 
 
 def _lower_reverse_scans(gm):
