@@ -116,7 +116,7 @@ def _forward_scan(mode, combine_fn, init, xs, additional_inputs, unroll, reverse
     nc, blocks, main = len(init), length // unroll, (length // unroll) * unroll
     with mode:
         head = [x[:main].reshape(blocks, unroll, *x.shape[1:]) for x in xs]
-        tail = [x[main:] for x in xs]
+        tail = [x[main:] for x in xs] if main != length else None  # no dead slice nodes
     carry, tail_ys = init, None
     if reverse and main != length:
         carry, tail_ys = split_out(emit_scan_node(mode, combine_fn, carry, tail, additional_inputs, **kwargs), nc)
