@@ -16,9 +16,9 @@ from . import _compat
 
 def stack_weights(tensors):
     """``torch.stack(tensors)``, the gradient of the result flowing back to each tensor."""
-    on_xla = tensors[0].device.type == "xla"
     compiling = _compat.is_dynamo_compiling() and not _compat.is_exporting()
-    if compiling or (on_xla and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if compiling or (needs_grad and _compat.on_xla(tensors)):
         return stack_layers(tensors)
     return torch.stack(tensors)
 
@@ -38,7 +38,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _stack_layers_backward(ctx, grad):
-    if grad.device.type == "xla":
+    if _compat.on_xla([grad]):
         return [grad.index_select(0, row).squeeze(0) for row in _row_indices(grad.device, ctx.n)]
     return list(grad.unbind(0))
 

@@ -1,7 +1,7 @@
 """``scan_layers``: a stack of identical modules run as ONE scan over their stacked weights.
 
-The parameters and buffers of the layers are stacked (``torch.stack``, so the
-gradient of each stacked tensor flows back to every layer's own ``.grad``) and
+The parameters and buffers of the layers are stacked (``stack_weights``: a stack
+whose gradient flows back to every layer's own ``.grad``) and
 scanned over; the body calls the first layer's code on one layer's slice
 through a read-only view (``_LayerView``). The traced body therefore does not depend on
 the depth: one trace, one compile, for 8 or 64 layers.

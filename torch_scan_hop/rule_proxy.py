@@ -161,17 +161,15 @@ def _reverse_scan(mode, combine_fn, init, xs, additional_inputs, unroll):
 
 @scan_op.py_impl(_compat.ProxyTorchDispatchMode)
 def scan_proxy(mode, combine_fn, init, xs, additional_inputs, *, reverse=False, remat=None, unroll=1):
-    if reverse and not _compat.on_xla([*init, *xs]) and not _compat.is_exporting():
-        inductor_reverse.install()  # for a compiler: inductor lowers reverse=True natively
-        return tuple(_forward_scan(mode, combine_fn, init, xs, additional_inputs, unroll, reverse=True))
-    if reverse and not _compat.on_xla([*init, *xs]):
-        return _reverse_scan(mode, combine_fn, init, xs, additional_inputs, unroll)
-    if reverse:  # XLA: keep the plain form torch_xla's bridge knows
+    if not reverse:
+        return tuple(_forward_scan(mode, combine_fn, init, xs, additional_inputs, unroll))
+    if _compat.on_xla([*init, *xs]):  # keep the plain form torch_xla's bridge knows: flips around the node
         with mode:
             xs = [torch.flip(x, [0]) for x in xs]
-    out = _forward_scan(mode, combine_fn, init, xs, additional_inputs, unroll)
-    if not reverse:
-        return tuple(out)
-    carry, ys = split_out(out, len(init))
-    with mode:
-        return tuple(carry + [torch.flip(y, [0]) for y in ys])
+        carry, ys = split_out(_forward_scan(mode, combine_fn, init, xs, additional_inputs, unroll), len(init))
+        with mode:
+            return tuple(carry + [torch.flip(y, [0]) for y in ys])
+    if _compat.is_exporting():
+        return _reverse_scan(mode, combine_fn, init, xs, additional_inputs, unroll)
+    inductor_reverse.install()  # for a compiler: inductor lowers reverse=True natively
+    return tuple(_forward_scan(mode, combine_fn, init, xs, additional_inputs, unroll, reverse=True))
