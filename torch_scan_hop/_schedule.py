@@ -1,0 +1,55 @@
+"""The loop schedule: which step runs when. Every execution path reads it here.
+
+A scan of ``length`` steps runs the indices ``0..length-1`` (or
+``length-1..0`` when ``reverse``). ``unroll=k`` groups them into loop
+iterations of k body calls; what does not fill a block (``length % k`` steps)
+is a remainder run one step per iteration. The blocked part always runs first
+and the remainder last, in execution order; for ``reverse`` the picture is
+mirrored (blocks cover the high indices, the remainder the low ones), so the
+sequence of steps is exactly the Python loop's either way.
+"""
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Input indices ``[start, stop)`` run as ``(stop - start) // unroll`` loop
+    iterations of ``unroll`` body calls each, in the scan's direction."""
+
+    start: int
+    stop: int
+    unroll: int
+
+    @property
+    def iterations(self):
+        return (self.stop - self.start) // self.unroll
+
+
+def step_order(length, reverse=False):
+    """The indices in the order the steps run (the Python loop's order)."""
+    return range(length - 1, -1, -1) if reverse else range(length)
+
+
+def segments(length, unroll=1, reverse=False):
+    """The loop as segments in execution order.
+
+    A symbolic (non-int) length gives one segment of single steps: blocks need
+    the length to be known. A zero length gives no segment.
+    """
+    if not isinstance(length, int):
+        return (Segment(0, length, 1),)
+    if length == 0:
+        return ()
+    k = max(1, min(int(unroll), length))
+    blocked = (length // k) * k
+    rest = length - blocked
+    if k == 1 or rest == 0:
+        return (Segment(0, length, k),)
+    if reverse:
+        return Segment(rest, length, k), Segment(0, rest, 1)
+    return Segment(0, blocked, k), Segment(blocked, length, 1)
+
+
+def block_order(unroll, reverse=False):
+    """Positions within one block, in the order its body calls run."""
+    return step_order(unroll, reverse)
