@@ -7,6 +7,8 @@ passed as an ``additional_inputs`` entry, so it receives gradients and is an
 explicit input of every graph that contains the scan.
 """
 import contextlib
+import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -14,17 +16,22 @@ from . import _compat
 
 
 def _tensor_constants(gm):
-    for node in list(gm.graph.find_nodes(op="get_attr")):
+    """(get_attr node, tensor) pairs, collected before any is rewritten: one
+    constant read several times has several nodes naming the same attribute."""
+    pairs = []
+    for node in gm.graph.find_nodes(op="get_attr"):
         value = getattr(gm, node.target, None)
         if isinstance(value, torch.Tensor):
-            yield node, value
+            pairs.append((node, value))
+    return pairs
 
 
 def lift_constants(gm):
     """Rewrite ``gm`` in place so its tensor constants are trailing inputs; return them."""
     lifted, placeholder_of = [], {}
     last = list(gm.graph.find_nodes(op="placeholder"))[-1:] or [None]
-    for node, value in _tensor_constants(gm):
+    constants = _tensor_constants(gm)
+    for node, value in constants:
         key = id(value)
         if key not in placeholder_of:
             anchor = last[0]
@@ -37,6 +44,7 @@ def lift_constants(gm):
             lifted.append(value)
         node.replace_all_uses_with(placeholder_of[key])
         gm.graph.erase_node(node)
+    for node, _ in constants:
         if hasattr(gm, node.target):
             delattr(gm, node.target)
     gm.graph.lint()
@@ -44,11 +52,37 @@ def lift_constants(gm):
     return lifted
 
 
+@dataclass(frozen=True)
+class Source:
+    """What a lifted body graph was traced from: the user's flat body (which
+    reads its closures itself) and the tensors lifted out of it, in order."""
+
+    body: object
+    lifted: tuple
+
+
+_sources = weakref.WeakKeyDictionary()
+
+
+def source_of(gm):
+    """The ``Source`` of a graph made by ``trace_and_lift``, else None."""
+    try:
+        return _sources.get(gm)
+    except TypeError:  # not weakly referenceable: not one of ours
+        return None
+
+
 def trace_and_lift(flat_body, example_args):
-    """(GraphModule taking (*example_args, *lifted), lifted tensors)."""
+    """(GraphModule taking (*example_args, *lifted), lifted tensors).
+
+    The graph is for running the body; its gradient is traced from
+    ``flat_body`` itself (``_joint``), which this records as its source.
+    """
     # Under an outer trace (export's pre-dispatch make_fx) a grad-mode switch
     # would be recorded into the user's graph; the subgraph tracer needs none.
     grad_off = contextlib.nullcontext() if _compat.under_make_fx() else torch.no_grad()
-    with grad_off, _compat.recording_functional_closures() as outer:
+    with grad_off, _compat.recording_functional_closures() as closures:
         gm = _compat.trace_graph(flat_body, example_args)
-        return gm, [outer(t) for t in lift_constants(gm)]
+        lifted = [closures.outer(t) for t in lift_constants(gm)]
+    _sources[gm] = Source(flat_body, tuple(lifted))
+    return gm, lifted
