@@ -6,7 +6,7 @@ import torch
 from conftest import assert_trees_close, reference_scan
 
 import torch_scan_hop
-from torch_scan_hop import scan, scan_op
+from torch_scan_hop import ScanError, scan, scan_op
 
 Point = collections.namedtuple("Point", ["a", "b"])
 W = torch.randn(4, 4)
@@ -167,3 +167,27 @@ def test_dtypes(dtype):
     body = lambda c, x: (c + x, c * 2)  # noqa: E731
     got = scan(body, torch.zeros(3, dtype=dtype), xs)
     assert_trees_close(got, reference_scan(body, torch.zeros(3, dtype=dtype), xs))
+
+
+def test_gen_schema_matches_upstream_and_names_options():
+    from torch._higher_order_ops.scan import scan_op as upstream_scan_op
+
+    assert upstream_scan_op is not torch_scan_hop.scan_op
+
+    def body(c, x, w):
+        return [torch.tanh(c @ w + x), c.sum(), x * 2]
+
+    init, xs, w = torch.randn(2, 3), torch.randn(4, 2, 3), torch.randn(3, 3)
+    ours = torch_scan_hop.scan_op.gen_schema(body, [init], [xs], (w,))
+    assert str(ours) == str(upstream_scan_op.gen_schema(body, [init], [xs], (w,)))
+    assert str(ours) == ("scan(Any combine_fn, Tensor init0, Tensor xs0, Tensor additional_input0) "
+                         "-> (Tensor, Tensor, Tensor)")
+    with_options = torch_scan_hop.scan_op.gen_schema(body, [init], [xs], (w,), reverse=True, unroll=2)
+    assert str(with_options).endswith("*, bool reverse, int unroll) -> (Tensor, Tensor, Tensor)")
+
+    def mutating(c, x):
+        c.add_(x)
+        return [c.clone(), x.clone()]
+
+    with pytest.raises(ScanError, match=r"mutates its inputs \[0\]"):
+        torch_scan_hop.scan_op.gen_schema(mutating, [init], [xs], ())

@@ -34,6 +34,13 @@ class ScanOp(_compat.HigherOrderOperator):
             kwargs["unroll"] = unroll
         return super().__call__(combine_fn, list(init), list(xs), tuple(additional_inputs), **kwargs)
 
+    def gen_schema(self, combine_fn, init, xs, additional_inputs, **kwargs):
+        """The FunctionSchema of one call (HOP schemas depend on the body):
+        flat tensor arguments, the body as a graph, the options keyword-only.
+        Rejects a body that mutates its inputs, as the op's rules do."""
+        return _compat.scan_schema(self, combine_fn, list(init), list(xs), tuple(additional_inputs),
+                                   example_args(init, xs, additional_inputs), kwargs)
+
 
 scan_op = ScanOp()
 
