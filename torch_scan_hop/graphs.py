@@ -28,8 +28,8 @@ def fwd_bwd(fn, carry, x=None, *, remat="save_all") -> FwdBwd:
     examples = [t.detach() for t in (*carry_leaves, *x_leaves)]
     gm, lifted = trace_and_lift(body, examples)
     flat = [*carry_leaves, *x_leaves, *lifted]
-    grad_mask = [_differentiable(t) for t in flat]
+    requires_grad = [_differentiable(t) for t in flat]  # every float input gets a gradient
     fb = partition_body(gm, examples[: len(carry_leaves)], examples[len(carry_leaves):],
-                        lifted, grad_mask, remat)  # partition_body detaches its examples
+                        lifted, requires_grad, remat)  # partition_body detaches its examples
     fb.lifted, fb.carry_spec, fb.x_spec, fb.y_spec = lifted, carry_spec, inputs.xs_spec, body.y_spec
     return fb

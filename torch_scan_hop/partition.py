@@ -19,6 +19,7 @@ import torch
 
 from . import _compat
 from ._graph_passes import simplify
+from ._joint import requires_grad_fixed_point, trace_joint, with_flags
 from ._trees import ScanError
 
 REMAT = ("save_all", "min_cut", "recompute_all")
@@ -26,26 +27,6 @@ REMAT = ("save_all", "min_cut", "recompute_all")
 
 def _differentiable(t):
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
-
-
-def _joint_fn(body, grad_mask):
-    """primals, tangents -> (*outputs, *grads): the shape AOTAutograd's partitioners expect."""
-
-    num_primals = len(grad_mask)
-
-    def joint(*args):
-        primals, tangents = args[:num_primals], args[num_primals:]
-        outs = list(body(*primals))
-        pairs = [(o, t) for o, t in zip(outs, tangents) if isinstance(o, torch.Tensor) and o.requires_grad]
-        wanted = [p for p, m in zip(primals, grad_mask) if m]
-        grads = []
-        if pairs and wanted:
-            grads = list(torch.autograd.grad([o for o, _ in pairs], wanted, [t for _, t in pairs], allow_unused=True))
-        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads or [None] * len(wanted), wanted)]
-        it = iter(grads)
-        return [*outs, *[next(it) if m else None for m in grad_mask]]
-
-    return joint
 
 
 def _name_joint_placeholders(joint, num_primals):
@@ -95,6 +76,7 @@ class FwdBwd:
     num_y: int
     out_vals: list  # example (fake) values of the step's outputs
     grad_mask: list  # per input: does bwd return a gradient for it
+    out_grad: list  # per output: does it require grad (bwd takes a tangent for it)
     saved_from: list
     lifted: list = field(default_factory=list)
     carry_spec: Optional[Any] = None
@@ -222,35 +204,63 @@ def _output_metas(gm):
     return vals if all(isinstance(v, torch.Tensor) for v in vals) else None
 
 
-def partition_body(body: Callable, carry, x, lifted, grad_mask, remat="save_all") -> FwdBwd:
-    """Trace and partition one step of ``body(*carry, *x, *lifted) -> [*new_carry, *y]``.
+@dataclass
+class JointStep:
+    """One step's joint graph and what partitioning it needs (see ``trace_step``)."""
+
+    joint: torch.fx.GraphModule
+    primals: list
+    tangents: list
+    grad_mask: list
+    out_grad: list
+    out_vals: list
+    num_carry: int
+    num_x: int
+    num_lifted: int
+
+
+def trace_step(body: Callable, carry, x, lifted, requires_grad) -> JointStep:
+    """Trace the joint graph of one step of ``body(*carry, *x, *lifted) -> [*new_carry, *y]``.
 
     ``carry``/``x``/``lifted`` are example tensors of one step (any mode);
-    ``grad_mask`` marks the inputs whose gradient the backward must return.
+    ``requires_grad`` flags the inputs that require grad (for the carries:
+    init's flags; the carries' fixed point is computed here).
     """
-    num_carry, num_x = len(carry), len(x)
     with _compat.disable_proxy_modes_tracing():  # example values, not part of any graph
         examples = [e.detach() if isinstance(e, torch.Tensor) else e for e in (*carry, *x, *lifted)]
+    grad_mask, out_grad = requires_grad_fixed_point(body, examples, requires_grad, len(carry))
     out_vals = _output_metas(body) or _output_metas(_compat.trace_graph(body, examples))
+    primals = with_flags(examples, grad_mask)
     with _compat.disable_proxy_modes_tracing():
-        primals = [e.detach().requires_grad_(bool(m)) if isinstance(e, torch.Tensor) else e
-                   for e, m in zip(examples, grad_mask)]
         tangents = [torch.zeros(v.shape, dtype=v.dtype, device=v.device) for v in out_vals]
-        plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in (*primals, *tangents)]
-    with _compat.eager_autograd_engine():
-        joint = _compat.trace_graph(_joint_fn(body, grad_mask), [*primals, *tangents], force_enable_grad=True)
+    joint = trace_joint(body, primals, tangents, grad_mask)
+    return JointStep(joint, primals, tangents, list(grad_mask), list(out_grad), out_vals,
+                     len(carry), len(x), len(lifted))
+
+
+def partition_step(step: JointStep, remat="save_all") -> FwdBwd:
+    """Split a traced joint into the forward and backward graphs of one step."""
+    joint, primals, tangents = step.joint, step.primals, step.tangents
+    num_out, num_carry, num_x = len(step.out_vals), step.num_carry, step.num_x
     # Re-traced functionalized when it mutates: decompositions (GRUCell's, say) emit
     # in-place ops, and a backward writing into a slice of the stacked saved values
     # corrupts them. Most joints have none, and the re-trace costs as much as the trace.
     if _mutates(joint):
+        with _compat.disable_proxy_modes_tracing():
+            plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in (*primals, *tangents)]
         joint = _compat.trace_graph(torch.func.functionalize(joint, remove="mutations"), plain)
     _name_joint_placeholders(joint, len(primals))
-    fwd, bwd = _partition_fn(remat)(joint, [*primals, *tangents], num_fwd_outputs=len(out_vals))
-    fwd, bwd = _hoist_recomputable_saves(joint, fwd, bwd, len(out_vals), num_carry, num_x)
-    fwd, bwd = _inline_constant_saves(fwd, bwd, len(out_vals))
+    fwd, bwd = _partition_fn(remat)(joint, [*primals, *tangents], num_fwd_outputs=num_out)
+    fwd, bwd = _hoist_recomputable_saves(joint, fwd, bwd, num_out, num_carry, num_x)
+    fwd, bwd = _inline_constant_saves(fwd, bwd, num_out)
     fwd, bwd = simplify(fwd), simplify(bwd)
     return FwdBwd(
-        fwd=fwd, bwd=bwd, num_carry=num_carry, num_x=num_x, num_lifted=len(lifted),
-        num_y=len(out_vals) - num_carry, out_vals=out_vals, grad_mask=list(grad_mask),
-        saved_from=_classify_saved(fwd, len(out_vals), num_carry, num_x),
+        fwd=fwd, bwd=bwd, num_carry=num_carry, num_x=num_x, num_lifted=step.num_lifted,
+        num_y=num_out - num_carry, out_vals=step.out_vals, grad_mask=step.grad_mask,
+        out_grad=step.out_grad, saved_from=_classify_saved(fwd, num_out, num_carry, num_x),
     )
+
+
+def partition_body(body: Callable, carry, x, lifted, requires_grad, remat="save_all") -> FwdBwd:
+    """``trace_step`` then ``partition_step``."""
+    return partition_step(trace_step(body, carry, x, lifted, requires_grad), remat)

@@ -1,0 +1,135 @@
+"""The joint graph of one step (its outputs and input gradients), traced from
+the body as the user wrote it.
+
+A body graph traced for inference has lost what only autograd sees:
+``no_grad`` regions, ``detach``, a custom ``autograd.Function``'s backward.
+So when the body came from ``scan``'s front end, the joint is traced from the
+user's own function (``_lift.source_of``): it reads its closed-over tensors
+itself, autograd differentiates with respect to them where they are, and
+their constants in the traced joint are then rebound to the lifted inputs.
+Graph bodies (Dynamo's, which keep grad-mode switches and autograd.Function
+as nodes) are differentiated as they are.
+
+Which carries are differentiable is inferred as jax does: a carry requires
+grad if init does, or if the body makes it depend on something that does,
+iterated to a fixed point over the body.
+"""
+import torch
+
+from . import _compat
+from ._lift import source_of
+
+
+def call_step(combine_fn, primals):
+    """``(outputs, wrt, outer)`` of one step on ``primals`` (*carry, *x, *lifted).
+
+    ``wrt[i]`` is the tensor autograd must differentiate for input i: the
+    primal itself, or for a lifted closure the tensor the body actually read
+    (``None`` if it did not read it). ``outer`` maps a traced stand-in back to
+    the user's tensor (see ``_compat.recording_functional_closures``).
+    """
+    src = source_of(combine_fn)
+    if src is None:
+        return list(combine_fn(*primals)), list(primals), lambda t: t
+    n = len(primals) - len(src.lifted)
+    with _compat.recording_functional_closures() as closures:
+        outs = list(src.body(*primals[:n]))
+    return outs, [*primals[:n], *(closures.inner(t) for t in src.lifted)], closures.outer
+
+
+def _differentiable(t):
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+def with_flags(examples, flags):
+    with _compat.disable_proxy_modes_tracing():
+        return [e.detach().requires_grad_(bool(f)) if isinstance(e, torch.Tensor) else e
+                for e, f in zip(examples, flags)]
+
+
+def _outputs_require_grad(combine_fn, examples, flags):
+    """One trace of the step (thrown away) with inputs requiring grad as
+    flagged: autograd itself says which outputs require grad. A trace rather
+    than a bare fake run, so the body reads its closures as the other traces do."""
+    found = []
+
+    def run(*primals):
+        outs, _, _ = call_step(combine_fn, primals)
+        found[:] = [isinstance(o, torch.Tensor) and o.requires_grad for o in outs]
+        return []
+
+    _compat.trace_graph(run, with_flags(examples, flags), force_enable_grad=True)
+    return found
+
+
+def requires_grad_fixed_point(combine_fn, examples, flags, num_carry):
+    """(input flags with the carries' fixed point, output flags).
+
+    ``flags``: does each input (*init, *x, *lifted) require grad. A carry is
+    made differentiable only when something requiring grad reaches it, so a
+    mask or a counter carried along never asks for a gradient it cannot have.
+    """
+    flags = [bool(f) and _differentiable(e) for f, e in zip(flags, examples)]
+    for _ in range(num_carry + 1):
+        out = _outputs_require_grad(combine_fn, examples, flags)
+        grown = [f or (o and _differentiable(e)) for f, o, e in zip(flags[:num_carry], out, examples)]
+        if grown == flags[:num_carry]:
+            return flags, out
+        flags = grown + flags[num_carry:]
+    raise AssertionError("unreachable: the carry flags can only grow")
+
+
+def _joint_fn(combine_fn, grad_mask, stash):
+    """primals, tangents -> (*outputs, *grads): the shape AOTAutograd's partitioners expect."""
+    num_primals = len(grad_mask)
+
+    def joint(*args):
+        primals, tangents = args[:num_primals], args[num_primals:]
+        outs, wrt, stash["outer"] = call_step(combine_fn, primals)
+        pairs = [(o, t) for o, t in zip(outs, tangents) if isinstance(o, torch.Tensor) and o.requires_grad]
+        wanted = [w for w, m in zip(wrt, grad_mask) if m]
+        used = [w for w in wanted if w is not None and w.requires_grad]
+        found = {}
+        if pairs and used:
+            grads = torch.autograd.grad([o for o, _ in pairs], used, [t for _, t in pairs], allow_unused=True)
+            found = {id(w): g for w, g in zip(used, grads)}
+        grads = [found.get(id(w)) if w is not None else None for w in wanted]
+        grads = [torch.zeros_like(p) if g is None else g
+                 for g, p in zip(grads, (p for p, m in zip(primals, grad_mask) if m))]
+        it = iter(grads)
+        return [*outs, *[next(it) if m else None for m in grad_mask]]
+
+    return joint
+
+
+def trace_joint(combine_fn, primals, tangents, grad_mask):
+    """The joint GraphModule over (*primals, *tangents); closures read by the
+    user's body are rebound to the lifted primals."""
+    stash = {}
+    with _compat.eager_autograd_engine():
+        joint = _compat.trace_graph(_joint_fn(combine_fn, grad_mask, stash), [*primals, *tangents],
+                                    force_enable_grad=True)
+    src = source_of(combine_fn)
+    if src is not None:
+        first_lifted = len(primals) - len(src.lifted)
+        _bind_closures(joint, src.lifted, stash.get("outer", lambda t: t), first_lifted)
+    return joint
+
+
+def _bind_closures(gm, lifted, outer, first_lifted):
+    """Constants that are (stand-ins of) lifted closures -> their placeholders."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    index = {id(t): first_lifted + i for i, t in enumerate(lifted)}
+    bound = []
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value = getattr(gm, node.target, None)
+        k = index.get(id(outer(value))) if isinstance(value, torch.Tensor) else None
+        if k is not None:
+            node.replace_all_uses_with(placeholders[k])
+            bound.append(node)
+    for node in bound:
+        gm.graph.erase_node(node)
+        if hasattr(gm, node.target):
+            delattr(gm, node.target)
+    gm.graph.lint()
+    gm.recompile()
