@@ -1,13 +1,16 @@
-"""A repeated scan call reuses its traced body and autograd plan, and never a stale one."""
+"""Caching never changes a result: eager scan caches nothing, and the traced
+path reuses a partition only for an identical joint graph."""
+import linecache
+
 import pytest
 import torch
 from conftest import assert_trees_close, reference_scan
 
 import torch_scan_hop
-from torch_scan_hop import scan
+from torch_scan_hop import _cache, scan
 
 D = torch.float64
-_GLOBAL_W = torch.randn(3, 3, dtype=D, requires_grad=True)
+_FLAG = 1.0
 
 
 @pytest.fixture(autouse=True)
@@ -17,130 +20,149 @@ def _fresh_cache():
     torch_scan_hop.clear_cache()
 
 
-class Counting:
-    """Counts how often the user's body runs (probe step, traces, eager steps)."""
-
-    def __init__(self):
-        self.calls = 0
-
-    def wrap(self, body):
-        def counted(c, x):
-            self.calls += 1
-            return body(c, x)
-        return counted
-
-
 def grads_of(fn, init, xs, params):
     carry, ys = fn(init, xs)
     loss = carry.pow(2).sum() + ys.sin().sum()
     return [carry, ys, *torch.autograd.grad(loss, params)]
 
 
-def test_second_call_with_fresh_closure_over_same_module_does_not_retrace():
-    lin = torch.nn.Linear(3, 3).double()
-    counter = Counting()
+class CountingPartition:
+    """A remat policy (the traced path) that counts how often it partitions."""
 
-    def make_body():  # a new closure object every call, as in a training loop
-        def body(c, x):
-            counter.calls += 1
-            h = torch.tanh(lin(c) + x)
-            return h, h.sum(-1)
-        return body
+    def __init__(self):
+        from functorch.compile import default_partition
 
-    init, xs = torch.randn(2, 3, dtype=D), torch.randn(5, 2, 3, dtype=D)
-    params = list(lin.parameters())
-    first = grads_of(lambda i, x: scan(make_body(), i, x), init, xs, params)
-    calls_first = counter.calls
-    counter.calls = 0
-    second = grads_of(lambda i, x: scan(make_body(), i, x), init, xs, params)
-    assert calls_first >= 2  # probe step + trace
-    assert counter.calls == 1  # only the eager probe step: no trace, no partition
-    want = grads_of(lambda i, x: reference_scan(make_body(), i, x), init, xs, params)
-    assert_trees_close(second, want)
-    assert_trees_close(first, want)
+        self.calls, self.inner = 0, default_partition
+
+    def __call__(self, joint, inputs, *, num_fwd_outputs):
+        self.calls += 1
+        return self.inner(joint, inputs, num_fwd_outputs=num_fwd_outputs)
 
 
-def test_replaced_parameter_is_seen():
-    lin = torch.nn.Linear(3, 3).double()
-    body = lambda c, x: (torch.tanh(lin(c) + x), c.sum(-1))  # noqa: E731
+@pytest.mark.parametrize("grad", [False, True])
+def test_eager_runs_the_body_once_per_step_every_call(grad):
+    w = torch.randn(3, 3, dtype=D, requires_grad=grad)
+    calls = []
+
+    def body(c, x):
+        calls.append(1)
+        return torch.tanh(c @ w + x), c.sum(-1)
+
+    for n in (5, 5, 3):
+        calls.clear()
+        scan(body, torch.randn(2, 3, dtype=D), torch.randn(n, 2, 3, dtype=D))
+        assert len(calls) == n
+
+
+def test_identical_joint_reuses_the_partition_and_a_new_one_is_built():
+    global _FLAG
+    w = torch.randn(3, 3, dtype=D, requires_grad=True)
+    part = CountingPartition()
     init, xs = torch.randn(2, 3, dtype=D), torch.randn(4, 2, 3, dtype=D)
-    grads_of(lambda i, x: scan(body, i, x), init, xs, list(lin.parameters()))
-    old = lin.weight  # alive, so only the key (not a dead weak reference) can tell
-    lin.weight = torch.nn.Parameter(torch.randn(3, 3, dtype=D))
-    assert old is not lin.weight
-    params = list(lin.parameters())
-    got = grads_of(lambda i, x: scan(body, i, x), init, xs, params)
-    assert_trees_close(got, grads_of(lambda i, x: reference_scan(body, i, x), init, xs, params))
+
+    def body(c, x):  # reads a global: only the traced graph can tell it changed
+        return torch.tanh(c @ w * _FLAG + x), c.sum(-1)
+
+    def run():
+        return grads_of(lambda i, x: scan(body, i, x, remat=part), init, xs, [w])
+
+    def want():
+        return grads_of(lambda i, x: reference_scan(body, i, x), init, xs, [w])
+
+    try:
+        for flag, partitions in ((1.0, 1), (1.0, 1), (2.0, 2), (-0.0, 3), (0.0, 4), (2.0, 4)):
+            _FLAG = flag
+            assert_trees_close(run(), want())
+            assert part.calls == partitions, (flag, part.calls)
+    finally:
+        _FLAG = 1.0
 
 
-def test_changed_module_attribute_and_mode_are_seen():
+def test_module_state_changes_between_calls_are_seen_on_the_traced_path():
     class Cell(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.w = torch.nn.Parameter(torch.randn(3, 3, dtype=D))
-            self.scale = 1.0
-            self.drop = torch.nn.Dropout(0.0)
+            self._scale = 1.0
+
+        @property
+        def scale(self):
+            return self._scale
 
         def forward(self, c, x):
-            h = torch.tanh(self.drop(c @ self.w) * self.scale + x)
+            h = torch.tanh(c @ self.w * self.scale + x)
             return h, h.sum(-1)
 
-    cell = Cell()
+    cell, part = Cell(), CountingPartition()
     init, xs = torch.randn(2, 3, dtype=D), torch.randn(4, 2, 3, dtype=D)
     for scale in (1.0, 3.0):
-        cell.scale = scale
-        got = grads_of(lambda i, x: scan(cell, i, x), init, xs, [cell.w])
+        cell._scale = scale
+        got = grads_of(lambda i, x: scan(cell, i, x, remat=part), init, xs, [cell.w])
         assert_trees_close(got, grads_of(lambda i, x: reference_scan(cell, i, x), init, xs, [cell.w]))
+    handle = cell.register_forward_hook(lambda m, args, out: (out[0] * 2, out[1]))
+    try:
+        got = grads_of(lambda i, x: scan(cell, i, x, remat=part), init, xs, [cell.w])
+        assert_trees_close(got, grads_of(lambda i, x: reference_scan(cell, i, x), init, xs, [cell.w]))
+    finally:
+        handle.remove()
 
 
-def test_rebound_global_and_changed_closure_scalar_are_seen():
-    global _GLOBAL_W
-    init, xs = torch.randn(2, 3, dtype=D), torch.randn(4, 2, 3, dtype=D)
-
-    def body_with(k):
-        return lambda c, x: (torch.tanh(c @ _GLOBAL_W * k + x), c.sum(-1))
-
-    for k in (1.0, 2.0):
-        for _ in range(2):
-            _GLOBAL_W = torch.randn(3, 3, dtype=D, requires_grad=True)
-            got = grads_of(lambda i, x: scan(body_with(k), i, x), init, xs, [_GLOBAL_W])
-            want = grads_of(lambda i, x: reference_scan(body_with(k), i, x), init, xs, [_GLOBAL_W])
-            assert_trees_close(got, want)
-
-
-def test_requires_grad_and_shape_changes_rebuild_the_plan():
-    w = torch.randn(3, 3, dtype=D, requires_grad=True)
-    body = lambda c, x: (torch.sin(c @ w) + x, (c * x).sum())  # noqa: E731
-    for n, init_grad in ((4, False), (4, True), (6, True), (6, False)):
-        init = torch.randn(2, 3, dtype=D, requires_grad=init_grad)
-        xs = torch.randn(n, 2, 3, dtype=D, requires_grad=True)
-        params = [w, xs] + ([init] if init_grad else [])
-        got = grads_of(lambda i, x: scan(body, i, x), init, xs, params)
-        assert_trees_close(got, grads_of(lambda i, x: reference_scan(body, i, x), init, xs, params))
+def test_tensor_read_as_python_value_and_updated_in_place():
+    flag = torch.tensor(True)
+    w = torch.randn(3, dtype=D, requires_grad=True)
+    body = lambda c, x: ((c * w if bool(flag) else c - w) + x, c.sum())  # noqa: E731
+    init, xs = torch.randn(3, dtype=D), torch.randn(4, 3, dtype=D)
+    part = CountingPartition()
+    for value in (True, False, True):
+        flag.fill_(value)
+        want = grads_of(lambda i, x: reference_scan(body, i, x), init, xs, [w])
+        assert_trees_close(grads_of(lambda i, x: scan(body, i, x), init, xs, [w]), want)
+        # traced: the closure's value is read at trace time, and the body is traced every call
+        assert_trees_close(grads_of(lambda i, x: scan(body, i, x, remat=part), init, xs, [w]), want)
 
 
-def test_uncacheable_closure_still_gives_right_answers():
-    class Slots:  # no __dict__: cannot be fingerprinted, so never cached
-        __slots__ = ("w",)
-
-    holder = Slots()
-    init, xs = torch.randn(2, 3, dtype=D), torch.randn(4, 2, 3, dtype=D)
-    body = lambda c, x: (torch.tanh(c @ holder.w + x), c.sum(-1))  # noqa: E731
-    for _ in range(2):
-        holder.w = torch.randn(3, 3, dtype=D, requires_grad=True)
-        got = grads_of(lambda i, x: scan(body, i, x), init, xs, [holder.w])
-        assert_trees_close(got, grads_of(lambda i, x: reference_scan(body, i, x), init, xs, [holder.w]))
+def test_data_dependent_control_flow_on_the_carry_is_a_clear_error_when_traced():
+    body = lambda c, x: (c + x if c.sum() > 0 else c - x, None)  # noqa: E731
+    init, xs = torch.ones(3, dtype=D, requires_grad=True), torch.randn(4, 3, dtype=D)
+    assert_trees_close(scan(body, init, xs), reference_scan(body, init, xs))  # eager: the loop
+    with pytest.raises(torch_scan_hop.ScanError, match="reads the value of a tensor"):
+        scan(body, init, xs, remat=CountingPartition())
 
 
-def test_new_length_reuses_the_trace_and_plan():
-    w = torch.randn(3, 3, dtype=D, requires_grad=True)
-    counter = Counting()
-    body = counter.wrap(lambda c, x: (torch.tanh(c @ w + x), c.sum(-1)))
-    init = torch.randn(2, 3, dtype=D, requires_grad=True)
-    grads_of(lambda i, x: scan(body, i, x), init, torch.randn(4, 2, 3, dtype=D), [w, init])
-    for n in (7, 1):
-        xs = torch.randn(n, 2, 3, dtype=D)
-        counter.calls = 0
-        got = grads_of(lambda i, x: scan(body, i, x), init, xs, [w, init])
-        assert counter.calls == 0  # init requires grad: no probe step, and no re-trace for the new length
-        assert_trees_close(got, grads_of(lambda i, x: reference_scan(body, i, x), init, xs, [w, init]))
+def test_graph_key_sees_constants_and_signed_zero():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def key_of(fn):
+        return _cache.graph_key(make_fx(fn)(torch.ones(3)))[0]
+
+    assert key_of(lambda x: x * 0.0) != key_of(lambda x: x * -0.0)
+    assert key_of(lambda x: x + torch.tensor([1.0, 2.0, 3.0])) != key_of(lambda x: x + torch.tensor([1.0, 2.0, 4.0]))
+    assert key_of(lambda x: x + torch.tensor([1.0, 2.0, 3.0])) == key_of(lambda x: x + torch.tensor([1.0, 2.0, 3.0]))
+    assert key_of(lambda x: x.sin()) != key_of(lambda x: x.cos())
+
+
+def test_traced_path_does_not_grow_linecache_without_bound(monkeypatch):
+    from torch_scan_hop import _compat
+
+    monkeypatch.setattr(_compat, "_MAX_OUR_SOURCES", 40)
+    part = CountingPartition()
+    init, xs = torch.randn(2, 3), torch.randn(3, 2, 3)
+
+    def call():
+        lin = torch.nn.Linear(3, 3)  # a fresh module every call
+        carry, _ = scan(lambda c, x: (torch.tanh(lin(c) + x), None), init, xs, remat=part)
+        carry.sum().backward()
+
+    from torch.fx import graph_module
+
+    call()
+    per_call = graph_module._loader.next_id
+    call()
+    per_call = graph_module._loader.next_id - per_call
+    assert per_call > 0  # each traced call compiles graphs...
+    for _ in range(10):
+        call()
+    before = len(linecache.cache)
+    for _ in range(30):
+        call()
+    assert len(linecache.cache) - before <= 40 < 30 * per_call  # ...but only the newest 40 are kept

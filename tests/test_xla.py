@@ -153,7 +153,20 @@ def test_random_numbers_differ_per_step_and_repeat_with_seed():
     assert bool((dropped | kept).all()) and bool(dropped.any()) and bool(kept.any())
 
 
-def test_repeated_call_does_not_retrace_body():
+def test_repeated_call_reuses_the_lowered_while(monkeypatch):
+    """The body is traced every call (only its graph says what it computes);
+    the XLA While is lowered once per distinct graph, and the body's Python
+    runs a fixed number of times per call whatever the length."""
+    from torch_scan_hop import xla_lower
+
+    lowered = [0]
+    real_lower = xla_lower._lower
+
+    def counting_lower(*args):
+        lowered[0] += 1
+        return real_lower(*args)
+
+    monkeypatch.setattr(xla_lower, "_lower", counting_lower)
     calls = [0]
     w = torch.randn(5, 5, device=DEV, requires_grad=True)
 
@@ -162,11 +175,14 @@ def test_repeated_call_does_not_retrace_body():
         return torch.tanh(c @ w + x), c.sum()
 
     torch_scan_hop.clear_cache()
-    for expected_calls in (1, 0, 0):
+    per_call = []
+    for n in (4, 4, 9):
         calls[0] = 0
-        c, ys = scan(cell, torch.zeros(2, 5, device=DEV), torch.randn(4, 2, 5, device=DEV))
+        c, ys = scan(cell, torch.zeros(2, 5, device=DEV), torch.randn(n, 2, 5, device=DEV))
         (c.sum() + ys.sum()).backward()
-        assert calls[0] == expected_calls
+        per_call.append(calls[0])
+    assert lowered[0] == 2 + 2  # forward and backward While, once per length
+    assert per_call[0] == per_call[1] == per_call[2] <= 4  # traces, not steps
     assert w.grad is not None
 
 

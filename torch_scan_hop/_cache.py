@@ -1,131 +1,138 @@
-"""Caches that keep a repeated scan call from re-tracing its body.
+"""Reuse of expensive work (partitioning, XLA lowering), keyed by graphs.
 
-Two levels, both dropped when anything they depend on may have changed:
+Nothing is keyed on a Python function: no fingerprint of a function can see
+everything it reads (globals inside methods, hooks, class attributes, tensors
+read as Python values...). Bodies are traced on every call instead, and what
+is derived from a trace is reused only for an identical graph: ``graph_key``
+describes every node, target, constant and literal of a GraphModule, so two
+graphs with the same key compute the same thing.
 
-* ``traced_body``: user ``fn`` + input metadata -> (lifted GraphModule, lifted
-  tensors, y spec). The key is what fn computes, not the fn object: its code,
-  the values it closes over, the globals it reads, the parameters/buffers and
-  plain attributes of modules it reaches. A fresh ``lambda`` per call over the
-  same weights therefore hits. Objects are keyed by identity and guarded by a
-  weak reference, so a freed object whose id is reused never matches. fn that
-  reaches values we cannot fingerprint is simply never cached.
-* ``plan_for``: (body graph, input metadata incl. requires_grad, reverse,
-  remat) -> the autograd plan (partitioned fwd/bwd graphs), stored per body
-  object in a weak dictionary.
+* ``plan_for``: joint graph + input metadata + reverse + remat -> the autograd
+  plan (partitioned forward/backward step graphs).
+* ``by_graph``: body graph + extra key -> e.g. the lowered XLA While.
 
-Both are bypassed while a tracer (make_fx, fake mode, Dynamo) is active: a
-trace runs once anyway, and its tensors must not outlive it.
+Both are small LRUs. Work under a tracer (make_fx, fake mode, Dynamo) is never
+cached: a trace runs once anyway, and its tensors must not outlive it.
 """
 import collections
+import threading
 import types
 import weakref
 
 import torch
 
 _MAX_ENTRIES = 64
-_MAX_DEPTH = 4
-_MAX_ITEMS = 512
-_SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
-_OPAQUE = (types.ModuleType, type, types.BuiltinFunctionType, types.BuiltinMethodType,
-           types.MethodWrapperType, types.WrapperDescriptorType, torch._ops.OpOverloadPacket,
-           torch._ops.OpOverload)
+_SMALL_CONSTANT = 4096  # elements: constants up to this size are keyed by value
+_LITERALS = (type(None), bool, int, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
 class _Uncacheable(Exception):
     pass
 
 
-class _Fingerprint:
-    """Builds a hashable key for a value; collects the objects keyed by id."""
+class _GraphKey:
+    """Builds the key of a graph; collects weak references to tensors keyed by identity."""
 
     def __init__(self):
-        self.refs, self.items = [], 0
+        self.refs = []
 
-    def identity(self, v):
-        try:
-            self.refs.append(weakref.ref(v))
-        except TypeError:
-            raise _Uncacheable from None
-        return id(v)
+    def graph(self, gm):
+        index = {}
+        parts = []
+        for i, node in enumerate(gm.graph.nodes):
+            index[node] = i
+            parts.append((node.op, self.target(gm, node), self.arg(node.args, index),
+                          self.arg(node.kwargs, index), self.meta(node)))
+        return tuple(parts)
 
-    def key(self, v, depth=0):
-        self.items += 1
-        if depth > _MAX_DEPTH or self.items > _MAX_ITEMS:
-            raise _Uncacheable
-        if isinstance(v, _SCALARS):
-            return (type(v), v)
-        if isinstance(v, torch.Tensor):
-            return ("tensor", self.identity(v), tuple(v.shape), v.dtype, v.device)
-        if isinstance(v, _OPAQUE):  # never change meaning while alive
-            return ("opaque", self.identity(v) if _weakrefable(v) else id(v))
-        if isinstance(v, (tuple, list)):
-            return (type(v), tuple(self.key(e, depth + 1) for e in v))
-        if isinstance(v, dict):
-            return (type(v), tuple((self.key(k, depth + 1), self.key(e, depth + 1)) for k, e in v.items()))
-        if isinstance(v, types.FunctionType):
-            return self.function(v, depth)
-        if isinstance(v, types.MethodType):
-            return ("method", self.key(v.__func__, depth + 1), self.key(v.__self__, depth + 1))
-        if isinstance(v, torch.nn.Module):
-            return self.module(v, depth)
-        if hasattr(v, "__dict__"):
-            return ("obj", type(v), self.identity(v), self.key(vars(v), depth + 1))
+    def target(self, gm, node):
+        if node.op == "get_attr":
+            return self.value(_resolve_attr(gm, node.target))
+        if node.op in ("placeholder", "output"):
+            return None
+        return self.callable(node.target)
+
+    def callable(self, target):
+        if isinstance(target, str):  # call_method
+            return ("method", target)
+        if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            return ("op", str(target))
+        if isinstance(target, torch._ops.HigherOrderOperator):
+            return ("hop", target.name(), self.identity(target))
+        if isinstance(target, types.BuiltinFunctionType):
+            return ("builtin", target.__module__, target.__qualname__)
+        if isinstance(target, types.FunctionType):
+            return ("fn", self.identity(target))
+        body = getattr(target, "body", None)  # a node target with its body bound (the XLA form)
+        if isinstance(body, torch.fx.GraphModule):
+            return ("bound", type(target).__qualname__, self.graph(body))
         raise _Uncacheable
 
-    def function(self, fn, depth):
-        code = fn.__code__
-        cells = tuple(self.key(c.cell_contents, depth + 1) if _cell_full(c) else "<empty>"
-                      for c in fn.__closure__ or ())
-        glb = fn.__globals__
-        names = tuple((n, self.key(glb[n], depth + 1)) for n in _global_names(code) if n in glb)
-        return ("fn", code, cells, names, self.key(fn.__defaults__, depth + 1),
-                self.key(fn.__kwdefaults__, depth + 1))
+    def identity(self, obj):
+        try:
+            self.refs.append(weakref.ref(obj))
+        except TypeError:
+            raise _Uncacheable from None
+        return id(obj)
 
-    def module(self, m, depth):
-        parts = []
-        for name, sub in m.named_modules():
-            plain = tuple((k, self.key(v, depth + 1)) for k, v in vars(sub).items()
-                          if not k.startswith("_") and k != "training")
-            tensors = tuple((k, self.identity(t), tuple(t.shape), t.dtype)
-                            for k, t in (*sub._parameters.items(), *sub._buffers.items()) if t is not None)
-            parts.append((name, type(sub), sub.training, plain, tensors))
-        return ("module", self.identity(m), tuple(parts))
+    def value(self, v):
+        if isinstance(v, torch.fx.GraphModule):
+            return ("graph", self.graph(v))
+        if isinstance(v, torch.Tensor):
+            return self.tensor(v)
+        raise _Uncacheable
+
+    def tensor(self, t):
+        meta = (tuple(t.shape), t.dtype, str(t.device), t.requires_grad)
+        if t.device.type == "cpu" and t.numel() <= _SMALL_CONSTANT and type(t) in (torch.Tensor, torch.nn.Parameter):
+            data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            return ("value", meta, data.numpy().tobytes())
+        return ("tensor", meta, self.identity(t), t._version)
+
+    def arg(self, a, index):
+        if isinstance(a, torch.fx.Node):
+            return ("node", index[a])
+        if isinstance(a, float):
+            return ("float", a.hex())  # keeps 0.0 and -0.0 apart
+        if isinstance(a, complex):
+            return ("complex", a.real.hex(), a.imag.hex())
+        if isinstance(a, _LITERALS):
+            return (type(a).__name__, str(a) if not isinstance(a, (bool, int, str, type(None))) else a)
+        if isinstance(a, (tuple, list)):
+            return (type(a).__name__, tuple(self.arg(e, index) for e in a))
+        if isinstance(a, dict):
+            return ("dict", tuple((k, self.arg(v, index)) for k, v in a.items()))
+        if isinstance(a, slice):
+            return ("slice", self.arg((a.start, a.stop, a.step), index))
+        if a is Ellipsis:
+            return ("...",)
+        raise _Uncacheable
+
+    def meta(self, node):
+        if node.op != "placeholder":
+            return None
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return (tuple(val.shape), tuple(val.stride()), val.dtype, str(val.device), val.requires_grad)
+        return repr(val)
 
 
-def _weakrefable(v):
+def _resolve_attr(gm, target):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def graph_key(gm):
+    """(hashable key, weak refs that must stay alive) of what ``gm`` computes, or None."""
+    builder = _GraphKey()
     try:
-        weakref.ref(v)
-        return True
-    except TypeError:
-        return False
-
-
-def _cell_full(cell):
-    try:
-        cell.cell_contents
-        return True
-    except ValueError:
-        return False
-
-
-def _global_names(code):
-    """Names ``code`` (and the functions defined inside it) may read as globals."""
-    names = list(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names.extend(_global_names(const))
-    return sorted(set(names))
-
-
-def fingerprint(value):
-    """(hashable key, weak refs that must stay alive), or None if uncacheable."""
-    fp = _Fingerprint()
-    try:
-        key = fp.key(value)
+        key = builder.graph(gm)
         hash(key)
-    except (_Uncacheable, TypeError, RecursionError):
+    except (_Uncacheable, TypeError, RecursionError, RuntimeError):
         return None
-    return key, fp.refs
+    return key, builder.refs
 
 
 def _ambient_state():
@@ -138,45 +145,67 @@ def tensor_meta(tensors, with_grad=False, drop_lead=False):
     slice shape: the body never sees the length, so a new length reuses it."""
     start = 1 if drop_lead else 0
     return tuple((tuple(t.shape[start:]), t.dtype, t.device, t.requires_grad if with_grad else None)
-                 for t in tensors)
+                 if isinstance(t, torch.Tensor) else ("scalar", t) for t in tensors)
 
 
-_traced = collections.OrderedDict()
+class _LRU:
+    """A small thread-safe LRU whose entries die with the tensors their key names."""
+
+    def __init__(self, size=_MAX_ENTRIES):
+        self.size, self.entries, self.lock = size, collections.OrderedDict(), threading.Lock()
+
+    def get_or_build(self, key, refs, build):
+        with self.lock:
+            hit = self.entries.get(key)
+            if hit is not None and all(r() is not None for r in hit[0]):
+                self.entries.move_to_end(key)
+                return hit[1]
+        value = build()
+        with self.lock:
+            self.entries[key] = (refs, value)
+            while len(self.entries) > self.size:
+                self.entries.popitem(last=False)
+        return value
+
+    def clear(self):
+        with self.lock:
+            self.entries.clear()
 
 
-def lookup_traced(key):
-    """The cached (gm, lifted, y_spec) for key, or None if missing or stale."""
-    entry = _traced.get(key)
-    if entry is None:
-        return None
-    refs, gm, lifted_refs, lifted_meta, y_spec = entry
-    lifted = [r() for r in lifted_refs]
-    if any(r() is None for r in refs) or any(t is None for t in lifted) or tensor_meta(lifted) != lifted_meta:
-        del _traced[key]
-        return None
-    _traced.move_to_end(key)
-    return gm, lifted, y_spec
+_plans = _LRU()
+_graphs = _LRU()
 
 
-def store_traced(key, refs, gm, lifted, y_spec):
+def by_graph(gm, key, build):
+    """``build()`` once per (graph content of ``gm``, key); uncacheable graphs build every time."""
+    found = graph_key(gm) if isinstance(gm, torch.fx.GraphModule) else None
+    if found is None:
+        return build()
+    graph, refs = found
+    return _graphs.get_or_build((graph, key, _ambient_state()), refs, build)
+
+
+def plan_for(joint, init, xs, additional_inputs, reverse, remat, build):
+    """The autograd plan, once per (joint graph, per-step input metadata, reverse, remat)."""
+    found = graph_key(joint)
+    if found is None:
+        return build()
+    graph, refs = found
+    meta = (tensor_meta(init, True), tensor_meta(xs, True, drop_lead=True), tensor_meta(additional_inputs, True))
+    remat_key = remat if isinstance(remat, str) else ("callable", id(remat))
+    if not isinstance(remat, str):
+        refs = [*refs, weakref.ref(remat)] if _weakrefable(remat) else None
+        if refs is None:
+            return build()
+    return _plans.get_or_build((graph, meta, reverse, remat_key, _ambient_state()), refs, build)
+
+
+def _weakrefable(v):
     try:
-        lifted_refs = [weakref.ref(t) for t in lifted]
+        weakref.ref(v)
+        return True
     except TypeError:
-        return
-    _traced[key] = (refs, gm, lifted_refs, tensor_meta(lifted), y_spec)
-    while len(_traced) > _MAX_ENTRIES:
-        _traced.popitem(last=False)
-
-
-def body_key(fn, inputs):
-    """Key of a user fn applied to inputs like these, or None if uncacheable."""
-    fp = fingerprint(fn)
-    if fp is None:
-        return None
-    key, refs = fp
-    meta = (inputs.init_spec, inputs.xs_spec, tensor_meta(inputs.init_leaves),
-            tensor_meta(inputs.xs_leaves, drop_lead=True))
-    return (key, meta, _ambient_state()), refs
+        return False
 
 
 _memos = weakref.WeakKeyDictionary()
@@ -199,14 +228,8 @@ def memo(owner, key, build):
     return value
 
 
-def plan_for(combine_fn, init, xs, additional_inputs, reverse, remat, build):
-    """The autograd plan, once per (body object, per-step input metadata, reverse, remat)."""
-    meta = (tensor_meta(init, True), tensor_meta(xs, True, drop_lead=True), tensor_meta(additional_inputs, True))
-    key = ("plan", meta, reverse, remat, _ambient_state())
-    return memo(combine_fn, key, build)
-
-
 def clear():
-    """Forget every cached trace and plan (e.g. after monkey-patching a body's helpers)."""
-    _traced.clear()
+    """Forget every cached plan and lowering (never needed for correctness)."""
+    _plans.clear()
+    _graphs.clear()
     _memos.clear()

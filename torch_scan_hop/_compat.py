@@ -3,7 +3,10 @@
 torch's HOP internals move between releases; keeping the imports and the thin
 adapters here means a new torch version changes this file, not the rules.
 """
+import collections
 import contextlib
+import itertools
+import threading
 
 import torch
 from torch._C import DispatchKey  # noqa: F401  (re-exported for the rules)
@@ -45,8 +48,65 @@ def install_as_upstream_scan(op):
 
 
 def under_make_fx():
-    """True while a make_fx trace is running (so subgraphs must re-enter it)."""
-    return _proxy_tensor._CURRENT_MAKE_FX_TRACER is not None
+    """True while a make_fx trace runs on THIS thread (so subgraphs must re-enter it).
+
+    make_fx keeps its tracer in a process-wide global; another thread's trace
+    must not count, so the tracer only counts with a proxy mode on this
+    thread's stack or inside one of our own traces here (``tracing_lock``).
+    """
+    if _proxy_tensor._CURRENT_MAKE_FX_TRACER is None:
+        return False
+    return _local_depth() > 0 or _proxy_tensor.get_proxy_mode() is not None
+
+
+_TRACE_LOCK = threading.RLock()
+_LOCAL = threading.local()
+_MAX_OUR_SOURCES = 512
+_our_sources = collections.deque()
+
+
+def _local_depth():
+    return getattr(_LOCAL, "depth", 0)
+
+
+@contextlib.contextmanager
+def tracing_lock():
+    """Serializes this package's traces across threads (make_fx's tracer is a
+    process-wide global) and bounds the FX sources they leave in linecache.
+
+    Every GraphModule compiles its code under a fresh ``<eval_with_key>.N``
+    entry that torch never drops; a scan traced on every call would grow them
+    without bound. Only the newest few hundred of ours are kept (they serve
+    tracebacks only; the compiled code does not need them).
+    """
+    with _TRACE_LOCK:
+        depth = _local_depth()
+        _LOCAL.depth = depth + 1
+        before = len(_fx_loader().eval_cache) if depth == 0 else None
+        try:
+            yield
+        finally:
+            _LOCAL.depth = depth
+            if before is not None:
+                _forget_old_sources(before)
+
+
+def _fx_loader():
+    from torch.fx import graph_module
+
+    return graph_module._loader
+
+
+def _forget_old_sources(before):
+    import linecache
+
+    cache = _fx_loader().eval_cache
+    new = len(cache) - before
+    _our_sources.extend(reversed(list(itertools.islice(reversed(cache), max(new, 0)))))
+    while len(_our_sources) > _MAX_OUR_SOURCES:
+        key = _our_sources.popleft()
+        cache.pop(key, None)
+        linecache.cache.pop(key, None)
 
 
 def dispatch_modes_active():
@@ -84,15 +144,33 @@ def _is_functorch_wrapped(t):
     return torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
-def is_plain_tensor(t):
-    """A real, non-wrapper tensor: what the eager fast path can run on."""
-    return (
-        type(t) in (torch.Tensor, torch.nn.Parameter)
-        and not isinstance(t, FunctionalTensor)
-        and not torch._is_functional_tensor(t)
-        and not _is_functorch_wrapped(t)
-        and t.device.type != "xla"
-    )
+def _functionalize_transform_active():
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return any(i.key() == TransformType.Functionalize for i in retrieve_all_functorch_interpreters())
+
+
+def _is_eager_tensor(t):
+    return not isinstance(t, (FakeTensor, FunctionalTensor)) and not torch._is_functional_tensor(t) \
+        and t.device.type not in ("xla", "lazy")
+
+
+def runs_eagerly(tensors):
+    """No tracer (make_fx, fake mode, Dynamo, functionalization) is active and
+    every tensor holds real data off XLA: the scan is the Python loop.
+    torch.func's vmap/grad/jvp wrappers count as eager: the loop composes with them."""
+    if is_dynamo_compiling() or dispatch_modes_active() or _functionalize_transform_active():
+        return False
+    return all(_is_eager_tensor(t) for t in tensors if isinstance(t, torch.Tensor))
+
+
+def global_module_hooks_registered():
+    from torch.nn.modules import module as m
+
+    return any(getattr(m, name, None) for name in (
+        "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+        "_global_backward_pre_hooks"))
 
 
 def on_xla(tensors):
@@ -112,9 +190,35 @@ def trace_graph(fn, args, *, force_enable_grad=False):
     tensors traces with a fresh fake mode, so nothing real is computed and
     closed-over real tensors become constants (which ``_lift`` turns into inputs).
     """
-    if under_make_fx() or detect_fake_mode(args) is not None:
-        return materialize_as_graph(fn, tuple(args), force_enable_grad=force_enable_grad)
+    with _data_dependence_as_scan_error():
+        if under_make_fx() or detect_fake_mode(args) is not None:
+            return materialize_as_graph(fn, tuple(args), force_enable_grad=force_enable_grad)
+        return _trace_fresh(fn, args, force_enable_grad)
+
+
+@contextlib.contextmanager
+def _data_dependence_as_scan_error():
+    """A body that reads a tensor's value (``if c.sum() > 0``, ``.item()``,
+    ``bool(flag)``) cannot become one graph: say so in the user's terms."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    from ._trees import ScanError
+
+    try:
+        yield
+    except (DataDependentOutputException, GuardOnDataDependentSymNode) as e:
+        raise ScanError(
+            "scan: the body reads the value of a tensor as a Python value (data-dependent control "
+            "flow such as `if t.sum() > 0`, `.item()`, `bool(t)`), which a traced scan (make_fx, "
+            "torch.compile, export, XLA) cannot capture as one graph. Use torch.where / masking "
+            f"instead, or run eagerly. (torch: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from e
+
+
+def _trace_fresh(fn, args, force_enable_grad):
     with contextlib.ExitStack() as stack:
+        stack.enter_context(tracing_lock())
         # Functional wrappers (torch.func.functionalize, XLA) would hide the
         # body from make_fx: trace on plain stand-ins of the same metadata.
         stack.enter_context(suspend_functionalization())
@@ -132,12 +236,13 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
     make_fx cannot trace through a functional wrapper it did not create: ops
     on it run below the tracer and their results come out untracked. The plain
     inner value traces like any constant; lifting then hands back the user's
-    tensor, which keeps its autograd identity.
+    tensor, which keeps its autograd identity. A stand-in requires grad when
+    its tensor does, so a joint trace can differentiate with respect to it.
     """
 
     def __init__(self):
         super().__init__()
-        self.outer, self._by_id = {}, {}
+        self._outer, self._by_id = {}, {}
 
     def _stand_in(self, t):
         if not (isinstance(t, torch.Tensor) and torch._is_functional_tensor(t)) \
@@ -147,9 +252,22 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
         if hit is None:
             torch._sync(t)
             plain = torch._from_functional_tensor(t)  # its value, without the wrapper
-            hit = self._by_id[id(t)] = (plain, t)
-            self.outer[id(plain)] = t
+            self._outer[id(plain)] = t
+            used = plain.detach().requires_grad_(t.requires_grad) if t.requires_grad else plain
+            hit = self._by_id[id(t)] = (used, t, plain)  # plain kept alive: its id is a key
         return hit[0]
+
+    def outer(self, t):
+        """The user's tensor that stand-in ``t`` replaced (else ``t``)."""
+        return self._outer.get(id(t), t)
+
+    def inner(self, t):
+        """What the body read in place of the user's ``t``: its stand-in, ``t``
+        itself if it needed none, None if a functional ``t`` was never read."""
+        hit = self._by_id.get(id(t))
+        if hit is not None:
+            return hit[0]
+        return None if torch._is_functional_tensor(t) and not isinstance(t, FakeTensor) else t
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         args, kwargs = torch.utils._pytree.tree_map(self._stand_in, (args, kwargs or {}))
@@ -158,10 +276,11 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
 
 @contextlib.contextmanager
 def recording_functional_closures():
-    """Yields ``outer(t)``: the user's functional tensor that stand-in t replaced (else t)."""
+    """Yields the stand-in mode: ``.outer(t)`` / ``.inner(t)`` map between the
+    user's functional closures and what the traced body read."""
     mode = _ClosureStandIns()
     with mode:
-        yield lambda t: mode.outer.get(id(t), t)
+        yield mode
 
 
 def fresh_fake_mode():
@@ -207,3 +326,55 @@ def eager_autograd_engine():
         return
     with ca._disable():
         yield
+
+
+class _ReplayList(list):
+    """A SAC storage list whose ``pop(0)`` replays instead of consuming, so a
+    step checkpointed selectively can be backwarded more than once (as the
+    loop's own tape can, e.g. retain_graph or gradcheck)."""
+
+    pos = 0
+
+    def pop(self, index=-1):
+        item = self[self.pos]
+        self.pos += 1
+        return item
+
+
+def replayable_selective_checkpoint_contexts(policy_fn):
+    """torch's ``create_selective_checkpoint_contexts`` with replaying storage
+    (torch 2.9: ``_CachingTorchDispatchMode`` / ``_CachedTorchDispatchMode``)."""
+    from torch.utils import checkpoint as ckpt
+
+    class Replaying(ckpt._CachedTorchDispatchMode):
+        def __enter__(self):
+            for saved in self.storage.values():
+                saved.pos = 0
+            return super().__enter__()
+
+    storage = collections.defaultdict(_ReplayList)
+    return ckpt._CachingTorchDispatchMode(policy_fn, storage), Replaying(policy_fn, storage, False)
+
+
+def scan_schema(op, combine_fn, init, xs, additional_inputs, examples, options):
+    """torch's HopSchemaGenerator filled in for a scan call (torch 2.9's API)."""
+    from torch._higher_order_ops.schema import HopSchemaGenerator
+
+    from ._trees import ScanError
+
+    gm = combine_fn if isinstance(combine_fn, torch.fx.GraphModule) else materialize_as_graph(combine_fn, tuple(examples))
+    vals = [n.meta.get("val", n.meta.get("example_value")) for n in gm.graph.find_nodes(op="placeholder")]
+    *_, mutated, outputs = check_input_alias_and_mutation_return_outputs(gm, vals)
+    if mutated:
+        raise ScanError(f"scan: the body mutates its inputs {sorted(mutated)} in place; scan bodies must be functional.")
+    gen = HopSchemaGenerator(op)
+    gen.add_arg("combine_fn", gm)
+    for prefix, values in (("init", init), ("xs", xs), ("additional_input", additional_inputs)):
+        for i, value in enumerate(values):
+            gen.add_arg(f"{prefix}{i}", value)
+    for name, value in options.items():
+        gen.add_arg(name, value, kw_only=True)
+    for out in outputs:
+        gen.add_output(out)
+    gen.add_schema_tree_spec(combine_fn, init, xs, additional_inputs, **options)
+    return gen.gen_schema()

@@ -1,7 +1,10 @@
-"""Autograd: the forward scan saves what the partitioned backward needs; the
-backward is itself a scan (reverse direction) over the backward graph.
+"""Autograd. In plain eager the loop runs ON the tape (``eager_loop.run_flat``):
+exactly the loop's gradients, whatever the body does. Traced (make_fx,
+AOTAutograd, export) and on XLA the forward scan saves what the partitioned
+backward needs and the backward is itself a scan (reverse direction) over the
+backward graph.
 
-Per step nothing is recorded on the autograd tape: the body's joint graph is
+On the traced path nothing is recorded per step: the body's joint graph is
 traced once (``partition.partition_body``), the forward scan runs the ``fwd``
 graph and stacks the per-step saved values, and ``backward`` runs one more
 ``scan_op`` whose carry holds the carry-gradient and the running sum of the
@@ -15,9 +18,9 @@ import torch
 from . import _cache, _compat
 from ._graph_passes import fuse_accumulate
 from ._op import example_args, scan_op
-from ._trees import ScanError
+from .eager_loop import run_flat
 from .rule_functionalize import mark_functional
-from .partition import FwdBwd, _differentiable, partition_body
+from .partition import FwdBwd, partition_step, trace_step
 
 
 def _sym_graph(fb: FwdBwd, sym_saved):
@@ -65,7 +68,7 @@ class ScanGradPlan:
         self.carry_grad = [i for i in range(nc) if fb.grad_mask[i]]
         self.x_grad = [i for i in range(nx) if fb.grad_mask[nc + i]]
         self.lifted_grad = [i for i in range(fb.num_lifted) if fb.grad_mask[nc + nx + i]]
-        self.y_grad = [j for j in range(fb.num_y) if _differentiable(fb.out_vals[nc + j])]
+        self.y_grad = [j for j in range(fb.num_y) if fb.out_grad[nc + j]]
 
         self.bwd_step = mark_functional(_bwd_step_graph(self))
 
@@ -115,7 +118,7 @@ class ScanAutogradFn(torch.autograd.Function):
     def forward(ctx, plan, unroll, num_init, num_xs, *flat):
         init, xs, lifted = flat[:num_init], flat[num_init:num_init + num_xs], flat[num_init + num_xs:]
         out = scan_op(plan.fwd_step, init, xs, lifted, reverse=plan.reverse, unroll=unroll)
-        ctx.unroll = unroll
+        ctx.unroll, ctx.length = unroll, xs[0].shape[0]
         num_out = num_init + plan.fb.num_y
         result, step_saved = out[:num_out], out[num_out:]
         ctx.sym_sizes = [] if plan.sym_graph is None else list(plan.sym_graph(
@@ -127,14 +130,12 @@ class ScanAutogradFn(torch.autograd.Function):
                               *(lifted[i] for i in plan.lifted_needed if isinstance(lifted[i], torch.Tensor)),
                               *(a for a in lifted if isinstance(a, torch.Tensor)))
         ctx.out_meta = [(r.shape, r.dtype, r.device) for r in result]
-        ctx.mark_non_differentiable(*(r for r in result if not _differentiable(r)))
+        ctx.mark_non_differentiable(*(r for r, d in zip(result, _output_differentiable(plan, init, xs)) if not d))
         return tuple(result)
 
     @staticmethod
     def backward(ctx, *grads):
         plan = ctx.plan
-        if torch.is_grad_enabled():  # only true under create_graph=True
-            raise ScanError("scan: double backward (create_graph=True through scan) is not supported.")
         saved = list(ctx.saved_tensors)
         n_step, n_x, n_l = len(plan.step_saved), len(plan.x_needed), len(plan.lifted_needed)
         step_saved, xs_needed = saved[:n_step], saved[n_step:n_step + n_x]
@@ -144,7 +145,8 @@ class ScanAutogradFn(torch.autograd.Function):
         g_carry = [_grad_or_zeros(grads[i], ctx.out_meta[i]) for i in plan.carry_grad]
         g_y = [_grad_or_zeros(grads[num_init + j], ctx.out_meta[num_init + j]) for j in plan.y_grad]
         g_sum0 = [torch.zeros_like(lifted[i]) for i in plan.lifted_grad]
-        out = scan_op(plan.bwd_step, [*g_carry, *g_sum0], [*step_saved, *xs_needed, *g_y],
+        per_step = [*step_saved, *xs_needed, *g_y] or [_length_only(ctx.length, g_carry or g_sum0)]
+        out = scan_op(plan.bwd_step, [*g_carry, *g_sum0], per_step,
                       (*lifted_needed, *ctx.sym_sizes), reverse=not plan.reverse, unroll=ctx.unroll)
         it = iter(out)
         g_init = dict(zip(plan.carry_grad, [next(it) for _ in plan.carry_grad]))
@@ -154,6 +156,25 @@ class ScanAutogradFn(torch.autograd.Function):
                 *(g_init.get(i) for i in range(num_init)),
                 *(g_xs.get(i) for i in range(ctx.num_xs)),
                 *(g_lifted.get(i) for i in range(len(lifted))))
+
+
+def _output_differentiable(plan, init, xs):
+    """Per output: does it require grad. A zero-length scan returns init, so
+    its carries are differentiable exactly when init's are."""
+    fb = plan.fb
+    length = xs[0].shape[0]
+    if isinstance(length, int) and length == 0:
+        carry = [t.requires_grad for t in init]
+    else:
+        carry = fb.out_grad[:fb.num_carry]
+    return [*carry, *fb.out_grad[fb.num_carry:]]
+
+
+def _length_only(length, like):
+    """A zero-width xs that only carries the length: the op's positional
+    convention needs one, and a backward may need no per-step value at all."""
+    device = like[0].device if like else None
+    return torch.empty((length, 0), device=device)
 
 
 def _with_scalars(tensors, scalars):
@@ -174,24 +195,28 @@ def _needs_grad(flat):
 
 
 def build_plan(combine_fn, init, xs, additional_inputs, reverse, remat):
+    """Trace the step's joint (every call: only the graph says what the body
+    computes), then partition it, or reuse the partition of an identical joint."""
     with torch.no_grad(), _compat.disable_proxy_modes_tracing():
         examples = example_args(init, xs, additional_inputs)
     nc, nx = len(init), len(xs)
     flat = [*init, *xs, *additional_inputs]
-    grad_mask = [_differentiable(t) and (i < nc or t.requires_grad) for i, t in enumerate(flat)]
-    fb = partition_body(combine_fn, examples[:nc], examples[nc:nc + nx], examples[nc + nx:], grad_mask, remat)
-    return ScanGradPlan(fb, reverse)
+    requires_grad = [isinstance(t, torch.Tensor) and t.requires_grad for t in flat]
+    step = trace_step(combine_fn, examples[:nc], examples[nc:nc + nx], examples[nc + nx:], requires_grad)
+    build = lambda: ScanGradPlan(partition_step(step, remat), reverse)  # noqa: E731
+    if _compat.dispatch_modes_active() or not all(_compat.is_concrete(t) for t in flat):
+        return build()
+    return _cache.plan_for(step.joint, init, xs, additional_inputs, reverse, remat, build)
 
 
 @scan_op.py_autograd_impl
 def scan_autograd(combine_fn, init, xs, additional_inputs, *, reverse=False, remat="save_all", unroll=1):
     flat = [*init, *xs, *additional_inputs]
+    if _compat.runs_eagerly(flat) and not callable(remat):
+        return run_flat(combine_fn, list(init), list(xs), tuple(additional_inputs), reverse, remat)
     if not _needs_grad(flat):
         with _compat.AutoDispatchBelowAutograd():
             return scan_op(combine_fn, init, xs, additional_inputs, reverse=reverse, unroll=unroll)
-    build = lambda: build_plan(combine_fn, init, xs, additional_inputs, reverse, remat)  # noqa: E731
-    if _compat.dispatch_modes_active() or not all(_compat.is_concrete(t) for t in flat):
-        plan = build()
-    else:
-        plan = _cache.plan_for(combine_fn, init, xs, additional_inputs, reverse, remat, build)
+    with _compat.tracing_lock():
+        plan = build_plan(combine_fn, init, xs, additional_inputs, reverse, remat)
     return list(ScanAutogradFn.apply(plan, unroll, len(init), len(xs), *flat))

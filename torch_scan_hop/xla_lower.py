@@ -122,9 +122,7 @@ def lowered_scan(combine_fn, init, xs, additional_inputs, reverse, unroll):
     """The LoweredScan for these inputs, from the cache when the body and shapes match."""
     key = ("xla", _cache.tensor_meta([*init, *xs, *additional_inputs]), reverse, unroll)
     build = lambda: _lower(combine_fn, init, xs, additional_inputs, reverse, unroll)  # noqa: E731
-    if isinstance(combine_fn, torch.fx.GraphModule):  # a graph: closures are explicit inputs
-        return _cache.memo(combine_fn, key, build)
-    return build()
+    return _cache.by_graph(combine_fn, key, build)  # a graph: closures are explicit inputs
 
 
 def scan_on_xla(combine_fn, init, xs, additional_inputs, reverse, unroll):
