@@ -7,6 +7,7 @@ from conftest import assert_trees_close
 from decoder import DecoderBlock, causal_mask, make_stack, run_loop
 
 import torch_scan_hop
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch_scan_hop import ScanError, scan_layers
 
 try:
@@ -79,30 +80,92 @@ def test_structure_mismatch_names_layer_and_parameter():
     layers[2] = torch.nn.Linear(32, 32)
     with pytest.raises(ScanError, match="layer 2 is a Linear, layer 0 a DecoderBlock"):
         scan_layers(layers, torch.randn(1, 2, 32))
-    with pytest.raises(ScanError, match="layers is empty"):
-        scan_layers([], torch.randn(1))
 
 
-def test_new_mask_each_call_does_not_retrace():
+def test_eager_is_the_loop_over_the_real_layers_hooks_included():
     layers = make_stack(4)
-    calls = [0]
-    real_forward = DecoderBlock.forward
-
-    def counting(self, *a, **k):
-        calls[0] += 1
-        return real_forward(self, *a, **k)
-
-    torch_scan_hop.clear_cache()
-    DecoderBlock.forward = counting
+    seen = []
+    handle = layers[2].register_forward_hook(lambda m, args, out: seen.append(m) or out * 0.5)
     try:
-        for i in range(3):
-            calls[0] = 0
-            x = torch.randn(2, 5, 32)
-            out = scan_layers(layers, x, attn_mask=causal_mask(5))  # a new mask tensor every call
-            out.sum().backward()
-            assert calls[0] == (1 if i == 0 else 0)  # one trace on the first call, then none
+        for _ in range(2):  # a new mask tensor every call
+            x, mask = torch.randn(2, 5, 32), causal_mask(5) & (torch.rand(5, 5) > 0.2)
+            want = train_step(run_loop, layers, x, mask)
+            seen.clear()
+            got = train_step(lambda l, x, **kw: scan_layers(l, x, **kw), layers, x, mask)
+            assert seen == [layers[2]]
+            assert_trees_close(got, want, atol=1e-5, rtol=1e-4)
+        compiled = torch.compile(lambda l, x: scan_layers(l, x), backend="eager", fullgraph=True)
+        with pytest.raises(ScanError, match=r"layer 2 has module hooks"):
+            compiled(layers, torch.randn(2, 5, 32))
     finally:
-        DecoderBlock.forward = real_forward
+        handle.remove()
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self, scale):
+        super().__init__()
+        self.lin, self.scale = torch.nn.Linear(3, 3), scale
+
+    def forward(self, h):
+        return torch.tanh(self.lin(h)) * self.scale
+
+
+class ScaledDropout(Scaled):
+    def __init__(self, scale):
+        super().__init__(scale)
+        self.drop = torch.nn.Dropout(0.0)
+
+    def forward(self, h):
+        return self.drop(torch.tanh(self.lin(h)) * self.scale)
+
+
+class SuperCalling(Scaled):
+    def forward(self, h):
+        assert isinstance(self, Scaled)
+        return super().forward(h) + 1
+
+
+@pytest.mark.parametrize("mode", ["eager", "make_fx"])
+def test_layer_methods_may_call_super(mode):
+    layers = torch.nn.ModuleList([SuperCalling(0.5) for _ in range(3)])
+    h = torch.randn(2, 3)
+    run = (lambda h: scan_layers(layers, h)) if mode == "eager" else make_fx(lambda h: scan_layers(layers, h))(h)
+    assert_trees_close(run(h), run_loop(layers, h))
+
+
+@pytest.mark.parametrize("mode", ["eager", "compile", "make_fx"])
+def test_layers_that_differ_in_a_plain_attribute_the_body_reads(mode):
+    """Eager runs each real layer (the loop is right); a traced stack runs layer
+    0's code, so an attribute that differs is refused, naming layer and attribute."""
+    def run(layers, h):
+        if mode == "compile":
+            torch._dynamo.reset()
+            return torch.compile(lambda l, h: scan_layers(l, h), backend="eager", fullgraph=True)(layers, h)
+        if mode == "make_fx":
+            return make_fx(lambda h: scan_layers(layers, h))(h)(h)
+        return scan_layers(layers, h)
+
+    h = torch.randn(2, 3)
+    layers = torch.nn.ModuleList([ScaledDropout(1.0), ScaledDropout(1.0), ScaledDropout(2.0)])
+    layers[0].unused = "a"  # never read by forward: no reason to refuse
+    if mode == "eager":
+        assert_trees_close(run(layers, h), run_loop(layers, h))
+        return
+    with pytest.raises(ScanError, match=r"layer 2's attribute 'scale' is 2.0 but layer 0's is 1.0"):
+        run(layers, h)
+    layers[2].scale = 1.0
+    layers[1].drop.eval()
+    with pytest.raises(ScanError, match=r"layer 1's attribute 'drop.training' is False but layer 0's is True"):
+        run(layers, h)
+    layers[1].drop.train()
+    assert_trees_close(run(layers, h), run_loop(layers, h), atol=1e-6, rtol=1e-5)
+
+
+def test_empty_stack_returns_the_inputs_like_the_loop():
+    x, y = torch.randn(2, 3), torch.randn(2, 3)
+    assert scan_layers(torch.nn.ModuleList(), x) is x
+    out = scan_layers([], x, y)
+    assert isinstance(out, tuple) and out[0] is x and out[1] is y
 
 
 def test_torch_compile_matches_loop_and_is_one_scan():

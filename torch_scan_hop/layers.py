@@ -1,23 +1,29 @@
 """``scan_layers``: a stack of identical modules run as ONE scan over their stacked weights.
 
-The parameters and buffers of the layers are stacked (``stack_weights``: a stack
-whose gradient flows back to every layer's own ``.grad``) and
-scanned over; the body calls the first layer's code on one layer's slice
-through a read-only view (``_LayerView``). The traced body therefore does not depend on
+In plain eager it is the loop itself, over the real layers (hooks included),
+with ``remat`` as a per-layer checkpoint. Traced (torch.compile, export, XLA),
+the parameters and buffers of the layers are stacked (``stack_weights``: a
+stack whose gradient flows back to every layer's own ``.grad``) and scanned
+over; the body calls the first layer's code on one layer's slice through a
+read-only view (``_LayerView``). The traced body therefore does not depend on
 the depth: one trace, one compile, for 8 or 64 layers.
 
-Broadcast keyword inputs (attention masks, positions) reach every layer
-unchanged. Tensor ones ride in the carry rather than being closed over, so a
-new mask per batch is a new input, not a new function (no re-trace).
+Layers must be identical up to their weights, in every mode: same type,
+parameter and buffer names, shapes and dtypes, and the same plain attributes
+(a scale, ``training``), since the traced body runs layer 0's code with layer
+0's attributes. Broadcast keyword inputs (attention masks, positions) reach
+every layer unchanged; tensor ones are closed over (constants of the call).
 """
 import functools
 import types
 
 import torch
 
+from . import _compat
 from ._stack_weights import stack_weights
-from ._trees import ScanError
+from ._trees import ScanError, flatten
 from .api import scan
+from .eager_loop import remat_step
 
 
 def _layer_states(layers):
@@ -43,6 +49,35 @@ def _layer_states(layers):
                 raise ScanError(f"scan_layers: layer {i}'s {name!r} is {tuple(t.shape)}/{t.dtype} but layer 0's "
                                 f"is {tuple(t0.shape)}/{t0.dtype}; all layers need the same shapes and dtypes.")
     return states
+
+
+_MISSING = object()
+
+
+def _check_peers_agree(name, value, others):
+    for i, other in enumerate(others, start=1):
+        if not _same_value(other, value):
+            raise ScanError(
+                f"scan_layers: layer {i}'s attribute {name!r} is {_show(other)} but layer 0's is "
+                f"{_show(value)}; the scanned body runs layer 0's code with layer 0's attributes, so all "
+                "layers must agree on the ones it reads (keep per-layer values in parameters or buffers, "
+                "or use a Python loop).")
+
+
+def _same_value(a, b):
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False  # a plain tensor attribute per layer: only the same tensor is the same
+    try:
+        same = a == b
+        return same if isinstance(same, bool) else False
+    except Exception:  # an object without a usable ==: only identity counts
+        return False
+
+
+def _show(v):
+    return "missing" if v is _MISSING else repr(v)
 
 
 def _raise_name_mismatch(i, state, ref_state):
@@ -77,10 +112,16 @@ class _LayerView:
     has no side effects (which Dynamo refuses inside a scan body) and no
     parameter swapping per step. Module hooks are not run. (State is read via
     ``self.__dict__``, which Dynamo traces on objects created in the body.)
+
+    A plain attribute the body reads (a scale, ``training``) is layer 0's for
+    every step, so it is compared with the same attribute of every layer
+    (``peers``) as it is read: a layer that differs is a ScanError naming it.
+    Checking on read covers exactly what the code uses, and is the one form
+    Dynamo can trace (it cannot enumerate a module's ``__dict__``).
     """
 
-    def __init__(self, module, state, prefix=""):
-        self.m, self.state, self.prefix = module, state, prefix
+    def __init__(self, module, state, prefix="", peers=()):
+        self.m, self.state, self.prefix, self.peers = module, state, prefix, peers
 
     def __getattr__(self, name):
         d = self.__dict__
@@ -91,7 +132,8 @@ class _LayerView:
             return state[prefix + name]
         if name in module._modules:
             sub = module._modules[name]
-            return None if sub is None else _LayerView(sub, state, prefix + name + ".")
+            peers = [p._modules[name] for p in d["peers"]]
+            return None if sub is None else view_of(sub, state, prefix + name + ".", peers)
         if name == "_modules":
             return {k: getattr(self, k) for k in module._modules}
         attr = getattr(type(module), name, None)
@@ -99,7 +141,9 @@ class _LayerView:
             return attr.fget(self)
         if isinstance(attr, types.FunctionType):  # a method: bound to the view (partial: Dynamo traces it)
             return functools.partial(attr, self)
-        return getattr(module, name)
+        value = getattr(module, name)
+        _check_peers_agree(prefix + name, value, [getattr(p, name, _MISSING) for p in d["peers"]])
+        return value
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
@@ -118,10 +162,48 @@ class _LayerView:
         return list(self._modules.values())[idx]
 
 
-def _split_kwargs(kwargs):
-    tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-    static = {k: v for k, v in kwargs.items() if k not in tensors}
-    return tensors, static
+@functools.lru_cache(maxsize=None)
+def _view_type(cls):
+    """A _LayerView whose ``__class__`` is ``cls``: ``isinstance`` and the
+    zero-argument ``super()`` in the layer's methods then accept the view."""
+    return type(f"{cls.__name__}View", (_LayerView,), {"__class__": cls})
+
+
+def view_of(module, state, prefix="", peers=()):
+    """The view of ``module`` (Dynamo traces the plain _LayerView only)."""
+    cls = _LayerView if _compat.is_dynamo_compiling() else _view_type(type(module))
+    return cls(module, state, prefix, peers)
+
+
+def _as_output(inputs):
+    return inputs[0] if len(inputs) == 1 else tuple(inputs)
+
+
+def _eager_loop(layers, inputs, remat, kwargs):
+    """The loop over the real layers (hooks and all), remat per layer."""
+    single = len(inputs) == 1
+    h = _as_output(inputs)
+    for layer in layers:
+        call = remat_step(lambda h, layer=layer: layer(*((h,) if single else h), **kwargs), remat)
+        h = call(h)
+        if not single and isinstance(h, list):
+            h = tuple(h)
+    return h
+
+
+def _check_no_hooks(layers):
+    """A traced scan runs the layers' code, not their ``__call__``: hooks would
+    silently not run, so they are refused (eager runs them: it is the loop)."""
+    if _compat.global_module_hooks_registered():
+        raise ScanError("scan_layers: global nn.Module hooks are registered; a traced scan_layers "
+                        "(torch.compile, export, XLA) does not run module hooks. Remove them or use a loop.")
+    for i, layer in enumerate(layers):
+        for name, sub in layer.named_modules():
+            if sub._forward_hooks or sub._forward_pre_hooks or sub._backward_hooks or sub._backward_pre_hooks:
+                where = f"layer {i}" + (f" ({name})" if name else "")
+                raise ScanError(f"scan_layers: {where} has module hooks; a traced scan_layers (torch.compile, "
+                                "export, XLA) runs layer 0's code, not the modules' __call__, so hooks would not "
+                                "run. Remove them or use a Python loop.")
 
 
 def scan_layers(layers, *inputs, remat="save_all", unroll=1, **broadcast_kwargs):
@@ -130,29 +212,30 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=1, **broadcast_kwargs)
     ``layers``: an ``nn.ModuleList`` (or sequence) of modules with identical
     structure. With one input the layers map a tensor (or pytree) to the same
     structure; with several, each layer takes them all and returns a tuple of
-    the same structure. Returns what the last layer returns. Gradients land
-    on each layer's own parameters.
+    the same structure. Returns what the last layer returns (the inputs for
+    an empty stack). Gradients land on each layer's own parameters.
     """
     layers = list(layers)
-    if not layers:
-        raise ScanError("scan_layers: layers is empty; pass at least one module.")
     if not all(isinstance(m, torch.nn.Module) for m in layers):
         raise ScanError("scan_layers: every element of layers must be an nn.Module.")
     if not inputs:
         raise ScanError("scan_layers: pass the hidden state as a positional input: scan_layers(layers, x).")
+    if not layers:
+        return _as_output(inputs)
     states = _layer_states(layers)
+    flat_inputs = [t for t in flatten((inputs, broadcast_kwargs))[0] if isinstance(t, torch.Tensor)]
+    if not callable(remat) and _compat.runs_eagerly(flat_inputs + list(states[0].values())):
+        return _eager_loop(layers, inputs, remat, broadcast_kwargs)
     template = layers[0]
-    tensor_kwargs, static_kwargs = _split_kwargs(broadcast_kwargs)
-    hidden = inputs[0] if len(inputs) == 1 else tuple(inputs)
     single = len(inputs) == 1
 
-    def step(carry, params):
-        h, kw = carry
+    def step(h, params):
+        _check_no_hooks(layers)  # in the body: under torch.compile only errors raised there stay ScanErrors
         args = (h,) if single else tuple(h)
-        out = _LayerView(template, params)(*args, **kw, **static_kwargs)
+        out = view_of(template, params, peers=layers[1:])(*args, **broadcast_kwargs)  # kwargs: closed over
         if not single and isinstance(out, list):
             out = tuple(out)
-        return (out, kw), None
+        return out, None
 
-    (out, _), _ = scan(step, (hidden, tensor_kwargs), _stacked_state(states), remat=remat, unroll=unroll)
+    out, _ = scan(step, _as_output(inputs), _stacked_state(states), remat=remat, unroll=unroll)
     return out
