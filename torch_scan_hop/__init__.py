@@ -4,7 +4,7 @@ Importing the package installs ``scan_op`` as ``torch.ops.higher_order.scan``.
 """
 from . import _compat
 from ._op import scan_op
-from . import rule_autograd, rule_eager, rule_fake, rule_functionalize, rule_dynamo, rule_proxy, rule_xla  # noqa: F401  (register rules)
+from . import rule_autograd, rule_eager, rule_fake, rule_functionalize, rule_functorch, rule_dynamo, rule_proxy, rule_xla  # noqa: F401,E501  (register rules)
 from ._cache import clear as clear_cache
 from ._trees import ScanError
 from .api import scan

@@ -378,3 +378,31 @@ def scan_schema(op, combine_fn, init, xs, additional_inputs, examples, options):
         gen.add_output(out)
     gen.add_schema_tree_spec(combine_fn, init, xs, additional_inputs, **options)
     return gen.gen_schema()
+
+
+# ---------------------------------------------------------------- functorch (torch 2.9)
+from torch._C._functorch import TransformType  # noqa: E402,F401
+
+
+def functorch_level(t):
+    """The vmap level of a batched tensor, else None."""
+    f = torch._C._functorch
+    return f.maybe_get_level(t) if f.is_batchedtensor(t) else None
+
+
+def functorch_unwrap(t):
+    return torch._C._functorch.get_unwrapped(t)
+
+
+def functorch_bdim(t):
+    return torch._C._functorch.maybe_get_bdim(t)
+
+
+def is_batched_here(t):
+    return isinstance(t, torch.Tensor) and torch._C._functorch.is_batchedtensor(t)
+
+
+def add_batch_dim(t, bdim, level):
+    from torch._C._functorch import _add_batch_dim
+
+    return _add_batch_dim(t, bdim, level)

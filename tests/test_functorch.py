@@ -1,0 +1,187 @@
+"""torch.func transforms and higher-order gradients through scan, against the Python loop (float64)."""
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+from conftest import reference_scan
+from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
+
+import torch_scan_hop
+from torch_scan_hop import scan, scan_op
+
+D = torch.float64
+B = 3
+
+
+def make_body(w):
+    """A pytree body with a float carry, an int counter carry, closures and a pytree y."""
+    def body(c, x):
+        h = torch.tanh(c["h"] @ w + x["u"] * c["h"].sum())
+        return {"h": h, "k": c["k"] + 1}, {"s": (h * x["u"]).sum(-1), "k": c["k"]}
+    return body
+
+
+def loss(run, w, h0, u, reverse=False, dim=0):
+    init = {"h": h0, "k": torch.zeros((), dtype=torch.int64)}
+    carry, ys = run(make_body(w), init, {"u": u}, reverse=reverse, dim=dim)
+    return carry["h"].pow(2).sum() + ys["s"].sin().sum() + carry["k"].to(D)
+
+
+def ours(fn, init, xs, **kw):
+    return scan(fn, init, xs, **kw)
+
+
+def data():
+    torch.manual_seed(0)
+    return torch.randn(3, 3, dtype=D) * 0.5, torch.randn(2, 3, dtype=D), torch.randn(4, 2, 3, dtype=D)
+
+
+def close(got, want):
+    for g, r in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+        assert g.shape == r.shape, (g.shape, r.shape)
+        torch.testing.assert_close(g, r)
+
+
+@pytest.mark.parametrize("reverse,dim", [(False, 0), (True, 0), (False, 1)])
+@pytest.mark.parametrize("transform", ["grad", "jacrev", "jacfwd", "hessian", "jvp", "vjp"])
+def test_transforms_match_the_loop(transform, reverse, dim):
+    w, h0, u = data()
+    u = u.movedim(0, dim)
+
+    def f(run):
+        return lambda w, h0, u: loss(run, w, h0, u, reverse, dim)
+
+    def apply(fn):
+        if transform == "grad":
+            return grad(fn, argnums=(0, 1, 2))(w, h0, u)
+        if transform == "jacrev":
+            return jacrev(fn, argnums=(0, 2))(w, h0, u)
+        if transform == "jacfwd":
+            return jacfwd(fn, argnums=1)(w, h0, u)
+        if transform == "hessian":
+            return hessian(fn, argnums=1)(w, h0, u)
+        if transform == "jvp":
+            return jvp(fn, (w, h0, u), (torch.ones_like(w), torch.ones_like(h0), torch.ones_like(u)))
+        out, pull = vjp(fn, w, h0, u)
+        return out, pull(torch.ones_like(out))
+
+    close(apply(f(ours)), apply(f(reference_scan)))
+
+
+@pytest.mark.parametrize("batched", ["init", "xs", "weights", "all"])
+def test_vmap_any_in_dims_matches_a_loop_over_the_batch(batched):
+    w, h0, u = data()
+    ws = torch.randn(B, 3, 3, dtype=D) * 0.5 if batched in ("weights", "all") else w
+    h0s = torch.randn(B, 2, 3, dtype=D) if batched in ("init", "all") else h0
+    us = torch.randn(4, B, 2, 3, dtype=D) if batched in ("xs", "all") else u  # batch at dim 1
+    in_dims = (0 if ws is not w else None, 0 if h0s is not h0 else None, 1 if us is not u else None)
+    got = vmap(lambda w, h, u: loss(ours, w, h, u), in_dims=in_dims)(ws, h0s, us)
+    want = torch.stack([loss(reference_scan, ws[b] if in_dims[0] == 0 else ws, h0s[b] if in_dims[1] == 0 else h0s,
+                             us[:, b] if in_dims[2] == 1 else us) for b in range(B)])
+    close(got, want)
+
+
+def test_nested_vmap_and_out_dims():
+    w, _, _ = data()
+    h0 = torch.randn(B, 2, 2, 3, dtype=D)
+    u = torch.randn(4, 2, 3, dtype=D)
+
+    def final(h, u):
+        return scan(make_body(w), {"h": h, "k": torch.zeros((), dtype=torch.int64)}, {"u": u})[0]["h"]
+
+    got = vmap(vmap(final, in_dims=(0, None), out_dims=1), in_dims=(0, None))(h0, u)
+    want = torch.stack([torch.stack([reference_scan(make_body(w), {"h": h0[a, b], "k": torch.zeros((), dtype=torch.int64)},
+                                                    {"u": u})[0]["h"] for b in range(2)], 1) for a in range(B)])
+    close(got, want)
+
+
+def test_per_sample_gradients_of_an_rnn():
+    w, _, _ = data()
+    h0s, us = torch.randn(B, 2, 3, dtype=D), torch.randn(B, 4, 2, 3, dtype=D)
+    got = vmap(grad(lambda w, h, u: loss(ours, w, h, u)), in_dims=(None, 0, 0))(w, h0s, us)
+    want = torch.stack([grad(lambda w: loss(reference_scan, w, h0s[b], us[b]))(w) for b in range(B)])
+    close(got, want)
+
+
+@pytest.mark.parametrize("remat", ["save_all", "min_cut", "recompute_all"])
+def test_double_backward_and_hessian_vector_product(remat):
+    w, h0, u = data()
+    v = torch.randn_like(w)
+
+    def hvp(run):
+        wr = w.clone().requires_grad_()
+        (g,) = torch.autograd.grad(loss(run, wr, h0, u), wr, create_graph=True)
+        return torch.autograd.grad((g * v).sum(), wr)[0]
+
+    close(hvp(lambda *a, **k: scan(*a, remat=remat, **k)), hvp(reference_scan))
+
+
+def test_forward_ad_dual_tensors():
+    w, h0, u = data()
+    tangent = torch.randn_like(h0)
+    with fwAD.dual_level():
+        got = fwAD.unpack_dual(loss(ours, w, fwAD.make_dual(h0, tangent), u)).tangent
+        want = fwAD.unpack_dual(loss(reference_scan, w, fwAD.make_dual(h0, tangent), u)).tangent
+    close(got, want)
+
+
+def flat_body(c, k, x, w):
+    return [torch.tanh(c @ w + x), k + 1, (c * x).sum()]
+
+
+def op_loop(i, x, w):
+    c, k, ys = i, torch.zeros((), dtype=torch.int64), []
+    for t in x:
+        c, k, y = flat_body(c, k, t, w)
+        ys.append(y)
+    return c, k, torch.stack(ys)
+
+
+def op(i, x, w):
+    return tuple(scan_op(flat_body, [i, torch.zeros((), dtype=torch.int64)], [x], (w,)))
+
+
+@pytest.mark.parametrize("case", ["init", "xs_dim1", "weights", "nested", "grad", "vmap_grad", "hessian"])
+def test_the_op_itself_under_transforms(case):
+    """Graph bodies reach the op directly (Dynamo, upstream's front end): a
+    batched body for vmap (one scan), the loop at the transform's level for grad."""
+    w = torch.randn(3, 3, dtype=D) * 0.5
+    i, x = torch.randn(3, dtype=D), torch.randn(5, 3, dtype=D)
+    run = {
+        "init": lambda f: vmap(f, in_dims=(0, None, None))(torch.randn(B, 3, dtype=D), x, w),
+        "xs_dim1": lambda f: vmap(f, in_dims=(None, 1, None))(i, torch.randn(5, B, 3, dtype=D), w),
+        "weights": lambda f: vmap(f, in_dims=(None, None, 0))(i, x, torch.randn(B, 3, 3, dtype=D)),
+        "nested": lambda f: vmap(vmap(f, in_dims=(0, None, None)), in_dims=(None, 1, None))(
+            torch.randn(2, 3, dtype=D), torch.randn(5, B, 3, dtype=D), w),
+        "grad": lambda f: grad(lambda i, x, w: f(i, x, w)[0].sum() + f(i, x, w)[2].sum(), argnums=(0, 1, 2))(i, x, w),
+        "vmap_grad": lambda f: vmap(grad(lambda i, x: f(i, x, w)[0].sum()), in_dims=(0, None))(
+            torch.randn(B, 3, dtype=D), x),
+        "hessian": lambda f: hessian(lambda i: f(i, x, w)[2].sum())(i),
+    }[case]
+    torch.manual_seed(1)
+    got = run(op)
+    torch.manual_seed(1)  # the same batched inputs for the loop
+    close(got, run(op_loop))
+
+
+def test_vmap_keeps_an_unbatched_counter_carry_unbatched():
+    seen = []
+
+    def body(c, k, x):
+        seen.append(torch._C._functorch.is_batchedtensor(k))
+        return [c * 2 + x, k + 1, c.sum()]
+
+    out = vmap(lambda c: tuple(scan_op(body, [c, torch.zeros((), dtype=torch.int64)], [torch.ones(4, 3)], ())))(
+        torch.ones(B, 3))
+    assert out[1].shape == (B,) and torch.equal(out[1], torch.full((B,), 4))
+    assert seen and not any(seen)  # the counter never became a batched tensor inside the body
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_transforms_under_torch_compile(backend):
+    w, _, u = data()
+    h0s = torch.randn(B, 2, 3, dtype=D)
+    f = lambda h, u: loss(ours, w, h, u)  # noqa: E731
+    want = vmap(grad(lambda h, u: loss(reference_scan, w, h, u)), in_dims=(0, None))(h0s, u)
+    torch._dynamo.reset()
+    got = torch.compile(vmap(grad(f), in_dims=(0, None)), backend=backend, fullgraph=True)(h0s, u)
+    close(got, want)
