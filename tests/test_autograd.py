@@ -250,3 +250,48 @@ def test_make_fx_of_a_training_step_has_forward_and_backward_scans():
     scans = [n for n in gm.graph.nodes if n.target is torch_scan_hop.scan_op]
     assert len(scans) == 2  # the forward scan and the backward (reverse) scan
     torch.testing.assert_close(gm(*args)[0], train(*args)[0])
+
+
+def _modes():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def eager(f, *args):
+        return f(*args)
+
+    def traced(f, *args):
+        return make_fx(f)(*args)(*args)
+
+    def compiled(f, *args):
+        torch._dynamo.reset()
+        return torch.compile(f, backend="aot_eager")(*args)
+
+    return {"eager": eager, "make_fx": traced, "aot_eager": compiled}
+
+
+BIAS = torch.randn(3, dtype=D, requires_grad=True)
+W2 = torch.randn(3, 3, dtype=D, requires_grad=True)
+
+
+@pytest.mark.parametrize("mode", ["eager", "make_fx", "aot_eager"])
+@pytest.mark.parametrize("body", [
+    pytest.param(lambda c, x: (c * 2 + x + BIAS, None), id="no_saved_value"),
+    pytest.param(lambda c, x: (torch.tanh(torch.tanh(c @ W2 + x) @ W2), c.sum()), id="closure_read_twice"),
+    pytest.param(lambda c, x: (c @ W2.detach() + x, x * 2), id="frozen_weight_and_x_only_y"),
+])
+def test_bodies_that_broke_traced_paths(mode, body):
+    init, xs = torch.randn(3, dtype=D, requires_grad=True), torch.randn(4, 3, dtype=D, requires_grad=True)
+
+    def grads(run):
+        def f(init, xs):
+            c, ys = run(body, init, xs)
+            loss = c.pow(2).sum() + (0 if ys is None else ys.sin().sum())
+            return torch.autograd.grad(loss, [init, xs, BIAS, W2], allow_unused=True, materialize_grads=True)
+        return f
+
+    if mode == "aot_eager":  # autograd.grad graph-breaks; the scan is compiled, the grads are taken outside
+        compiled = torch.compile(lambda i, x: scan(body, i, x), backend="aot_eager")
+        got = grads(lambda fn, i, x: compiled(i, x))(init, xs)
+    else:
+        got = _modes()[mode](grads(scan), init, xs)
+    for g, w in zip(got, grads(reference_scan)(init, xs)):
+        torch.testing.assert_close(g, w)

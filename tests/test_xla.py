@@ -282,3 +282,53 @@ def test_openxla_backend_uses_the_while_lowering_forward_and_training(monkeypatc
     assert lowered  # the scan ran as our XLA While, not as an unrolled loop
     torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(w.grad.cpu(), g_want, atol=1e-5, rtol=1e-5)
+
+
+class _Round(torch.autograd.Function):
+    """Straight-through rounding: autograd of the forward would give zero."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def _xla_bodies(w):
+    def no_grad_region(c, x):
+        with torch.no_grad():
+            s = c * 2
+        return c * s + x @ w, None
+
+    def custom_function(c, x):
+        return _Round.apply(c * 3.3) * 0.1 + torch.tanh(x @ w), None
+
+    def closure_read_twice(c, x):
+        return torch.tanh(torch.tanh(c @ w + x) @ w), None
+
+    return {"no_grad_region": no_grad_region, "custom_function": custom_function,
+            "closure_read_twice": closure_read_twice}
+
+
+@pytest.mark.parametrize("name", ["no_grad_region", "custom_function", "closure_read_twice"])
+def test_what_only_autograd_sees_survives_on_xla(name):
+    """The joint is traced from the user's body: no_grad regions and custom
+    backwards give the loop's gradients on XLA too."""
+    torch.manual_seed(0)
+    w_cpu, xs_cpu = torch.randn(3, 3), torch.randn(4, 2, 3)
+
+    def run(device, use_scan):
+        w = w_cpu.to(device).requires_grad_()
+        init = torch.ones(2, 3, device=device, requires_grad=True)
+        body, xs = _xla_bodies(w)[name], xs_cpu.to(device)
+        if use_scan:
+            c, _ = scan(body, init, xs)
+        else:
+            c = init
+            for x in xs:
+                c, _ = body(c, x)
+        return [t.cpu() for t in (c, *torch.autograd.grad(c.pow(2).sum(), [init, w]))]
+
+    assert_trees_close(run(DEV, True), run("cpu", False), atol=1e-4, rtol=1e-4)

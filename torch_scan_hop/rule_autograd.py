@@ -69,6 +69,8 @@ class ScanGradPlan:
         self.x_grad = [i for i in range(nx) if fb.grad_mask[nc + i]]
         self.lifted_grad = [i for i in range(fb.num_lifted) if fb.grad_mask[nc + nx + i]]
         self.y_grad = [j for j in range(fb.num_y) if fb.out_grad[nc + j]]
+        # the backward scan needs an xs even when no value is per step (c * 2 + x)
+        self.length_only = not (self.step_saved or self.x_needed or self.y_grad)
 
         self.bwd_step = mark_functional(_bwd_step_graph(self))
 
@@ -94,6 +96,7 @@ def _bwd_step_graph(plan):
     step = iter(inputs("saved", len(plan.step_saved)))
     xs = dict(zip(plan.x_needed, inputs("x", len(plan.x_needed))))
     g_y = dict(zip(plan.y_grad, inputs("g_y", len(plan.y_grad))))
+    inputs("length_only", int(plan.length_only))  # the zero-width xs slice when nothing is per step
     lifted = dict(zip(plan.lifted_needed, inputs("lifted", len(plan.lifted_needed))))
     syms = iter(inputs("sym", len(plan.sym_saved)))
     saved = [next(step) if k in ("step", "carry") else next(syms) if k == "sym" else (xs[j] if k == "x" else lifted[j])
@@ -118,7 +121,7 @@ class ScanAutogradFn(torch.autograd.Function):
     def forward(ctx, plan, unroll, num_init, num_xs, *flat):
         init, xs, lifted = flat[:num_init], flat[num_init:num_init + num_xs], flat[num_init + num_xs:]
         out = scan_op(plan.fwd_step, init, xs, lifted, reverse=plan.reverse, unroll=unroll)
-        ctx.unroll, ctx.length = unroll, xs[0].shape[0]
+        ctx.unroll, ctx.length, ctx.xs_device = unroll, xs[0].shape[0], xs[0].device
         num_out = num_init + plan.fb.num_y
         result, step_saved = out[:num_out], out[num_out:]
         ctx.sym_sizes = [] if plan.sym_graph is None else list(plan.sym_graph(
@@ -145,7 +148,8 @@ class ScanAutogradFn(torch.autograd.Function):
         g_carry = [_grad_or_zeros(grads[i], ctx.out_meta[i]) for i in plan.carry_grad]
         g_y = [_grad_or_zeros(grads[num_init + j], ctx.out_meta[num_init + j]) for j in plan.y_grad]
         g_sum0 = [torch.zeros_like(lifted[i]) for i in plan.lifted_grad]
-        per_step = [*step_saved, *xs_needed, *g_y] or [_length_only(ctx.length, g_carry or g_sum0)]
+        per_step = [torch.empty((ctx.length, 0), device=ctx.xs_device)] if plan.length_only else [
+            *step_saved, *xs_needed, *g_y]
         out = scan_op(plan.bwd_step, [*g_carry, *g_sum0], per_step,
                       (*lifted_needed, *ctx.sym_sizes), reverse=not plan.reverse, unroll=ctx.unroll)
         it = iter(out)
@@ -168,13 +172,6 @@ def _output_differentiable(plan, init, xs):
     else:
         carry = fb.out_grad[:fb.num_carry]
     return [*carry, *fb.out_grad[fb.num_carry:]]
-
-
-def _length_only(length, like):
-    """A zero-width xs that only carries the length: the op's positional
-    convention needs one, and a backward may need no per-step value at all."""
-    device = like[0].device if like else None
-    return torch.empty((length, 0), device=device)
 
 
 def _with_scalars(tensors, scalars):
