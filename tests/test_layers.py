@@ -248,3 +248,30 @@ def test_torch_compile_backends_train_like_the_loop(backend):
     torch._dynamo.reset()
     compiled = torch.compile(lambda l, x, **kw: scan_layers(l, x, **kw), backend=backend, fullgraph=True)
     assert_trees_close(train_step(compiled, layers, x, mask), want, atol=1e-5, rtol=1e-4)
+
+
+class MHABlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, h, mask=None):
+        return h + self.mha(h, h, h, attn_mask=mask, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("mode", ["eager", "aot_eager", "make_fx"])
+def test_attention_mask_is_a_constant_not_a_differentiable_carry(mode):
+    """Tensor keyword inputs are per-call constants: nothing asks for a
+    gradient of the mask (SDPA's CPU kernel has none)."""
+    torch.manual_seed(3)
+    layers = torch.nn.ModuleList(MHABlock() for _ in range(3))
+    h, mask = torch.randn(2, 5, 8), torch.triu(torch.full((5, 5), float("-inf")), 1)
+    run = {
+        "eager": lambda ls, h, mask: scan_layers(ls, h, mask=mask),
+        "aot_eager": torch.compile(lambda ls, h, mask: scan_layers(ls, h, mask=mask), backend="aot_eager"),
+        "make_fx": lambda ls, h, mask: make_fx(lambda h, mask: scan_layers(ls, h, mask=mask))(h, mask)(h, mask),
+    }[mode]
+    torch._dynamo.reset()
+    assert_trees_close(train_step(lambda l, x, attn_mask: run(l, x, attn_mask), layers, h, mask),
+                       train_step(lambda l, x, attn_mask: run_loop(l, x, mask=attn_mask), layers, h, mask),
+                       atol=1e-5, rtol=1e-4)

@@ -372,8 +372,8 @@ def scan_schema(op, combine_fn, init, xs, additional_inputs, examples, options):
     for prefix, values in (("init", init), ("xs", xs), ("additional_input", additional_inputs)):
         for i, value in enumerate(values):
             gen.add_arg(f"{prefix}{i}", value)
-    for name, value in options.items():
-        gen.add_arg(name, value, kw_only=True)
+    for name, value in options.items():  # a remat partition function is named, not embedded
+        gen.add_arg(name, value if not callable(value) else getattr(value, "__name__", repr(value)), kw_only=True)
     for out in outputs:
         gen.add_output(out)
     gen.add_schema_tree_spec(combine_fn, init, xs, additional_inputs, **options)

@@ -206,7 +206,7 @@ def build_plan(combine_fn, init, xs, additional_inputs, reverse, remat):
     return _cache.plan_for(step.joint, init, xs, additional_inputs, reverse, remat, build)
 
 
-@scan_op.py_autograd_impl
+@scan_op.py_impl(_compat.DispatchKey.Autograd)  # not py_autograd_impl: it would trace the body for a schema every call
 def scan_autograd(combine_fn, init, xs, additional_inputs, *, reverse=False, remat="save_all", unroll=1):
     flat = [*init, *xs, *additional_inputs]
     if _compat.runs_eagerly(flat) and not callable(remat):
