@@ -140,3 +140,15 @@ def test_functionalize_rejects_closure_mutation():
 
     with pytest.raises(ScanError, match=r"closed-over tensor 0 \(additional_inputs\)"):
         make_fx(lambda c, x: scan(body, c, x), _allow_non_fake_inputs=True)(torch.zeros(4), torch.zeros(3, 4))
+
+
+@pytest.mark.parametrize("grad_mode", [True, False])
+def test_make_fx_traces_the_body_in_the_callers_grad_mode(grad_mode):
+    def body(c, x):
+        return (c * 2 + x if torch.is_grad_enabled() else c * 3 + x), None
+
+    init, xs = torch.ones(3), torch.ones(4, 3)
+    with torch.set_grad_enabled(grad_mode):
+        want = reference_scan(body, init, xs)[0]
+        got = make_fx(lambda i, x: scan(body, i, x)[0])(init, xs)(init, xs)
+    torch.testing.assert_close(got, want)

@@ -332,3 +332,17 @@ def test_what_only_autograd_sees_survives_on_xla(name):
         return [t.cpu() for t in (c, *torch.autograd.grad(c.pow(2).sum(), [init, w]))]
 
     assert_trees_close(run(DEV, True), run("cpu", False), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("grad_mode", [True, False])
+def test_body_branching_on_grad_mode_takes_the_loops_branch(grad_mode):
+    def body(c, x):
+        return (c * 2 + x if torch.is_grad_enabled() else c * 3 + x), None
+
+    init, xs = torch.ones(3), torch.ones(4, 3)
+    with torch.set_grad_enabled(grad_mode):
+        want = init
+        for x in xs:
+            want, _ = body(want, x)
+        got = scan(body, init.to(DEV), xs.to(DEV))[0].cpu()
+    torch.testing.assert_close(got, want)

@@ -6,7 +6,6 @@ Parameter). Each becomes a trailing placeholder, and the tensor itself is
 passed as an ``additional_inputs`` entry, so it receives gradients and is an
 explicit input of every graph that contains the scan.
 """
-import contextlib
 import weakref
 from dataclasses import dataclass
 
@@ -78,10 +77,9 @@ def trace_and_lift(flat_body, example_args):
     The graph is for running the body; its gradient is traced from
     ``flat_body`` itself (``_joint``), which this records as its source.
     """
-    # Under an outer trace (export's pre-dispatch make_fx) a grad-mode switch
-    # would be recorded into the user's graph; the subgraph tracer needs none.
-    grad_off = contextlib.nullcontext() if _compat.under_make_fx() else torch.no_grad()
-    with grad_off, _compat.recording_functional_closures() as closures:
+    # Traced in the caller's grad mode: a body that branches on
+    # torch.is_grad_enabled() takes the branch the loop would take.
+    with _compat.recording_functional_closures() as closures:
         gm = _compat.trace_graph(flat_body, example_args)
         lifted = [closures.outer(t) for t in lift_constants(gm)]
     _sources[gm] = Source(flat_body, tuple(lifted))
