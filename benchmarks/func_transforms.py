@@ -1,5 +1,8 @@
 """torch.func through scan: vmap, per-sample gradients and Hessian-vector products.
 
+(Not named functorch.py: a script of that name beside the others would shadow
+the functorch package for every benchmark run from this folder.)
+
 RNN cell H=32, T=32, batch 16, CPU, one thread. Rows:
 - vmap(scan) vs a Python loop over the batch and vs vmap of the Python loop
   (the same batched ops, so ~1.0x is the target).
