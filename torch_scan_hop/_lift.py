@@ -24,7 +24,8 @@ def lift_constants(gm):
     """Rewrite ``gm`` in place so its tensor constants are trailing inputs; return them."""
     lifted, placeholder_of = [], {}
     last = list(gm.graph.find_nodes(op="placeholder"))[-1:] or [None]
-    for node, value in _tensor_constants(gm):
+    constants = list(_tensor_constants(gm))  # read all before deleting: get_attrs may share a target
+    for node, value in constants:
         key = id(value)
         if key not in placeholder_of:
             anchor = last[0]
@@ -37,6 +38,7 @@ def lift_constants(gm):
             lifted.append(value)
         node.replace_all_uses_with(placeholder_of[key])
         gm.graph.erase_node(node)
+    for node, _ in constants:
         if hasattr(gm, node.target):
             delattr(gm, node.target)
     gm.graph.lint()
