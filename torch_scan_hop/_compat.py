@@ -49,6 +49,20 @@ def under_make_fx():
     return _proxy_tensor._CURRENT_MAKE_FX_TRACER is not None
 
 
+@contextlib.contextmanager
+def functionalization_on():
+    """Lift an enclosing exclusion of the Functionalize key for this block.
+
+    A Functionalize rule redispatches with the key excluded. Code that must
+    see torch_xla's own functionalization (views of XLA tensors are only right
+    through it) re-enables the key here and restores the exclusion after.
+    """
+    include = torch._C._dispatch_tls_local_include_set()
+    exclude = torch._C._dispatch_tls_local_exclude_set().remove(DispatchKey.Functionalize)
+    with torch._C._ForceDispatchKeyGuard(include, exclude):
+        yield
+
+
 def dispatch_modes_active():
     from torch.utils._python_dispatch import _len_torch_dispatch_stack
 

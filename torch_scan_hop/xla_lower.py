@@ -18,7 +18,7 @@ from typing import Any, List
 
 import torch
 
-from . import _cache
+from . import _cache, _compat
 
 # xla_data.proto PrimitiveType
 _ETYPE = {
@@ -72,11 +72,14 @@ def _lower(combine_fn, init, xs, additional_inputs, reverse, unroll):
     torch_xla, xb = _xla()
     X = torch_xla._XLAC
     length = int(xs[0].shape[0])
-    ph_carry = [_placeholder(xb, c.shape, c.dtype) for c in init]
-    ph_x = [_placeholder(xb, x.shape[1:], x.dtype) for x in xs]
-    ph_add = [_placeholder(xb, a.shape, a.dtype) for a in additional_inputs]
     rng_state = torch_xla.core.xla_model.get_rng_state()
-    with torch.no_grad():
+    # Functionalization must be on: the Functionalize rule excluded its key, and
+    # without it torch_xla makes placeholders without the functional wrapper
+    # and lowers chains of views (permute then view, as einsum emits) wrongly.
+    with torch.no_grad(), _compat.functionalization_on():
+        ph_carry = [_placeholder(xb, c.shape, c.dtype) for c in init]
+        ph_x = [_placeholder(xb, x.shape[1:], x.dtype) for x in xs]
+        ph_add = [_placeholder(xb, a.shape, a.dtype) for a in additional_inputs]
         outs = list(combine_fn(*ph_carry, *ph_x, *ph_add))
     # Tracing drew from the RNG; a cached call would not, so undo that draw.
     torch_xla.core.xla_model.set_rng_state(rng_state)
