@@ -1,11 +1,12 @@
-"""Lowering a scan on XLA tensors to ONE XLA ``While`` (see csrc/hlo_scan.cc).
+"""Lowering a scan on XLA tensors to XLA ``While`` loops (see csrc/hlo_scan.cc).
 
-``_scan_lower`` runs the body once on placeholder XLA tensors (one carry, one
-x slice, the additional inputs), lowers that to an HloModuleProto with torch_xla's
-LoweringContext, and lets the C++ extension wrap it in a While whose body calls
-it once per step (``unroll`` calls per iteration). The result is cached per
-(body object, input shapes, reverse, unroll): a second call with the same
-shapes does not run the body in Python again.
+``_lower`` runs the body once on placeholder XLA tensors (one carry, one x
+slice, the additional inputs), lowers that to an HloModuleProto with torch_xla's
+LoweringContext, and lets the C++ extension wrap it in one While per segment of
+the loop schedule (``_schedule.segments``: the unrolled blocks, then the
+remainder), whose body calls it ``unroll`` times per iteration. The result is
+cached per (body object, input shapes, reverse, unroll): a second call with
+the same shapes does not run the body in Python again.
 
 Parameters of the body HLO come from four places: the carry, the x slice, the
 additional inputs, and device data the body created itself (constants). If the
@@ -18,7 +19,7 @@ from typing import Any, List
 
 import torch
 
-from . import _cache, _compat
+from . import _cache, _compat, _schedule
 
 # xla_data.proto PrimitiveType
 _ETYPE = {
@@ -106,8 +107,9 @@ def _lower(combine_fn, init, xs, additional_inputs, reverse, unroll):
     xs_shapes = [_shape(x.dtype, x.shape) for x in xs]
     if seed_pid is not None:
         xs_shapes.append(_shape(torch.int64, (length,)))
+    segments = [(s.start, s.stop, s.unroll) for s in _schedule.segments(length, unroll, reverse)]
     module = _hlo_scan().build_scan_module(
-        ctx.hlo(), length, reverse, unroll,
+        ctx.hlo(), length, reverse, segments,
         [_shape(c.dtype, c.shape) for c in init], xs_shapes,
         [_shape(y.dtype, (length, *y.shape)) for y in ys],
         [_shape(a.dtype, a.shape) for a in [*additional_inputs, *hoisted]], params)
