@@ -31,7 +31,7 @@ def _onto(tree, device, grad):
     return pytree.tree_map(move, tree)
 
 
-def _weighted_sum(out):
+def weighted_sum(out):
     """Random weights per element, so that every output element matters differently."""
     gen = torch.Generator().manual_seed(1234)
     total = 0
@@ -40,6 +40,15 @@ def _weighted_sum(out):
             w = torch.randn(leaf.shape, generator=gen).to(leaf.device)
             total = total + (leaf.float() * w).sum()
     return total
+
+
+def scan_and_loop(body, init, xs, leaves=()):
+    """(scan, Python loop): outputs and the grads w.r.t. ``leaves``, inputs used as given."""
+    results = []
+    for out in (scan(body, init, xs), reference_scan(body, init, xs)):
+        grads = torch.autograd.grad(weighted_sum(out), list(leaves), materialize_grads=True) if leaves else None
+        results.append(to_cpu((out, grads)))
+    return results
 
 
 def run(make_body, closures, init, xs, device, *, loop, grad, **options):
@@ -54,7 +63,7 @@ def run(make_body, closures, init, xs, device, *, loop, grad, **options):
     grads = None
     if grad:
         leaves = [t for t in (*closures, *pytree.tree_leaves(init), *pytree.tree_leaves(xs)) if t.requires_grad]
-        grads = torch.autograd.grad(_weighted_sum(out), leaves, allow_unused=True, materialize_grads=True)
+        grads = torch.autograd.grad(weighted_sum(out), leaves, allow_unused=True, materialize_grads=True)
     return to_cpu(out), to_cpu(grads)
 
 
