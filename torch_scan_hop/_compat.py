@@ -16,7 +16,7 @@ from torch._higher_order_ops.utils import (  # noqa: F401
     unique_graph_id,
 )
 from torch._ops import HigherOrderOperator  # noqa: F401
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily  # noqa: F401
 from torch._dispatch.python import suspend_functionalization
 from torch._subclasses.functional_tensor import (  # noqa: F401
     CppFunctionalizeAPI,
@@ -151,7 +151,7 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
 
     def __init__(self):
         super().__init__()
-        self.outer, self._by_id = {}, {}
+        self.outer, self._by_id, self._moved, self.xla = {}, {}, {}, None
 
     def _stand_in(self, t):
         if not (isinstance(t, torch.Tensor) and torch._is_functional_tensor(t)) \
@@ -165,17 +165,60 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
             self.outer[id(plain)] = t
         return hit[0]
 
+    def _onto(self, device):
+        """CPU tensors meeting XLA ones move to the device, as torch_xla moves
+        them per op in eager (fake tracing rejects the mix): a traced value in
+        the graph, a closure as a device copy standing in for it."""
+        def onto(t):
+            if not _cpu_array(t):
+                return t
+            if isinstance(t, FakeTensor):
+                return t.to(device)
+            if id(t) not in self._by_id:
+                with unset_fake_temporarily(), disable_proxy_modes_tracing():
+                    plain = self._stand_in(t.detach().to(device))  # unwrapped like an XLA closure
+                self._by_id[id(t)] = (plain, t)
+                self.outer[id(plain)] = t
+            return self._by_id[id(t)][0]
+        return onto
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        args, kwargs = torch.utils._pytree.tree_map(self._stand_in, (args, kwargs or {}))
+        tree_map = torch.utils._pytree.tree_map
+        args, kwargs = tree_map(self._stand_in, (args, kwargs or {}))
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        xla = next((t.device for t in leaves if isinstance(t, torch.Tensor) and t.device.type == "xla"), None)
+        self.xla = self.xla or xla
+        if xla is not None and any(_cpu_array(t) for t in leaves):
+            args, kwargs = tree_map(self._onto(xla), (args, kwargs))
         return func(*args, **kwargs)
+
+    def lifted(self, t):
+        """What the op receives for lifted constant t. A CPU closure that requires
+        grad in a body on XLA becomes a differentiable copy on the device: its
+        gradient comes back to it through the copy, and the body's backward
+        stays on one device (autograd would run CPU nodes on another thread,
+        both dispatching into one fake mode while partitioning)."""
+        t = self.outer.get(id(t), t)
+        if self.xla is None or t.device.type != "cpu" or not t.requires_grad or isinstance(t, FakeTensor):
+            return t
+        if id(t) not in self._moved:
+            with disable_proxy_modes_tracing(), torch.enable_grad():
+                self._moved[id(t)] = t.to(self.xla)
+        return self._moved[id(t)]
+
+
+def _cpu_array(t):
+    """A CPU tensor with dims: fake tracing lets only 0-dim ones mix with XLA tensors."""
+    return isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() > 0
 
 
 @contextlib.contextmanager
 def recording_functional_closures():
-    """Yields ``outer(t)``: the user's functional tensor that stand-in t replaced (else t)."""
+    """Yields ``outer(t)``: what the op receives for lifted constant t (the user's
+    tensor that stand-in t replaced, else t itself)."""
     mode = _ClosureStandIns()
     with mode:
-        yield lambda t: mode.outer.get(id(t), t)
+        yield mode.lifted
 
 
 def fresh_fake_mode():
