@@ -126,6 +126,10 @@ def trace_graph(fn, args, *, force_enable_grad=False):
     tensors traces with a fresh fake mode, so nothing real is computed and
     closed-over real tensors become constants (which ``_lift`` turns into inputs).
     """
+    if force_enable_grad:  # differentiating: torch_xla's custom ops need their formulas
+        from ._xla_autograd import register_missing
+
+        register_missing()
     if under_make_fx() or detect_fake_mode(args) is not None:
         return materialize_as_graph(fn, tuple(args), force_enable_grad=force_enable_grad)
     with contextlib.ExitStack() as stack:
