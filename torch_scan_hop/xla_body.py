@@ -117,12 +117,13 @@ def _run_on_placeholders(combine_fn, init, xs, additional_inputs):
     (permute then view, as einsum emits them) to the wrong HLO."""
     torch_xla, xb = _xla()
     rng_state = torch_xla.core.xla_model.get_rng_state()
-    with torch.no_grad(), _compat.functionalization_on():
-        groups = [(CARRY, _placeholders(xb, init)), (X, _placeholders(xb, xs, drop_lead=True)),
-                  (PASS, _placeholders(xb, additional_inputs))]
-        outs = list(combine_fn(*(t for _, ts in groups for t in ts)))
-    # Tracing drew from the RNG; a cached call would not, so undo that draw.
-    torch_xla.core.xla_model.set_rng_state(rng_state)
+    try:
+        with torch.no_grad(), _compat.functionalization_on():
+            groups = [(CARRY, _placeholders(xb, init)), (X, _placeholders(xb, xs, drop_lead=True)),
+                      (PASS, _placeholders(xb, additional_inputs))]
+            outs = list(combine_fn(*(t for _, ts in groups for t in ts)))
+    finally:  # tracing drew from the RNG; a cached call would not, so undo that draw
+        torch_xla.core.xla_model.set_rng_state(rng_state)
     return groups, outs
 
 
@@ -150,6 +151,9 @@ def _param_sources(ctx, groups, outs, num_x, num_pass):
             continue
         where[pid] = (PASS, num_pass + len(hoisted))
         hoisted.append(device_data[pid])
+    missing = sorted(set(range(len(where))) - set(where))
+    if missing:
+        raise ScanError(f"scan on XLA: body HLO parameters {missing} have no known source (internal error).")
     return [where[pid] for pid in range(len(where))], hoisted, seed_pid is not None
 
 
