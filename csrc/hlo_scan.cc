@@ -13,7 +13,9 @@
 //
 // Body call j of an iteration reads step index start + (counter + j), or
 // stop - 1 - (counter + j) when reversed: it dynamic-slices each x there,
-// calls the body computation and dynamic-update-slices each y back.
+// calls the body computation and dynamic-update-slices each y back. Where
+// the body's HLO declares another element type than the torch dtype of a
+// value, the call converts on the way in and out.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -40,6 +42,7 @@ struct Signature {
   std::vector<Shape> carry, xs, ys, pass;
   std::vector<std::pair<int, int>> body_params;  // body parameter i <- (kind, index)
   int64_t body_id = -1;
+  std::vector<int> body_param_types, body_result_types;  // as the body's HLO declares them
 };
 
 // ---------------------------------------------------------------- loop state
@@ -84,10 +87,21 @@ int64_t pack(Computation& c, const std::string& label, const State& s, const Sig
   return c.emit(label, "tuple", tuple_of(state_parts(sig)), parts);
 }
 
+// The call's result: our shapes with the element types the body declares.
 Shape body_result(const Signature& sig) {
   std::vector<Shape> parts = sig.carry;
   for (const Shape& y : sig.ys) parts.push_back(drop_lead(y));
+  for (size_t i = 0; i < parts.size(); ++i) parts[i].etype = sig.body_result_types[i];
   return tuple_of(parts);
+}
+
+// v (of shape `shape`) as element type etype. torch_xla may lower a tensor
+// with another element type than its torch dtype (native_dropout's bool mask
+// is f32 in its IR): the loop state keeps the torch dtype, the call the body's.
+int64_t as_type(Computation& c, int64_t v, Shape shape, int etype, const std::string& label) {
+  if (shape.etype == etype) return v;
+  shape.etype = etype;
+  return c.emit(label + "_as", "convert", shape, {v});
 }
 
 // ---------------------------------------------------------------- one body call
@@ -122,17 +136,26 @@ void emit_step(Computation& c, const Signature& sig, const Segment& seg, int64_t
   int64_t idx = step_index(c, sig, seg, s.counter, j, p);
   int64_t zero = c.constant_s64(p + "zero", 0);
   std::vector<int64_t> operands;
-  for (auto [kind, i] : sig.body_params) {
-    if (kind == kCarry) operands.push_back(s.carry[i]);
-    if (kind == kPass) operands.push_back(s.pass[i]);
-    if (kind == kX) operands.push_back(slice_x(c, sig.xs[i], s.xs[i], idx, zero, p + "x" + std::to_string(i)));
+  for (size_t n = 0; n < sig.body_params.size(); ++n) {
+    auto [kind, i] = sig.body_params[n];
+    std::string label = p + "arg" + std::to_string(n);
+    int64_t v = -1;
+    Shape shape;
+    if (kind == kCarry) v = s.carry[i], shape = sig.carry[i];
+    if (kind == kPass) v = s.pass[i], shape = sig.pass[i];
+    if (kind == kX) v = slice_x(c, sig.xs[i], s.xs[i], idx, zero, p + "x" + std::to_string(i)), shape = drop_lead(sig.xs[i]);
+    operands.push_back(as_type(c, v, shape, sig.body_param_types[n], label));
   }
-  int64_t out = c.call(p + "body", body_result(sig), operands, {sig.body_id});
-  for (size_t i = 0; i < s.carry.size(); ++i)
-    s.carry[i] = c.gte(p + "carry" + std::to_string(i), out, sig.carry[i], int(i));
+  Shape result = body_result(sig);
+  int64_t out = c.call(p + "body", result, operands, {sig.body_id});
+  for (size_t i = 0; i < s.carry.size(); ++i) {
+    std::string name = p + "carry" + std::to_string(i);
+    s.carry[i] = as_type(c, c.gte(name, out, result.tuple[i], int(i)), result.tuple[i], sig.carry[i].etype, name);
+  }
   for (size_t k = 0; k < s.ys.size(); ++k) {
     std::string name = p + "y" + std::to_string(k);
-    int64_t y = c.gte(name, out, drop_lead(sig.ys[k]), int(s.carry.size() + k));
+    const Shape& part = result.tuple[s.carry.size() + k];
+    int64_t y = as_type(c, c.gte(name, out, part, int(s.carry.size() + k)), part, sig.ys[k].etype, name);
     s.ys[k] = update_y(c, sig.ys[k], s.ys[k], y, idx, zero, p + "ys" + std::to_string(k));
   }
 }
@@ -159,29 +182,57 @@ int64_t build_loop_body(Module& mod, const Signature& sig, const Segment& seg, i
 }
 
 // ---------------------------------------------------------------- the module
-// Copies the body's computations into mod; returns the body's entry id.
-int64_t adopt_body(Module& mod, const std::string& body) {
-  int64_t body_id = -1, max_id = 0;
+int element_type(const std::string& shape) {
+  int etype = 0;
+  reader(shape).each([&](int f, uint64_t v, const std::string&) {
+    if (f == kShapeElementType) etype = int(v);
+  });
+  return etype;
+}
+
+// Element types of the parameters and of the result tuple's parts in a ProgramShapeProto.
+void read_types(const std::string& program, Signature& sig) {
+  reader(program).each([&](int f, uint64_t, const std::string& shape) {
+    if (f == kProgramParams) sig.body_param_types.push_back(element_type(shape));
+    if (f != kProgramResult) return;
+    reader(shape).each([&](int g, uint64_t, const std::string& part) {
+      if (g == kShapeTupleShapes) sig.body_result_types.push_back(element_type(part));
+    });
+  });
+}
+
+// Copies the body's computations into mod; sets sig.body_id and the body's types.
+void adopt_body(Module& mod, const std::string& body, Signature& sig) {
+  int64_t max_id = 0;
+  std::vector<std::pair<int64_t, std::string>> programs;  // (computation id, program shape)
   reader(body).each([&](int field, uint64_t v, const std::string& s) {
-    if (field == kModEntryId) body_id = int64_t(v);
+    if (field == kModEntryId) sig.body_id = int64_t(v);
     if (field != kModComputations) return;
     mod.computations.push_back(s);
+    int64_t id = -1;
+    std::string program;
     reader(s).each([&](int f, uint64_t cv, const std::string& inst) {
-      if (f == kCompId) max_id = std::max<int64_t>(max_id, int64_t(cv));
+      if (f == kCompId) id = int64_t(cv), max_id = std::max<int64_t>(max_id, id);
+      if (f == kCompProgramShape) program = inst;
       if (f != kCompInstructions) return;
       reader(inst).each([&](int g, uint64_t iv, const std::string&) {
         if (g == kInstrId) max_id = std::max<int64_t>(max_id, int64_t(iv));
       });
     });
+    programs.emplace_back(id, program);
   });
-  if (body_id < 0 || mod.computations.empty()) throw std::runtime_error("body HloModuleProto has no entry computation");
+  if (sig.body_id < 0 || mod.computations.empty()) throw std::runtime_error("body HloModuleProto has no entry computation");
+  for (auto& [id, program] : programs)
+    if (id == sig.body_id) read_types(program, sig);
+  if (sig.body_param_types.size() != sig.body_params.size() ||
+      sig.body_result_types.size() != sig.carry.size() + sig.ys.size())
+    throw std::invalid_argument("build_scan_module: the body's parameters or results do not match the signature");
   mod.next_id = max_id + 1;
-  return body_id;
 }
 
 std::string build_module(const std::string& body, Signature sig) {
   Module mod;
-  sig.body_id = adopt_body(mod, body);
+  adopt_body(mod, body, sig);
   std::vector<std::pair<int64_t, int64_t>> loops;  // (body, cond) per segment
   for (size_t n = 0; n < sig.segments.size(); ++n)
     loops.emplace_back(build_loop_body(mod, sig, sig.segments[n], int(n)), build_cond(mod, sig, sig.segments[n], int(n)));

@@ -99,21 +99,14 @@ def test_user_autograd_function_backward_is_used():
     assert_matches_loop(make_body, [torch.randn(4, 4) * 0.5], INIT, XS, grad=True, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("remat", ["save_all", "min_cut", "recompute_all"])
-@pytest.mark.parametrize("reverse, unroll", [(False, 1), (True, 3)])
-def test_dropout_backward_uses_the_forward_mask(remat, reverse, unroll):
+def _check_dropout_grads(run_scan, reverse=False):
     """The mask is read off the outputs (dropped entries are exactly 0) and the
     gradient compared with the Python loop on CPU applying those masks."""
     p, n = 0.5, 7
     w0, c0, xs = torch.randn(4, 4) * 0.5, torch.randn(3, 4), torch.randn(n, 3, 4)
     w = w0.to(DEV).requires_grad_()
-
-    def body(c, x):
-        d = torch.nn.functional.dropout(torch.tanh(c @ w + x), p, training=True)
-        return d, d
-
     xm.set_rng_state(7)
-    c, ys = scan(body, c0.to(DEV), xs.to(DEV), remat=remat, reverse=reverse, unroll=unroll)
+    c, ys = run_scan(w, c0.to(DEV), xs.to(DEV))
     (g,) = torch.autograd.grad(weighted_sum((c, ys)), w)
     masks = (ys.cpu() != 0).float()
     assert 0 < masks.mean() < 1
@@ -124,3 +117,25 @@ def test_dropout_backward_uses_the_forward_mask(remat, reverse, unroll):
                           c0, xs, reverse=reverse)
     (g_want,) = torch.autograd.grad(weighted_sum(want), wc)
     assert_trees_close(to_cpu((c, ys, g)), (*want, g_want), atol=1e-5, rtol=1e-5)
+
+
+def _dropout_scan(**options):
+    def run_scan(w, c0, xs):
+        def body(c, x):
+            d = torch.nn.functional.dropout(torch.tanh(c @ w + x), 0.5, training=True)
+            return d, d
+        return scan(body, c0, xs, **options)
+    return run_scan
+
+
+@pytest.mark.parametrize("remat", ["save_all", "min_cut", "recompute_all"])
+@pytest.mark.parametrize("reverse, unroll", [(False, 1), (True, 3)])
+def test_dropout_backward_uses_the_forward_mask(remat, reverse, unroll):
+    _check_dropout_grads(_dropout_scan(remat=remat, reverse=reverse, unroll=unroll), reverse)
+
+
+def test_dropout_under_openxla_compile_backward_uses_the_forward_mask():
+    """AOT keeps native_dropout, whose bool mask torch_xla lowers as f32: the
+    While converts between the body's element types and the torch dtypes."""
+    torch._dynamo.reset()
+    _check_dropout_grads(torch.compile(_dropout_scan(), backend="openxla"))
