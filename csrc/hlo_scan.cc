@@ -1,333 +1,292 @@
 // Builds the HloModuleProto of a whole scan around the body's HloModuleProto.
 //
-// The torch_xla wheel ships no headers and exports no XlaBuilder symbols, so
-// this file speaks the protobuf wire format directly (field numbers from
-// openxla's public xla/service/hlo.proto and xla/xla_data.proto). Python gives
-// the body module (LoweringContext.hlo()) and the loop signature; we return
+// Python gives the body module (LoweringContext.hlo()), the loop signature and
+// the schedule (torch_scan_hop/_schedule.py: segments in execution order, each
+// [start, stop) run as iterations of `unroll` body calls). We return
 //
 //   entry(carry..., xs..., ys..., pass...):
 //     state = (counter=0, carry..., xs..., ys..., pass...)
-//     state = while counter < (T / k) * k:  k body calls per iteration
-//     state = while counter < T:            1 body call (only if T % k != 0)
+//     for each segment:                    one While per segment
+//       state = while counter < stop - start: `unroll` body calls, counter += unroll
+//       counter = 0
 //     return (carry..., ys...)
 //
-// where each body call dynamic-slices x at idx (= counter + j, or T-1-that when
-// reversed), calls the body computation, and dynamic-update-slices y into ys.
+// Body call j of an iteration reads step index start + (counter + j), or
+// stop - 1 - (counter + j) when reversed: it dynamic-slices each x there,
+// calls the body computation and dynamic-update-slices each y back. Where
+// the body's HLO declares another element type than the torch dtype of a
+// value, the call converts on the way in and out.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <algorithm>
-#include <cstdint>
-#include <functional>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "hlo_proto.h"
+
 namespace {
 
-// ---------------------------------------------------------------- wire format
-struct Msg {
-  std::string b;
-  void varint(uint64_t v) {
-    while (v >= 0x80) { b.push_back(char((v & 0x7f) | 0x80)); v >>= 7; }
-    b.push_back(char(v));
-  }
-  void tag(int field, int wire) { varint((uint64_t(field) << 3) | wire); }
-  void i64(int field, int64_t v) { tag(field, 0); varint(uint64_t(v)); }
-  void bytes(int field, const std::string& s) { tag(field, 2); varint(s.size()); b += s; }
-  void msg(int field, const Msg& m) { bytes(field, m.b); }
-  void packed(int field, const std::vector<int64_t>& vs, bool keep_empty = false) {
-    if (vs.empty() && !keep_empty) return;
-    Msg m;
-    for (int64_t v : vs) m.varint(uint64_t(v));
-    bytes(field, m.b);
-  }
+using namespace hlo;
+
+enum Kind { kCarry = 0, kX = 1, kPass = 2 };  // what feeds a body parameter
+
+struct Segment {
+  int64_t start, stop, unroll;
 };
 
-struct Reader {
-  const uint8_t* p;
-  const uint8_t* end;
-  uint64_t varint() {
-    uint64_t v = 0;
-    for (int s = 0; p < end && s < 64; s += 7) {
-      uint8_t c = *p++;
-      v |= uint64_t(c & 0x7f) << s;
-      if (!(c & 0x80)) return v;
-    }
-    throw std::runtime_error("truncated varint in body HloModuleProto");
-  }
-  // Calls f(field, wire, value, bytes) for each field; value is the varint for
-  // wire type 0, bytes the payload for wire type 2.
-  template <class F> void each(F f) {
-    while (p < end) {
-      uint64_t key = varint();
-      int field = int(key >> 3), wire = int(key & 7);
-      if (wire == 0) { f(field, wire, varint(), std::string()); continue; }
-      if (wire == 2) {
-        uint64_t n = varint();
-        if (uint64_t(end - p) < n) throw std::runtime_error("truncated field in body HloModuleProto");
-        std::string s(reinterpret_cast<const char*>(p), n);
-        p += n;
-        f(field, wire, 0, s);
-        continue;
-      }
-      if (wire == 1) { p += 8; continue; }
-      if (wire == 5) { p += 4; continue; }
-      throw std::runtime_error("unsupported wire type in body HloModuleProto");
-    }
-  }
-};
-
-Reader reader(const std::string& s) {
-  auto* d = reinterpret_cast<const uint8_t*>(s.data());
-  return Reader{d, d + s.size()};
-}
-
-// ---------------------------------------------------------------- shapes
-constexpr int kPred = 1, kS64 = 5, kTuple = 13;
-
-struct Shape {
-  int etype = 0;
-  std::vector<int64_t> dims;
-  std::vector<Shape> tuple;
-  Msg proto() const {
-    Msg m;
-    m.i64(2, etype);
-    if (etype == kTuple) {
-      for (const Shape& s : tuple) m.msg(4, s.proto());
-      return m;
-    }
-    m.packed(3, dims);
-    std::vector<int64_t> minor_to_major;
-    for (int64_t i = int64_t(dims.size()) - 1; i >= 0; --i) minor_to_major.push_back(i);
-    Msg layout;
-    layout.packed(1, minor_to_major);
-    m.msg(5, layout);  // present even when empty: XLA aborts on a missing layout
-    return m;
-  }
-};
-
-Shape scalar(int etype) { return Shape{etype, {}, {}}; }
-Shape tuple_of(std::vector<Shape> parts) { return Shape{kTuple, {}, std::move(parts)}; }
-Shape drop_lead(const Shape& s) { return Shape{s.etype, {s.dims.begin() + 1, s.dims.end()}, {}}; }
-Shape with_lead_one(const Shape& s) {
-  Shape r{s.etype, {1}, {}};
-  r.dims.insert(r.dims.end(), s.dims.begin(), s.dims.end());
-  return r;
-}
-
-// ---------------------------------------------------------------- builder
-struct Module;
-
-struct Computation {
-  Module* mod;
-  std::string name;
-  int64_t id;
-  std::vector<Msg> instrs;
-  std::vector<Shape> params;
-  Shape result;
-  int64_t root = -1;
-
-  int64_t emit(const std::string& opcode, const Shape& shape, const std::vector<int64_t>& operands,
-               const std::function<void(Msg&)>& extra = nullptr);
-  int64_t param(int number, const Shape& shape) {
-    params.push_back(shape);
-    return emit("parameter", shape, {}, [&](Msg& m) { m.i64(9, number); });
-  }
-  int64_t constant_s64(int64_t v) {
-    return emit("constant", scalar(kS64), {}, [&](Msg& m) {
-      Msg lit;
-      lit.msg(1, scalar(kS64).proto());
-      lit.packed(5, {v}, true);
-      m.msg(8, lit);
-    });
-  }
-  int64_t gte(int64_t tuple, const Shape& shape, int index) {
-    return emit("get-tuple-element", shape, {tuple}, [&](Msg& m) { m.i64(13, index); });
-  }
-  Msg proto() const;
-};
-
-struct Module {
-  int64_t next_id;
-  std::vector<std::string> computations;  // serialized, callees first
-  int64_t fresh() { return next_id++; }
-};
-
-int64_t Computation::emit(const std::string& opcode, const Shape& shape, const std::vector<int64_t>& operands,
-                          const std::function<void(Msg&)>& extra) {
-  int64_t id = mod->fresh();
-  Msg m;
-  m.bytes(1, "scan_" + opcode + "." + std::to_string(id));
-  m.bytes(2, opcode);
-  m.msg(3, shape.proto());
-  if (extra) extra(m);
-  m.i64(35, id);
-  m.packed(36, operands);
-  instrs.push_back(m);
-  return id;
-}
-
-Msg Computation::proto() const {
-  Msg program;
-  for (const Shape& s : params) program.msg(1, s.proto());
-  program.msg(2, result.proto());
-  for (size_t i = 0; i < params.size(); ++i) program.bytes(3, "p" + std::to_string(i));
-  Msg m;
-  m.bytes(1, name + "." + std::to_string(id));  // torch_xla splits names at '.'
-  for (const Msg& i : instrs) m.msg(2, i);
-  m.msg(4, program);
-  m.i64(5, id);
-  m.i64(6, root);
-  return m;
-}
-
-// ---------------------------------------------------------------- the scan
 struct Signature {
-  int64_t length = 0, unroll = 1;
+  int64_t length = 0;
   bool reverse = false;
+  std::vector<Segment> segments;
   std::vector<Shape> carry, xs, ys, pass;
-  std::vector<std::pair<int, int>> body_params;  // (kind 0 carry / 1 x / 2 pass, index)
+  std::vector<std::pair<int, int>> body_params;  // body parameter i <- (kind, index)
   int64_t body_id = -1;
+  std::vector<int> body_param_types, body_result_types;  // as the body's HLO declares them
 };
 
-// Loop state: (counter, carry..., xs..., ys..., pass...)
+// ---------------------------------------------------------------- loop state
+// (counter, carry..., xs..., ys..., pass...)
 std::vector<Shape> state_parts(const Signature& sig) {
   std::vector<Shape> parts{scalar(kS64)};
   for (auto* group : {&sig.carry, &sig.xs, &sig.ys, &sig.pass}) parts.insert(parts.end(), group->begin(), group->end());
   return parts;
 }
 
+struct State {
+  int64_t counter = -1;
+  std::vector<int64_t> carry, xs, ys, pass;
+};
+
+// What to read back from a loop state: all of it (inside a loop), all but the
+// counter (between Whiles, where the next segment restarts it), or only the
+// results (after the last While). Unread parts get no dead instruction.
+enum Reads { kAll, kNoCounter, kResults };
+
+State unpack(Computation& c, int64_t tuple, const Signature& sig, Reads reads = kAll, const std::string& p = "") {
+  State s;
+  int index = 0;
+  auto read = [&](const std::string& name, const Shape& shape, bool wanted) {
+    int i = index++;
+    return wanted ? c.gte(p + name, tuple, shape, i) : int64_t(-1);
+  };
+  auto group = [&](const char* name, const std::vector<Shape>& shapes, std::vector<int64_t>& out, bool wanted) {
+    for (size_t i = 0; i < shapes.size(); ++i) out.push_back(read(name + std::to_string(i), shapes[i], wanted));
+  };
+  s.counter = read("counter", scalar(kS64), reads == kAll);
+  group("carry", sig.carry, s.carry, true);
+  group("xs", sig.xs, s.xs, reads != kResults);
+  group("ys", sig.ys, s.ys, true);
+  group("pass", sig.pass, s.pass, reads != kResults);
+  return s;
+}
+
+int64_t pack(Computation& c, const std::string& label, const State& s, const Signature& sig) {
+  std::vector<int64_t> parts{s.counter};
+  for (auto* group : {&s.carry, &s.xs, &s.ys, &s.pass}) parts.insert(parts.end(), group->begin(), group->end());
+  return c.emit(label, "tuple", tuple_of(state_parts(sig)), parts);
+}
+
+// The call's result: our shapes with the element types the body declares.
 Shape body_result(const Signature& sig) {
   std::vector<Shape> parts = sig.carry;
   for (const Shape& y : sig.ys) parts.push_back(drop_lead(y));
+  for (size_t i = 0; i < parts.size(); ++i) parts[i].etype = sig.body_result_types[i];
   return tuple_of(parts);
 }
 
-int64_t build_cond(Module& mod, const Signature& sig, int64_t limit) {
-  Computation c{&mod, "scan_cond", mod.fresh()};
-  Shape state = tuple_of(state_parts(sig));
-  int64_t p = c.param(0, state);
-  int64_t counter = c.gte(p, scalar(kS64), 0);
-  int64_t bound = c.constant_s64(limit);
-  c.root = c.emit("compare", scalar(kPred), {counter, bound}, [](Msg& m) { m.bytes(63, "LT"); });
-  c.result = scalar(kPred);
-  mod.computations.push_back(c.proto().b);
-  return c.id;
+// v (of shape `shape`) as element type etype. torch_xla may lower a tensor
+// with another element type than its torch dtype (native_dropout's bool mask
+// is f32 in its IR): the loop state keeps the torch dtype, the call the body's.
+int64_t as_type(Computation& c, int64_t v, Shape shape, int etype, const std::string& label) {
+  if (shape.etype == etype) return v;
+  shape.etype = etype;
+  return c.emit(label + "_as", "convert", shape, {v});
 }
 
-// One body call at step offset j of the current iteration; updates carry and ys in place.
-void emit_step(Computation& c, const Signature& sig, int64_t counter, int64_t j, std::vector<int64_t>& carry,
-               const std::vector<int64_t>& xs, std::vector<int64_t>& ys, const std::vector<int64_t>& pass) {
-  int64_t idx = counter;
-  if (j) idx = c.emit("add", scalar(kS64), {idx, c.constant_s64(j)});
-  if (sig.reverse) idx = c.emit("subtract", scalar(kS64), {c.constant_s64(sig.length - 1), idx});
-  int64_t zero = c.constant_s64(0);
+// ---------------------------------------------------------------- one body call
+int64_t step_index(Computation& c, const Signature& sig, const Segment& seg, int64_t counter, int64_t j,
+                   const std::string& p) {
+  int64_t pos = j ? c.add(p + "pos", counter, c.constant_s64(p + "offset", j)) : counter;
+  if (sig.reverse) return c.subtract(p + "idx", c.constant_s64(p + "last", seg.stop - 1), pos);
+  return c.add(p + "idx", c.constant_s64(p + "start", seg.start), pos);
+}
+
+int64_t slice_x(Computation& c, const Shape& full, int64_t xs, int64_t idx, int64_t zero, const std::string& label) {
+  std::vector<int64_t> starts{xs, idx};
+  starts.insert(starts.end(), full.dims.size() - 1, zero);
+  Shape one = with_lead_one(drop_lead(full));
+  int64_t sl = c.emit(label + "_row", "dynamic-slice", one, starts,
+                      [&](Msg& m) { m.packed(kInstrDynamicSliceSizes, one.dims); });
+  return c.emit(label, "reshape", drop_lead(full), {sl});
+}
+
+int64_t update_y(Computation& c, const Shape& full, int64_t ys, int64_t y, int64_t idx, int64_t zero,
+                 const std::string& label) {
+  Shape slice = drop_lead(full);
+  int64_t row = c.emit(label + "_row", "reshape", with_lead_one(slice), {y});
+  std::vector<int64_t> ops{ys, row, idx};
+  ops.insert(ops.end(), slice.dims.size(), zero);
+  return c.emit(label, "dynamic-update-slice", full, ops);
+}
+
+// Body call j of the current iteration; updates s.carry and s.ys.
+void emit_step(Computation& c, const Signature& sig, const Segment& seg, int64_t j, State& s) {
+  std::string p = "s" + std::to_string(j) + "_";
+  int64_t idx = step_index(c, sig, seg, s.counter, j, p);
+  int64_t zero = c.constant_s64(p + "zero", 0);
   std::vector<int64_t> operands;
-  for (auto [kind, i] : sig.body_params) {
-    if (kind == 0) { operands.push_back(carry[i]); continue; }
-    if (kind == 2) { operands.push_back(pass[i]); continue; }
-    const Shape& full = sig.xs[i];
-    std::vector<int64_t> starts{xs[i], idx};
-    starts.insert(starts.end(), full.dims.size() - 1, zero);
-    std::vector<int64_t> sizes = with_lead_one(drop_lead(full)).dims;
-    int64_t sl = c.emit("dynamic-slice", with_lead_one(drop_lead(full)), starts, [&](Msg& m) { m.packed(20, sizes); });
-    operands.push_back(c.emit("reshape", drop_lead(full), {sl}));
+  for (size_t n = 0; n < sig.body_params.size(); ++n) {
+    auto [kind, i] = sig.body_params[n];
+    std::string label = p + "arg" + std::to_string(n);
+    int64_t v = -1;
+    Shape shape;
+    if (kind == kCarry) v = s.carry[i], shape = sig.carry[i];
+    if (kind == kPass) v = s.pass[i], shape = sig.pass[i];
+    if (kind == kX) v = slice_x(c, sig.xs[i], s.xs[i], idx, zero, p + "x" + std::to_string(i)), shape = drop_lead(sig.xs[i]);
+    operands.push_back(as_type(c, v, shape, sig.body_param_types[n], label));
   }
   Shape result = body_result(sig);
-  int64_t call = c.emit("call", result, operands, [&](Msg& m) { m.packed(38, {sig.body_id}); });
-  for (size_t i = 0; i < carry.size(); ++i) carry[i] = c.gte(call, sig.carry[i], int(i));
-  for (size_t k = 0; k < ys.size(); ++k) {
-    Shape y = drop_lead(sig.ys[k]);
-    int64_t v = c.gte(call, y, int(carry.size() + k));
-    int64_t v1 = c.emit("reshape", with_lead_one(y), {v});
-    std::vector<int64_t> ops{ys[k], v1, idx};
-    ops.insert(ops.end(), y.dims.size(), zero);
-    ys[k] = c.emit("dynamic-update-slice", sig.ys[k], ops);
+  int64_t out = c.call(p + "body", result, operands, {sig.body_id});
+  for (size_t i = 0; i < s.carry.size(); ++i) {
+    std::string name = p + "carry" + std::to_string(i);
+    s.carry[i] = as_type(c, c.gte(name, out, result.tuple[i], int(i)), result.tuple[i], sig.carry[i].etype, name);
+  }
+  for (size_t k = 0; k < s.ys.size(); ++k) {
+    std::string name = p + "y" + std::to_string(k);
+    const Shape& part = result.tuple[s.carry.size() + k];
+    int64_t y = as_type(c, c.gte(name, out, part, int(s.carry.size() + k)), part, sig.ys[k].etype, name);
+    s.ys[k] = update_y(c, sig.ys[k], s.ys[k], y, idx, zero, p + "ys" + std::to_string(k));
   }
 }
 
-int64_t build_loop_body(Module& mod, const Signature& sig, int64_t calls) {
-  Computation c{&mod, "scan_loop", mod.fresh()};
-  std::vector<Shape> parts = state_parts(sig);
-  Shape state = tuple_of(parts);
-  int64_t p = c.param(0, state);
-  std::vector<int64_t> elems;
-  for (size_t i = 0; i < parts.size(); ++i) elems.push_back(c.gte(p, parts[i], int(i)));
-  size_t nc = sig.carry.size(), nx = sig.xs.size(), ny = sig.ys.size();
-  std::vector<int64_t> carry(elems.begin() + 1, elems.begin() + 1 + nc);
-  std::vector<int64_t> xs(elems.begin() + 1 + nc, elems.begin() + 1 + nc + nx);
-  std::vector<int64_t> ys(elems.begin() + 1 + nc + nx, elems.begin() + 1 + nc + nx + ny);
-  std::vector<int64_t> pass(elems.begin() + 1 + nc + nx + ny, elems.end());
-  for (int64_t j = 0; j < calls; ++j) emit_step(c, sig, elems[0], j, carry, xs, ys, pass);
-  int64_t next = c.emit("add", scalar(kS64), {elems[0], c.constant_s64(calls)});
-  std::vector<int64_t> out{next};
-  for (auto* group : {&carry, &xs, &ys, &pass}) out.insert(out.end(), group->begin(), group->end());
-  c.root = c.emit("tuple", state, out);
-  c.result = state;
-  mod.computations.push_back(c.proto().b);
-  return c.id;
+// ---------------------------------------------------------------- one segment
+int64_t build_cond(Module& mod, const Signature& sig, const Segment& seg, int n) {
+  Computation c(&mod, "scan_cond" + std::to_string(n));
+  int64_t state = c.param("state", tuple_of(state_parts(sig)));
+  int64_t counter = c.gte("counter", state, scalar(kS64), 0);
+  int64_t steps = c.constant_s64("steps", seg.stop - seg.start);
+  int64_t more = c.emit("more", "compare", scalar(kPred), {counter, steps},
+                        [](Msg& m) { m.bytes(kInstrComparisonDirection, "LT"); });
+  return c.finish(more, scalar(kPred));
+}
+
+int64_t build_loop_body(Module& mod, const Signature& sig, const Segment& seg, int n) {
+  Computation c(&mod, "scan_loop" + std::to_string(n));
+  Shape state = tuple_of(state_parts(sig));
+  State s = unpack(c, c.param("state", state), sig);
+  int64_t counter = s.counter;
+  for (int64_t j = 0; j < seg.unroll; ++j) emit_step(c, sig, seg, j, s);
+  s.counter = c.add("next_counter", counter, c.constant_s64("unroll", seg.unroll));
+  return c.finish(pack(c, "next_state", s, sig), state);
+}
+
+// ---------------------------------------------------------------- the module
+int element_type(const std::string& shape) {
+  int etype = 0;
+  reader(shape).each([&](int f, uint64_t v, const std::string&) {
+    if (f == kShapeElementType) etype = int(v);
+  });
+  return etype;
+}
+
+// Element types of the parameters and of the result tuple's parts in a ProgramShapeProto.
+void read_types(const std::string& program, Signature& sig) {
+  reader(program).each([&](int f, uint64_t, const std::string& shape) {
+    if (f == kProgramParams) sig.body_param_types.push_back(element_type(shape));
+    if (f != kProgramResult) return;
+    reader(shape).each([&](int g, uint64_t, const std::string& part) {
+      if (g == kShapeTupleShapes) sig.body_result_types.push_back(element_type(part));
+    });
+  });
+}
+
+// Copies the body's computations into mod; sets sig.body_id and the body's types.
+void adopt_body(Module& mod, const std::string& body, Signature& sig) {
+  int64_t max_id = 0;
+  std::vector<std::pair<int64_t, std::string>> programs;  // (computation id, program shape)
+  reader(body).each([&](int field, uint64_t v, const std::string& s) {
+    if (field == kModEntryId) sig.body_id = int64_t(v);
+    if (field != kModComputations) return;
+    mod.computations.push_back(s);
+    int64_t id = -1;
+    std::string program;
+    reader(s).each([&](int f, uint64_t cv, const std::string& inst) {
+      if (f == kCompId) id = int64_t(cv), max_id = std::max<int64_t>(max_id, id);
+      if (f == kCompProgramShape) program = inst;
+      if (f != kCompInstructions) return;
+      reader(inst).each([&](int g, uint64_t iv, const std::string&) {
+        if (g == kInstrId) max_id = std::max<int64_t>(max_id, int64_t(iv));
+      });
+    });
+    programs.emplace_back(id, program);
+  });
+  if (sig.body_id < 0 || mod.computations.empty()) throw std::runtime_error("body HloModuleProto has no entry computation");
+  for (auto& [id, program] : programs)
+    if (id == sig.body_id) read_types(program, sig);
+  if (sig.body_param_types.size() != sig.body_params.size() ||
+      sig.body_result_types.size() != sig.carry.size() + sig.ys.size())
+    throw std::invalid_argument("build_scan_module: the body's parameters or results do not match the signature");
+  mod.next_id = max_id + 1;
 }
 
 std::string build_module(const std::string& body, Signature sig) {
-  Module mod{0, {}};
-  int64_t max_id = 0;
-  Reader r = reader(body);
-  r.each([&](int field, int, uint64_t v, const std::string& s) {
-    if (field == 6) sig.body_id = int64_t(v);
-    if (field != 3) return;
-    mod.computations.push_back(s);
-    reader(s).each([&](int f, int, uint64_t cv, const std::string& inst) {
-      if (f == 5) max_id = std::max<int64_t>(max_id, int64_t(cv));
-      if (f != 2) return;
-      reader(inst).each([&](int g, int, uint64_t iv, const std::string&) {
-        if (g == 35) max_id = std::max<int64_t>(max_id, int64_t(iv));
-      });
-    });
-  });
-  if (sig.body_id < 0 || mod.computations.empty()) throw std::runtime_error("body HloModuleProto has no entry computation");
-  mod.next_id = max_id + 1;
+  Module mod;
+  adopt_body(mod, body, sig);
+  std::vector<std::pair<int64_t, int64_t>> loops;  // (body, cond) per segment
+  for (size_t n = 0; n < sig.segments.size(); ++n)
+    loops.emplace_back(build_loop_body(mod, sig, sig.segments[n], int(n)), build_cond(mod, sig, sig.segments[n], int(n)));
 
-  int64_t k = std::max<int64_t>(1, std::min(sig.unroll, std::max<int64_t>(sig.length, 1)));
-  int64_t main_trips = (sig.length / k) * k;
-  std::vector<Shape> parts = state_parts(sig);
-  Shape state = tuple_of(parts);
-  int64_t body_k = build_loop_body(mod, sig, k);
-  int64_t cond_k = build_cond(mod, sig, main_trips);
-  int64_t body_1 = -1, cond_1 = -1;
-  if (main_trips != sig.length) {
-    body_1 = build_loop_body(mod, sig, 1);
-    cond_1 = build_cond(mod, sig, sig.length);
+  Computation e(&mod, "scan_entry");
+  Shape state_shape = tuple_of(state_parts(sig));
+  State s;
+  auto params = [&](const char* name, const std::vector<Shape>& shapes, std::vector<int64_t>& out) {
+    for (size_t i = 0; i < shapes.size(); ++i) out.push_back(e.param(name + std::to_string(i), shapes[i]));
+  };
+  params("carry", sig.carry, s.carry);
+  params("xs", sig.xs, s.xs);
+  params("ys", sig.ys, s.ys);
+  params("pass", sig.pass, s.pass);
+  for (size_t n = 0; n < loops.size(); ++n) {
+    std::string p = "seg" + std::to_string(n) + "_";
+    s.counter = e.constant_s64(p + "counter", 0);
+    int64_t init = pack(e, p + "init", s, sig);
+    int64_t done = e.emit(p + "while", "while", state_shape, {init},
+                          [&](Msg& m) { m.packed(kInstrCalledComputationIds, {loops[n].first, loops[n].second}); });
+    s = unpack(e, done, sig, n + 1 == loops.size() ? kResults : kNoCounter, p);
   }
+  std::vector<int64_t> outs(s.carry);
+  outs.insert(outs.end(), s.ys.begin(), s.ys.end());
+  std::vector<Shape> out_shapes(sig.carry);
+  out_shapes.insert(out_shapes.end(), sig.ys.begin(), sig.ys.end());
+  Shape result = tuple_of(out_shapes);
+  int64_t entry_id = e.finish(e.emit("result", "tuple", result, outs), result);
 
-  Computation e{&mod, "scan_entry", mod.fresh()};
-  std::vector<int64_t> init{e.constant_s64(0)};
-  for (size_t i = 1; i < parts.size(); ++i) init.push_back(e.param(int(i - 1), parts[i]));
-  int64_t loop = e.emit("tuple", state, init);
-  loop = e.emit("while", state, {loop}, [&](Msg& m) { m.packed(38, {body_k, cond_k}); });
-  if (body_1 >= 0) loop = e.emit("while", state, {loop}, [&](Msg& m) { m.packed(38, {body_1, cond_1}); });
-  size_t nc = sig.carry.size(), nx = sig.xs.size();
-  std::vector<int64_t> outs;
-  std::vector<Shape> out_shapes;
-  for (size_t i = 0; i < nc; ++i) { outs.push_back(e.gte(loop, sig.carry[i], int(1 + i))); out_shapes.push_back(sig.carry[i]); }
-  for (size_t i = 0; i < sig.ys.size(); ++i) { outs.push_back(e.gte(loop, sig.ys[i], int(1 + nc + nx + i))); out_shapes.push_back(sig.ys[i]); }
-  e.result = tuple_of(out_shapes);
-  e.root = e.emit("tuple", e.result, outs);
-  Msg entry = e.proto();
-  mod.computations.push_back(entry.b);
-
-  Msg program;  // host_program_shape: the entry's program shape again
-  for (const Shape& s : e.params) program.msg(1, s.proto());
-  program.msg(2, e.result.proto());
-  for (size_t i = 0; i < e.params.size(); ++i) program.bytes(3, "p" + std::to_string(i));
   Msg m;
-  m.bytes(1, "scan." + std::to_string(e.id));
-  m.bytes(2, "scan_entry." + std::to_string(e.id));
-  for (const std::string& c : mod.computations) m.bytes(3, c);
-  m.msg(4, program);
-  m.i64(5, e.id);
-  m.i64(6, e.id);
+  m.bytes(kModName, "scan." + std::to_string(entry_id));
+  m.bytes(kModEntryName, "scan_entry." + std::to_string(entry_id));
+  for (const std::string& c : mod.computations) m.bytes(kModComputations, c);
+  m.msg(kModHostProgramShape, program_shape(e.params, result));
+  m.i64(kModId, entry_id);
+  m.i64(kModEntryId, entry_id);
   return m.b;
+}
+
+// ---------------------------------------------------------------- validation
+void check_signature(const Signature& sig) {
+  auto fail = [](const std::string& what) { throw std::invalid_argument("build_scan_module: " + what); };
+  for (const Shape& x : sig.xs)
+    if (x.dims.empty() || x.dims[0] != sig.length) fail("every xs shape needs the leading length dim");
+  for (const Shape& y : sig.ys)
+    if (y.dims.empty() || y.dims[0] != sig.length) fail("every ys shape needs the leading length dim");
+  for (const Segment& seg : sig.segments) {
+    if (seg.start < 0 || seg.stop > sig.length || seg.start >= seg.stop) fail("segment outside [0, length)");
+    if (seg.unroll < 1 || (seg.stop - seg.start) % seg.unroll) fail("segment length is not a multiple of its unroll");
+  }
+  for (auto [kind, i] : sig.body_params) {
+    size_t n = kind == kCarry ? sig.carry.size() : kind == kX ? sig.xs.size() : kind == kPass ? sig.pass.size() : 0;
+    if (i < 0 || size_t(i) >= n) fail("body parameter source (" + std::to_string(kind) + ", " + std::to_string(i) + ") out of range");
+  }
 }
 
 // ---------------------------------------------------------------- Python glue
@@ -344,11 +303,29 @@ Shape shape_from_py(PyObject* obj) {
   return s;
 }
 
+Segment segment_from_py(PyObject* obj) {
+  Segment s;
+  if (!PyArg_ParseTuple(obj, "LLL", &s.start, &s.stop, &s.unroll))
+    throw std::invalid_argument("segment must be (start, stop, unroll)");
+  return s;
+}
+
+std::pair<int, int> source_from_py(PyObject* obj) {
+  int kind, index;
+  if (!PyArg_ParseTuple(obj, "ii", &kind, &index)) throw std::invalid_argument("body param must be (kind, index)");
+  return {kind, index};
+}
+
 template <class T, class F> std::vector<T> list_from_py(PyObject* obj, F convert) {
   std::vector<T> out;
   PyObject* seq = PySequence_Fast(obj, "expected a sequence");
   if (!seq) throw std::invalid_argument("expected a sequence");
-  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) out.push_back(convert(PySequence_Fast_GET_ITEM(seq, i)));
+  try {
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) out.push_back(convert(PySequence_Fast_GET_ITEM(seq, i)));
+  } catch (...) {
+    Py_DECREF(seq);
+    throw;
+  }
   Py_DECREF(seq);
   return out;
 }
@@ -356,27 +333,24 @@ template <class T, class F> std::vector<T> list_from_py(PyObject* obj, F convert
 PyObject* py_build_scan_module(PyObject*, PyObject* args) {
   const char* body;
   Py_ssize_t body_len;
-  long long length, unroll;
+  long long length;
   int reverse;
-  PyObject *carry, *xs, *ys, *pass, *params;
-  if (!PyArg_ParseTuple(args, "y#LpLOOOOO", &body, &body_len, &length, &reverse, &unroll, &carry, &xs, &ys, &pass,
-                        &params))
+  PyObject *segments, *carry, *xs, *ys, *pass, *params;
+  if (!PyArg_ParseTuple(args, "y#LpOOOOOO", &body, &body_len, &length, &reverse, &segments, &carry, &xs, &ys,
+                        &pass, &params))
     return nullptr;
   try {
     Signature sig;
     sig.length = length;
     sig.reverse = reverse;
-    sig.unroll = unroll;
+    sig.segments = list_from_py<Segment>(segments, segment_from_py);
     sig.carry = list_from_py<Shape>(carry, shape_from_py);
     sig.xs = list_from_py<Shape>(xs, shape_from_py);
     sig.ys = list_from_py<Shape>(ys, shape_from_py);
     sig.pass = list_from_py<Shape>(pass, shape_from_py);
-    sig.body_params = list_from_py<std::pair<int, int>>(params, [](PyObject* o) {
-      int kind, index;
-      if (!PyArg_ParseTuple(o, "ii", &kind, &index)) throw std::invalid_argument("body param must be (kind, index)");
-      return std::make_pair(kind, index);
-    });
+    sig.body_params = list_from_py<std::pair<int, int>>(params, source_from_py);
     if (PyErr_Occurred()) return nullptr;
+    check_signature(sig);
     std::string out = build_module(std::string(body, body_len), sig);
     return PyBytes_FromStringAndSize(out.data(), Py_ssize_t(out.size()));
   } catch (const std::exception& e) {
@@ -387,9 +361,10 @@ PyObject* py_build_scan_module(PyObject*, PyObject* args) {
 
 PyMethodDef methods[] = {
     {"build_scan_module", py_build_scan_module, METH_VARARGS,
-     "build_scan_module(body_proto, length, reverse, unroll, carry, xs, ys, passthrough, body_params) -> bytes\n"
-     "Shapes are (xla_element_type, dims); body_params[i] = (kind, index) says what feeds body parameter i:\n"
-     "kind 0 = carry[index], 1 = one slice of xs[index], 2 = passthrough[index]."},
+     "build_scan_module(body_proto, length, reverse, segments, carry, xs, ys, passthrough, body_params) -> bytes\n"
+     "segments: (start, stop, unroll) in execution order, one While each. Shapes are (xla_element_type, dims);\n"
+     "body_params[i] = (kind, index) feeds body parameter i: kind 0 = carry[index], 1 = one slice of\n"
+     "xs[index], 2 = passthrough[index]."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_hlo_scan", "HloModuleProto builder for scan's XLA While.", -1,

@@ -196,17 +196,21 @@ def test_mutating_body_is_rejected_on_xla():
 
 
 def _emitted_structure(computation):
-    """The scan's own computations (loop, cond, entry) with ids and layouts stripped."""
+    """The scan's own computations (loops, conds, entry), normalized to read
+    like pseudo-HLO: no ids, no layouts, no operand types, the loop-state tuple
+    type written as State."""
     text = torch_xla._XLAC._xla_computation_text(computation)
     ours = text[text.index("%scan_loop"):]
-    ours = re.sub(r"\.\d+", "", ours)
+    ours = re.sub(r"([A-Za-z_][\w-]*)\.\d+", r"\1", ours)  # ids
     ours = re.sub(r"(?<=\])\{[\d,]*\}", "", ours)  # layouts
-    ours = re.sub(r"\(\(s64\[\], [^)]*\) ", "(state ", ours)  # the loop-state tuple type, once per line
+    ours = re.sub(r"\(s64\[\](?:, \w+\[[\d,]*\])*\)", "State", ours)
+    ours = re.sub(r"(?:\w+\[[\d,]*\]|State|\([^()]*\)) (?=%)", "", ours)  # operand types
     return "\n".join(line.rstrip() for line in ours.strip().splitlines())
 
 
 class TestEmittedModule(expecttest.TestCase):
-    def test_structure_of_reverse_scan_module(self):
+    def test_reverse_unrolled_scan_is_one_while_per_segment(self):
+        """reverse, unroll=2, length 3: _schedule gives [1, 3) in blocks of 2, then [0, 1)."""
         from torch_scan_hop import xla_lower
 
         def body(c, x, w):
@@ -214,49 +218,111 @@ class TestEmittedModule(expecttest.TestCase):
             return [h, h.sum()]
 
         z = torch.zeros(2, device=DEV)
-        lowered = xla_lower._lower(body, [z], [torch.zeros(5, 2, device=DEV)], (z,), reverse=True, unroll=1)
+        lowered = xla_lower._lower(body, [z], [torch.zeros(3, 2, device=DEV)], (z,), reverse=True, unroll=2)
         self.assertExpectedInline(_emitted_structure(lowered.computation), """\
-%scan_loop (scan_parameter: (s64[], f32[2], f32[5,2], f32[5], f32[2])) -> (s64[], f32[2], f32[5,2], f32[5], f32[2]) {
-  %scan_parameter = (s64[], f32[2], f32[5,2], f32[5], f32[2]) parameter(0)
-  %scan_get-tuple-element = s64[] get-tuple-element(state %scan_parameter), index=0
-  %scan_constant = s64[] constant(1)
-  %scan_add = s64[] add(s64[] %scan_get-tuple-element, s64[] %scan_constant)
-  %scan_get-tuple-element = f32[5,2] get-tuple-element(state %scan_parameter), index=2
-  %scan_constant = s64[] constant(4)
-  %scan_subtract = s64[] subtract(s64[] %scan_constant, s64[] %scan_get-tuple-element)
-  %scan_constant = s64[] constant(0)
-  %scan_dynamic-slice = f32[1,2] dynamic-slice(f32[5,2] %scan_get-tuple-element, s64[] %scan_subtract, s64[] %scan_constant), dynamic_slice_sizes={1,2}
-  %scan_reshape = f32[2] reshape(f32[1,2] %scan_dynamic-slice)
-  %scan_get-tuple-element = f32[2] get-tuple-element(state %scan_parameter), index=4
-  %scan_get-tuple-element = f32[2] get-tuple-element(state %scan_parameter), index=1
-  %scan_call = (f32[2], f32[]) call(f32[2] %scan_reshape, f32[2] %scan_get-tuple-element, f32[2] %scan_get-tuple-element), to_apply=%scan_body
-  %scan_get-tuple-element = f32[2] get-tuple-element((f32[2], f32[]) %scan_call), index=0
-  %scan_get-tuple-element = f32[5] get-tuple-element(state %scan_parameter), index=3
-  %scan_get-tuple-element = f32[] get-tuple-element((f32[2], f32[]) %scan_call), index=1
-  %scan_reshape = f32[1] reshape(f32[] %scan_get-tuple-element)
-  %scan_dynamic-update-slice = f32[5] dynamic-update-slice(f32[5] %scan_get-tuple-element, f32[1] %scan_reshape, s64[] %scan_subtract)
-  ROOT %scan_tuple = (s64[], f32[2], f32[5,2], f32[5], f32[2]) tuple(s64[] %scan_add, f32[2] %scan_get-tuple-element, f32[5,2] %scan_get-tuple-element, f32[5] %scan_dynamic-update-slice, f32[2] %scan_get-tuple-element)
+%scan_loop0 (state: State) -> State {
+  %state = State parameter(0)
+  %counter = s64[] get-tuple-element(%state), index=0
+  %unroll = s64[] constant(2)
+  %next_counter = s64[] add(%counter, %unroll)
+  %xs0 = f32[3,2] get-tuple-element(%state), index=2
+  %s1_last = s64[] constant(2)
+  %s1_offset = s64[] constant(1)
+  %s1_pos = s64[] add(%counter, %s1_offset)
+  %s1_idx = s64[] subtract(%s1_last, %s1_pos)
+  %s1_zero = s64[] constant(0)
+  %s1_x0_row = f32[1,2] dynamic-slice(%xs0, %s1_idx, %s1_zero), dynamic_slice_sizes={1,2}
+  %s1_x0 = f32[2] reshape(%s1_x0_row)
+  %pass0 = f32[2] get-tuple-element(%state), index=4
+  %s0_last = s64[] constant(2)
+  %s0_idx = s64[] subtract(%s0_last, %counter)
+  %s0_zero = s64[] constant(0)
+  %s0_x0_row = f32[1,2] dynamic-slice(%xs0, %s0_idx, %s0_zero), dynamic_slice_sizes={1,2}
+  %s0_x0 = f32[2] reshape(%s0_x0_row)
+  %carry0 = f32[2] get-tuple-element(%state), index=1
+  %s0_body = (f32[2], f32[]) call(%s0_x0, %pass0, %carry0), to_apply=%scan_body
+  %s0_carry0 = f32[2] get-tuple-element(%s0_body), index=0
+  %s1_body = (f32[2], f32[]) call(%s1_x0, %pass0, %s0_carry0), to_apply=%scan_body
+  %s1_carry0 = f32[2] get-tuple-element(%s1_body), index=0
+  %ys0 = f32[3] get-tuple-element(%state), index=3
+  %s0_y0 = f32[] get-tuple-element(%s0_body), index=1
+  %s0_ys0_row = f32[1] reshape(%s0_y0)
+  %s0_ys0 = f32[3] dynamic-update-slice(%ys0, %s0_ys0_row, %s0_idx)
+  %s1_y0 = f32[] get-tuple-element(%s1_body), index=1
+  %s1_ys0_row = f32[1] reshape(%s1_y0)
+  %s1_ys0 = f32[3] dynamic-update-slice(%s0_ys0, %s1_ys0_row, %s1_idx)
+  ROOT %next_state = State tuple(%next_counter, %s1_carry0, %xs0, %s1_ys0, %pass0)
 }
 
-%scan_cond (scan_parameter: (s64[], f32[2], f32[5,2], f32[5], f32[2])) -> pred[] {
-  %scan_parameter = (s64[], f32[2], f32[5,2], f32[5], f32[2]) parameter(0)
-  %scan_get-tuple-element = s64[] get-tuple-element(state %scan_parameter), index=0
-  %scan_constant = s64[] constant(5)
-  ROOT %scan_compare = pred[] compare(s64[] %scan_get-tuple-element, s64[] %scan_constant), direction=LT
+%scan_cond0 (state: State) -> pred[] {
+  %state = State parameter(0)
+  %counter = s64[] get-tuple-element(%state), index=0
+  %steps = s64[] constant(2)
+  ROOT %more = pred[] compare(%counter, %steps), direction=LT
 }
 
-ENTRY %scan_entry (scan_parameter: f32[2], scan_parameter: f32[5,2], scan_parameter: f32[5], scan_parameter: f32[2]) -> (f32[2], f32[5]) {
-  %scan_constant = s64[] constant(0)
-  %scan_parameter = f32[2] parameter(0)
-  %scan_parameter = f32[5,2] parameter(1)
-  %scan_parameter = f32[5] parameter(2)
-  %scan_parameter = f32[2] parameter(3)
-  %scan_tuple = (s64[], f32[2], f32[5,2], f32[5], f32[2]) tuple(s64[] %scan_constant, f32[2] %scan_parameter, f32[5,2] %scan_parameter, f32[5] %scan_parameter, f32[2] %scan_parameter)
-  %scan_while = (s64[], f32[2], f32[5,2], f32[5], f32[2]) while(state %scan_tuple), condition=%scan_cond, body=%scan_loop
-  %scan_get-tuple-element = f32[2] get-tuple-element(state %scan_while), index=1
-  %scan_get-tuple-element = f32[5] get-tuple-element(state %scan_while), index=3
-  ROOT %scan_tuple = (f32[2], f32[5]) tuple(f32[2] %scan_get-tuple-element, f32[5] %scan_get-tuple-element)
+%scan_loop1 (state: State) -> State {
+  %state = State parameter(0)
+  %counter = s64[] get-tuple-element(%state), index=0
+  %unroll = s64[] constant(1)
+  %next_counter = s64[] add(%counter, %unroll)
+  %xs0 = f32[3,2] get-tuple-element(%state), index=2
+  %s0_last = s64[] constant(0)
+  %s0_idx = s64[] subtract(%s0_last, %counter)
+  %s0_zero = s64[] constant(0)
+  %s0_x0_row = f32[1,2] dynamic-slice(%xs0, %s0_idx, %s0_zero), dynamic_slice_sizes={1,2}
+  %s0_x0 = f32[2] reshape(%s0_x0_row)
+  %pass0 = f32[2] get-tuple-element(%state), index=4
+  %carry0 = f32[2] get-tuple-element(%state), index=1
+  %s0_body = (f32[2], f32[]) call(%s0_x0, %pass0, %carry0), to_apply=%scan_body
+  %s0_carry0 = f32[2] get-tuple-element(%s0_body), index=0
+  %ys0 = f32[3] get-tuple-element(%state), index=3
+  %s0_y0 = f32[] get-tuple-element(%s0_body), index=1
+  %s0_ys0_row = f32[1] reshape(%s0_y0)
+  %s0_ys0 = f32[3] dynamic-update-slice(%ys0, %s0_ys0_row, %s0_idx)
+  ROOT %next_state = State tuple(%next_counter, %s0_carry0, %xs0, %s0_ys0, %pass0)
+}
+
+%scan_cond1 (state: State) -> pred[] {
+  %state = State parameter(0)
+  %counter = s64[] get-tuple-element(%state), index=0
+  %steps = s64[] constant(1)
+  ROOT %more = pred[] compare(%counter, %steps), direction=LT
+}
+
+ENTRY %scan_entry (carry0: f32[2], xs0: f32[3,2], ys0: f32[3], pass0: f32[2]) -> (f32[2], f32[3]) {
+  %seg1_counter = s64[] constant(0)
+  %seg0_counter = s64[] constant(0)
+  %carry0 = f32[2] parameter(0)
+  %xs0 = f32[3,2] parameter(1)
+  %ys0 = f32[3] parameter(2)
+  %pass0 = f32[2] parameter(3)
+  %seg0_init = State tuple(%seg0_counter, %carry0, %xs0, %ys0, %pass0)
+  %seg0_while = State while(%seg0_init), condition=%scan_cond0, body=%scan_loop0
+  %seg0_carry0 = f32[2] get-tuple-element(%seg0_while), index=1
+  %seg0_xs0 = f32[3,2] get-tuple-element(%seg0_while), index=2
+  %seg0_ys0 = f32[3] get-tuple-element(%seg0_while), index=3
+  %seg0_pass0 = f32[2] get-tuple-element(%seg0_while), index=4
+  %seg1_init = State tuple(%seg1_counter, %seg0_carry0, %seg0_xs0, %seg0_ys0, %seg0_pass0)
+  %seg1_while = State while(%seg1_init), condition=%scan_cond1, body=%scan_loop1
+  %seg1_carry0 = f32[2] get-tuple-element(%seg1_while), index=1
+  %seg1_ys0 = f32[3] get-tuple-element(%seg1_while), index=3
+  ROOT %result = (f32[2], f32[3]) tuple(%seg1_carry0, %seg1_ys0)
 }""")
+
+
+@pytest.mark.parametrize("segments, params, body, message", [
+    ([(0, 5, 2)], [(0, 0)], b"", "not a multiple of its unroll"),
+    ([(0, 6, 1)], [(0, 0)], b"", "segment outside"),
+    ([(0, 5, 1)], [(1, 3)], b"", r"body parameter source \(1, 3\) out of range"),
+    ([(0, 5, 1)], [(0, 0)], b"\x80", "truncated varint"),
+])
+def test_builder_rejects_a_bad_signature_without_crashing(segments, params, body, message):
+    from torch_scan_hop import _hlo_scan
+
+    f32 = 11
+    with pytest.raises(ValueError, match=message):
+        _hlo_scan.build_scan_module(body, 5, False, segments, [(f32, (2,))], [(f32, (5, 2))], [], [], params)
 
 
 def test_openxla_backend_uses_the_while_lowering_forward_and_training(monkeypatch):

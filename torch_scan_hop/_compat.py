@@ -19,7 +19,7 @@ from torch._higher_order_ops.utils import (  # noqa: F401
     unique_graph_id,
 )
 from torch._ops import HigherOrderOperator  # noqa: F401
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily  # noqa: F401
 from torch._dispatch.python import suspend_functionalization
 from torch._subclasses.functional_tensor import (  # noqa: F401
     CppFunctionalizeAPI,
@@ -109,6 +109,20 @@ def _forget_old_sources(before):
         linecache.cache.pop(key, None)
 
 
+@contextlib.contextmanager
+def functionalization_on():
+    """Lift an enclosing exclusion of the Functionalize key for this block.
+
+    A Functionalize rule redispatches with the key excluded. Code that must
+    see torch_xla's own functionalization (views of XLA tensors are only right
+    through it) re-enables the key here and restores the exclusion after.
+    """
+    include = torch._C._dispatch_tls_local_include_set()
+    exclude = torch._C._dispatch_tls_local_exclude_set().remove(DispatchKey.Functionalize)
+    with torch._C._ForceDispatchKeyGuard(include, exclude):
+        yield
+
+
 def dispatch_modes_active():
     from torch.utils._python_dispatch import _len_torch_dispatch_stack
 
@@ -190,6 +204,10 @@ def trace_graph(fn, args, *, force_enable_grad=False):
     tensors traces with a fresh fake mode, so nothing real is computed and
     closed-over real tensors become constants (which ``_lift`` turns into inputs).
     """
+    if force_enable_grad:  # differentiating: torch_xla's custom ops need their formulas
+        from ._xla_autograd import register_missing
+
+        register_missing()
     with _data_dependence_as_scan_error():
         if under_make_fx() or detect_fake_mode(args) is not None:
             return materialize_as_graph(fn, tuple(args), force_enable_grad=force_enable_grad)
@@ -238,24 +256,54 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
     inner value traces like any constant; lifting then hands back the user's
     tensor, which keeps its autograd identity. A stand-in requires grad when
     its tensor does, so a joint trace can differentiate with respect to it.
+    CPU tensors meeting XLA ones are stood in for by device copies.
     """
 
     def __init__(self):
         super().__init__()
-        self._outer, self._by_id = {}, {}
+        self._outer, self._by_id, self._moved, self.xla, self.inputs = {}, {}, {}, None, {}
 
-    def _stand_in(self, t):
-        if not (isinstance(t, torch.Tensor) and torch._is_functional_tensor(t)) \
-                or isinstance(t, FakeTensor):
+    def _stand_in(self, t, user=None):
+        if user is None and (not (isinstance(t, torch.Tensor) and torch._is_functional_tensor(t))
+                             or isinstance(t, FakeTensor) or id(t) in self.inputs):
             return t
-        hit = self._by_id.get(id(t))
+        user = t if user is None else user
+        hit = self._by_id.get(id(user))
         if hit is None:
             torch._sync(t)
             plain = torch._from_functional_tensor(t)  # its value, without the wrapper
-            self._outer[id(plain)] = t
-            used = plain.detach().requires_grad_(t.requires_grad) if t.requires_grad else plain
-            hit = self._by_id[id(t)] = (used, t, plain)  # plain kept alive: its id is a key
+            self._outer[id(plain)] = user
+            used = plain.detach().requires_grad_() if user.requires_grad else plain
+            hit = self._by_id[id(user)] = (used, user, plain, t)  # plain and t kept alive: ids are keys
         return hit[0]
+
+    def _onto(self, device):
+        """CPU tensors meeting XLA ones move to the device, as torch_xla moves
+        them per op in eager (fake tracing rejects the mix): a traced value in
+        the graph, a closure as a device copy standing in for it."""
+        def onto(t):
+            if not _cpu_array(t) or id(t) in self.inputs:
+                return t
+            if isinstance(t, FakeTensor):
+                return t.to(device)
+            if id(t) not in self._by_id:
+                with unset_fake_temporarily(), disable_proxy_modes_tracing():
+                    moved = t.detach().to(device)
+                self._stand_in(moved, user=t)
+            return self._by_id[id(t)][0]
+        return onto
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.autograd.grad:  # differentiates w.r.t. the tensors named, stand-ins or not
+            return func(*args, **(kwargs or {}))
+        tree_map = torch.utils._pytree.tree_map
+        args, kwargs = tree_map(self._stand_in, (args, kwargs or {}))
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        xla = next((t.device for t in leaves if isinstance(t, torch.Tensor) and t.device.type == "xla"), None)
+        self.xla = self.xla or xla
+        if self.xla is not None and any(_cpu_array(t) for t in leaves):  # also ops on CPU tensors alone
+            args, kwargs = tree_map(self._onto(self.xla), (args, kwargs))
+        return func(*args, **kwargs)
 
     def outer(self, t):
         """The user's tensor that stand-in ``t`` replaced (else ``t``)."""
@@ -269,16 +317,34 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
             return hit[0]
         return None if torch._is_functional_tensor(t) and not isinstance(t, FakeTensor) else t
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        args, kwargs = torch.utils._pytree.tree_map(self._stand_in, (args, kwargs or {}))
-        return func(*args, **kwargs)
+    def op_input(self, user):
+        """What the op receives for the user's closure ``user``. A CPU closure
+        that requires grad in a body on XLA becomes a differentiable copy on
+        the device: its gradient comes back to it through the copy, and the
+        body's backward stays on one device (autograd would run CPU nodes on
+        another thread, both dispatching into one fake mode while partitioning)."""
+        if self.xla is None or user.device.type != "cpu" or not user.requires_grad or isinstance(user, FakeTensor):
+            return user
+        if id(user) not in self._moved:
+            with disable_proxy_modes_tracing(), torch.enable_grad():
+                self._moved[id(user)] = user.to(self.xla)
+        return self._moved[id(user)]
+
+
+def _cpu_array(t):
+    """A CPU tensor with dims: fake tracing lets only 0-dim ones mix with XLA tensors."""
+    return isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() > 0
 
 
 @contextlib.contextmanager
-def recording_functional_closures():
+def recording_functional_closures(tensors=()):
     """Yields the stand-in mode: ``.outer(t)`` / ``.inner(t)`` map between the
-    user's functional closures and what the traced body read."""
+    user's closures and what the traced body read, ``.op_input(t)`` says what
+    the op receives for a closure. With XLA ``tensors`` (the step's inputs),
+    every CPU tensor the body touches is on the device from the start."""
     mode = _ClosureStandIns()
+    mode.xla = next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "xla"), None)
+    mode.inputs = {id(t): t for t in tensors}  # the step's own inputs are traced, not stood in for
     with mode:
         yield mode
 

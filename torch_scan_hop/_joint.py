@@ -14,27 +14,42 @@ Which carries are differentiable is inferred as jax does: a carry requires
 grad if init does, or if the body makes it depend on something that does,
 iterated to a fixed point over the body.
 """
+import contextlib
+
 import torch
 
 from . import _compat
 from ._lift import source_of
+from ._xla_autograd import functions_as_ops
 
 
-def call_step(combine_fn, primals):
-    """``(outputs, wrt, outer)`` of one step on ``primals`` (*carry, *x, *lifted).
+@contextlib.contextmanager
+def stepping(combine_fn, primals):
+    """Runs one step on ``primals`` (*carry, *x, *lifted); yields
+    ``(outputs, wrt, outer)`` with the closures' stand-ins active.
 
-    ``wrt[i]`` is the tensor autograd must differentiate for input i: the
-    primal itself, or for a lifted closure the tensor the body actually read
-    (``None`` if it did not read it). ``outer`` maps a traced stand-in back to
-    the user's tensor (see ``_compat.recording_functional_closures``).
+    ``wrt[i]`` lists the tensors autograd may reach for input i: the primal
+    itself, or for a lifted closure what the body read in its place (its
+    stand-in) and the closure itself (a custom autograd.Function receives it
+    as an argument, untouched by stand-ins). ``outer`` maps a traced
+    stand-in back to the user's tensor (``_compat.recording_functional_closures``).
     """
     src = source_of(combine_fn)
     if src is None:
-        return list(combine_fn(*primals)), list(primals), lambda t: t
+        yield list(combine_fn(*primals)), [[p] for p in primals], lambda t: t
+        return
     n = len(primals) - len(src.lifted)
-    with _compat.recording_functional_closures() as closures:
+    with _compat.recording_functional_closures(primals) as closures:
         outs = list(src.body(*primals[:n]))
-    return outs, [*primals[:n], *(closures.inner(t) for t in src.lifted)], closures.outer
+        reached = [_reached(closures.inner(t), t) for t in src.lifted]
+        yield outs, [*([p] for p in primals[:n]), *reached], closures.outer
+
+
+def _reached(stand_in, t):
+    """A closure's stand-in and, on the same device, the closure itself."""
+    if stand_in is None or stand_in is t:
+        return [t]
+    return [stand_in, t] if stand_in.device == t.device else [stand_in]
 
 
 def _differentiable(t):
@@ -54,11 +69,12 @@ def _outputs_require_grad(combine_fn, examples, flags):
     found = []
 
     def run(*primals):
-        outs, _, _ = call_step(combine_fn, primals)
-        found[:] = [isinstance(o, torch.Tensor) and o.requires_grad for o in outs]
+        with stepping(combine_fn, primals) as (outs, _, _):
+            found[:] = [isinstance(o, torch.Tensor) and o.requires_grad for o in outs]
         return []
 
-    _compat.trace_graph(run, with_flags(examples, flags), force_enable_grad=True)
+    with functions_as_ops():
+        _compat.trace_graph(run, with_flags(examples, flags), force_enable_grad=True)
     return found
 
 
@@ -85,15 +101,16 @@ def _joint_fn(combine_fn, grad_mask, stash):
 
     def joint(*args):
         primals, tangents = args[:num_primals], args[num_primals:]
-        outs, wrt, stash["outer"] = call_step(combine_fn, primals)
+        with stepping(combine_fn, primals) as (outs, wrt, stash["outer"]):
+            pass  # the backward below runs outside the stand-ins: its ops must not move devices
         pairs = [(o, t) for o, t in zip(outs, tangents) if isinstance(o, torch.Tensor) and o.requires_grad]
-        wanted = [w for w, m in zip(wrt, grad_mask) if m]
-        used = [w for w in wanted if w is not None and w.requires_grad]
+        wanted = [reach for reach, m in zip(wrt, grad_mask) if m]
+        used = [w for reach in wanted for w in reach if w.requires_grad]
         found = {}
         if pairs and used:
             grads = torch.autograd.grad([o for o, _ in pairs], used, [t for _, t in pairs], allow_unused=True)
-            found = {id(w): g for w, g in zip(used, grads)}
-        grads = [found.get(id(w)) if w is not None else None for w in wanted]
+            found = {id(w): g for w, g in zip(used, grads) if g is not None}
+        grads = [_sum([found[id(w)] for w in reach if id(w) in found]) for reach in wanted]
         grads = [torch.zeros_like(p) if g is None else g
                  for g, p in zip(grads, (p for p, m in zip(primals, grad_mask) if m))]
         it = iter(grads)
@@ -102,11 +119,20 @@ def _joint_fn(combine_fn, grad_mask, stash):
     return joint
 
 
+def _sum(parts):
+    if not parts:
+        return None
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total
+
+
 def trace_joint(combine_fn, primals, tangents, grad_mask):
     """The joint GraphModule over (*primals, *tangents); closures read by the
     user's body are rebound to the lifted primals."""
     stash = {}
-    with _compat.eager_autograd_engine():
+    with _compat.eager_autograd_engine(), functions_as_ops():
         joint = _compat.trace_graph(_joint_fn(combine_fn, grad_mask, stash), [*primals, *tangents],
                                     force_enable_grad=True)
     src = source_of(combine_fn)

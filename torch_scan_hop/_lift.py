@@ -54,7 +54,8 @@ def lift_constants(gm):
 @dataclass(frozen=True)
 class Source:
     """What a lifted body graph was traced from: the user's flat body (which
-    reads its closures itself) and the tensors lifted out of it, in order."""
+    reads its closures itself) and the user's tensors lifted out of it, in order
+    (the op may receive device copies of them, see ``op_input``)."""
 
     body: object
     lifted: tuple
@@ -79,8 +80,9 @@ def trace_and_lift(flat_body, example_args):
     """
     # Traced in the caller's grad mode: a body that branches on
     # torch.is_grad_enabled() takes the branch the loop would take.
-    with _compat.recording_functional_closures() as closures:
+    with _compat.recording_functional_closures(example_args) as closures:
         gm = _compat.trace_graph(flat_body, example_args)
-        lifted = [closures.outer(t) for t in lift_constants(gm)]
-    _sources[gm] = Source(flat_body, tuple(lifted))
+        users = [closures.outer(t) for t in lift_constants(gm)]
+    lifted = [closures.op_input(t) for t in users]  # outside the stand-ins: a real device copy
+    _sources[gm] = Source(flat_body, tuple(users))
     return gm, lifted

@@ -124,7 +124,28 @@ def _check_length(xs, xs_leaves, length, dim):
         )
 
 
+def _join_xla_device(leaves):
+    """CPU leaves move to the XLA device when another leaf is on it.
+
+    A Python loop over mixed inputs works because torch_xla moves a CPU
+    operand of each op to the device; the scan is one op on XLA, so its
+    inputs move once, up front (differentiably: CPU leaves still get grads).
+    """
+    xla = next((t.device for t in leaves if t.device.type == "xla"), None)
+    if xla is None:
+        return leaves
+    return [t.to(xla) if t.device.type == "cpu" else t for t in leaves]
+
+
 def prepare_inputs(init, xs, length, dim) -> ScanInputs:
+    inputs = _prepare_inputs(init, xs, length, dim)
+    n = inputs.num_carry
+    joined = _join_xla_device([*inputs.init_leaves, *inputs.xs_leaves])
+    inputs.init_leaves, inputs.xs_leaves = joined[:n], joined[n:]
+    return inputs
+
+
+def _prepare_inputs(init, xs, length, dim) -> ScanInputs:
     init_leaves, init_spec = flatten(init)
     require_tensor_leaves(init, "init", "init", init_leaves)
     if length is not None and (not isinstance(length, int) or isinstance(length, bool) or length < 0):

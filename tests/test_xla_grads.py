@@ -1,0 +1,139 @@
+"""XLA: bodies whose gradients come from torch_xla's own formulas, and dropout.
+
+torch_xla keeps some backward formulas in autograd.Functions around custom
+ops (EinsumLinear, mark_sharding_with_gradients); scan's traced body keeps only
+the op, so torch_scan_hop registers the Function's formula on the op. Dropout
+must use, in the backward, the mask its forward drew.
+"""
+import pytest
+import torch
+import torch_xla.core.xla_model as xm
+from conftest import assert_trees_close, reference_scan
+from torch_xla.distributed.spmd.xla_sharding import XLAPatchedLinear
+from xla_util import DEV, assert_matches_loop, run_isolated, to_cpu, weighted_sum
+
+from torch_scan_hop import scan
+
+INIT, XS = torch.randn(2, 4) * 0.5, torch.randn(5, 2, 4) * 0.5
+W, BIAS = torch.randn(3, 4) * 0.5, torch.randn(3) * 0.1
+
+
+def _linear(fn):
+    """A body that projects 4 -> 3 with fn(c, w, b) and back with w.t()."""
+    def make_body(w, b):
+        return lambda c, x: (torch.tanh(fn(c, w, b) @ w + x), fn(c, w, b))
+    return make_body
+
+
+def _on_device(linear):
+    """linear on XLA, F.linear (the same math) on the CPU reference loop."""
+    return lambda c, w, b: linear(c, w, b) if c.device.type == "xla" else torch.nn.functional.linear(c, w, b)
+
+
+@pytest.mark.parametrize("linear", [
+    lambda c, w, b: XLAPatchedLinear.apply(c, w, b),
+    lambda c, w, b: torch.ops.xla.einsum_linear_forward(c, w, b),
+], ids=["XLAPatchedLinear", "einsum_linear_forward"])
+def test_torch_xla_einsum_linear_values_and_grads(linear):
+    assert_matches_loop(_linear(_on_device(linear)), [W, BIAS], INIT, XS, grad=True, atol=1e-4, rtol=1e-4)
+
+
+def test_torch_xla_einsum_linear_grads_for_weights_only():
+    """Only the closures require grad: the formula's needs_input_grad path."""
+    w, b = W.to(DEV).requires_grad_(), BIAS.to(DEV).requires_grad_()
+    make_body = _linear(lambda c, w, b: XLAPatchedLinear.apply(c, w, b))
+    init, xs = INIT.to(DEV), XS.to(DEV)
+    got = torch.autograd.grad(weighted_sum(scan(make_body(w, b), init, xs)), [w, b])
+    wc, bc = W.clone().requires_grad_(), BIAS.clone().requires_grad_()
+    want = torch.autograd.grad(weighted_sum(reference_scan(_linear(torch.nn.functional.linear)(wc, bc), INIT, XS)),
+                               [wc, bc])
+    assert_trees_close(to_cpu(got), want, atol=1e-4, rtol=1e-4)
+
+
+_SPMD = """
+import numpy as np, torch, torch_xla, torch_xla.runtime as xr
+xr.use_spmd()
+import torch_xla.distributed.spmd as xs
+from xla_util import assert_matches_loop
+mesh = xs.Mesh(np.arange(xr.global_runtime_device_count()), (xr.global_runtime_device_count(), 1))
+
+def make_body(w):
+    def body(c, x):
+        h = torch.tanh(c @ w + x)
+        if h.device.type == "xla":
+            h = xs.mark_sharding_with_gradients(h, mesh, (0, None))
+        return h, h.sum(-1)
+    return body
+
+assert_matches_loop(make_body, [torch.randn(4, 4) * 0.5], torch.randn(2, 4), torch.randn(5, 2, 4), grad=True,
+                    atol=1e-5, rtol=1e-5)
+print("SPMD OK")
+"""
+
+
+def test_mark_sharding_with_gradients_in_an_spmd_body():
+    """SPMD mode is process-wide: in a subprocess."""
+    rc, out = run_isolated(_SPMD)
+    assert rc == 0 and "SPMD OK" in out, out[-3000:]
+
+
+class _Cube(torch.autograd.Function):
+    """x ** 3 with its backward written out (3 x^2 g)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x ** 3
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x * x * g + 1.0  # + 1: a formula that differs from differentiating forward
+
+
+def test_user_autograd_function_backward_is_used():
+    def make_body(w):
+        return lambda c, x: (_Cube.apply(c @ w) * 0.1 + x, c.sum(-1))
+    assert_matches_loop(make_body, [torch.randn(4, 4) * 0.5], INIT, XS, grad=True, atol=1e-4, rtol=1e-4)
+
+
+def _check_dropout_grads(run_scan, reverse=False):
+    """The mask is read off the outputs (dropped entries are exactly 0) and the
+    gradient compared with the Python loop on CPU applying those masks."""
+    p, n = 0.5, 7
+    w0, c0, xs = torch.randn(4, 4) * 0.5, torch.randn(3, 4), torch.randn(n, 3, 4)
+    w = w0.to(DEV).requires_grad_()
+    xm.set_rng_state(7)
+    c, ys = run_scan(w, c0.to(DEV), xs.to(DEV))
+    (g,) = torch.autograd.grad(weighted_sum((c, ys)), w)
+    masks = (ys.cpu() != 0).float()
+    assert 0 < masks.mean() < 1
+
+    wc = w0.clone().requires_grad_()
+    step = iter(range(n - 1, -1, -1) if reverse else range(n))
+    want = reference_scan(lambda c, x: (lambda d: (d, d))(torch.tanh(c @ wc + x) * masks[next(step)] / (1 - p)),
+                          c0, xs, reverse=reverse)
+    (g_want,) = torch.autograd.grad(weighted_sum(want), wc)
+    assert_trees_close(to_cpu((c, ys, g)), (*want, g_want), atol=1e-5, rtol=1e-5)
+
+
+def _dropout_scan(**options):
+    def run_scan(w, c0, xs):
+        def body(c, x):
+            d = torch.nn.functional.dropout(torch.tanh(c @ w + x), 0.5, training=True)
+            return d, d
+        return scan(body, c0, xs, **options)
+    return run_scan
+
+
+@pytest.mark.parametrize("remat", ["save_all", "min_cut", "recompute_all"])
+@pytest.mark.parametrize("reverse, unroll", [(False, 1), (True, 3)])
+def test_dropout_backward_uses_the_forward_mask(remat, reverse, unroll):
+    _check_dropout_grads(_dropout_scan(remat=remat, reverse=reverse, unroll=unroll), reverse)
+
+
+def test_dropout_under_openxla_compile_backward_uses_the_forward_mask():
+    """AOT keeps native_dropout, whose bool mask torch_xla lowers as f32: the
+    While converts between the body's element types and the torch dtypes."""
+    torch._dynamo.reset()
+    _check_dropout_grads(torch.compile(_dropout_scan(), backend="openxla"))

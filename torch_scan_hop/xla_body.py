@@ -1,0 +1,171 @@
+"""The scan body as an HLO computation: run once on placeholder XLA tensors.
+
+Placeholders have a shape but no buffer, so the body is staged out without
+computing anything. Whatever reads a value on the host (``.item()``, an op
+torch_xla runs through its CPU fallback) would abort the process on a
+placeholder, and inside a While there is no per-step value to read anyway:
+``check_runs_on_xla`` rejects those with a ScanError before the body runs.
+Moves to the CPU are dropped instead (``keep_on_device``): values stay put.
+
+Parameters of the body HLO come from four places: the carry, the x slice, the
+additional inputs, and device data the body made itself (constants, hoisted
+and passed to every call). If the body draws random numbers, XLA's RNG seed is
+one more parameter, fed one seed per step (a length-T vector sliced like an x).
+"""
+import copy
+import dataclasses
+from typing import List
+
+import torch
+
+from . import _compat
+from ._trees import ScanError
+
+CARRY, X, PASS = 0, 1, 2  # what feeds a body parameter (hlo_scan.cc's Kind)
+
+_aten = torch.ops.aten
+_HOST_READS = {
+    _aten._local_scalar_dense.default: "reads a tensor's value on the host (.item(), float(t), int(t))",
+    _aten.equal.default: "reads tensor values on the host (torch.equal)",
+    _aten.is_nonzero.default: "reads a tensor's value on the host (bool(t), if t: ...)",
+}
+_KERNEL_KEYS = ("XLA", "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional",
+                "CompositeImplicitAutograd")
+
+
+def _to_host(node):
+    """A copy to a non-XLA device (t.cpu(), t.to("cpu"))."""
+    if node.op != "call_function":
+        return False
+    device = node.kwargs.get("device")
+    return node.target is _aten._to_copy.default and device is not None and torch.device(device).type != "xla"
+
+
+def _falls_back_to_cpu(op):
+    """torch_xla has no lowering for op: its CPU fallback copies the inputs' values to the host."""
+    name = op.name()
+    return not any(torch._C._dispatch_has_kernel_for_dispatch_key(name, k) for k in _KERNEL_KEYS)
+
+
+def _problem(node):
+    op = node.target
+    if op in _HOST_READS:
+        return _HOST_READS[op] + ", which a step inside an XLA While cannot do; keep it a tensor " \
+            "(x * c.sum() instead of x * c.sum().item(), torch.where instead of if)"
+    if _falls_back_to_cpu(op):
+        return "has no XLA lowering (torch_xla runs it on the CPU from the tensor's value), so it cannot run " \
+            "inside an XLA While; rewrite that step with other ops, or run the scan on CPU"
+    return None
+
+
+def check_runs_on_xla(body):
+    """Raise a ScanError for the first op of a body graph that needs values on the host."""
+    if not isinstance(body, torch.fx.GraphModule):
+        return  # a Python callable: nothing to inspect before running it
+    for node in body.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        problem = _problem(node)
+        if problem is not None:
+            raise ScanError(f"scan on XLA: the body's {node.target} ({node.name}) {problem}.")
+
+
+def keep_on_device(body):
+    """``body`` with its moves to the CPU dropped (a copy; body is not changed).
+
+    Inside the While every value lives on the device, and a copy keeps the
+    value. Graphs have such moves where a 0-dim CPU tensor meets XLA ones, as
+    in the gradient of a CPU scalar closure (autograd moves it back after).
+    """
+    if not isinstance(body, torch.fx.GraphModule) or not any(_to_host(n) for n in body.graph.nodes):
+        return body
+    gm = torch.fx.GraphModule(body, copy.deepcopy(body.graph))
+    for node in gm.graph.nodes:
+        if _to_host(node):
+            node.kwargs = {k: v for k, v in node.kwargs.items() if k != "device"}
+    gm.recompile()
+    return gm
+
+
+@dataclasses.dataclass
+class BodyHlo:
+    """One step of the body as HLO, and what feeds each of its parameters."""
+
+    proto: bytes  # HloModuleProto
+    params: List[tuple]  # body parameter i <- (CARRY | X | PASS, index)
+    y_meta: List[tuple]  # (per-step shape, dtype) of each y
+    hoisted: List[torch.Tensor]  # device data the body made, appended to the pass-through inputs
+    uses_seed: bool  # the last x is the per-step RNG seed vector
+
+
+def _xla():
+    import torch_xla
+    import torch_xla.core.xla_builder as xb
+    import torch_xla.core.xla_model  # noqa: F401
+
+    return torch_xla, xb
+
+
+def _placeholders(xb, tensors, drop_lead=False):
+    return [xb.create_placeholder_tensor(tuple(t.shape[1:] if drop_lead else t.shape), t.dtype) for t in tensors]
+
+
+def _run_on_placeholders(combine_fn, init, xs, additional_inputs):
+    """(placeholder groups, outputs). Functionalization must be on here: the
+    Functionalize rule excluded its key, and without it torch_xla builds
+    placeholders without the functional wrapper and lowers chains of views
+    (permute then view, as einsum emits them) to the wrong HLO."""
+    torch_xla, xb = _xla()
+    rng_state = torch_xla.core.xla_model.get_rng_state()
+    try:
+        with torch.no_grad(), _compat.functionalization_on():
+            groups = [(CARRY, _placeholders(xb, init)), (X, _placeholders(xb, xs, drop_lead=True)),
+                      (PASS, _placeholders(xb, additional_inputs))]
+            outs = list(combine_fn(*(t for _, ts in groups for t in ts)))
+    finally:  # tracing drew from the RNG; a cached call would not, so undo that draw
+        torch_xla.core.xla_model.set_rng_state(rng_state)
+    return groups, outs
+
+
+def _param_sources(ctx, groups, outs, num_x, num_pass):
+    """body parameter -> (kind, index), and the hoisted device data; the seed is the x after the real ones."""
+    torch_xla, _ = _xla()
+    xlac = torch_xla._XLAC
+    where = {}
+    for kind, tensors in groups:
+        for i, t in enumerate(tensors):
+            pid = ctx.tensor_parameter_id(t)
+            if pid != -1:
+                where[pid] = (kind, i)
+    ids, values = xlac._get_tensors_xla_device_data_node(outs)
+    seed_pid = None
+    if xlac._get_seed_info_id() in ids:
+        seed_pid = ctx.tensor_parameter_id(values[ids.index(xlac._get_seed_info_id())])
+    hoisted = []
+    device_data = ctx.device_parameter_id_tensor_mapping()
+    for pid in sorted(device_data):
+        if pid in where:
+            continue
+        if pid == seed_pid:
+            where[pid] = (X, num_x)
+            continue
+        where[pid] = (PASS, num_pass + len(hoisted))
+        hoisted.append(device_data[pid])
+    missing = sorted(set(range(len(where))) - set(where))
+    if missing:
+        raise ScanError(f"scan on XLA: body HLO parameters {missing} have no known source (internal error).")
+    return [where[pid] for pid in range(len(where))], hoisted, seed_pid is not None
+
+
+def lower_body(combine_fn, init, xs, additional_inputs) -> BodyHlo:
+    """Stage out one step of ``combine_fn`` as HLO (nothing runs on the device)."""
+    check_runs_on_xla(combine_fn)
+    combine_fn = keep_on_device(combine_fn)
+    torch_xla, _ = _xla()
+    groups, outs = _run_on_placeholders(combine_fn, init, xs, additional_inputs)
+    ctx = torch_xla._XLAC.lowering.LoweringContext("scan_body")
+    ctx.build(outs)
+    params, hoisted, uses_seed = _param_sources(ctx, groups, outs, len(xs), len(additional_inputs))
+    ys = outs[len(init):]
+    return BodyHlo(ctx.hlo(), params, [(tuple(y.shape), y.dtype) for y in ys], hoisted, uses_seed)
+
