@@ -226,8 +226,7 @@ def trace_step(body: Callable, carry, x, lifted, requires_grad) -> JointStep:
     ``requires_grad`` flags the inputs that require grad (for the carries:
     init's flags; the carries' fixed point is computed here).
     """
-    with _compat.disable_proxy_modes_tracing():  # example values, not part of any graph
-        examples = [e.detach() if isinstance(e, torch.Tensor) else e for e in (*carry, *x, *lifted)]
+    examples = _compat.detached_examples([*carry, *x, *lifted])
     grad_mask, out_grad = requires_grad_fixed_point(body, examples, requires_grad, len(carry))
     out_vals = _output_metas(body) or _output_metas(_compat.trace_graph(body, examples))
     primals = with_flags(examples, grad_mask)
