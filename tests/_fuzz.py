@@ -177,7 +177,7 @@ def generate(seed):
         shape = (D, D) if rng.random() < 0.6 else (D,)
         closures.append((f"{'W' if len(shape) == 2 else 'b'}{i}", shape, rng.random() < 0.6, rng.choice([0, 1, 1, 2, 3])))
     module = rng.choice(MODULES) if rng.random() < 0.4 else None
-    p = Problem(seed, dtype, length, rng.random() < 0.5, dim, rng.choice(REMATS),
+    p = Problem(seed, dtype, length, rng.random() < 0.5, dim, rng.choices(REMATS, [3, 3, 3, 1])[0],
                 rng.choice([None, None, 1, 2, 3, 4]), rng.random() < 0.2, carry, xs, closures, module, "")
     p.source = _BodyWriter(rng, p).source()
     return p

@@ -1,15 +1,14 @@
 """Differential fuzzing: random scan problems (tests/_fuzz.py) against the Python loop in every mode.
 
-Each case is one (mode, seed); the problem is a pure function of the seed, so
-``pytest tests/test_differential.py -k "eager-seed_17]"`` replays it (``-k "seed_17]"``
-in every mode) and a failure prints the generated body and shapes. XLA cases run in a
-child interpreter (_isolated.py): a native crash fails the case, not the run. Values and gradients (of a
-weighted sum of the float outputs w.r.t. float inputs, closures and module
-parameters) are compared; export is inference only.
+Each case is one (mode, seed) and the problem is a pure function of the seed:
+``pytest tests/test_differential.py -k "eager-seed_17]"`` replays one case, ``-k "seed_17]"``
+the seed in every mode; a failure prints the generated body and shapes. Values and
+gradients (of a weighted sum of the float outputs w.r.t. float inputs, closures and module
+parameters) are compared; export is inference only. XLA cases run in a child interpreter
+(_isolated.py): a native crash fails the case, not the run.
 
-Budget: the default run is a few minutes on 2 cores. SCAN_FUZZ_CASES=N runs N
-eager cases and every other mode scaled by the same factor; SCAN_FUZZ_SEED=S
-starts the seeds at S instead of 0.
+Budget: the default run takes about 3 minutes on 2 cores. SCAN_FUZZ_CASES=N runs N eager
+cases and scales every other mode by the same factor; SCAN_FUZZ_SEED=S starts the seeds at S.
 """
 import contextlib
 import io
@@ -106,7 +105,7 @@ def run_eager(p, mode, want_out, want_grads, weights):
 
 def run_make_fx(p, mode, want_out, want_grads, weights):
     tracing_mode = mode.split("_")[-1]
-    backward_inside = p.seed % 2 == 0
+    backward_inside = p.seed % 2 == 0  # even seeds trace autograd.grad too, odd ones differentiate the graph
     inst = materialize(p)
     names = [n for n, _ in inst.module.named_parameters()] if inst.module is not None else []
 
@@ -135,9 +134,12 @@ def run_compile(p, mode, want_out, want_grads, weights):
     backend = "aot_eager" if "aot_eager" in mode else mode.split("_")[1]
     torch._dynamo.reset()
     inst = materialize(p)
-    kw = p.kwargs()  # a length= option is an argument, so that it can be dynamic
-    cf = torch.compile(lambda init, xs, n: scan(inst.body, init, xs, **dict(kw, **({"length": n} if "length" in kw else {}))),
-                       backend=backend, dynamic="dynamic" in mode, fullgraph=True)
+    kw = p.kwargs()
+
+    def f(init, xs, n):  # a length= option is an argument, so that it can be dynamic
+        return scan(inst.body, init, xs, **dict(kw, length=n) if "length" in kw else kw)
+
+    cf = torch.compile(f, backend=backend, dynamic="dynamic" in mode, fullgraph=True)
     out = cf(inst.init, inst.xs, p.length)
     check(p, mode, "values", out, want_out)
     check(p, mode, "gradients", grads(inst.targets(), out, weights), want_grads)
