@@ -338,8 +338,8 @@ def test_four_threads_with_gradients(warm, request):
 
 
 def test_fresh_modules_do_not_grow_linecache():
-    """SCAN_LEAK_CALLS (default 200; 2000 for the full check) calls, each with a new module."""
-    calls = int(os.environ.get("SCAN_LEAK_CALLS", 200))
+    """SCAN_LEAK_CALLS (default 100; 2000 for the full check) calls, each with a new module."""
+    calls = int(os.environ.get("SCAN_LEAK_CALLS", 100))
     init, xs = inputs()
 
     def one_call():
