@@ -22,12 +22,13 @@ def _seed():
 
 def reference_scan(fn, init, xs=None, *, length=None, reverse=False, dim=0):
     """The plain Python for-loop every test compares against."""
-    leaves, spec = pytree.tree_flatten(xs)
-    n = length if not leaves else leaves[0].shape[dim]
+    leaves, spec = pytree.tree_flatten(xs)  # None leaves (no value) stay None in every x
+    tensors = [t for t in leaves if t is not None]
+    n = length if not tensors else tensors[0].shape[dim]
     order = range(n - 1, -1, -1) if reverse else range(n)
     carry, ys = init, [None] * n
     for i in order:
-        x = None if not leaves else pytree.tree_unflatten([t.select(dim, i) for t in leaves], spec)
+        x = None if xs is None else pytree.tree_unflatten([t if t is None else t.select(dim, i) for t in leaves], spec)
         carry, ys[i] = fn(carry, x)
     if n == 0:
         return carry, None

@@ -1,0 +1,198 @@
+"""Differential fuzzing: random scan problems (tests/_fuzz.py) against the Python loop in every mode.
+
+Each case is one (mode, seed) and the problem is a pure function of the seed:
+``pytest tests/test_differential.py -k "eager-seed_17]"`` replays one case, ``-k "seed_17]"``
+the seed in every mode; a failure prints the generated body and shapes. Values and
+gradients (of a weighted sum of the float outputs w.r.t. float inputs, closures and module
+parameters) are compared; export is inference only. XLA cases run in a child interpreter
+(_isolated.py): a native crash fails the case, not the run.
+
+Budget: the default run takes about 3 minutes on 2 cores. SCAN_FUZZ_CASES=N runs N eager
+cases and scales every other mode by the same factor; SCAN_FUZZ_SEED=S starts the seeds at S.
+"""
+import contextlib
+import io
+import os
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from conftest import assert_trees_close
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import _isolated
+from _fuzz import generate, grads, loop, loss_weights, materialize, tensors, tmap
+from torch_scan_hop import scan
+
+DEFAULT_CASES = {  # mode -> cases in the default run (eager is the scale)
+    "eager": 60, "make_fx_real": 12, "make_fx_fake": 12, "make_fx_symbolic": 12,
+    "compile_eager": 4, "compile_aot_eager": 3, "compile_aot_eager_dynamic": 2,
+    "compile_inductor": 2, "compile_inductor_dynamic": 1,
+    "export_strict": 3, "export_nonstrict": 3, "export_saveload": 2, "xla": 4,
+}
+_SCALE = int(os.environ.get("SCAN_FUZZ_CASES", DEFAULT_CASES["eager"])) / DEFAULT_CASES["eager"]
+_START = int(os.environ.get("SCAN_FUZZ_SEED", 0))
+CASES = [pytest.param(mode, seed, id=f"{mode}-seed_{seed}")
+         for mode, n in DEFAULT_CASES.items()
+         for seed in range(_START, _START + max(1, round(n * _SCALE)))]
+
+
+def tolerances(p, mode):
+    if p.dtype == torch.float64:
+        return dict(rtol=1e-6, atol=1e-8) if mode == "xla" else dict(rtol=1e-7, atol=1e-9)
+    return dict(rtol=1e-4, atol=1e-5)
+
+
+def expected(p):
+    inst = materialize(p)
+    out = loop(p, inst)
+    weights = loss_weights(p, out)
+    return out, grads(inst.targets(), out, weights), weights
+
+
+def flags(out):
+    return [t.requires_grad for t in tensors(out)]
+
+
+@pytest.mark.parametrize("mode,seed", CASES)
+def test_fuzz(mode, seed):
+    if mode == "xla":  # in a child interpreter: a native crash fails this case, not the whole run
+        pytest.importorskip("torch_xla", reason="torch_xla is not installed")
+        return _isolated.call("test_differential", "check_case", mode, seed)
+    check_case(mode, seed)
+
+
+def check_case(mode, seed):
+    torch.manual_seed(0)
+    p = generate(seed)
+    want_out, want_grads, weights = expected(p)
+    try:
+        RUNNERS[mode.split("_")[0]](p, mode, want_out, want_grads, weights)
+    except Exception as e:  # noqa: BLE001  (any failure: print the problem)
+        cause = None if isinstance(e, Mismatch) else e  # an error in the package: keep its traceback
+        raise AssertionError(f"[{mode}] {type(e).__name__}: {e}\n\n{p.describe()}") from cause
+
+
+class Mismatch(AssertionError):
+    pass
+
+
+def check(p, mode, what, got, want):
+    try:
+        assert_trees_close(got, want, **tolerances(p, mode))
+    except AssertionError as e:
+        raise Mismatch(f"{what} differ from the loop's: {e}") from None
+
+
+def run_eager(p, mode, want_out, want_grads, weights):
+    with torch.no_grad():
+        inst = materialize(p)
+        check(p, mode, "values under no_grad", scan(inst.body, inst.init, inst.xs, **p.kwargs()), want_out)
+    inst = materialize(p)
+    out = scan(inst.body, inst.init, inst.xs, **p.kwargs())
+    check(p, mode, "values", out, want_out)
+    if p.length > 0 and flags(out) != flags(want_out):
+        raise Mismatch(f"requires_grad of the outputs {flags(out)} != the loop's {flags(want_out)}")
+    check(p, mode, "gradients", grads(inst.targets(), out, weights), want_grads)
+    # a second call (cache hit) with a fresh body: other inputs, same closures
+    p2 = p.with_length(p.length + 2)
+    inst2 = materialize(p2)
+    want2 = loop(p2, materialize(p2))
+    body2 = inst2.make_body(*inst.closures, *([inst.module] if inst.module is not None else []))
+    check(p, mode, f"values of a second call at length {p2.length}", scan(body2, inst2.init, inst2.xs, **p2.kwargs()),
+          want2)
+
+
+def run_make_fx(p, mode, want_out, want_grads, weights):
+    tracing_mode = mode.split("_")[-1]
+    backward_inside = p.seed % 2 == 0  # even seeds trace autograd.grad too, odd ones differentiate the graph
+    inst = materialize(p)
+    names = [n for n, _ in inst.module.named_parameters()] if inst.module is not None else []
+
+    def f(init, xs, closures, params, weights):
+        ctx = (torch.nn.utils.stateless._reparametrize_module(inst.module, dict(zip(names, params)))
+               if inst.module is not None else contextlib.nullcontext())
+        with ctx:
+            body = inst.make_body(*closures, *([inst.module] if inst.module is not None else []))
+            out = scan(body, init, xs, **p.kwargs())
+            targets = [t for t in tensors((init, xs, closures, params)) if t.requires_grad]
+            return out, (grads(targets, out, weights) if backward_inside else [])
+
+    def args(i):
+        return i.init, i.xs, i.closures, list(i.module.parameters()) if i.module is not None else [], weights
+
+    gm = make_fx(f, tracing_mode=tracing_mode)(*args(inst))
+    fresh = materialize(p)
+    out, got_grads = gm(*args(fresh))
+    check(p, mode, "values of the traced graph", out, want_out)
+    if not backward_inside:  # the graph's scan node differentiated by the op's autograd rule
+        got_grads = grads(fresh.targets(), out, weights)
+    check(p, mode, f"gradients ({'traced' if backward_inside else 'through the graph'})", got_grads, want_grads)
+
+
+def run_compile(p, mode, want_out, want_grads, weights):
+    backend = "aot_eager" if "aot_eager" in mode else mode.split("_")[1]
+    torch._dynamo.reset()
+    inst = materialize(p)
+    kw = p.kwargs()
+
+    def f(init, xs, n):  # a length= option is an argument, so that it can be dynamic
+        return scan(inst.body, init, xs, **dict(kw, length=n) if "length" in kw else kw)
+
+    cf = torch.compile(f, backend=backend, dynamic="dynamic" in mode, fullgraph=True)
+    out = cf(inst.init, inst.xs, p.length)
+    check(p, mode, "values", out, want_out)
+    check(p, mode, "gradients", grads(inst.targets(), out, weights), want_grads)
+    if "dynamic" in mode:  # the same compiled function at another length (same closures and module)
+        p2 = p.with_length(p.length + 3)
+        ref2, inst2 = materialize(p2), materialize(p2)
+        want2 = loop(p2, ref2)
+        w2 = loss_weights(p2, want2)
+        out2 = cf(inst2.init, inst2.xs, p2.length)
+        check(p, mode, f"values at length {p2.length}", out2, want2)
+        targets2 = [t for t in tensors((inst2.init, inst2.xs)) if t.requires_grad] + inst.targets(inputs=False)
+        check(p, mode, f"gradients at length {p2.length}", grads(targets2, out2, w2), grads(ref2.targets(), want2, w2))
+
+
+def run_export(p, mode, want_out, want_grads, weights):
+    inst = materialize(p)
+    init_leaves, init_spec = pytree.tree_flatten(inst.init)
+    xs_leaves, xs_spec = pytree.tree_flatten(inst.xs)
+    n = len(init_leaves)
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.closures = inst.module, inst.closures  # plain tensor attributes: constants
+
+        def forward(self, *flat):
+            init = pytree.tree_unflatten(list(flat[:n]), init_spec)
+            xs = pytree.tree_unflatten(list(flat[n:]), xs_spec)
+            body = inst.make_body(*self.closures, *([self.lin] if self.lin is not None else []))
+            return tuple(tensors(scan(body, init, xs, **p.kwargs())))
+
+    def flat_args(i):
+        return tuple(t if t is None else t.detach() for t in pytree.tree_leaves((i.init, i.xs)))
+
+    ep = torch.export.export(M(), flat_args(inst), strict=mode == "export_strict")
+    if mode == "export_saveload":
+        buf = io.BytesIO()
+        torch.export.save(ep, buf)
+        buf.seek(0)
+        ep = torch.export.load(buf)
+    with torch.no_grad():
+        got = ep.module()(*flat_args(materialize(p)))
+    check(p, mode, "values of the exported program", list(got), [t.detach() for t in tensors(want_out)])
+
+
+def run_xla(p, mode, want_out, want_grads, weights):
+    torch_xla = pytest.importorskip("torch_xla", reason="torch_xla is not installed")
+    inst = materialize(p, device=torch_xla.device())
+    out = scan(inst.body, inst.init, inst.xs, **p.kwargs())
+    got_grads = grads(inst.targets(), out, weights)
+    cpu = lambda tree: tmap(lambda t: t.detach().cpu(), tree)  # noqa: E731
+    check(p, mode, "values on XLA", cpu(out), tmap(lambda t: t.detach(), want_out))
+    check(p, mode, "gradients on XLA", cpu(got_grads), want_grads)
+
+
+RUNNERS = {"eager": run_eager, "make": run_make_fx, "compile": run_compile, "export": run_export, "xla": run_xla}
