@@ -150,7 +150,7 @@ class RK4(ScanModel):
 class Kalman(ScanModel):
     """A linear-Gaussian Kalman filter: carry (mean, covariance), xs the observations; y the log-likelihood."""
 
-    def __init__(self, n=3, m=2):
+    def __init__(self, n=3, m=2):  # m=2: the log-likelihood writes det(S) for a 2x2 S
         super().__init__()
         self.F = nn.Parameter(torch.eye(n) + 0.1 * torch.randn(n, n))
         self.H = nn.Parameter(torch.randn(m, n))
@@ -163,12 +163,14 @@ class Kalman(ScanModel):
         R = self.lr @ self.lr.T + 1e-2 * torch.eye(m, dtype=mu.dtype, device=mu.device)
         mu, P = mu @ self.F.T, self.F @ P @ self.F.T + Q
         S = self.H @ P @ self.H.T + R
-        K = torch.linalg.solve(S, self.H @ P).transpose(-1, -2)  # P H^T S^-1 (S, P symmetric)
+        S_inv = torch.linalg.inv(S)  # not linalg.solve: torch_xla has no XLA lowering for it
+        K = (S_inv @ self.H @ P).transpose(-1, -2)  # P H^T S^-1 (S, P symmetric)
         innov = z - mu @ self.H.T
         mu = mu + (K @ innov[..., None]).squeeze(-1)
         P = (torch.eye(n, dtype=mu.dtype, device=mu.device) - K @ self.H) @ P
-        ll = -0.5 * ((innov[..., None, :] @ torch.linalg.solve(S, innov[..., None])).squeeze((-1, -2))
-                     + torch.logdet(S))
+        ll = -0.5 * ((innov[..., None, :] @ S_inv @ innov[..., None]).squeeze((-1, -2))
+                     + torch.log(S[..., 0, 0] * S[..., 1, 1] - S[..., 0, 1] * S[..., 1, 0]))  # logdet of 2x2 S
+        # (torch.logdet has no backward on XLA tensors in torch_xla)
         return (mu, P), ll
 
 

@@ -412,3 +412,17 @@ def test_body_branching_on_grad_mode_takes_the_loops_branch(grad_mode):
             want, _ = body(want, x)
         got = scan(body, init.to(DEV), xs.to(DEV))[0].cpu()
     torch.testing.assert_close(got, want)
+
+
+def test_ops_xla_cannot_run_in_a_while_are_clear_errors_not_crashes():
+    """linalg.solve has no XLA lowering (torch_xla runs it on the CPU from the
+    values, which a While step has not got): a ScanError, not a segfault.
+    logdet has no backward on XLA tensors: a ScanError, not a wrong gradient."""
+    a = (torch.eye(3, dtype=torch.float64) * 2).to(DEV)
+    init, xs = torch.ones(3, dtype=torch.float64, device=DEV), torch.ones(4, 3, dtype=torch.float64, device=DEV)
+    with pytest.raises(torch_scan_hop.ScanError, match=r"_linalg_solve_ex.*has no XLA lowering"):
+        scan(lambda c, x: (torch.linalg.solve(a, c + x), None), init, xs)
+    c0 = (torch.eye(3, dtype=torch.float64) * 0.5).to(DEV).requires_grad_()
+    body = lambda c, x: (c + x[0, 0], torch.logdet(c @ c.T + torch.eye(3, dtype=c.dtype, device=c.device)))  # noqa: E731
+    with pytest.raises(torch_scan_hop.ScanError, match=r"backward of aten::logdet"):
+        scan(body, c0, torch.ones(4, 3, 3, dtype=torch.float64, device=DEV))

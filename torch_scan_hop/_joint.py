@@ -15,6 +15,7 @@ grad if init does, or if the body makes it depend on something that does,
 iterated to a fixed point over the body.
 """
 import contextlib
+import warnings
 
 import torch
 
@@ -132,7 +133,7 @@ def trace_joint(combine_fn, primals, tangents, grad_mask):
     """The joint GraphModule over (*primals, *tangents); closures read by the
     user's body are rebound to the lifted primals."""
     stash = {}
-    with _compat.eager_autograd_engine(), functions_as_ops():
+    with _compat.eager_autograd_engine(), functions_as_ops(), _missing_derivative_is_an_error():
         joint = _compat.trace_graph(_joint_fn(combine_fn, grad_mask, stash), [*primals, *tangents],
                                     force_enable_grad=True)
     src = source_of(combine_fn)
@@ -140,6 +141,24 @@ def trace_joint(combine_fn, primals, tangents, grad_mask):
         first_lifted = len(primals) - len(src.lifted)
         _bind_closures(joint, src.lifted, stash.get("outer", lambda t: t), first_lifted)
     return joint
+
+
+@contextlib.contextmanager
+def _missing_derivative_is_an_error():
+    """An op with no autograd kernel for the device (torch_xla's logdet, say)
+    only warns, and its gradient comes out wrong: refuse it instead."""
+    from ._trees import ScanError
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*an autograd kernel was not registered.*")
+        try:
+            yield
+        except UserWarning as e:
+            op = str(e).split(": an autograd kernel")[0]
+            raise ScanError(
+                f"scan: the body's gradient needs the backward of {op}, which has no autograd formula for "
+                "these tensors' device (its gradient would be wrong); compute that step with other ops."
+            ) from e
 
 
 def _bind_closures(gm, lifted, outer, first_lifted):

@@ -206,12 +206,23 @@ def check_carry(new_carry, inputs: ScanInputs):
     return leaves
 
 
+def _same_shape(a, b):
+    """Shapes equal; symbolic sizes are compared outside any trace (an outer
+    trace's sizes are not tracked by the body's sub-trace)."""
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    if all(type(d) is int for d in (*a, *b)):
+        return a == b
+    with disable_proxy_modes_tracing():
+        return len(a) == len(b) and all(bool(x == y) for x, y in zip(a, b))
+
+
 def check_carry_meta(leaves, inputs: ScanInputs):
     for k, (new, old) in enumerate(zip(leaves, inputs.init_leaves)):
-        if new.shape != old.shape or new.dtype != old.dtype:
+        if not _same_shape(new.shape, old.shape) or new.dtype != old.dtype:
             path = inputs.init_paths[k]
             what = []
-            if new.shape != old.shape:
+            if not _same_shape(new.shape, old.shape):
                 what.append(f"shape {tuple(new.shape)} vs init's {tuple(old.shape)}")
             if new.dtype != old.dtype:
                 what.append(f"dtype {new.dtype} vs init's {old.dtype}")

@@ -29,8 +29,21 @@ _HOST_READS = {
     _aten.equal.default: "reads tensor values on the host (torch.equal)",
     _aten.is_nonzero.default: "reads a tensor's value on the host (bool(t), if t: ...)",
 }
-_KERNEL_KEYS = ("XLA", "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional",
-                "CompositeImplicitAutograd")
+# Kernels that run on XLA without its CPU fallback. A CompositeExplicitAutogradNonFunctional
+# kernel counts only if the op's out= variant has one of these (_linalg_solve_ex's has none).
+_KERNEL_KEYS = ("XLA", "CompositeExplicitAutograd", "CompositeImplicitAutograd")
+
+
+# Checks that read a value on the host to raise (a singular matrix in linalg.solve, an
+# assert on a tensor): inside a While there is no per-step value to read, so they are
+# dropped, as XLA itself does not raise (a singular solve gives inf/nan there).
+_HOST_CHECKS = {op for op in (
+    getattr(_aten, "_linalg_check_errors", None), getattr(_aten, "_assert_async", None),
+    getattr(_aten, "_functional_assert_async", None)) if op is not None}
+
+
+def _host_check(node):
+    return node.op == "call_function" and getattr(node.target, "overloadpacket", None) in _HOST_CHECKS
 
 
 def _to_host(node):
@@ -41,10 +54,26 @@ def _to_host(node):
     return node.target is _aten._to_copy.default and device is not None and torch.device(device).type != "xla"
 
 
+def _has_kernel(qualified_name, keys=_KERNEL_KEYS):
+    return any(torch._C._dispatch_has_kernel_for_dispatch_key(qualified_name, k) for k in keys)
+
+
+def _overload_name(op):
+    name = op._schema.name
+    return name if not op._schema.overload_name else f"{name}.{op._schema.overload_name}"
+
+
 def _falls_back_to_cpu(op):
     """torch_xla has no lowering for op: its CPU fallback copies the inputs' values to the host."""
-    name = op.name()
-    return not any(torch._C._dispatch_has_kernel_for_dispatch_key(name, k) for k in _KERNEL_KEYS)
+    name = _overload_name(op)
+    if _has_kernel(name):
+        return False
+    if not _has_kernel(name, ("CompositeExplicitAutogradNonFunctional",)):
+        return True
+    packet = op.overloadpacket
+    outs = [getattr(packet, o) for o in packet.overloads()]
+    outs = [o for o in outs if any(a.is_out for a in o._schema.arguments)]
+    return not any(_has_kernel(_overload_name(o)) for o in outs)
 
 
 def _problem(node):
@@ -71,18 +100,23 @@ def check_runs_on_xla(body):
 
 
 def keep_on_device(body):
-    """``body`` with its moves to the CPU dropped (a copy; body is not changed).
+    """``body`` with its moves to the CPU and its host-side checks dropped (a
+    copy; body is not changed).
 
     Inside the While every value lives on the device, and a copy keeps the
     value. Graphs have such moves where a 0-dim CPU tensor meets XLA ones, as
     in the gradient of a CPU scalar closure (autograd moves it back after).
     """
-    if not isinstance(body, torch.fx.GraphModule) or not any(_to_host(n) for n in body.graph.nodes):
+    if not isinstance(body, torch.fx.GraphModule) or \
+            not any(_to_host(n) or _host_check(n) for n in body.graph.nodes):
         return body
     gm = torch.fx.GraphModule(body, copy.deepcopy(body.graph))
-    for node in gm.graph.nodes:
+    for node in list(gm.graph.nodes):
         if _to_host(node):
             node.kwargs = {k: v for k, v in node.kwargs.items() if k != "device"}
+        elif _host_check(node) and not node.users:
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
 
