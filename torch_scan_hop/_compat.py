@@ -37,6 +37,23 @@ from torch.fx.experimental.proxy_tensor import (  # noqa: F401
 AutoDispatchBelowAutograd = torch._C._AutoDispatchBelowAutograd
 
 
+def input_mutations_and_outputs(gm):
+    """(indices of the inputs ``gm`` mutates, its example outputs).
+
+    torch 2.9 takes the placeholders' example values as an argument; newer
+    torch (2.1x) reads them from the graph itself.
+    """
+    import inspect
+
+    params = inspect.signature(check_input_alias_and_mutation_return_outputs).parameters
+    if len(params) == 1:
+        *_, mutated, outputs = check_input_alias_and_mutation_return_outputs(gm)
+    else:
+        vals = [n.meta.get("val", n.meta.get("example_value")) for n in gm.graph.find_nodes(op="placeholder")]
+        *_, mutated, outputs = check_input_alias_and_mutation_return_outputs(gm, vals)
+    return mutated, outputs
+
+
 def install_as_upstream_scan(op):
     """Make ``torch.ops.higher_order.scan`` resolve to ``op``.
 
@@ -368,6 +385,21 @@ def detect_fake_mode(tensors):
     return _detect(tensors)
 
 
+def tag_forward_nodes(num_primals):
+    """Tag what the joint trace has recorded so far as the forward, as
+    AOTAutograd does: newer torch's default_partition takes the forward to be
+    every node up to the last one tagged "is_forward" (untagged, "save_all"
+    would recompute everything). torch 2.9 reads only the backward tags."""
+    mode = _proxy_tensor.get_proxy_mode()
+    if mode is None:
+        return
+    placeholders = 0
+    for node in mode.tracer.graph.nodes:
+        is_tangent = node.op == "placeholder" and placeholders >= num_primals
+        placeholders += node.op == "placeholder"
+        node.meta["partitioner_tag"] = "is_backward" if is_tangent else "is_forward"
+
+
 def partitioner(name):
     from functorch.compile import default_partition, min_cut_rematerialization_partition
 
@@ -404,9 +436,10 @@ def eager_autograd_engine():
 
 
 class _ReplayList(list):
-    """A SAC storage list whose ``pop(0)`` replays instead of consuming, so a
-    step checkpointed selectively can be backwarded more than once (as the
-    loop's own tape can, e.g. retain_graph or gradcheck)."""
+    """torch 2.9's SAC storage: a list per op that the backward ``pop(0)``s.
+    Replaying instead of consuming lets a step checkpointed selectively be
+    backwarded more than once, as the loop's own tape can (retain_graph,
+    gradcheck); positions restart at each recompute."""
 
     pos = 0
 
@@ -416,19 +449,36 @@ class _ReplayList(list):
         return item
 
 
+class _ReplayDict(dict):
+    """Newer torch's SAC storage: ``{call index: saved}`` per op, an entry
+    marked consumed once used. Keeping the entry allows a second backward."""
+
+    def __setitem__(self, key, value):
+        from torch.utils import checkpoint as ckpt
+
+        if key in self and value is getattr(ckpt, "_CONSUMED", None):
+            return
+        super().__setitem__(key, value)
+
+
 def replayable_selective_checkpoint_contexts(policy_fn):
-    """torch's ``create_selective_checkpoint_contexts`` with replaying storage
-    (torch 2.9: ``_CachingTorchDispatchMode`` / ``_CachedTorchDispatchMode``)."""
+    """torch's ``create_selective_checkpoint_contexts`` with replaying storage."""
     from torch.utils import checkpoint as ckpt
 
-    class Replaying(ckpt._CachedTorchDispatchMode):
+    caching, cached = ckpt.create_selective_checkpoint_contexts(policy_fn)
+    storage = caching.storage
+    if storage.default_factory is dict:  # newer torch: indexed entries
+        storage.default_factory = _ReplayDict
+        return caching, cached
+
+    class Replaying(type(cached)):  # torch 2.9: lists, positions reset per recompute
         def __enter__(self):
             for saved in self.storage.values():
                 saved.pos = 0
             return super().__enter__()
 
-    storage = collections.defaultdict(_ReplayList)
-    return ckpt._CachingTorchDispatchMode(policy_fn, storage), Replaying(policy_fn, storage, False)
+    storage.default_factory = _ReplayList
+    return caching, Replaying(policy_fn, storage, False)
 
 
 def scan_schema(op, combine_fn, init, xs, additional_inputs, examples, options):
@@ -438,8 +488,7 @@ def scan_schema(op, combine_fn, init, xs, additional_inputs, examples, options):
     from ._trees import ScanError
 
     gm = combine_fn if isinstance(combine_fn, torch.fx.GraphModule) else materialize_as_graph(combine_fn, tuple(examples))
-    vals = [n.meta.get("val", n.meta.get("example_value")) for n in gm.graph.find_nodes(op="placeholder")]
-    *_, mutated, outputs = check_input_alias_and_mutation_return_outputs(gm, vals)
+    mutated, outputs = input_mutations_and_outputs(gm)
     if mutated:
         raise ScanError(f"scan: the body mutates its inputs {sorted(mutated)} in place; scan bodies must be functional.")
     gen = HopSchemaGenerator(op)

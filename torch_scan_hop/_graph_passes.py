@@ -17,11 +17,23 @@ def _is(node, target):
 
 
 def _drop_detach(graph):
-    """detach is the identity on values; the step graphs never build autograd state."""
+    """detach (and alias) is the identity on values; the step graphs never build autograd state."""
     for node in list(graph.nodes):
-        if _is(node, aten.detach.default):
+        if _is(node, aten.detach.default) or _is(node, aten.alias.default):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
+
+
+def drop_aliases(gm):
+    """A joint's ``alias`` nodes (newer torch records a saved output as one)
+    would be saved as values of their own: fold them before partitioning."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if _is(node, aten.alias.default):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    gm.recompile()
+    return gm
 
 
 def _fold_double_transpose(graph):

@@ -104,6 +104,7 @@ def _joint_fn(combine_fn, grad_mask, stash):
         primals, tangents = args[:num_primals], args[num_primals:]
         with stepping(combine_fn, primals) as (outs, wrt, stash["outer"]):
             pass  # the backward below runs outside the stand-ins: its ops must not move devices
+        _compat.tag_forward_nodes(num_primals)
         pairs = [(o, t) for o, t in zip(outs, tangents) if isinstance(o, torch.Tensor) and o.requires_grad]
         wanted = [reach for reach, m in zip(wrt, grad_mask) if m]
         used = [w for reach in wanted for w in reach if w.requires_grad]

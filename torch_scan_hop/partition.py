@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import _compat
-from ._graph_passes import simplify
+from ._graph_passes import drop_aliases, simplify
 from ._joint import requires_grad_fixed_point, trace_joint, with_flags
 from ._trees import ScanError
 
@@ -248,6 +248,7 @@ def partition_step(step: JointStep, remat="save_all") -> FwdBwd:
         with _compat.disable_proxy_modes_tracing():
             plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in (*primals, *tangents)]
         joint = _compat.trace_graph(torch.func.functionalize(joint, remove="mutations"), plain)
+    drop_aliases(joint)
     _name_joint_placeholders(joint, len(primals))
     fwd, bwd = _partition_fn(remat)(joint, [*primals, *tangents], num_fwd_outputs=num_out)
     fwd, bwd = _hoist_recomputable_saves(joint, fwd, bwd, num_out, num_carry, num_x)

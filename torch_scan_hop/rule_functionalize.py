@@ -25,8 +25,7 @@ def check_no_input_mutation(combine_fn, init, xs, additional_inputs):
 
 def check_graph_mutation(gm, num_carry, num_x):
     """Raise if the traced body ``gm`` writes into one of its inputs."""
-    vals = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
-    *_, mutated, _ = _compat.check_input_alias_and_mutation_return_outputs(gm, vals)
+    mutated, _ = _compat.input_mutations_and_outputs(gm)
     if mutated:
         names = ", ".join(_input_name(i, num_carry, num_x) for i in mutated)
         raise ScanError(
