@@ -8,17 +8,21 @@ here runs just before upstream's and lowers exactly those nodes to a
 ``ys[L-1-i]``. The forward-order alternative gathers every slice and flips the
 ys afterwards: in a training backward, copies of all saved activations and
 weight gradients. Scans of static length 0 are lowered here too (to their
-init and empty ys).
+init and empty ys). ``install`` also puts in the workarounds of
+``_inductor_fixes`` that every scan's while_loop needs on torch 2.9.
 """
 import functools
 
 import torch
 
+from . import _inductor_fixes
+
 _installed = False
 
 
 def install():
-    """Wrap upstream's pass (looked up by name when post-grad passes run)."""
+    """Wrap upstream's pass (looked up by name when post-grad passes run) and
+    apply the torch 2.9 inductor workarounds. Idempotent."""
     global _installed
     if _installed:
         return
@@ -28,10 +32,12 @@ def install():
 
     @functools.wraps(upstream)
     def decompose_scans(gm):
+        _inductor_fixes.materialize_expanded_operands(gm)
         _lower_reverse_scans(gm)
         return upstream(gm)
 
     post_grad.decompose_scan_to_while_loop = decompose_scans
+    _inductor_fixes.keep_subgraph_inputs_undonated()
     _installed = True
 
 

@@ -161,9 +161,12 @@ def _reverse_scan(mode, combine_fn, init, xs, additional_inputs, unroll):
 
 @scan_op.py_impl(_compat.ProxyTorchDispatchMode)
 def scan_proxy(mode, combine_fn, init, xs, additional_inputs, *, reverse=False, remat=None, unroll=1):
+    on_xla = _compat.on_xla([*init, *xs])
+    if not on_xla:
+        inductor_reverse.install()  # inductor's lowering of reverse scans and its torch 2.9 workarounds
     if not reverse:
         return tuple(_forward_scan(mode, combine_fn, init, xs, additional_inputs, unroll))
-    if _compat.on_xla([*init, *xs]):  # keep the plain form torch_xla's bridge knows: flips around the node
+    if on_xla:  # keep the plain form torch_xla's bridge knows: flips around the node
         with mode:
             xs = [torch.flip(x, [0]) for x in xs]
         carry, ys = split_out(_forward_scan(mode, combine_fn, init, xs, additional_inputs, unroll), len(init))
@@ -171,5 +174,4 @@ def scan_proxy(mode, combine_fn, init, xs, additional_inputs, *, reverse=False, 
             return tuple(carry + [torch.flip(y, [0]) for y in ys])
     if _compat.is_exporting():
         return _reverse_scan(mode, combine_fn, init, xs, additional_inputs, unroll)
-    inductor_reverse.install()  # for a compiler: inductor lowers reverse=True natively
     return tuple(_forward_scan(mode, combine_fn, init, xs, additional_inputs, unroll, reverse=True))

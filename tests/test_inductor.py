@@ -1,0 +1,69 @@
+"""Inductor against the Python loop: the torch 2.9 inductor defects the scan's loops must survive."""
+import pytest
+import torch
+from conftest import assert_trees_close
+from torch._inductor.utils import run_and_get_code
+
+from torch_scan_hop import scan
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def rnn_cell(w, b):
+    def cell(c, x):
+        h = torch.tanh(c @ w + x + b)
+        return h, h * x
+    return cell
+
+
+def test_loop_bodies_never_write_into_their_inputs():
+    """torch 2.9 lowered a while_loop body of a backward graph with the backward's donated-input
+    indices applied to the body's own inputs (fixed upstream by pytorch#193960): the body wrote its
+    new carry into a carried input's storage, the outer graph then reused that storage for the next
+    loop's ys buffer, and the closure gradient was overwritten. No body may reuse an input buffer."""
+    torch.manual_seed(0)
+    w, b = torch.randn(3, 3, requires_grad=True), torch.randn(3, requires_grad=True)
+
+    def step(c0, xs):
+        c, ys = scan(rnn_cell(w, b), c0, xs, unroll=2)
+        return torch.autograd.grad(c.pow(2).sum() + ys.pow(2).sum(), (w, b))
+
+    c0, xs = torch.randn(2, 3), torch.randn(7, 2, 3)
+    got, codes = run_and_get_code(torch.compile(step, backend="inductor"), c0, xs)
+    assert_trees_close(got, step(c0, xs), atol=1e-5, rtol=1e-4)
+    code = "\n".join(codes)
+    assert code.count("while ") == 4  # forward and backward: blocks of 2 and a remainder step
+    reused_inputs = [line for line in code.splitlines() if "# reuse" in line and "_graph_" in line
+                     and "_arg" in line.split("=")[-1]]
+    assert reused_inputs == []
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_plain_sum_losses_compile(reverse):
+    """``carry.sum() + ys.sum()`` makes the backward's loop operands expanded (stride-0) views,
+    which torch 2.9's while_loop lowering cannot take: they are materialized first."""
+    torch.manual_seed(0)
+    w = torch.randn(3, 3, requires_grad=True)
+    c0, xs = torch.randn(2, 3, requires_grad=True), torch.randn(5, 2, 3, requires_grad=True)
+
+    def step(c0, xs):
+        c, ys = scan(lambda c, x: (torch.tanh(c @ w + x), c.sum(-1)), c0, xs, reverse=reverse, unroll=2)
+        return torch.autograd.grad(c.sum() + ys.sum(), (c0, xs, w))
+
+    assert_trees_close(torch.compile(step, backend="inductor")(c0, xs), step(c0, xs), atol=1e-5, rtol=1e-4)
+
+
+def test_expanded_xs_in_forward():
+    """An expanded xs (one row for every step) reaches the forward loop as a stride-0 operand."""
+    row = torch.randn(1, 3)
+
+    def f(c0):
+        return scan(lambda c, x: (torch.sin(c) + x, c * 2), c0, row.expand(6, 3))
+
+    c0 = torch.randn(3)
+    assert_trees_close(torch.compile(f, backend="inductor")(c0), f(c0))
