@@ -12,7 +12,7 @@ from conftest import assert_trees_close
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 
-from torch_scan_hop import scan
+from torch_scan_hop import ScanError, scan
 
 
 class RNN(torch.nn.Module):
@@ -215,7 +215,7 @@ def test_graph_break_in_body_is_a_hard_error_naming_the_body():
             return c + x, c
         return scan(body, c, xs)
 
-    with pytest.raises(Exception, match=r"torch_scan_hop.scan: the body fn must be captured whole"):
+    with pytest.raises(ScanError, match=r"torch_scan_hop.scan: the body fn must be captured whole"):
         torch.compile(f, backend="eager")(torch.zeros(2), torch.randn(3, 2))
 
 
@@ -223,7 +223,7 @@ def test_non_tensor_y_leaf_is_rejected_under_compile():
     def f(c, xs):
         return scan(lambda c, x: (c + x, 3), c, xs)
 
-    with pytest.raises(Exception, match="non-tensor value 3"):
+    with pytest.raises(ScanError, match="non-tensor value 3"):
         torch.compile(f, backend="eager", fullgraph=True)(torch.zeros(2), torch.randn(3, 2))
 
 
@@ -251,10 +251,25 @@ def test_compiled_autograd_captures_the_backward_scan():
     assert_trees_close([p.grad for p in model.parameters()], want, atol=1e-6, rtol=1e-5)
 
 
-def test_init_error_is_reported_under_compile_too():
-    f = lambda c, xs: scan(lambda c, x: (torch.cat([c, x]), c), c, xs)  # noqa: E731
-    with pytest.raises(Exception, match=r"carry.*shape"):
-        torch.compile(f, backend="eager", fullgraph=True)(torch.zeros(2), torch.randn(3, 2))
+BAD_BODIES = {  # case: (fn, scan options, message)
+    "carry shape": (lambda c, x: (torch.cat([c, x]), c), {},
+                    r"carry leaf carry changed across an iteration: shape \(4,\) vs init's \(2,\)"),
+    "carry dtype": (lambda c, x: (c.double() + x, c), {},
+                    r"carry leaf carry changed across an iteration: dtype torch.float64 vs init's torch.float32"),
+    "data-dependent branch": (lambda c, x: (c + x if c.sum() > 0 else c - x, c), {},
+                              r"body fn must be captured whole by torch.compile .*Data-dependent branching"),
+    "callable remat": (lambda c, x: (c + x, c), {"remat": lambda joint, inputs, *, num_fwd_outputs: None},
+                       r"remat=<callable> is not supported under torch.compile"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_BODIES))
+def test_bad_body_is_a_scan_error_under_fullgraph_compile(case):
+    """A ScanError with scan's own message, not Dynamo's InternalTorchDynamoError around it."""
+    fn, options, message = BAD_BODIES[case]
+    with pytest.raises(ScanError, match=message):
+        torch.compile(lambda c, xs: scan(fn, c, xs, **options), backend="eager", fullgraph=True)(
+            torch.zeros(2), torch.randn(3, 2))
 
 
 
