@@ -19,7 +19,7 @@ import torch
 
 from . import _compat
 from ._op import slice_example
-from ._trees import ScanError, check_carry, check_pair
+from ._trees import ScanError, ScanInputs, check_carry, check_pair
 
 
 _ERROR = "__torch_scan_hop_error__"
@@ -39,10 +39,19 @@ def pytree_step(*flat, fn, inputs):
     x = None if inputs.xs_spec is None else inputs.xs_spec.unflatten(flat[nc:nc + nx])
     try:
         new_carry, y = check_pair(fn(carry, x))
-        leaves = check_carry(new_carry, inputs)
+        leaves = check_carry(new_carry, _carry_inputs_as_init(inputs, flat[:nc]))
     except ScanError as e:
         return [_ERROR, e.args[0]]
     return [*leaves, y]
+
+
+def _carry_inputs_as_init(inputs, carry_leaves):
+    """The body's own carry inputs stand in for init in the carry check: they
+    have init's shapes and dtypes, but reading the outer init tensors would make
+    Dynamo lift them (and, under dynamic=True, their size symbols) into the
+    subgraph's additional inputs: a closure requiring grad that the backward
+    then differentiates every step."""
+    return ScanInputs(list(carry_leaves), inputs.init_spec, [], inputs.xs_spec, inputs.length)
 
 
 def dynamo_body(fn, inputs):
