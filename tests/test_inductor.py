@@ -67,3 +67,26 @@ def test_expanded_xs_in_forward():
 
     c0 = torch.randn(3)
     assert_trees_close(torch.compile(f, backend="inductor")(c0), f(c0))
+
+
+@pytest.mark.parametrize("b_step", ["used", "passed_through"])
+def test_mixed_float64_float32_carry_trains_with_unroll(b_step):
+    """The loss's gradient for the float32 carry is a slice of the float64/float32 cat's gradient,
+    12 bytes into its buffer: a loop body writing its new carry gradient into that (donated) input
+    ("used"), or returning the input itself ("passed_through": b is not changed, so neither is its
+    gradient), made the loop's result unaligned and inductor asserted "16 bytes aligned"."""
+    torch.manual_seed(0)
+    w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    a0, b0 = torch.randn(3, dtype=torch.float64, requires_grad=True), torch.randn(3, requires_grad=True)
+    xs = torch.randn(7, 3, requires_grad=True)
+
+    def cell(c, x):
+        a, b = c
+        return (torch.tanh(a @ w + x.double()), b), a.float() * (b if b_step == "used" else 2)
+
+    def step(a0, b0, xs):
+        (a, b), ys = scan(cell, (a0, b0), xs, unroll=2)
+        loss = torch.cat([a.float(), b]).pow(2).sum() + ys.pow(2).sum()
+        return torch.autograd.grad(loss, (a0, b0, xs, w))
+
+    assert_trees_close(torch.compile(step, backend="inductor")(a0, b0, xs), step(a0, b0, xs), atol=1e-5, rtol=1e-4)

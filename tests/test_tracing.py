@@ -71,7 +71,8 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
     add = torch.ops.aten.add.Tensor(sigmoid, arg3_1);  sigmoid = arg3_1 = None
     add_1 = torch.ops.aten.add.Tensor(arg1_1, 1)
     mean = torch.ops.aten.mean.dim(add, [-1])
-    return [add, add_1, mean, arg1_1]""")
+    clone_default = torch.ops.aten.clone.default(arg1_1);  arg1_1 = None
+    return [add, add_1, mean, clone_default]""")
 
     def test_unrolled_reverse_graph_runs_blocks_then_remainder(self):
         """The layout of _schedule.segments: 7 steps as blocks of 3 over indices 1..6, run first

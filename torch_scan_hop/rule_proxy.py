@@ -64,6 +64,35 @@ def _add_dummy_y(body, carry_val):
     body.recompile()
 
 
+def _aliases_an_input(node):
+    """The node is a body input, or a view of one (through view ops only)."""
+    while node.op == "call_function" and getattr(node.target, "is_view", False):
+        node = node.args[0]
+    return node.op == "placeholder"
+
+
+def _copy_outputs_that_alias_inputs(body):
+    """A body returning (a view of) its input, as a backward step does for the
+    gradient of a carry the forward passes through unchanged, makes the loop's
+    result that input's storage: inductor then asserts the result is aligned
+    (an init that is a slice of a bigger buffer is not) and may reuse the
+    init's storage for a later buffer. Such outputs get a copy."""
+    out = body.graph.find_nodes(op="output")[0]
+    values = list(out.args[0])
+    aliased = [i for i, v in enumerate(values) if isinstance(v, torch.fx.Node) and _aliases_an_input(v)]
+    if not aliased:
+        return
+    with body.graph.inserting_before(out):
+        for i in aliased:
+            copy = body.graph.call_function(torch.ops.aten.clone.default, (values[i],))
+            val = values[i].meta["val"]
+            with _compat.disable_proxy_modes_tracing(), (getattr(val, "fake_mode", None) or contextlib.nullcontext()):
+                copy.meta["val"] = val.clone()
+            values[i] = copy
+    out.args = (values,)
+    body.recompile()
+
+
 def _checked_body_outputs(body, init, xs):
     """The traced body's output values, after the checks every path gets."""
     with _compat.disable_proxy_modes_tracing():
@@ -76,6 +105,7 @@ def _checked_body_outputs(body, init, xs):
 def emit_scan_node(mode, combine_fn, init, xs, additional_inputs, **kwargs):
     body = trace_body(combine_fn, init, xs, additional_inputs)
     outputs = _checked_body_outputs(body, init, xs)
+    _copy_outputs_that_alias_inputs(body)
     if len(outputs) == len(init) and init:
         _add_dummy_y(body, outputs[0])
         return emit_scan_node_of(mode, body, init, xs, additional_inputs, **kwargs)[: len(init)]
