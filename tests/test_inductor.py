@@ -1,15 +1,25 @@
-"""Inductor against the Python loop: the torch 2.9 inductor defects the scan's loops must survive."""
+"""Inductor against the Python loop: every schedule (unroll blocks, remainder, reverse), values and
+gradients of init, xs and closures; the torch 2.9 inductor defects the scan's loops must survive."""
+import os
+
 import pytest
 import torch
 from conftest import assert_trees_close
+from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 from torch_scan_hop import scan
+
+# Each length stresses a different schedule for unroll 2, 3 and 8: one step, fewer steps than a
+# block, an exact number of blocks (9 for 3), one to three remainder steps (19 also under the default).
+LENGTHS = (1, 2, 9, 19)
+FULL_SWEEP = os.environ.get("TORCH_SCAN_HOP_FULL_SWEEP") == "1"  # lengths 1..20: ~30 min on 2 cores
 
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()
+    counters.clear()
     yield
     torch._dynamo.reset()
 
@@ -19,6 +29,52 @@ def rnn_cell(w, b):
         h = torch.tanh(c @ w + x + b)
         return h, h * x
     return cell
+
+
+def problems(lengths):
+    """Per length and direction: fresh init, xs, closed-over weight and bias, random cotangents.
+    Forward scans take no gradient for xs, so their backward loops have no ys of their own (the
+    proxy rule adds a dummy scalar per step)."""
+    gen = torch.Generator().manual_seed(len(lengths))
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    return [dict(c0=rand(2, 2), xs=rand(n, 2, 2), w=rand(2, 2), b=rand(2), reverse=reverse,
+                 g_c=rand(2, 2), g_ys=rand(n, 2, 2)) for n in lengths for reverse in (False, True)]
+
+
+def loop(w, b, c0, xs, reverse):
+    """The reference: the Python for-loop."""
+    c, ys = c0, [None] * xs.shape[0]
+    for i in (reversed(range(xs.shape[0])) if reverse else range(xs.shape[0])):
+        c, ys[i] = rnn_cell(w, b)(c, xs[i])
+    return c, torch.stack(ys)
+
+
+def values_and_grads(run, probs):
+    """Outputs and the gradients of init, weight, bias (and xs for reverse scans) of every problem,
+    through ``run`` (one call for all problems: one compiled graph instead of one per length)."""
+    grad_keys = lambda p: ("c0", "xs", "w", "b") if p["reverse"] else ("c0", "w", "b")  # noqa: E731
+    leaves = [{k: p[k].clone().requires_grad_(k in grad_keys(p)) for k in ("c0", "xs", "w", "b")} for p in probs]
+    outs = run([(p["w"], p["b"], p["c0"], p["xs"], q["reverse"]) for p, q in zip(leaves, probs)])
+    flat_outs = [t for pair in outs for t in pair]
+    cotangents = [t for p in probs for t in (p["g_c"], p["g_ys"])]
+    inputs = [p[k] for p, q in zip(leaves, probs) for k in grad_keys(q)]
+    grads = torch.autograd.grad(flat_outs, inputs, cotangents)
+    return [o.detach() for o in flat_outs], list(grads)
+
+
+@pytest.mark.parametrize("unroll", [1, 2, 3, 8, None])
+def test_inductor_matches_loop_for_every_schedule(unroll):
+    """Forward and reverse scans of every length, in one compiled graph. (Wrong closure gradients
+    with a remainder depended on buffer sizes: test_loop_bodies_never_write_into_their_inputs.)"""
+    probs = problems(tuple(range(1, 21)) if FULL_SWEEP else LENGTHS)
+
+    def scans(args):
+        return [scan(rnn_cell(w, b), c0, xs, unroll=unroll, reverse=reverse) for w, b, c0, xs, reverse in args]
+
+    want = values_and_grads(lambda args: [loop(*a) for a in args], probs)
+    got = values_and_grads(torch.compile(scans, backend="inductor", fullgraph=True), probs)
+    assert_trees_close(got, want, atol=2e-5, rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 def test_loop_bodies_never_write_into_their_inputs():
