@@ -19,6 +19,8 @@
    whose loss is ``carry.sum() + ys.sum()`` failed to compile. Such operands are
    materialized (a contiguous clone, as big as the expanded tensor) first.
 """
+import contextlib
+
 import torch
 
 _subgraph_fix_installed = False
@@ -53,7 +55,7 @@ def _contiguous_copy(graph, node):
     clone = graph.call_function(torch.ops.aten.clone.default, (node,),
                                 {"memory_format": torch.contiguous_format})
     val = node.meta["val"]
-    with val.fake_mode:
+    with getattr(val, "fake_mode", None) or contextlib.nullcontext():
         clone.meta["val"] = val.clone(memory_format=torch.contiguous_format)
     return clone
 
