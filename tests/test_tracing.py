@@ -71,7 +71,40 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
     add = torch.ops.aten.add.Tensor(sigmoid, arg3_1);  sigmoid = arg3_1 = None
     add_1 = torch.ops.aten.add.Tensor(arg1_1, 1)
     mean = torch.ops.aten.mean.dim(add, [-1])
-    return [add, add_1, mean, arg1_1]""")
+    clone_default = torch.ops.aten.clone.default(arg1_1);  arg1_1 = None
+    return [add, add_1, mean, clone_default]""")
+
+    def test_unrolled_reverse_graph_runs_blocks_then_remainder(self):
+        """The layout of _schedule.segments: 7 steps as blocks of 3 over indices 1..6, run first
+        (one reverse=True node, each block last slice first), then index 0; ys back in index order."""
+        gm = trace(lambda c, xs: scan(rnn, c, xs, reverse=True, unroll=3), torch.zeros(2, 4), torch.randn(7, 2, 4))
+        self.assertEqual(len(scan_nodes(gm)), 2)
+        self.assertExpectedInline(gm.code.strip(), """\
+def forward(self, c_1, xs_1):
+    slice_1 = torch.ops.aten.slice.Tensor(xs_1, 0, 1, 7)
+    view = torch.ops.aten.view.default(slice_1, [2, 3, 2, 4]);  slice_1 = None
+    scan_combine_graph_0 = self.scan_combine_graph_0
+    _tensor_constant0 = self._tensor_constant0
+    scan = torch.ops.higher_order.scan(scan_combine_graph_0, [c_1], [view], (_tensor_constant0,), reverse = True);  scan_combine_graph_0 = c_1 = view = _tensor_constant0 = None
+    getitem = scan[0]
+    getitem_1 = scan[1];  scan = None
+    view_1 = torch.ops.aten.view.default(getitem_1, [6, 2]);  getitem_1 = None
+    slice_2 = torch.ops.aten.slice.Tensor(xs_1, 0, 0, 1);  xs_1 = None
+    scan_combine_graph_1 = self.scan_combine_graph_1
+    _tensor_constant0_1 = self._tensor_constant0
+    scan_1 = torch.ops.higher_order.scan(scan_combine_graph_1, [getitem], [slice_2], (_tensor_constant0_1,), reverse = True);  scan_combine_graph_1 = getitem = slice_2 = _tensor_constant0_1 = None
+    getitem_2 = scan_1[0]
+    getitem_3 = scan_1[1];  scan_1 = None
+    cat = torch.ops.aten.cat.default([getitem_3, view_1]);  getitem_3 = view_1 = None
+    return (getitem_2, cat)""")
+
+    def test_zero_length_scan_is_no_node(self):
+        gm = trace(lambda c, xs: scan(rnn, c, xs, unroll=2), torch.zeros(2, 4), torch.randn(0, 2, 4))
+        self.assertExpectedInline(gm.code.strip(), """\
+def forward(self, c_1, xs_1):
+    clone = torch.ops.aten.clone.default(c_1);  c_1 = None
+    empty = torch.ops.aten.empty.memory_format([0, 2], dtype = torch.float32, device = device(type='cpu'), pin_memory = False)
+    return (clone, empty)""")
 
 
 @pytest.mark.parametrize("mode", ["real", "fake", "symbolic"])
@@ -152,3 +185,27 @@ def test_make_fx_traces_the_body_in_the_callers_grad_mode(grad_mode):
         want = reference_scan(body, init, xs)[0]
         got = make_fx(lambda i, x: scan(body, i, x)[0])(init, xs)(init, xs)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("unroll", [1, 2, 3])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_every_schedule_traces_to_the_loop_with_gradients(unroll, reverse):
+    """Values and gradients (the backward is a reverse scan over its own schedule) for lengths
+    that give no step, one step, fewer steps than a block, exact blocks and remainders."""
+    w = torch.randn(4, 4, requires_grad=True)
+    cell = lambda c, x: (torch.tanh(c @ w + x), c * x)  # noqa: E731
+
+    def f(c0, xs, g_c, g_ys):
+        c, ys = scan(cell, c0, xs, reverse=reverse, unroll=unroll)
+        return [c, ys, *torch.autograd.grad((c, ys), (c0, xs, w), (g_c, g_ys), materialize_grads=True)]
+
+    def loop(c0, xs, g_c, g_ys):
+        c, ys = reference_scan(cell, c0, xs, reverse=reverse)
+        if ys is None:  # no step: c is c0 itself
+            return [c0.detach(), torch.zeros(0, 2, 4), g_c, torch.zeros_like(xs), torch.zeros_like(w)]
+        return [c, ys, *torch.autograd.grad((c, ys), (c0, xs, w), (g_c, g_ys))]
+
+    for n in (0, 1, 2, 3, 5, 7):
+        args = (torch.randn(2, 4, requires_grad=True), torch.randn(n, 2, 4, requires_grad=True),
+                torch.randn(2, 4), torch.randn(n, 2, 4))
+        assert_trees_close(trace(f, *args, mode="real")(*args), loop(*args), atol=1e-5, rtol=1e-5)

@@ -21,8 +21,21 @@ class Segment:
     unroll: int
 
     @property
+    def steps(self):
+        return self.stop - self.start
+
+    @property
     def iterations(self):
-        return (self.stop - self.start) // self.unroll
+        return self.steps // self.unroll
+
+
+def step_index(step, length, reverse=False):
+    """The input index that the ``step``-th step to run reads and writes.
+
+    Plain arithmetic, so it also works on a loop counter that is a SymInt or a
+    tensor, and on a symbolic ``length`` (a compiled loop's index).
+    """
+    return length - 1 - step if reverse else step
 
 
 def step_order(length, reverse=False):

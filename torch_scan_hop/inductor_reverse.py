@@ -8,17 +8,22 @@ here runs just before upstream's and lowers exactly those nodes to a
 ``ys[L-1-i]``. The forward-order alternative gathers every slice and flips the
 ys afterwards: in a training backward, copies of all saved activations and
 weight gradients. Scans of static length 0 are lowered here too (to their
-init and empty ys).
+init and empty ys). ``install`` also puts in the workarounds of
+``_inductor_fixes`` that every scan's while_loop needs on torch 2.9.
 """
 import functools
 
 import torch
 
+from . import _inductor_fixes
+from ._schedule import segments, step_index
+
 _installed = False
 
 
 def install():
-    """Wrap upstream's pass (looked up by name when post-grad passes run)."""
+    """Wrap upstream's pass (looked up by name when post-grad passes run) and
+    apply the torch 2.9 inductor workarounds. Idempotent."""
     global _installed
     if _installed:
         return
@@ -28,10 +33,12 @@ def install():
 
     @functools.wraps(upstream)
     def decompose_scans(gm):
+        _inductor_fixes.materialize_expanded_operands(gm)
         _lower_reverse_scans(gm)
         return upstream(gm)
 
     post_grad.decompose_scan_to_while_loop = decompose_scans
+    _inductor_fixes.keep_subgraph_inputs_undonated()
     _installed = True
 
 
@@ -42,8 +49,7 @@ def _is_ours_to_lower(match):
     if node.kwargs and (set(node.kwargs) != {"reverse"} or node.kwargs["reverse"] is not True):
         return False
     xs = node.args[2]
-    length = xs[0].meta["val"].shape[0] if xs else None
-    return bool(node.kwargs) or (isinstance(length, int) and length == 0)  # a symbolic length: no guard
+    return bool(node.kwargs) or (bool(xs) and not segments(xs[0].meta["val"].shape[0]))  # no step to run
 
 
 def _lower_reverse_scans(gm):
@@ -89,7 +95,7 @@ def _reverse_while_loop(body, ys_vals, counts):
                                   resolve_shape_to_proxy(v.stride(), symbols), dtype=v.dtype, device=v.device)
               for v in ys_vals]
         ny = len(ys)
-        if isinstance(length, int) and length == 0:  # no step: the bounds asserts would fail statically
+        if not segments(length):  # no step: the bounds asserts would fail statically
             return [*(c.clone() for c in init), *ys]
 
         def cond(counter, *_rest):
@@ -97,7 +103,7 @@ def _reverse_while_loop(body, ys_vals, counts):
 
         def step(counter, *rest):
             bufs, carry, xs_, lifted_ = _split(rest, ny, nc, nx, nl)
-            i = length - 1 - counter.item()
+            i = step_index(counter.item(), length, reverse=True)
             torch.ops.aten._assert_scalar.default(i >= 0, "scan: reverse index below 0")
             torch.ops.aten._assert_scalar.default(i < length, "scan: reverse index past the end")
             out = body(*carry, *(x.select(0, i) for x in xs_), *lifted_)

@@ -19,7 +19,7 @@ import torch
 
 from . import _compat
 from ._op import slice_example
-from ._trees import ScanError, check_carry, check_pair
+from ._trees import ScanError, ScanInputs, check_carry, check_pair
 
 
 _ERROR = "__torch_scan_hop_error__"
@@ -39,10 +39,19 @@ def pytree_step(*flat, fn, inputs):
     x = None if inputs.xs_spec is None else inputs.xs_spec.unflatten(flat[nc:nc + nx])
     try:
         new_carry, y = check_pair(fn(carry, x))
-        leaves = check_carry(new_carry, inputs)
+        leaves = check_carry(new_carry, _carry_inputs_as_init(inputs, flat[:nc]))
     except ScanError as e:
         return [_ERROR, e.args[0]]
     return [*leaves, y]
+
+
+def _carry_inputs_as_init(inputs, carry_leaves):
+    """The body's own carry inputs stand in for init in the carry check: they
+    have init's shapes and dtypes, but reading the outer init tensors would make
+    Dynamo lift them (and, under dynamic=True, their size symbols) into the
+    subgraph's additional inputs: a closure requiring grad that the backward
+    then differentiates every step."""
+    return ScanInputs(list(carry_leaves), inputs.init_spec, [], inputs.xs_spec, inputs.length)
 
 
 def dynamo_body(fn, inputs):
@@ -50,7 +59,7 @@ def dynamo_body(fn, inputs):
 
 
 def _make_tracker_class():
-    from torch._dynamo.exc import unimplemented
+    from torch._dynamo.exc import UncapturedHigherOrderOpError, unimplemented
     from torch._dynamo.variables import higher_order_ops as hops
     from torch._dynamo.variables.lazy import LazyVariableTracker
 
@@ -67,7 +76,10 @@ def _make_tracker_class():
 
             if self.value is not scan_op:  # upstream's own op object: upstream's rules
                 return self.upstream(self.value, self.source)._call_function(tx, args, kwargs)
-            return self._call_ours(tx, args, kwargs)
+            try:
+                return self._call_ours(tx, args, kwargs)
+            except UncapturedHigherOrderOpError as e:  # a graph break in the body, e.g. `if c.sum() > 0:`
+                raise as_scan_error(e) from None
 
         @hard_error(
             reason="torch_scan_hop.scan: the body fn must be captured whole by torch.compile "
@@ -78,7 +90,7 @@ def _make_tracker_class():
                 unimplemented(f"scan: expected (combine_fn, init, xs, additional_inputs), got {len(args)} args")
             combine_fn, init, xs, additional = args
             _materialize_lazy_graph(combine_fn)
-            options = {k: _option_value(tx, v) for k, v in kwargs.items()}
+            options = {k: _option_value(tx, k, v) for k, v in kwargs.items()}
             options["unroll"] = _resolve_unroll(tx, options.get("unroll", 1), xs.unpack_var_sequence(tx))
             options = _non_default_options(options)
             init_vars, xs_vars = init.unpack_var_sequence(tx), xs.unpack_var_sequence(tx)
@@ -158,21 +170,51 @@ def _reject_constant_ys(spec):
         return
     consts = [v for m, v in zip(spec.masks_to_filter_const_values, spec.const_values) if m]
     if consts[:1] == [_ERROR]:
-        raise ScanError(consts[1])
+        raise compile_error(consts[1])
     for value in consts:
         if value is not None:
-            raise ScanError(f"scan: fn returned the non-tensor value {value!r} as a carry or y leaf; "
-                            "leaves must be tensors (use torch.tensor(...)) or None.")
+            raise compile_error(f"scan: fn returned the non-tensor value {value!r} as a carry or y leaf; "
+                                "leaves must be tensors (use torch.tensor(...)) or None.")
 
 
-def _option_value(tx, var):
+def _option_value(tx, name, var):
     """A keyword option as a Python value; a symbolic int (an int variable under
-    dynamic=True, say unroll=k) is specialized, with a guard, to its value."""
-    from torch._dynamo.variables import SymNodeVariable
+    dynamic=True, say unroll=k) is specialized, with a guard, to its value.
+    Anything else must be a constant: a graph node cannot hold a function, so a
+    callable ``remat`` works in eager and make_fx only."""
+    from torch._dynamo.variables import ConstantVariable, SymNodeVariable
 
     if isinstance(var, SymNodeVariable):
         return var.evaluate_expr(tx.output)
+    if name == "remat" and not isinstance(var, ConstantVariable):
+        raise compile_error(
+            "scan: remat=<callable> is not supported under torch.compile (the compiled graph cannot hold a "
+            "function); pass 'save_all', 'min_cut' or 'recompute_all', or call scan outside torch.compile.")
     return var.as_python_constant()
+
+
+_ScanCompileError = None
+
+
+def compile_error(message, real_stack=None):
+    """A ScanError that Dynamo lets through as it is: Dynamo re-raises its
+    UncapturedHigherOrderOpError unchanged but wraps any other exception raised
+    while tracing in an InternalTorchDynamoError."""
+    global _ScanCompileError
+    if _ScanCompileError is None:
+        from torch._dynamo.exc import UncapturedHigherOrderOpError
+
+        class ScanCompileError(ScanError, UncapturedHigherOrderOpError):
+            def __init__(self, msg, real_stack=None):
+                UncapturedHigherOrderOpError.__init__(self, msg, real_stack)
+
+        _ScanCompileError = ScanCompileError
+    return _ScanCompileError(message, real_stack)
+
+
+def as_scan_error(e):
+    """Dynamo's hard error for a graph break in the body, as a ScanError."""
+    return e if isinstance(e, ScanError) else compile_error(e.msg, e.real_stack)
 
 
 def install():

@@ -5,8 +5,9 @@ The emitted node has upstream's positional form, because inductor's
 one kwarg kept is ``reverse=True`` for a compiler (our inductor pass lowers it
 in place, see ``inductor_reverse``); for export a reverse scan becomes a scan
 over reversed step indices whose body gathers its slices (ys flipped after).
-``unroll=k`` becomes a k-step body over blocks of k slices (plus a remainder
-scan); ``remat`` was consumed by the autograd rule.
+The loop is laid out by ``_schedule.segments``: one scan node per segment
+(``unroll=k`` blocks run by a k-step body, then a remainder scan), no node
+for a scan without steps; ``remat`` was consumed by the autograd rule.
 """
 import contextlib
 
@@ -15,6 +16,7 @@ import torch.utils._pytree as pytree
 
 from . import _compat, inductor_reverse
 from ._op import example_args, scan_op, split_out
+from ._schedule import block_order, segments
 from .rule_fake import check_body_carry
 from .rule_functionalize import check_graph_mutation
 
@@ -62,12 +64,48 @@ def _add_dummy_y(body, carry_val):
     body.recompile()
 
 
-def emit_scan_node(mode, combine_fn, init, xs, additional_inputs, **kwargs):
-    body = trace_body(combine_fn, init, xs, additional_inputs)
+def _aliases_an_input(node):
+    """The node is a body input, or a view of one (through view ops only)."""
+    while node.op == "call_function" and getattr(node.target, "is_view", False):
+        node = node.args[0]
+    return node.op == "placeholder"
+
+
+def _copy_outputs_that_alias_inputs(body):
+    """A body returning (a view of) its input, as a backward step does for the
+    gradient of a carry the forward passes through unchanged, makes the loop's
+    result that input's storage: inductor then asserts the result is aligned
+    (an init that is a slice of a bigger buffer is not) and may reuse the
+    init's storage for a later buffer. Such outputs get a copy."""
+    out = body.graph.find_nodes(op="output")[0]
+    values = list(out.args[0])
+    aliased = [i for i, v in enumerate(values) if isinstance(v, torch.fx.Node) and _aliases_an_input(v)]
+    if not aliased:
+        return
+    with body.graph.inserting_before(out):
+        for i in aliased:
+            copy = body.graph.call_function(torch.ops.aten.clone.default, (values[i],))
+            val = values[i].meta["val"]
+            with _compat.disable_proxy_modes_tracing(), (getattr(val, "fake_mode", None) or contextlib.nullcontext()):
+                copy.meta["val"] = val.clone()
+            values[i] = copy
+    out.args = (values,)
+    body.recompile()
+
+
+def _checked_body_outputs(body, init, xs):
+    """The traced body's output values, after the checks every path gets."""
     with _compat.disable_proxy_modes_tracing():
         check_graph_mutation(body, len(init), len(xs))
     outputs = _body_outputs(body)
     check_body_carry(init, outputs[: len(init)])
+    return outputs
+
+
+def emit_scan_node(mode, combine_fn, init, xs, additional_inputs, **kwargs):
+    body = trace_body(combine_fn, init, xs, additional_inputs)
+    outputs = _checked_body_outputs(body, init, xs)
+    _copy_outputs_that_alias_inputs(body)
     if len(outputs) == len(init) and init:
         _add_dummy_y(body, outputs[0])
         return emit_scan_node_of(mode, body, init, xs, additional_inputs, **kwargs)[: len(init)]
@@ -91,45 +129,70 @@ def emit_scan_node_of(mode, body, init, xs, additional_inputs, **kwargs):
     return _compat.track_tensor_tree(out, out_proxy, constant=None, tracer=mode.tracer)
 
 
-def _unrolled_body(combine_fn, num_carry, num_x, k, reverse=False):
-    """k steps of combine_fn over x blocks of k slices: one loop iteration = k body calls
-    (last slice first when reverse; the block's ys stay in index order)."""
+def _unrolled_body(combine_fn, num_carry, num_x, order):
+    """One loop iteration = a block of ``len(order)`` body calls over x blocks,
+    run in ``order`` (block positions); the block's ys stay in index order."""
 
     def body(*args):
         carry, blocks, rest = args[:num_carry], args[num_carry:num_carry + num_x], args[num_carry + num_x:]
-        ys = [None] * k
-        for j in (range(k - 1, -1, -1) if reverse else range(k)):
+        ys = [None] * len(order)
+        for j in order:
             carry, ys[j] = split_out(combine_fn(*carry, *(b[j] for b in blocks), *rest), num_carry)
         return [*carry, *(torch.stack(col) for col in zip(*ys))]
 
     return body
 
 
-def _forward_scan(mode, combine_fn, init, xs, additional_inputs, unroll, reverse=False):
-    """Scan in input order (or, with ``reverse``, as reverse=True nodes); ``unroll=k``
-    (static length) scans blocks of k steps with a k-step body, and the
-    remainder with the plain body (first when reverse: it holds the last indices)."""
+def _segment_scan(mode, combine_fn, carry, xs, additional_inputs, seg, reverse):
+    """One scan node for one schedule segment (``xs`` already cut to it): the
+    plain body, or with ``seg.unroll`` > 1 a block body over x blocks."""
     kwargs = {"reverse": True} if reverse else {}
-    length = xs[0].shape[0]
-    if unroll <= 1 or not isinstance(length, int) or length < unroll:
-        return emit_scan_node(mode, combine_fn, init, xs, additional_inputs, **kwargs)
-    nc, blocks, main = len(init), length // unroll, (length // unroll) * unroll
+    nc = len(carry)
+    if seg.unroll == 1:
+        return split_out(emit_scan_node(mode, combine_fn, carry, xs, additional_inputs, **kwargs), nc)
     with mode:
-        head = [x[:main].reshape(blocks, unroll, *x.shape[1:]) for x in xs]
-        tail = [x[main:] for x in xs] if main != length else None  # no dead slice nodes
-    carry, tail_ys = init, None
-    if reverse and main != length:
-        carry, tail_ys = split_out(emit_scan_node(mode, combine_fn, carry, tail, additional_inputs, **kwargs), nc)
-    body = _unrolled_body(combine_fn, nc, len(xs), unroll, reverse)
-    carry, ys = split_out(emit_scan_node(mode, body, carry, head, additional_inputs, **kwargs), nc)
+        blocks = [x.reshape(seg.iterations, seg.unroll, *x.shape[1:]) for x in xs]
+    body = _unrolled_body(combine_fn, nc, len(xs), block_order(seg.unroll, reverse))
+    carry, ys = split_out(emit_scan_node(mode, body, carry, blocks, additional_inputs, **kwargs), nc)
     with mode:
-        ys = [y.reshape(main, *y.shape[2:]) for y in ys]
-    if not reverse and main != length:
-        carry, tail_ys = split_out(emit_scan_node(mode, combine_fn, carry, tail, additional_inputs), nc)
-    if tail_ys is None:
-        return (*carry, *ys)
+        return carry, [y.reshape(seg.steps, *y.shape[2:]) for y in ys]
+
+
+def _no_step_scan(mode, combine_fn, init, xs, additional_inputs):
+    """A scan with no step: init (copied, outputs never alias inputs) and empty
+    ys, no node; the body is still traced for its checks and y metadata."""
+    ys_vals = _checked_body_outputs(trace_body(combine_fn, init, xs, additional_inputs), init, xs)[len(init):]
     with mode:
-        return (*carry, *(torch.cat([a, b]) for a, b in zip(ys, tail_ys)))
+        return (*(c.clone() for c in init),
+                *(torch.empty((0, *y.shape), dtype=y.dtype, device=y.device) for y in ys_vals))
+
+
+def _scheduled_scan(mode, combine_fn, init, xs, additional_inputs, unroll, reverse=False):
+    """The scan as ``_schedule.segments`` lays it out: one node per segment, in
+    execution order (reverse ones as reverse=True nodes), each segment's ys
+    put back in index order. A single segment covers all of xs (no slicing)."""
+    segs = segments(xs[0].shape[0], unroll, reverse)
+    if not segs:
+        return _no_step_scan(mode, combine_fn, init, xs, additional_inputs)
+    carry, pieces = list(init), []
+    for seg in segs:
+        if len(segs) == 1:
+            seg_xs = xs
+        else:
+            with mode:
+                seg_xs = [x[seg.start:seg.stop] for x in xs]
+        carry, ys = _segment_scan(mode, combine_fn, carry, seg_xs, additional_inputs, seg, reverse)
+        pieces.append((seg.start, ys))
+    return (*carry, *_ys_in_index_order(mode, pieces))
+
+
+def _ys_in_index_order(mode, pieces):
+    """Each segment's ys, concatenated by the input indices they cover."""
+    if len(pieces) == 1:
+        return pieces[0][1]
+    columns = zip(*(ys for _, ys in sorted(pieces, key=lambda p: p[0])))
+    with mode:
+        return [torch.cat(col) for col in columns]
 
 
 def _indexed_body(combine_fn, num_carry, num_lifted):
@@ -153,7 +216,7 @@ def _reverse_scan(mode, combine_fn, init, xs, additional_inputs, unroll):
     with mode:
         idx = torch.arange(length - 1, -1, -1, device=xs[0].device)
     body = _indexed_body(combine_fn, len(init), len(additional_inputs))
-    out = _forward_scan(mode, body, init, [idx], (*additional_inputs, *xs), unroll)
+    out = _scheduled_scan(mode, body, init, [idx], (*additional_inputs, *xs), unroll)
     carry, ys = split_out(out, len(init))
     with mode:
         return tuple(carry + [torch.flip(y, [0]) for y in ys])
@@ -161,15 +224,17 @@ def _reverse_scan(mode, combine_fn, init, xs, additional_inputs, unroll):
 
 @scan_op.py_impl(_compat.ProxyTorchDispatchMode)
 def scan_proxy(mode, combine_fn, init, xs, additional_inputs, *, reverse=False, remat=None, unroll=1):
+    on_xla = _compat.on_xla([*init, *xs])
+    if not on_xla:
+        inductor_reverse.install()  # inductor's lowering of reverse scans and its torch 2.9 workarounds
     if not reverse:
-        return tuple(_forward_scan(mode, combine_fn, init, xs, additional_inputs, unroll))
-    if _compat.on_xla([*init, *xs]):  # keep the plain form torch_xla's bridge knows: flips around the node
+        return tuple(_scheduled_scan(mode, combine_fn, init, xs, additional_inputs, unroll))
+    if on_xla:  # keep the plain form torch_xla's bridge knows: flips around the node
         with mode:
             xs = [torch.flip(x, [0]) for x in xs]
-        carry, ys = split_out(_forward_scan(mode, combine_fn, init, xs, additional_inputs, unroll), len(init))
+        carry, ys = split_out(_scheduled_scan(mode, combine_fn, init, xs, additional_inputs, unroll), len(init))
         with mode:
             return tuple(carry + [torch.flip(y, [0]) for y in ys])
     if _compat.is_exporting():
         return _reverse_scan(mode, combine_fn, init, xs, additional_inputs, unroll)
-    inductor_reverse.install()  # for a compiler: inductor lowers reverse=True natively
-    return tuple(_forward_scan(mode, combine_fn, init, xs, additional_inputs, unroll, reverse=True))
+    return tuple(_scheduled_scan(mode, combine_fn, init, xs, additional_inputs, unroll, reverse=True))

@@ -1,0 +1,148 @@
+"""Inductor against the Python loop: every schedule (unroll blocks, remainder, reverse), values and
+gradients of init, xs and closures; the torch 2.9 inductor defects the scan's loops must survive."""
+import os
+
+import pytest
+import torch
+from conftest import assert_trees_close
+from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
+
+from torch_scan_hop import scan
+
+# Each length stresses a different schedule for unroll 2, 3 and 8: one step, fewer steps than a
+# block, an exact number of blocks (9 for 3), one to three remainder steps (19 also under the default).
+LENGTHS = (1, 2, 9, 19)
+FULL_SWEEP = os.environ.get("TORCH_SCAN_HOP_FULL_SWEEP") == "1"  # lengths 1..20: ~30 min on 2 cores
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def rnn_cell(w, b):
+    def cell(c, x):
+        h = torch.tanh(c @ w + x + b)
+        return h, h * x
+    return cell
+
+
+def problems(lengths):
+    """Per length and direction: fresh init, xs, closed-over weight and bias, random cotangents.
+    Forward scans take no gradient for xs, so their backward loops have no ys of their own (the
+    proxy rule adds a dummy scalar per step)."""
+    gen = torch.Generator().manual_seed(len(lengths))
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    return [dict(c0=rand(2, 2), xs=rand(n, 2, 2), w=rand(2, 2), b=rand(2), reverse=reverse,
+                 g_c=rand(2, 2), g_ys=rand(n, 2, 2)) for n in lengths for reverse in (False, True)]
+
+
+def loop(w, b, c0, xs, reverse):
+    """The reference: the Python for-loop."""
+    c, ys = c0, [None] * xs.shape[0]
+    for i in (reversed(range(xs.shape[0])) if reverse else range(xs.shape[0])):
+        c, ys[i] = rnn_cell(w, b)(c, xs[i])
+    return c, torch.stack(ys)
+
+
+def values_and_grads(run, probs):
+    """Outputs and the gradients of init, weight, bias (and xs for reverse scans) of every problem,
+    through ``run`` (one call for all problems: one compiled graph instead of one per length)."""
+    grad_keys = lambda p: ("c0", "xs", "w", "b") if p["reverse"] else ("c0", "w", "b")  # noqa: E731
+    leaves = [{k: p[k].clone().requires_grad_(k in grad_keys(p)) for k in ("c0", "xs", "w", "b")} for p in probs]
+    outs = run([(p["w"], p["b"], p["c0"], p["xs"], q["reverse"]) for p, q in zip(leaves, probs)])
+    flat_outs = [t for pair in outs for t in pair]
+    cotangents = [t for p in probs for t in (p["g_c"], p["g_ys"])]
+    inputs = [p[k] for p, q in zip(leaves, probs) for k in grad_keys(q)]
+    grads = torch.autograd.grad(flat_outs, inputs, cotangents)
+    return [o.detach() for o in flat_outs], list(grads)
+
+
+@pytest.mark.parametrize("unroll", [1, 2, 3, 8, None])
+def test_inductor_matches_loop_for_every_schedule(unroll):
+    """Forward and reverse scans of every length, in one compiled graph. (Wrong closure gradients
+    with a remainder depended on buffer sizes: test_loop_bodies_never_write_into_their_inputs.)"""
+    probs = problems(tuple(range(1, 21)) if FULL_SWEEP else LENGTHS)
+
+    def scans(args):
+        return [scan(rnn_cell(w, b), c0, xs, unroll=unroll, reverse=reverse) for w, b, c0, xs, reverse in args]
+
+    want = values_and_grads(lambda args: [loop(*a) for a in args], probs)
+    got = values_and_grads(torch.compile(scans, backend="inductor", fullgraph=True), probs)
+    assert_trees_close(got, want, atol=2e-5, rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_loop_bodies_never_write_into_their_inputs():
+    """torch 2.9 lowered a while_loop body of a backward graph with the backward's donated-input
+    indices applied to the body's own inputs (fixed upstream by pytorch#193960): the body wrote its
+    new carry into a carried input's storage, the outer graph then reused that storage for the next
+    loop's ys buffer, and the closure gradient was overwritten. No body may reuse an input buffer."""
+    torch.manual_seed(0)
+    w, b = torch.randn(3, 3, requires_grad=True), torch.randn(3, requires_grad=True)
+
+    def step(c0, xs):
+        c, ys = scan(rnn_cell(w, b), c0, xs, unroll=2)
+        return torch.autograd.grad(c.pow(2).sum() + ys.pow(2).sum(), (w, b))
+
+    c0, xs = torch.randn(2, 3), torch.randn(7, 2, 3)
+    got, codes = run_and_get_code(torch.compile(step, backend="inductor"), c0, xs)
+    assert_trees_close(got, step(c0, xs), atol=1e-5, rtol=1e-4)
+    code = "\n".join(codes)
+    assert code.count("while ") == 4  # forward and backward: blocks of 2 and a remainder step
+    reused_inputs = [line for line in code.splitlines() if "# reuse" in line and "_graph_" in line
+                     and "_arg" in line.split("=")[-1]]
+    assert reused_inputs == []
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_plain_sum_losses_compile(reverse):
+    """``carry.sum() + ys.sum()`` makes the backward's loop operands expanded (stride-0) views,
+    which torch 2.9's while_loop lowering cannot take: they are materialized first."""
+    torch.manual_seed(0)
+    w = torch.randn(3, 3, requires_grad=True)
+    c0, xs = torch.randn(2, 3, requires_grad=True), torch.randn(5, 2, 3, requires_grad=True)
+
+    def step(c0, xs):
+        c, ys = scan(lambda c, x: (torch.tanh(c @ w + x), c.sum(-1)), c0, xs, reverse=reverse, unroll=2)
+        return torch.autograd.grad(c.sum() + ys.sum(), (c0, xs, w))
+
+    assert_trees_close(torch.compile(step, backend="inductor")(c0, xs), step(c0, xs), atol=1e-5, rtol=1e-4)
+
+
+def test_expanded_xs_in_forward():
+    """An expanded xs (one row for every step) reaches the forward loop as a stride-0 operand."""
+    row = torch.randn(1, 3)
+
+    def f(c0):
+        return scan(lambda c, x: (torch.sin(c) + x, c * 2), c0, row.expand(6, 3))
+
+    c0 = torch.randn(3)
+    assert_trees_close(torch.compile(f, backend="inductor")(c0), f(c0))
+
+
+@pytest.mark.parametrize("b_step", ["used", "passed_through"])
+def test_mixed_float64_float32_carry_trains_with_unroll(b_step):
+    """The loss's gradient for the float32 carry is a slice of the float64/float32 cat's gradient,
+    12 bytes into its buffer: a loop body writing its new carry gradient into that (donated) input
+    ("used"), or returning the input itself ("passed_through": b is not changed, so neither is its
+    gradient), made the loop's result unaligned and inductor asserted "16 bytes aligned"."""
+    torch.manual_seed(0)
+    w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    a0, b0 = torch.randn(3, dtype=torch.float64, requires_grad=True), torch.randn(3, requires_grad=True)
+    xs = torch.randn(7, 3, requires_grad=True)
+
+    def cell(c, x):
+        a, b = c
+        return (torch.tanh(a @ w + x.double()), b), a.float() * (b if b_step == "used" else 2)
+
+    def step(a0, b0, xs):
+        (a, b), ys = scan(cell, (a0, b0), xs, unroll=2)
+        loss = torch.cat([a.float(), b]).pow(2).sum() + ys.pow(2).sum()
+        return torch.autograd.grad(loss, (a0, b0, xs, w))
+
+    assert_trees_close(torch.compile(step, backend="inductor")(a0, b0, xs), step(a0, b0, xs), atol=1e-5, rtol=1e-4)

@@ -1,0 +1,71 @@
+"""Workarounds for two torch 2.9 inductor defects that scan's while_loops hit.
+
+1. Subgraph inputs taken as donated buffers (fixed upstream by pytorch#193960).
+   Compiling a backward graph, inductor marks the inputs listed in AOT's
+   ``bw_donated_idxs`` as donated: their storage may be reused for the graph's
+   own results. ``SubgraphLowering`` (a while_loop's cond and body) inherited
+   those indices and applied them to its OWN placeholders, an unrelated
+   numbering. A loop body then wrote its new carry into the storage of a
+   carried input, so the loop's result aliased that input; the outer graph,
+   seeing the input's last use, reused its storage for a later buffer (the next
+   loop's preallocated ys) and the result was overwritten: wrong closure
+   gradients whenever the backward has two loops (``unroll`` blocks plus a
+   remainder) and buffer sizes happen to match.
+
+2. Expanded loop operands. ``WhileLoop.create`` asks every operand for its
+   exact strides; for a stride-0 dim (``expand``, e.g. the gradient of
+   ``ys.sum()``) ``require_strides`` calls ``slice_`` on an unwrapped view and
+   asserts. A scan's init and xs are while_loop operands, so a training step
+   whose loss is ``carry.sum() + ys.sum()`` failed to compile. Such operands are
+   materialized (a contiguous clone, as big as the expanded tensor) first.
+"""
+import contextlib
+
+import torch
+
+_subgraph_fix_installed = False
+
+
+def keep_subgraph_inputs_undonated():
+    """Subgraphs own none of their inputs: clear the inherited donation indices
+    (what pytorch#193960 does in ``SubgraphLowering.__init__``). Idempotent."""
+    global _subgraph_fix_installed
+    if _subgraph_fix_installed:
+        return
+    from torch._inductor.graph import SubgraphLowering
+
+    init = SubgraphLowering.__init__
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.bw_donated_idxs = None
+
+    SubgraphLowering.__init__ = __init__
+    _subgraph_fix_installed = True
+
+
+def _is_expanded(val):
+    """A stride-0 dim that is not statically of size 1 (inductor's test)."""
+    return isinstance(val, torch.Tensor) and any(
+        isinstance(st, int) and st == 0 and not (isinstance(sz, int) and sz <= 1)
+        for sz, st in zip(val.shape, val.stride()))
+
+
+def _contiguous_copy(graph, node):
+    clone = graph.call_function(torch.ops.aten.clone.default, (node,),
+                                {"memory_format": torch.contiguous_format})
+    val = node.meta["val"]
+    with getattr(val, "fake_mode", None) or contextlib.nullcontext():
+        clone.meta["val"] = val.clone(memory_format=torch.contiguous_format)
+    return clone
+
+
+def materialize_expanded_operands(gm):
+    """Give every scan node a dense copy of each expanded init or xs input."""
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan):
+        combine, init, xs, *rest = node.args
+        with gm.graph.inserting_before(node):
+            init, xs = ([_contiguous_copy(gm.graph, n) if _is_expanded(n.meta.get("val")) else n for n in group]
+                        for group in (init, xs))
+        node.args = (combine, init, xs, *rest)
+    gm.graph.lint()
