@@ -89,8 +89,6 @@ def test_carry_check_does_not_lift_init_into_the_body():
     assert [t.shape for t in lifted_tensors] == [w.shape]  # w only: no init
 
 
-@pytest.mark.xfail(strict=True, reason="partition.py/rule_autograd.py map saved values to backward inputs assuming "
-                   "every saved SymInt comes first; a saved size-symbol input (Dynamo lifts it) breaks that")
 def test_dynamic_true_training_of_a_body_whose_backward_reads_a_size_symbol():
     """``c.sum()`` broadcast back over c: the backward needs c's batch size, a symbol Dynamo lifts."""
     torch.manual_seed(0)
@@ -109,8 +107,6 @@ def test_dynamic_true_training_of_a_body_whose_backward_reads_a_size_symbol():
         assert_trees_close(list(got), list(want), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="partition._output_metas takes the body graph's recorded (symbolic) output "
-                   "shapes for the real run of a make_fx(tracing_mode='symbolic') graph")
 def test_symbolic_make_fx_of_a_training_step_runs_other_lengths():
     w = torch.randn(4, 4, requires_grad=True)
 

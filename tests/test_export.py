@@ -56,6 +56,21 @@ def test_export_save_load_and_dynamic_length(strict):
     assert_trees_close(decomposed.module()(h0, xs), model(h0, xs), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("strict", [True, False])
+def test_export_with_a_dynamic_batch_and_trainable_closure(strict):
+    """A symbolic batch through a body with a parameter that requires grad: exporting must not
+    trace a backward for the node (its sizes, 3*batch inside matmul, are not the tracer's)."""
+    torch.manual_seed(0)
+    model = ScaledRNN()
+    h0, xs = torch.zeros(3, 4), torch.randn(5, 3, 4)
+    batch = torch.export.Dim("batch", min=2, max=64)
+    ep = torch.export.export(model, (h0, xs), strict=strict, dynamic_shapes={"h0": {0: batch}, "xs": {1: batch}})
+    loaded = round_trip(ep)
+    for b in (3, 7):
+        h0_b, xs_b = torch.randn(b, 4), torch.randn(5, b, 4)
+        assert_trees_close(loaded.module()(h0_b, xs_b), model(h0_b, xs_b), atol=1e-6, rtol=1e-5)
+
+
 class TestExportedGraph(expecttest.TestCase):
     def test_exported_graph(self):
         torch.manual_seed(0)

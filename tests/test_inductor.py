@@ -146,3 +146,20 @@ def test_mixed_float64_float32_carry_trains_with_unroll(b_step):
         return torch.autograd.grad(loss, (a0, b0, xs, w))
 
     assert_trees_close(torch.compile(step, backend="inductor")(a0, b0, xs), step(a0, b0, xs), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_carry_returned_in_another_layout(reverse, dynamic):
+    """A body whose new carry is a transpose of a square result: the loop keeps its values in any
+    layout, but while_loop requires each carry to keep its strides (the Kalman filter's covariance)."""
+    torch.manual_seed(0)
+    w = torch.randn(3, 3, requires_grad=True)
+    c0, xs = torch.randn(2, 3, 3, requires_grad=True), torch.randn(4, 2, 3, 3)
+
+    def step(c0, xs):
+        c, ys = scan(lambda c, x: ((c @ w + x).mT.tanh(), c.sum()), c0, xs, reverse=reverse)
+        return torch.autograd.grad(c.pow(2).sum() + ys.sum(), (c0, w))
+
+    compiled = torch.compile(step, backend="inductor", dynamic=dynamic)
+    assert_trees_close(compiled(c0, xs), step(c0, xs), atol=1e-5, rtol=1e-4)

@@ -368,10 +368,11 @@ def recording_functional_closures(tensors=()):
 
 def detached_examples(values):
     """Detached example values of one step, outside any graph. Under a fake
-    mode a real tensor (a constant the body created, lifted) becomes fake."""
+    mode a real tensor (a constant the body created, lifted) becomes fake, with
+    static shapes: a fresh symbol would become a guard export cannot evaluate."""
     mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
     with disable_proxy_modes_tracing():
-        return [(mode.from_tensor(v) if mode is not None and not isinstance(v, FakeTensor) else v).detach()
+        return [(mode.from_tensor(v, static_shapes=True) if mode is not None and not isinstance(v, FakeTensor) else v).detach()
                 if isinstance(v, torch.Tensor) else v for v in values]
 
 

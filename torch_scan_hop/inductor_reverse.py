@@ -34,6 +34,7 @@ def install():
     @functools.wraps(upstream)
     def decompose_scans(gm):
         _inductor_fixes.materialize_expanded_operands(gm)
+        _inductor_fixes.restride_changed_carries(gm)
         _lower_reverse_scans(gm)
         return upstream(gm)
 

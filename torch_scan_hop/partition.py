@@ -150,9 +150,29 @@ def _input_kind(i, num_carry, num_x):
     return ("lifted", i - num_carry - num_x)
 
 
+def _align_saves(fwd, bwd, num_outputs):
+    """Reorder the forward's saved outputs to the backward's input order.
+
+    Partitioners name each backward input after the forward node it receives
+    and order them as they like (AOT puts sizes first, and a size Dynamo lifts
+    can be saved twice): matching by name makes "saved i is backward input i"
+    hold whatever the partitioner or torch version."""
+    fwd_out = fwd.graph.find_nodes(op="output")[0]
+    (outs,) = fwd_out.args
+    saved = {n.name: n for n in outs[num_outputs:]}
+    # the target keeps the forward node's name when FX renamed a duplicate input
+    wanted = [ph.target for ph in bwd.graph.find_nodes(op="placeholder") if not ph.target.startswith("tangents")]
+    if not set(wanted) <= set(saved):
+        raise AssertionError(f"scan: partition saves {sorted(saved)} but its backward reads {sorted(wanted)}")
+    fwd_out.args = (tuple(outs[:num_outputs]) + tuple(saved[name] for name in wanted),)
+    fwd.recompile()
+    return fwd, bwd
+
+
 def _inline_constant_saves(fwd, bwd, num_outputs):
     """Saved plain Python numbers (static sizes the backward reads) become
-    constants of the backward graph instead of per-step saved values."""
+    constants of the backward graph instead of per-step saved values.
+    Expects ``_align_saves``' order (saved i is backward input i)."""
     fwd_out = fwd.graph.find_nodes(op="output")[0]
     (outs,) = fwd_out.args
     saved = list(outs[num_outputs:])
@@ -192,16 +212,24 @@ def _mutates(gm):
                and n.target._schema.is_mutable for n in gm.graph.nodes)
 
 
-def _output_metas(gm):
+def _has_symbols(values):
+    return any(isinstance(d, torch.SymInt) for v in values if isinstance(v, torch.Tensor) for d in v.shape)
+
+
+def _output_metas(gm, examples):
     """The body's output values (for their shape/dtype) from its graph, when it
-    is one that carries them: saves a trace of the body."""
+    is one that carries them: saves a trace of the body. Symbolic recorded
+    shapes only hold for symbolic examples (a make_fx(tracing_mode="symbolic")
+    graph later runs on real tensors of other sizes)."""
     if not isinstance(gm, torch.fx.GraphModule):
         return None
     outs = gm.graph.find_nodes(op="output")
     if not outs or not isinstance(outs[0].args[0], (list, tuple)):
         return None
     vals = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in outs[0].args[0]]
-    return vals if all(isinstance(v, torch.Tensor) for v in vals) else None
+    if not all(isinstance(v, torch.Tensor) for v in vals):
+        return None
+    return None if _has_symbols(vals) and not _has_symbols(examples) else vals
 
 
 @dataclass
@@ -228,7 +256,7 @@ def trace_step(body: Callable, carry, x, lifted, requires_grad) -> JointStep:
     """
     examples = _compat.detached_examples([*carry, *x, *lifted])
     grad_mask, out_grad = requires_grad_fixed_point(body, examples, requires_grad, len(carry))
-    out_vals = _output_metas(body) or _output_metas(_compat.trace_graph(body, examples))
+    out_vals = _output_metas(body, examples) or _output_metas(_compat.trace_graph(body, examples), examples)
     primals = with_flags(examples, grad_mask)
     with _compat.disable_proxy_modes_tracing():
         tangents = [torch.zeros(v.shape, dtype=v.dtype, device=v.device) for v in out_vals]
@@ -252,6 +280,7 @@ def partition_step(step: JointStep, remat="save_all") -> FwdBwd:
     _name_joint_placeholders(joint, len(primals))
     fwd, bwd = _partition_fn(remat)(joint, [*primals, *tangents], num_fwd_outputs=num_out)
     fwd, bwd = _hoist_recomputable_saves(joint, fwd, bwd, num_out, num_carry, num_x)
+    fwd, bwd = _align_saves(fwd, bwd, num_out)
     fwd, bwd = _inline_constant_saves(fwd, bwd, num_out)
     fwd, bwd = simplify(fwd), simplify(bwd)
     return FwdBwd(

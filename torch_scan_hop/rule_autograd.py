@@ -101,9 +101,6 @@ def _bwd_step_graph(plan):
     syms = iter(inputs("sym", len(plan.sym_saved)))
     saved = [next(step) if k in ("step", "carry") else next(syms) if k == "sym" else (xs[j] if k == "x" else lifted[j])
              for k, j in fb.saved_from]
-    # AOT partitions return saved sizes after saved tensors but take them first
-    is_sym = [k == "sym" for k, _ in fb.saved_from]
-    saved = [v for v, m in zip(saved, is_sym) if m] + [v for v, m in zip(saved, is_sym) if not m]
     tangents = [None] * fb.num_carry + [g_y.get(j) for j in range(fb.num_y)]
     for i, g in zip(plan.carry_grad, g_carry):
         tangents[i] = g

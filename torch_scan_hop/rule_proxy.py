@@ -123,7 +123,9 @@ def emit_scan_node_of(mode, body, init, xs, additional_inputs, **kwargs):
         target, args = scan_op, (body, *args)
     proxy_args = pytree.tree_map(mode.tracer.unwrap_proxy, args)
     out_proxy = mode.tracer.create_proxy("call_function", target, proxy_args, kwargs, name="scan")
-    with _compat.disable_proxy_modes_tracing():
+    # the node's output values only: no backward is traced for them (a joint
+    # traced here, outside the tracer, cannot see the tracer's size symbols)
+    with _compat.disable_proxy_modes_tracing(), _compat.AutoDispatchBelowAutograd():
         # a tuple: torch.export's serializer only knows tuple outputs of HOPs
         out = tuple(scan_op(body, list(init), list(xs), tuple(additional_inputs), **kwargs))
     return _compat.track_tensor_tree(out, out_proxy, constant=None, tracer=mode.tracer)
