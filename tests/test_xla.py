@@ -10,7 +10,7 @@ from conftest import assert_trees_close
 import torch_scan_hop
 from torch_scan_hop import scan
 
-torch_xla = pytest.importorskip("torch_xla")
+torch_xla = pytest.importorskip("torch_xla", reason="torch_xla is not installed: the XLA tests need the [xla] extra (torch 2.9)")
 import torch_xla.core.xla_model as xm  # noqa: E402
 
 DEV = torch_xla.device()
