@@ -1,8 +1,9 @@
 """Dynamo: a VariableTracker that captures scan as ONE node with the body as a subgraph.
 
 Dynamo picks the tracker for a HigherOrderOperator by name, so ours replaces
-upstream's "scan" entry (NOTES decision 5) and hands upstream's own op object,
-if it ever shows up, to upstream's tracker.
+upstream's "scan" entry (our op IS torch.ops.higher_order.scan) and hands
+upstream's own op object, if it ever shows up, to upstream's tracker. The
+Dynamo internals it needs are wrapped, per torch version, in ``_compat``.
 
 Our front end calls the op with ``functools.partial(pytree_step, ...)``: the
 body takes flat leaves and returns ``[*carry_leaves, y]`` with ``y`` the user's
@@ -58,18 +59,18 @@ def dynamo_body(fn, inputs):
     return functools.partial(pytree_step, fn=fn, inputs=inputs)
 
 
+_GRAPH_BREAK = ("torch_scan_hop.scan: the body fn must be captured whole by torch.compile "
+                "(no graph breaks inside the scanned function)")
+
+
 def _make_tracker_class():
-    from torch._dynamo.exc import UncapturedHigherOrderOpError, unimplemented
-    from torch._dynamo.variables import higher_order_ops as hops
-    from torch._dynamo.variables.lazy import LazyVariableTracker
+    from . import _compat_dynamo as dyn
 
-    upstream_cls = hops._hop_name_to_variable_class["scan"]
-    # torch 2.9 needs this to make a graph break in the body a hard error; later versions dropped it
-    hard_error = getattr(hops, "raise_hard_error_if_graph_break", lambda reason: lambda fn: fn)
+    upstream_cls = dyn.tracker_registry()["scan"]
+    uncaptured, unsupported = dyn.uncaptured_error_class(), dyn.unsupported_error_classes()
 
-    class ScanVariable(hops.TorchHigherOrderOperatorVariable):
+    class ScanVariable(dyn.tracker_base()):
         upstream = upstream_cls
-        _HOP_NAME = "scan"  # newer torch requires it on every HOP tracker
 
         def _call_function(self, tx, args, kwargs):
             from . import scan_op
@@ -78,16 +79,17 @@ def _make_tracker_class():
                 return self.upstream(self.value, self.source)._call_function(tx, args, kwargs)
             try:
                 return self._call_ours(tx, args, kwargs)
-            except UncapturedHigherOrderOpError as e:  # a graph break in the body, e.g. `if c.sum() > 0:`
+            except uncaptured as e:  # a graph break in the body, e.g. `if c.sum() > 0:`
                 raise as_scan_error(e) from None
+            except unsupported as e:  # the same message as torch 2.9's hard error
+                raise compile_error(f"{_GRAPH_BREAK} Got {getattr(e, 'msg', type(e).__name__)}",
+                                    getattr(e, "real_stack", None)) from None
 
-        @hard_error(
-            reason="torch_scan_hop.scan: the body fn must be captured whole by torch.compile "
-                   "(no graph breaks inside the scanned function)")
+        @dyn.hard_error(reason=_GRAPH_BREAK)
         def _call_ours(self, tx, args, kwargs):
-            args, kwargs = LazyVariableTracker.realize_all((args, kwargs))
+            args, kwargs = dyn.realize_all((args, kwargs))
             if len(args) != 4:
-                unimplemented(f"scan: expected (combine_fn, init, xs, additional_inputs), got {len(args)} args")
+                dyn.graph_break(f"scan: expected (combine_fn, init, xs, additional_inputs), got {len(args)} args")
             combine_fn, init, xs, additional = args
             _materialize_lazy_graph(combine_fn)
             options = {k: _option_value(tx, k, v) for k, v in kwargs.items()}
@@ -95,22 +97,21 @@ def _make_tracker_class():
             options = _non_default_options(options)
             init_vars, xs_vars = init.unpack_var_sequence(tx), xs.unpack_var_sequence(tx)
             add_vars = additional.unpack_var_sequence(tx)
-            with hops.discard_graph_changes(tx):
+            with dyn.discard_graph_changes(tx):
                 sub_args = [v.call_method(tx, "clone", args=(), kwargs={}) for v in init_vars]
-                sub_args += [hops._make_inlined(tx, slice_example)(v) for v in xs_vars]
+                sub_args += [dyn.inlined(tx, slice_example)(v) for v in xs_vars]
                 sub_args += [v.call_method(tx, "clone", args=(), kwargs={}) for v in add_vars]
-            (_, spec), graph, freevars = hops.speculate_subgraph(
-                tx, combine_fn, sub_args, sub_kwargs={}, description="torch_scan_hop.scan body",
+            (_, spec), graph, freevars = dyn.speculate_subgraph(
+                tx, combine_fn, sub_args, description="torch_scan_hop.scan body",
                 source_target=self.value, set_subgraph_inputs="flatten_manual",
                 should_flatten_outputs=True, supports_input_mutation=False, supports_aliasing=True)
             _reject_constant_ys(spec)
             _clone_outputs_that_are_inputs(graph)
             _allow_scalar_outputs(tx)
-            body = torch.fx.GraphModule(dict(tx.output.nn_modules), graph)
-            name = tx.output.install_subgraph("scan_body", body)
-            p_args = (hops.make_attr(tx, name), init.as_proxy(), xs.as_proxy(),
+            name = tx.output.install_subgraph("scan_body", dyn.subgraph_module(tx, graph))
+            p_args = (dyn.make_attr(tx, name), init.as_proxy(), xs.as_proxy(),
                       tuple(additional.as_proxy()) + tuple(freevars.keys()))
-            return hops._call_function_and_unflatten_output(tx, self.value, p_args, options, None, spec)
+            return dyn.call_and_unflatten(tx, self.value, p_args, options, spec)
 
     return ScanVariable
 
@@ -150,10 +151,10 @@ def _resolve_unroll(tx, unroll, xs_vars):
     one-node form."""
     if unroll != AUTO_UNROLL:
         return unroll
-    from torch._dynamo.utils import get_fake_value
+    from ._compat_dynamo import fake_value, is_exporting
 
-    length = get_fake_value(xs_vars[0].as_proxy().node, tx).shape[0] if xs_vars else None
-    if getattr(tx.output, "export", False) or not isinstance(length, int) or length < _AUTO_MIN_LENGTH:
+    length = fake_value(xs_vars[0].as_proxy().node, tx).shape[0] if xs_vars else None
+    if is_exporting(tx) or not isinstance(length, int) or length < _AUTO_MIN_LENGTH:
         return 1
     return _AUTO_BLOCK
 
@@ -182,11 +183,11 @@ def _option_value(tx, name, var):
     dynamic=True, say unroll=k) is specialized, with a guard, to its value.
     Anything else must be a constant: a graph node cannot hold a function, so a
     callable ``remat`` works in eager and make_fx only."""
-    from torch._dynamo.variables import ConstantVariable, SymNodeVariable
+    from ._compat_dynamo import is_constant, is_symbolic_int
 
-    if isinstance(var, SymNodeVariable):
+    if is_symbolic_int(var):
         return var.evaluate_expr(tx.output)
-    if name == "remat" and not isinstance(var, ConstantVariable):
+    if name == "remat" and not is_constant(var):
         raise compile_error(
             "scan: remat=<callable> is not supported under torch.compile (the compiled graph cannot hold a "
             "function); pass 'save_all', 'min_cut' or 'recompute_all', or call scan outside torch.compile.")
@@ -202,7 +203,9 @@ def compile_error(message, real_stack=None):
     while tracing in an InternalTorchDynamoError."""
     global _ScanCompileError
     if _ScanCompileError is None:
-        from torch._dynamo.exc import UncapturedHigherOrderOpError
+        from ._compat_dynamo import uncaptured_error_class
+
+        UncapturedHigherOrderOpError = uncaptured_error_class()
 
         class ScanCompileError(ScanError, UncapturedHigherOrderOpError):
             def __init__(self, msg, real_stack=None):
@@ -219,16 +222,17 @@ def as_scan_error(e):
 
 def install():
     """Register our tracker for the name "scan" (idempotent)."""
-    from torch._dynamo.variables import higher_order_ops as hops
+    from ._compat_dynamo import tracker_registry
 
-    if getattr(hops._hop_name_to_variable_class["scan"], "_torch_scan_hop", False):
+    registry = tracker_registry()
+    if getattr(registry["scan"], "_torch_scan_hop", False):
         return
     try:
         cls = _make_tracker_class()
-    except (AttributeError, TypeError) as e:  # a torch whose Dynamo internals moved
-        warnings.warn(f"torch_scan_hop supports torch 2.9; on torch {torch.__version__} its torch.compile "
-                      f"tracker could not be installed ({e}).")
+    except (AttributeError, TypeError, ImportError) as e:  # a torch whose Dynamo internals moved
+        warnings.warn(f"torch_scan_hop supports torch 2.9 to 2.14; on torch {torch.__version__} its "
+                      f"torch.compile tracker could not be installed ({e}).")
         return
     cls._torch_scan_hop = True
-    hops._hop_name_to_variable_class["scan"] = cls
+    registry["scan"] = cls
 

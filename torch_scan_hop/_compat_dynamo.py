@@ -1,0 +1,146 @@
+"""Dynamo internals our scan tracker uses (torch 2.9 to 2.14), in one place.
+
+Dynamo has no public API for a HigherOrderOperator's VariableTracker: the
+tracker subclasses ``TorchHigherOrderOperatorVariable`` and calls the helpers
+upstream's own HOP trackers use. Each adapter below says which torch versions
+it serves and how they differ; ``rule_dynamo`` imports nothing else from Dynamo.
+"""
+import functools
+
+import torch
+
+
+def _hops():
+    from torch._dynamo.variables import higher_order_ops
+
+    return higher_order_ops
+
+
+def uncaptured_error_class():
+    """Dynamo's hard error for a HOP it cannot capture (2.9-2.14: same class)."""
+    from torch._dynamo.exc import UncapturedHigherOrderOpError
+
+    return UncapturedHigherOrderOpError
+
+
+def unsupported_error_classes():
+    """A graph break. torch 2.14 lets it leave the tracker's ``_call_function``
+    (its class wrapper then makes it a hard error); 2.9's ``hard_error`` has
+    already turned it into an UncapturedHigherOrderOpError there."""
+    from torch._dynamo.exc import ObservedException, Unsupported
+
+    return (Unsupported, ObservedException)
+
+
+def tracker_base():
+    """The base class of HOP trackers, with graph breaks in the body made hard
+    errors. 2.14 reads the class attributes ``_HOP_NAME`` and
+    ``_ALLOW_FALLBACK_TO_EAGER`` (False: an UncapturedHigherOrderOpError, not a
+    silent fall back to eager); 2.9 ignores them and needs ``hard_error`` below."""
+    base = _hops().TorchHigherOrderOperatorVariable
+
+    class ScanTrackerBase(base):
+        _HOP_NAME = "scan"
+        _ALLOW_FALLBACK_TO_EAGER = False
+
+    return ScanTrackerBase
+
+
+def hard_error(reason):
+    """Decorator: a graph break inside makes the whole call a hard error.
+    torch 2.9: ``raise_hard_error_if_graph_break``; 2.14 dropped it (the class
+    attribute in ``tracker_base`` does this), so it is the identity there."""
+    decorator = getattr(_hops(), "raise_hard_error_if_graph_break", None)
+    return decorator(reason) if decorator is not None else (lambda fn: fn)
+
+
+def graph_break(explanation):
+    """Stop capturing with ``explanation``. torch 2.9 has ``unimplemented_v2``
+    (positional); 2.14's ``unimplemented`` takes the same fields keyword-only."""
+    from torch._dynamo import exc
+
+    fields = dict(gb_type="torch_scan_hop.scan", context="", explanation=explanation, hints=[])
+    if hasattr(exc, "unimplemented_v2"):
+        exc.unimplemented_v2(**fields)
+    exc.unimplemented(**fields)
+
+
+def realize_all(value):
+    """Lazy trackers made concrete (2.9-2.14)."""
+    from torch._dynamo.variables.lazy import LazyVariableTracker
+
+    return LazyVariableTracker.realize_all(value)
+
+
+def discard_graph_changes(tx):
+    """Run tracker code whose graph nodes are thrown away (2.9-2.14)."""
+    return _hops().discard_graph_changes(tx)
+
+
+def inlined(tx, fn):
+    """``fn`` as a tracker Dynamo inlines. 2.9 keeps ``_make_inlined`` in
+    higher_order_ops, 2.14 in torch._dynamo.utils."""
+    make = getattr(_hops(), "_make_inlined", None)
+    if make is None:
+        from torch._dynamo.utils import _make_inlined as make
+    return make(tx, fn)
+
+
+def speculate_subgraph(tx, fn, args, **kwargs):
+    """Trace ``fn`` into a subgraph: ``((output, spec), graph, lifted freevars)``.
+    Same signature and result on 2.9-2.14 for the keywords we pass."""
+    return _hops().speculate_subgraph(tx, fn, args, sub_kwargs={}, **kwargs)
+
+
+def make_attr(tx, name):
+    return _hops().make_attr(tx, name)
+
+
+def call_and_unflatten(tx, op, args, kwargs, spec):
+    """Record the op call and unflatten its output by ``spec``. torch 2.14
+    added a required ``body_r`` (re-proxy the body's outputs: we pass None,
+    our body outputs are not used outside it)."""
+    fn = _hops()._call_function_and_unflatten_output
+    if "body_r" in _parameters(fn):
+        return fn(tx, op, args, kwargs, None, spec, None)
+    return fn(tx, op, args, kwargs, None, spec)
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(fn):
+    import inspect
+
+    return tuple(inspect.signature(fn).parameters)
+
+
+def fake_value(node, tx):
+    """The fake value Dynamo recorded for a proxy node (2.9-2.14)."""
+    from torch._dynamo.utils import get_fake_value
+
+    return get_fake_value(node, tx)
+
+
+def is_symbolic_int(var):
+    from torch._dynamo.variables import SymNodeVariable
+
+    return isinstance(var, SymNodeVariable)
+
+
+def is_constant(var):
+    from torch._dynamo.variables import ConstantVariable
+
+    return isinstance(var, ConstantVariable)
+
+
+def tracker_registry():
+    """HOP name -> tracker class, where Dynamo looks trackers up (2.9-2.14)."""
+    return _hops()._hop_name_to_variable_class
+
+
+def is_exporting(tx):
+    return bool(getattr(tx.output, "export", False))
+
+
+def subgraph_module(tx, graph):
+    """A GraphModule for a speculated body, owning the frame's modules (2.9-2.14)."""
+    return torch.fx.GraphModule(dict(tx.output.nn_modules), graph)
