@@ -3,7 +3,8 @@
 // The torch_xla wheel ships no headers and exports no XlaBuilder symbols, so
 // hlo_scan.cc speaks the protobuf wire format directly. Field numbers are those
 // of openxla's public xla/service/hlo.proto and xla/xla_data.proto; each has a
-// name below so the builder reads as HLO, not as numbers.
+// named constant below (<Message><Field>, with the proto declaration beside it)
+// so that the builder reads as HLO, not as numbers.
 #pragma once
 
 #include <cstdint>
@@ -15,25 +16,71 @@
 namespace hlo {
 
 // ------------------------------------------------------------ field numbers
-// ShapeProto / LayoutProto / ProgramShapeProto / LiteralProto (xla_data.proto)
-constexpr int kShapeElementType = 2, kShapeDims = 3, kShapeTupleShapes = 4, kShapeLayout = 5;
-constexpr int kLayoutMinorToMajor = 1;
-constexpr int kProgramParams = 1, kProgramResult = 2, kProgramParamNames = 3;
-constexpr int kLiteralShape = 1, kLiteralS64s = 5;
-// HloInstructionProto (hlo.proto)
-constexpr int kInstrName = 1, kInstrOpcode = 2, kInstrShape = 3, kInstrLiteral = 8, kInstrParamNumber = 9,
-              kInstrTupleIndex = 13, kInstrDynamicSliceSizes = 20, kInstrId = 35, kInstrOperandIds = 36,
-              kInstrCalledComputationIds = 38, kInstrComparisonDirection = 63;
-// HloComputationProto
-constexpr int kCompName = 1, kCompInstructions = 2, kCompProgramShape = 4, kCompId = 5, kCompRootId = 6;
-// HloModuleProto
-constexpr int kModName = 1, kModEntryName = 2, kModComputations = 3, kModHostProgramShape = 4, kModId = 5,
-              kModEntryId = 6;
-// PrimitiveType values
-constexpr int kPred = 1, kS64 = 5, kTuple = 13;
+// Every field number the builder writes or reads, one block per message. The
+// comment beside each is the field's declaration in openxla/xla's
+// xla/service/hlo.proto or xla/xla_data.proto, which these numbers match.
+
+// HloModuleProto (xla/service/hlo.proto)
+constexpr int kHloModuleName = 1;                  // string name = 1;
+constexpr int kHloModuleEntryComputationName = 2;  // string entry_computation_name = 2;
+constexpr int kHloModuleComputations = 3;          // repeated HloComputationProto computations = 3;
+constexpr int kHloModuleHostProgramShape = 4;      // xla.ProgramShapeProto host_program_shape = 4;
+constexpr int kHloModuleId = 5;                    // int64 id = 5;
+constexpr int kHloModuleEntryComputationId = 6;    // int64 entry_computation_id = 6;
+
+// HloComputationProto (xla/service/hlo.proto)
+constexpr int kHloComputationName = 1;          // string name = 1;
+constexpr int kHloComputationInstructions = 2;  // repeated HloInstructionProto instructions = 2;
+constexpr int kHloComputationProgramShape = 4;  // xla.ProgramShapeProto program_shape = 4;
+constexpr int kHloComputationId = 5;            // int64 id = 5;
+constexpr int kHloComputationRootId = 6;        // int64 root_id = 6;
+
+// HloInstructionProto (xla/service/hlo.proto)
+constexpr int kHloInstructionName = 1;                   // string name = 1;
+constexpr int kHloInstructionOpcode = 2;                 // string opcode = 2;
+constexpr int kHloInstructionShape = 3;                  // xla.ShapeProto shape = 3;
+constexpr int kHloInstructionLiteral = 8;                // xla.LiteralProto literal = 8;
+constexpr int kHloInstructionParameterNumber = 9;        // int64 parameter_number = 9;
+constexpr int kHloInstructionTupleIndex = 13;            // int64 tuple_index = 13;
+constexpr int kHloInstructionDynamicSliceSizes = 20;     // repeated int64 dynamic_slice_sizes = 20;
+constexpr int kHloInstructionId = 35;                    // int64 id = 35;
+constexpr int kHloInstructionOperandIds = 36;            // repeated int64 operand_ids = 36;
+constexpr int kHloInstructionCalledComputationIds = 38;  // repeated int64 called_computation_ids = 38;
+constexpr int kHloInstructionComparisonDirection = 63;   // string comparison_direction = 63;
+
+// ProgramShapeProto (xla/xla_data.proto)
+constexpr int kProgramShapeParameters = 1;      // repeated ShapeProto parameters = 1;
+constexpr int kProgramShapeResult = 2;          // ShapeProto result = 2;
+constexpr int kProgramShapeParameterNames = 3;  // repeated string parameter_names = 3;
+
+// ShapeProto (xla/xla_data.proto)
+constexpr int kShapeElementType = 2;  // PrimitiveType element_type = 2;
+constexpr int kShapeDimensions = 3;   // repeated int64 dimensions = 3;
+constexpr int kShapeTupleShapes = 4;  // repeated ShapeProto tuple_shapes = 4;
+constexpr int kShapeLayout = 5;       // LayoutProto layout = 5;
+
+// LayoutProto (xla/xla_data.proto)
+constexpr int kLayoutMinorToMajor = 1;  // repeated int64 minor_to_major = 1;
+
+// LiteralProto (xla/xla_data.proto)
+constexpr int kLiteralShape = 1;  // ShapeProto shape = 1;
+constexpr int kLiteralS64s = 5;   // repeated int64 s64s = 5;
+
+// ------------------------------------------------------------ enum values
+// PrimitiveType (xla/xla_data.proto): the values of ShapeProto.element_type.
+constexpr int kPred = 1;    // PRED = 1;
+constexpr int kS64 = 5;     // S64 = 5;
+constexpr int kTuple = 13;  // TUPLE = 13;
 
 // ------------------------------------------------------------ wire format
-constexpr int kVarint = 0, kFixed64 = 1, kLengthDelimited = 2, kFixed32 = 5;
+// A field's key is (field number << kWireTypeBits) | wire type
+// (https://protobuf.dev/programming-guides/encoding/).
+constexpr int kWireTypeBits = 3;
+constexpr uint64_t kWireTypeMask = (1u << kWireTypeBits) - 1;
+constexpr int kVarint = 0;           // int64, bool, enum
+constexpr int kFixed64 = 1;          // fixed64, double: skipped when read
+constexpr int kLengthDelimited = 2;  // string, bytes, messages, packed repeated scalars
+constexpr int kFixed32 = 5;          // fixed32, float: skipped when read
 
 struct Msg {
   std::string b;
@@ -41,7 +88,7 @@ struct Msg {
     while (v >= 0x80) { b.push_back(char((v & 0x7f) | 0x80)); v >>= 7; }
     b.push_back(char(v));
   }
-  void tag(int field, int wire) { varint((uint64_t(field) << 3) | wire); }
+  void tag(int field, int wire) { varint((uint64_t(field) << kWireTypeBits) | uint64_t(wire)); }
   void i64(int field, int64_t v) { tag(field, kVarint); varint(uint64_t(v)); }
   void bytes(int field, const std::string& s) { tag(field, kLengthDelimited); varint(s.size()); b += s; }
   void msg(int field, const Msg& m) { bytes(field, m.b); }
@@ -74,7 +121,7 @@ struct Reader {
   template <class F> void each(F f) {
     while (p < end) {
       uint64_t key = varint();
-      int field = int(key >> 3), wire = int(key & 7);
+      int field = int(key >> kWireTypeBits), wire = int(key & kWireTypeMask);
       if (wire == kVarint) { f(field, varint(), std::string()); continue; }
       if (wire == kLengthDelimited) {
         uint64_t n = varint();
@@ -108,7 +155,7 @@ struct Shape {
       for (const Shape& s : tuple) m.msg(kShapeTupleShapes, s.proto());
       return m;
     }
-    m.packed(kShapeDims, dims);
+    m.packed(kShapeDimensions, dims);
     std::vector<int64_t> minor_to_major;
     for (int64_t i = int64_t(dims.size()) - 1; i >= 0; --i) minor_to_major.push_back(i);
     Msg layout;
@@ -129,9 +176,9 @@ inline Shape with_lead_one(const Shape& s) {
 
 inline Msg program_shape(const std::vector<Shape>& params, const Shape& result) {
   Msg program;
-  for (const Shape& s : params) program.msg(kProgramParams, s.proto());
-  program.msg(kProgramResult, result.proto());
-  for (size_t i = 0; i < params.size(); ++i) program.bytes(kProgramParamNames, "p" + std::to_string(i));
+  for (const Shape& s : params) program.msg(kProgramShapeParameters, s.proto());
+  program.msg(kProgramShapeResult, result.proto());
+  for (size_t i = 0; i < params.size(); ++i) program.bytes(kProgramShapeParameterNames, "p" + std::to_string(i));
   return program;
 }
 
@@ -161,26 +208,26 @@ struct Computation {
                const std::vector<int64_t>& operands, const std::function<void(Msg&)>& extra = nullptr) {
     int64_t iid = mod->fresh();
     Msg m;
-    m.bytes(kInstrName, label + "." + std::to_string(iid));
-    m.bytes(kInstrOpcode, opcode);
-    m.msg(kInstrShape, shape.proto());
+    m.bytes(kHloInstructionName, label + "." + std::to_string(iid));
+    m.bytes(kHloInstructionOpcode, opcode);
+    m.msg(kHloInstructionShape, shape.proto());
     if (extra) extra(m);
-    m.i64(kInstrId, iid);
-    m.packed(kInstrOperandIds, operands);
+    m.i64(kHloInstructionId, iid);
+    m.packed(kHloInstructionOperandIds, operands);
     instrs.push_back(m);
     return iid;
   }
   int64_t param(const std::string& label, const Shape& shape) {
     int number = int(params.size());
     params.push_back(shape);
-    return emit(label, "parameter", shape, {}, [&](Msg& m) { m.i64(kInstrParamNumber, number); });
+    return emit(label, "parameter", shape, {}, [&](Msg& m) { m.i64(kHloInstructionParameterNumber, number); });
   }
   int64_t constant_s64(const std::string& label, int64_t v) {
     return emit(label, "constant", scalar(kS64), {}, [&](Msg& m) {
       Msg lit;
       lit.msg(kLiteralShape, scalar(kS64).proto());
       lit.packed(kLiteralS64s, {v}, true);
-      m.msg(kInstrLiteral, lit);
+      m.msg(kHloInstructionLiteral, lit);
     });
   }
   int64_t add(const std::string& label, int64_t a, int64_t b) { return emit(label, "add", scalar(kS64), {a, b}); }
@@ -188,22 +235,22 @@ struct Computation {
     return emit(label, "subtract", scalar(kS64), {a, b});
   }
   int64_t gte(const std::string& label, int64_t tuple, const Shape& shape, int index) {
-    return emit(label, "get-tuple-element", shape, {tuple}, [&](Msg& m) { m.i64(kInstrTupleIndex, index); });
+    return emit(label, "get-tuple-element", shape, {tuple}, [&](Msg& m) { m.i64(kHloInstructionTupleIndex, index); });
   }
   int64_t call(const std::string& label, const Shape& shape, const std::vector<int64_t>& operands,
                const std::vector<int64_t>& computations) {
-    return emit(label, "call", shape, operands, [&](Msg& m) { m.packed(kInstrCalledComputationIds, computations); });
+    return emit(label, "call", shape, operands, [&](Msg& m) { m.packed(kHloInstructionCalledComputationIds, computations); });
   }
   // Serializes this computation into the module; returns its id.
   int64_t finish(int64_t root_id, const Shape& result_shape) {
     root = root_id;
     result = result_shape;
     Msg m;
-    m.bytes(kCompName, name + "." + std::to_string(id));  // torch_xla splits names at '.'
-    for (const Msg& i : instrs) m.msg(kCompInstructions, i);
-    m.msg(kCompProgramShape, program_shape(params, result));
-    m.i64(kCompId, id);
-    m.i64(kCompRootId, root);
+    m.bytes(kHloComputationName, name + "." + std::to_string(id));  // torch_xla splits names at '.'
+    for (const Msg& i : instrs) m.msg(kHloComputationInstructions, i);
+    m.msg(kHloComputationProgramShape, program_shape(params, result));
+    m.i64(kHloComputationId, id);
+    m.i64(kHloComputationRootId, root);
     mod->computations.push_back(m.b);
     return id;
   }

@@ -117,7 +117,7 @@ int64_t slice_x(Computation& c, const Shape& full, int64_t xs, int64_t idx, int6
   starts.insert(starts.end(), full.dims.size() - 1, zero);
   Shape one = with_lead_one(drop_lead(full));
   int64_t sl = c.emit(label + "_row", "dynamic-slice", one, starts,
-                      [&](Msg& m) { m.packed(kInstrDynamicSliceSizes, one.dims); });
+                      [&](Msg& m) { m.packed(kHloInstructionDynamicSliceSizes, one.dims); });
   return c.emit(label, "reshape", drop_lead(full), {sl});
 }
 
@@ -167,7 +167,7 @@ int64_t build_cond(Module& mod, const Signature& sig, const Segment& seg, int n)
   int64_t counter = c.gte("counter", state, scalar(kS64), 0);
   int64_t steps = c.constant_s64("steps", seg.stop - seg.start);
   int64_t more = c.emit("more", "compare", scalar(kPred), {counter, steps},
-                        [](Msg& m) { m.bytes(kInstrComparisonDirection, "LT"); });
+                        [](Msg& m) { m.bytes(kHloInstructionComparisonDirection, "LT"); });
   return c.finish(more, scalar(kPred));
 }
 
@@ -193,8 +193,8 @@ int element_type(const std::string& shape) {
 // Element types of the parameters and of the result tuple's parts in a ProgramShapeProto.
 void read_types(const std::string& program, Signature& sig) {
   reader(program).each([&](int f, uint64_t, const std::string& shape) {
-    if (f == kProgramParams) sig.body_param_types.push_back(element_type(shape));
-    if (f != kProgramResult) return;
+    if (f == kProgramShapeParameters) sig.body_param_types.push_back(element_type(shape));
+    if (f != kProgramShapeResult) return;
     reader(shape).each([&](int g, uint64_t, const std::string& part) {
       if (g == kShapeTupleShapes) sig.body_result_types.push_back(element_type(part));
     });
@@ -206,17 +206,17 @@ void adopt_body(Module& mod, const std::string& body, Signature& sig) {
   int64_t max_id = 0;
   std::vector<std::pair<int64_t, std::string>> programs;  // (computation id, program shape)
   reader(body).each([&](int field, uint64_t v, const std::string& s) {
-    if (field == kModEntryId) sig.body_id = int64_t(v);
-    if (field != kModComputations) return;
+    if (field == kHloModuleEntryComputationId) sig.body_id = int64_t(v);
+    if (field != kHloModuleComputations) return;
     mod.computations.push_back(s);
     int64_t id = -1;
     std::string program;
     reader(s).each([&](int f, uint64_t cv, const std::string& inst) {
-      if (f == kCompId) id = int64_t(cv), max_id = std::max<int64_t>(max_id, id);
-      if (f == kCompProgramShape) program = inst;
-      if (f != kCompInstructions) return;
+      if (f == kHloComputationId) id = int64_t(cv), max_id = std::max<int64_t>(max_id, id);
+      if (f == kHloComputationProgramShape) program = inst;
+      if (f != kHloComputationInstructions) return;
       reader(inst).each([&](int g, uint64_t iv, const std::string&) {
-        if (g == kInstrId) max_id = std::max<int64_t>(max_id, int64_t(iv));
+        if (g == kHloInstructionId) max_id = std::max<int64_t>(max_id, int64_t(iv));
       });
     });
     programs.emplace_back(id, program);
@@ -251,8 +251,9 @@ std::string build_module(const std::string& body, Signature sig) {
     std::string p = "seg" + std::to_string(n) + "_";
     s.counter = e.constant_s64(p + "counter", 0);
     int64_t init = pack(e, p + "init", s, sig);
-    int64_t done = e.emit(p + "while", "while", state_shape, {init},
-                          [&](Msg& m) { m.packed(kInstrCalledComputationIds, {loops[n].first, loops[n].second}); });
+    int64_t done = e.emit(p + "while", "while", state_shape, {init}, [&](Msg& m) {
+      m.packed(kHloInstructionCalledComputationIds, {loops[n].first, loops[n].second});  // (body, condition)
+    });
     s = unpack(e, done, sig, n + 1 == loops.size() ? kResults : kNoCounter, p);
   }
   std::vector<int64_t> outs(s.carry);
@@ -263,12 +264,12 @@ std::string build_module(const std::string& body, Signature sig) {
   int64_t entry_id = e.finish(e.emit("result", "tuple", result, outs), result);
 
   Msg m;
-  m.bytes(kModName, "scan." + std::to_string(entry_id));
-  m.bytes(kModEntryName, "scan_entry." + std::to_string(entry_id));
-  for (const std::string& c : mod.computations) m.bytes(kModComputations, c);
-  m.msg(kModHostProgramShape, program_shape(e.params, result));
-  m.i64(kModId, entry_id);
-  m.i64(kModEntryId, entry_id);
+  m.bytes(kHloModuleName, "scan." + std::to_string(entry_id));
+  m.bytes(kHloModuleEntryComputationName, "scan_entry." + std::to_string(entry_id));
+  for (const std::string& c : mod.computations) m.bytes(kHloModuleComputations, c);
+  m.msg(kHloModuleHostProgramShape, program_shape(e.params, result));
+  m.i64(kHloModuleId, entry_id);
+  m.i64(kHloModuleEntryComputationId, entry_id);
   return m.b;
 }
 
