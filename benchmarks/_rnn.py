@@ -1,4 +1,4 @@
-"""The tanh RNN cell the benchmarks share (NOTES.md): c = tanh(c @ W + x); y = c.sum(-1)."""
+"""The tanh RNN cell the benchmarks share: c = tanh(c @ W + x); y = c.sum(-1)."""
 import torch
 
 

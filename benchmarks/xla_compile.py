@@ -1,6 +1,6 @@
 """Compile time on XLA (CPU) vs scan length: our While vs torch_xla's scan vs unrolled baselines.
 
-Body (NOTES.md): c = tanh(c @ W + x); y = c.sum(-1), H=64, batch 8. For each N:
+Body (benchmarks/_rnn.py): c = tanh(c @ W + x); y = c.sum(-1), H=64, batch 8. For each N:
 first call (trace + compile + run) and steady per-call time, forward-only and
 training (backward to W). torch_xla's scan gets W in the carry (it cannot read
 closures). Upstream torch's scan and a Python loop unroll, so they run up to

@@ -7,9 +7,12 @@ tracer, front end and inductor pass all run on this object:
         -> [*final_carry, *ys]
 
 with ``combine_fn(*carry, *x_slice, *additional_inputs) -> [*new_carry, *y]``.
-Keyword-only extras never reach a traced graph: the proxy rule turns
-``reverse`` into flips and drops ``remat``/``unroll`` (consumed by the autograd
-and XLA rules), so graphs keep upstream's exact form.
+Keyword-only extras: ``remat`` is consumed by the autograd rule and never
+reaches a graph; ``unroll`` becomes the loop schedule of ``_schedule`` (one
+node per segment, block bodies); ``reverse`` stays a ``reverse=True`` kwarg for
+compilers (inductor lowers it in place), and becomes upstream's kwarg-free form
+for ``torch.export`` (a scan over the indices L-1..0) and torch_xla's bridge
+(flips around the node).
 """
 import torch
 
