@@ -15,6 +15,17 @@ except ImportError:
     pass
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches and counters empty before and after the test."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

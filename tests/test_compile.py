@@ -38,12 +38,7 @@ def scan_nodes(gm):
     return [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.scan]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class TestGraphs(expecttest.TestCase):

@@ -8,12 +8,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch_scan_hop import scan
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 @pytest.mark.parametrize("how", ["mark_dynamic", "dynamic=True"])

@@ -16,12 +16,7 @@ LENGTHS = (1, 2, 9, 19)
 FULL_SWEEP = os.environ.get("TORCH_SCAN_HOP_FULL_SWEEP") == "1"  # lengths 1..20: ~30 min on 2 cores
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def rnn_cell(w, b):

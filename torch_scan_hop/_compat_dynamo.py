@@ -88,8 +88,12 @@ def inlined(tx, fn):
 
 def speculate_subgraph(tx, fn, args, **kwargs):
     """Trace ``fn`` into a subgraph: ``((output, spec), graph, lifted freevars)``.
-    Same signature and result on 2.9-2.14 for the keywords we pass."""
-    return _hops().speculate_subgraph(tx, fn, args, sub_kwargs={}, **kwargs)
+    Same signature and result on 2.9-2.14 for the keywords we pass. Python
+    floats the body reads stay constants: under dynamic=True torch 2.14 lifts
+    an unspecialized float (``LayerNorm.eps``) as a 0-d tensor whose ``.item()``
+    inside the body is data-dependent, which no scan body can be."""
+    with torch._dynamo.config.patch(specialize_float=True):
+        return _hops().speculate_subgraph(tx, fn, args, sub_kwargs={}, **kwargs)
 
 
 def make_attr(tx, name):

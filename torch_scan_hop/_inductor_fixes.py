@@ -1,4 +1,4 @@
-"""Workarounds for torch 2.9 inductor defects that scan's while_loops hit.
+"""Workarounds for two torch 2.9 inductor defects that scan's while_loops hit.
 
 1. Subgraph inputs taken as donated buffers (fixed upstream by pytorch#193960).
    Compiling a backward graph, inductor marks the inputs listed in AOT's
@@ -18,11 +18,6 @@
    asserts. A scan's init and xs are while_loop operands, so a training step
    whose loss is ``carry.sum() + ys.sum()`` failed to compile. Such operands are
    materialized (a contiguous clone, as big as the expanded tensor) first.
-
-3. Carries whose layout changes. while_loop requires each new carry to have
-   its input's strides; a body returning ``(c @ W).mT`` (same values, any
-   layout is right for a scan) failed to compile. Such carries are copied
-   into the input carry's strides in the body, just before lowering.
 """
 import contextlib
 
@@ -75,46 +70,3 @@ def materialize_expanded_operands(gm):
         node.args = (combine, init, xs, *rest)
     gm.graph.lint()
 
-
-def _same_strides(a, b):
-    from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
-
-    return a.dim() == b.dim() and statically_known_true(sym_eq(tuple(a.stride()), tuple(b.stride())))
-
-
-def _strides_of(graph, placeholder, val):
-    """``val``'s strides as graph arguments: ints, or sym_stride nodes of the placeholder."""
-    out = []
-    for d, s in enumerate(val.stride()):
-        if not isinstance(s, int):
-            node = graph.call_function(torch.ops.aten.sym_stride.int, (placeholder, d))
-            node.meta["val"], s = s, node
-        out.append(s)
-    return out
-
-
-def _restride_carries_of(body, num_carry):
-    out = body.graph.find_nodes(op="output")[0]
-    values = list(out.args[0])
-    carries = list(body.graph.find_nodes(op="placeholder"))[:num_carry]
-    changed = False
-    for i, ph in enumerate(carries):
-        want, new = ph.meta.get("val"), values[i]
-        have = new.meta.get("val") if isinstance(new, torch.fx.Node) else None
-        if not isinstance(want, torch.Tensor) or not isinstance(have, torch.Tensor) or _same_strides(have, want):
-            continue
-        with body.graph.inserting_before(out):
-            copy = body.graph.call_function(torch.ops.prims.copy_strided.default,
-                                            (new, _strides_of(body.graph, ph, want)))
-        with getattr(have, "fake_mode", None) or contextlib.nullcontext():
-            copy.meta["val"] = torch.empty_strided(have.shape, want.stride(), dtype=have.dtype, device=have.device)
-        values[i], changed = copy, True
-    if changed:
-        out.args = (values,)
-        body.recompile()
-
-
-def restride_changed_carries(gm):
-    """Copy each scan body's new carries into their input carries' strides."""
-    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan):
-        _restride_carries_of(getattr(gm, node.args[0].target), len(node.args[1]))

@@ -1,14 +1,18 @@
-"""Inductor: reverse scans lowered natively, reading and writing slice L-1-i in place.
+"""Inductor: every scan lowered to a while_loop here, reverse ones in place.
 
-Inductor 2.9's post-grad pass ``decompose_scan_to_while_loop`` turns scan nodes
+Inductor's post-grad pass ``decompose_scan_to_while_loop`` turns scan nodes
 into ``while_loop`` in forward order only, and refuses kwargs. Under a compiler
 our proxy rule emits a reverse scan as ``scan(..., reverse=True)``; the pass
-here runs just before upstream's and lowers exactly those nodes to a
-``while_loop`` whose step ``i`` reads ``xs[L-1-i]`` (a view) and writes
-``ys[L-1-i]``. The forward-order alternative gathers every slice and flips the
-ys afterwards: in a training backward, copies of all saved activations and
-weight gradients. Scans of static length 0 are lowered here too (to their
-init and empty ys). ``install`` also puts in the workarounds of
+here runs just before upstream's and lowers the scan nodes itself: a
+``while_loop`` whose step ``i`` reads ``xs[i]`` (``xs[L-1-i]`` when reverse, a
+view) and writes ``ys[i]`` in place. The forward-order alternative for reverse
+gathers every slice and flips the ys afterwards: in a training backward,
+copies of all saved activations and weight gradients. Forward scans are
+lowered the same way so that one lowering (ours, the same on torch 2.9 and
+2.14) holds the fixes every loop needs: a new carry is copied into its input's
+strides when the body returns it in another layout (``(c @ W).mT``, or an
+expanded gradient), as while_loop requires; scans of static length 0 become
+their init and empty ys. ``install`` also puts in the workarounds of
 ``_inductor_fixes`` that every scan's while_loop needs on torch 2.9.
 """
 import functools
@@ -34,9 +38,8 @@ def install():
     @functools.wraps(upstream)
     def decompose_scans(gm):
         _inductor_fixes.materialize_expanded_operands(gm)
-        _inductor_fixes.restride_changed_carries(gm)
-        _lower_reverse_scans(gm)
-        return upstream(gm)
+        _lower_scans(gm)
+        return upstream(gm)  # nothing left to lower: kept for what later torch adds to it
 
     post_grad.decompose_scan_to_while_loop = decompose_scans
     _inductor_fixes.keep_subgraph_inputs_undonated()
@@ -44,16 +47,11 @@ def install():
 
 
 def _is_ours_to_lower(match):
-    """Reverse scans, and scans of static length 0 (upstream's pass asserts the
-    index is below the length while tracing its body, which fails for 0)."""
-    node = match.nodes[0]
-    if node.kwargs and (set(node.kwargs) != {"reverse"} or node.kwargs["reverse"] is not True):
-        return False
-    xs = node.args[2]
-    return bool(node.kwargs) or (bool(xs) and not segments(xs[0].meta["val"].shape[0]))  # no step to run
+    """Scan nodes with no option but ``reverse`` (the proxy rule emits no other)."""
+    return set(match.nodes[0].kwargs) <= {"reverse"}
 
 
-def _lower_reverse_scans(gm):
+def _lower_scans(gm):
     from torch._inductor.pattern_matcher import CallFunctionVarArgs, PatternMatcherPass, register_graph_pattern
 
     pass_ = PatternMatcherPass()
@@ -66,7 +64,8 @@ def _lower_reverse_scans(gm):
         ys_vals = node.meta["val"][len(init):]
         flat = [*init, *xs, *lifted]
         counts = (len(init), len(xs), len(lifted))
-        match.replace_by_example(_reverse_while_loop(body, ys_vals, counts), flat, run_functional_passes=False)
+        reverse = bool(node.kwargs.get("reverse", False))
+        match.replace_by_example(_while_loop(body, ys_vals, counts, reverse), flat, run_functional_passes=False)
 
     pass_.apply(gm)
     gm.graph.lint()
@@ -81,9 +80,23 @@ def _split(seq, *counts):
     return out
 
 
-def _reverse_while_loop(body, ys_vals, counts):
+def _same_strides(a, b):
+    from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
+
+    return statically_known_true(sym_eq(tuple(a.stride()), tuple(b.stride())))
+
+
+def _in_layout_of(new, old):
+    """``new`` with ``old``'s strides (a copy only when they may differ)."""
+    if not isinstance(new, torch.Tensor) or _same_strides(new, old):
+        return new
+    return torch.ops.prims.copy_strided.default(new, old.stride())
+
+
+def _while_loop(body, ys_vals, counts, reverse):
     """The traced replacement: preallocated ys, a CPU counter, and a loop body that
-    runs ``body`` on the views ``x[L-1-i]`` and copies each y into ``ys[L-1-i]``."""
+    runs ``body`` on the views ``x[i]`` and copies each y into ``ys[i]``, with
+    ``i = step_index(counter)`` (``L-1-counter`` when reverse)."""
     from torch._inductor.fx_passes.post_grad import resolve_shape_to_proxy
 
     nc, nx, nl = counts
@@ -104,13 +117,14 @@ def _reverse_while_loop(body, ys_vals, counts):
 
         def step(counter, *rest):
             bufs, carry, xs_, lifted_ = _split(rest, ny, nc, nx, nl)
-            i = step_index(counter.item(), length, reverse=True)
-            torch.ops.aten._assert_scalar.default(i >= 0, "scan: reverse index below 0")
-            torch.ops.aten._assert_scalar.default(i < length, "scan: reverse index past the end")
+            i = step_index(counter.item(), length, reverse=reverse)
+            torch.ops.aten._assert_scalar.default(i >= 0, "scan: index below 0")
+            torch.ops.aten._assert_scalar.default(i < length, "scan: index past the end")
             out = body(*carry, *(x.select(0, i) for x in xs_), *lifted_)
             for y, buf in zip(out[nc:], bufs):
                 buf.select(0, i).copy_(y)
-            return (counter + 1, *bufs, *out[:nc], *xs_)
+            new_carry = [_in_layout_of(new, old) for new, old in zip(out[:nc], carry)]
+            return (counter + 1, *bufs, *new_carry, *xs_)
 
         counter = torch.zeros([], dtype=torch.int64, device="cpu")
         res = torch.ops.higher_order.while_loop(cond, step, (counter, *ys, *init, *xs), tuple(lifted))

@@ -82,8 +82,8 @@ def _make_tracker_class():
             except uncaptured as e:  # a graph break in the body, e.g. `if c.sum() > 0:`
                 raise as_scan_error(e) from None
             except unsupported as e:  # the same message as torch 2.9's hard error
-                raise compile_error(f"{_GRAPH_BREAK} Got {getattr(e, 'msg', type(e).__name__)}",
-                                    getattr(e, "real_stack", None)) from None
+                raise compile_error(f"{_GRAPH_BREAK} Got {_graph_break_message(e)}",
+                                    getattr(e, "real_stack", None)) from e
 
         @dyn.hard_error(reason=_GRAPH_BREAK)
         def _call_ours(self, tx, args, kwargs):
@@ -114,6 +114,19 @@ def _make_tracker_class():
             return dyn.call_and_unflatten(tx, self.value, p_args, options, spec)
 
     return ScanVariable
+
+
+def _graph_break_message(e):
+    """What broke the graph: Dynamo's message, or for an exception the body
+    raised while Dynamo ran it on fake tensors (torch 2.14 wraps it in an
+    ObservedException), the body's own error."""
+    msg = getattr(e, "msg", None)
+    if msg:
+        return msg
+    cause = e.__cause__ or e.__context__
+    while cause is not None and (cause.__cause__ or cause.__context__) is not None and not isinstance(cause, ScanError):
+        cause = cause.__cause__ or cause.__context__
+    return f"{type(cause).__name__}: {cause}" if cause is not None else type(e).__name__
 
 
 def _clone_outputs_that_are_inputs(graph):
