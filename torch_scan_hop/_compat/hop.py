@@ -3,8 +3,8 @@
 Names re-exported as they are: ``HigherOrderOperator`` (``torch._ops``; 2.14
 adds the keyword ``supports_training_input_mutation=False``), and from
 ``torch._higher_order_ops.utils`` ``_from_fun``, ``_maybe_run_with_interpreter``,
-``materialize_as_graph``, ``reenter_make_fx`` (2.14 adds an optional
-``subgraph_decomp_table``), ``unique_graph_id`` and
+``materialize_as_graph`` and ``reenter_make_fx`` (2.14 adds an optional
+``subgraph_decomp_table`` to both, unused here), ``unique_graph_id`` and
 ``check_input_alias_and_mutation_return_outputs`` (signature differs: see
 ``input_mutations_and_outputs``).
 """
