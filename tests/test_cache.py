@@ -142,9 +142,9 @@ def test_graph_key_sees_constants_and_signed_zero():
 
 
 def test_traced_path_does_not_grow_linecache_without_bound(monkeypatch):
-    from torch_scan_hop import _compat
+    from torch_scan_hop._compat import tracing
 
-    monkeypatch.setattr(_compat, "_MAX_OUR_SOURCES", 40)
+    monkeypatch.setattr(tracing, "_MAX_OUR_SOURCES", 40)
     part = CountingPartition()
     init, xs = torch.randn(2, 3), torch.randn(3, 2, 3)
 

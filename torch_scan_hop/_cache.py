@@ -21,6 +21,8 @@ import weakref
 
 import torch
 
+from . import _compat
+
 _MAX_ENTRIES = 64
 _SMALL_CONSTANT = 4096  # elements: constants up to this size are keyed by value
 _LITERALS = (type(None), bool, int, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
@@ -55,9 +57,9 @@ class _GraphKey:
     def callable(self, target):
         if isinstance(target, str):  # call_method
             return ("method", target)
-        if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        if _compat.is_op_or_packet(target):
             return ("op", str(target))
-        if isinstance(target, torch._ops.HigherOrderOperator):
+        if _compat.is_hop(target):
             return ("hop", target.name(), self.identity(target))
         if isinstance(target, types.BuiltinFunctionType):
             return ("builtin", target.__module__, target.__qualname__)
@@ -87,7 +89,7 @@ class _GraphKey:
         if t.device.type == "cpu" and t.numel() <= _SMALL_CONSTANT and type(t) in (torch.Tensor, torch.nn.Parameter):
             data = t.detach().contiguous().reshape(-1).view(torch.uint8)
             return ("value", meta, data.numpy().tobytes())
-        return ("tensor", meta, self.identity(t), t._version)
+        return ("tensor", meta, self.identity(t), _compat.tensor_version(t))
 
     def arg(self, a, index):
         if isinstance(a, torch.fx.Node):

@@ -23,6 +23,8 @@ import contextlib
 
 import torch
 
+from . import _compat
+
 _subgraph_fix_installed = False
 
 
@@ -32,15 +34,11 @@ def keep_subgraph_inputs_undonated():
     global _subgraph_fix_installed
     if _subgraph_fix_installed:
         return
-    from torch._inductor.graph import SubgraphLowering
 
-    init = SubgraphLowering.__init__
+    def undonate(lowering):
+        lowering.bw_donated_idxs = None
 
-    def __init__(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.bw_donated_idxs = None
-
-    SubgraphLowering.__init__ = __init__
+    _compat.inductor.run_after_subgraph_lowering_init(undonate)
     _subgraph_fix_installed = True
 
 

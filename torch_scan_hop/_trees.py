@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-import torch.utils._pytree as pytree
+
+from . import _compat
+from ._compat import pytree
 
 
 class TreeDef:
@@ -209,11 +211,9 @@ def check_carry(new_carry, inputs: ScanInputs):
 def _same_shape(a, b):
     """Shapes equal; symbolic sizes are compared outside any trace (an outer
     trace's sizes are not tracked by the body's sub-trace)."""
-    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-
     if all(type(d) is int for d in (*a, *b)):
         return a == b
-    with disable_proxy_modes_tracing():
+    with _compat.disable_proxy_modes_tracing():
         return len(a) == len(b) and all(bool(x == y) for x, y in zip(a, b))
 
 

@@ -13,6 +13,8 @@ import sys
 
 import torch
 
+from . import _compat
+
 _done = False
 
 
@@ -49,11 +51,8 @@ def register_missing():
     global _done
     if _done or "torch_xla.distributed.spmd.xla_sharding" not in sys.modules:
         return
-    from torch._library.custom_ops import _maybe_get_opdef
-
     for name, (backward, setup) in _FORMULAS.items():
-        opdef = _maybe_get_opdef(name)
-        if opdef is not None and opdef._backward_fn is None:
+        if _compat.custom_op_lacks_autograd(name):
             torch.library.register_autograd(name, backward, setup_context=setup)
     _done = True
 
@@ -63,9 +62,7 @@ def _linear_op(input, weight, bias=None):
 
 
 def _sharding_op(tensor, mesh, partition_spec):
-    from torch_xla.distributed.spmd.xla_sharding import _aot_mark_sharding
-
-    return _aot_mark_sharding(tensor, str(mesh), str(partition_spec))
+    return _compat.xla.aot_mark_sharding(tensor, str(mesh), str(partition_spec))
 
 
 _FUNCTIONS = {"XLAPatchedLinear": _linear_op, "MarkShardingFunction": _sharding_op}

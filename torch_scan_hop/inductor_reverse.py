@@ -15,11 +15,9 @@ expanded gradient), as while_loop requires; scans of static length 0 become
 their init and empty ys. ``install`` also puts in the workarounds of
 ``_inductor_fixes`` that every scan's while_loop needs on torch 2.9.
 """
-import functools
-
 import torch
 
-from . import _inductor_fixes
+from . import _compat, _inductor_fixes
 from ._schedule import segments, step_index
 
 _installed = False
@@ -31,17 +29,12 @@ def install():
     global _installed
     if _installed:
         return
-    from torch._inductor.fx_passes import post_grad
 
-    upstream = post_grad.decompose_scan_to_while_loop
-
-    @functools.wraps(upstream)
-    def decompose_scans(gm):
+    def before_upstream(gm):
         _inductor_fixes.materialize_expanded_operands(gm)
         _lower_scans(gm)
-        return upstream(gm)  # nothing left to lower: kept for what later torch adds to it
 
-    post_grad.decompose_scan_to_while_loop = decompose_scans
+    _compat.inductor.run_before_scan_decomposition(before_upstream)
     _inductor_fixes.keep_subgraph_inputs_undonated()
     _installed = True
 
@@ -52,13 +45,7 @@ def _is_ours_to_lower(match):
 
 
 def _lower_scans(gm):
-    from torch._inductor.pattern_matcher import CallFunctionVarArgs, PatternMatcherPass, register_graph_pattern
-
-    pass_ = PatternMatcherPass()
-
-    @register_graph_pattern(CallFunctionVarArgs(torch.ops.higher_order.scan), extra_check=_is_ours_to_lower,
-                            pass_dict=pass_)
-    def _(match, combine, init, xs, lifted, **_kwargs):
+    def lower(match, combine, init, xs, lifted, **_kwargs):
         node = match.nodes[0]
         body = getattr(gm, combine.target)
         ys_vals = node.meta["val"][len(init):]
@@ -67,7 +54,7 @@ def _lower_scans(gm):
         reverse = bool(node.kwargs.get("reverse", False))
         match.replace_by_example(_while_loop(body, ys_vals, counts, reverse), flat, run_functional_passes=False)
 
-    pass_.apply(gm)
+    _compat.inductor.call_pattern_pass(torch.ops.higher_order.scan, _is_ours_to_lower, lower).apply(gm)
     gm.graph.lint()
     gm.recompile()
 
@@ -97,7 +84,7 @@ def _while_loop(body, ys_vals, counts, reverse):
     """The traced replacement: preallocated ys, a CPU counter, and a loop body that
     runs ``body`` on the views ``x[i]`` and copies each y into ``ys[i]``, with
     ``i = step_index(counter)`` (``L-1-counter`` when reverse)."""
-    from torch._inductor.fx_passes.post_grad import resolve_shape_to_proxy
+    resolve_shape_to_proxy = _compat.inductor.resolve_shape_to_proxy
 
     nc, nx, nl = counts
 

@@ -87,13 +87,13 @@ def _raise_name_mismatch(i, state, ref_state):
 
 
 def _state(module, prefix, out):
-    for name, p in module._parameters.items():
+    for name, p in _compat.nn.own_parameters(module).items():
         if p is not None:
             out[prefix + name] = p
-    for name, b in module._buffers.items():
+    for name, b in _compat.nn.own_buffers(module).items():
         if b is not None:
             out[prefix + name] = b
-    for name, sub in module._modules.items():
+    for name, sub in _compat.nn.child_modules(module).items():
         if sub is not None:
             _state(sub, prefix + name + ".", out)
     return out
@@ -130,12 +130,13 @@ class _LayerView:
         module, state, prefix = d["m"], d["state"], d["prefix"]
         if prefix + name in state:
             return state[prefix + name]
-        if name in module._modules:
-            sub = module._modules[name]
-            peers = [p._modules[name] for p in d["peers"]]
+        children = _compat.nn.child_modules(module)
+        if name in children:
+            sub = children[name]
+            peers = [_compat.nn.child_modules(p)[name] for p in d["peers"]]
             return None if sub is None else view_of(sub, state, prefix + name + ".", peers)
-        if name == "_modules":
-            return {k: getattr(self, k) for k in module._modules}
+        if name == "_modules":  # torch's containers read their children from this attribute
+            return {k: getattr(self, k) for k in children}
         attr = getattr(type(module), name, None)
         if isinstance(attr, property):
             return attr.fget(self)
@@ -153,7 +154,7 @@ class _LayerView:
 
     def __len__(self):
         module = self.__dict__.get("m")
-        return 0 if module is None else len(module._modules)
+        return 0 if module is None else len(_compat.nn.child_modules(module))
 
     def __bool__(self):  # a module is truthy whatever its number of children
         return True
@@ -199,7 +200,7 @@ def _check_no_hooks(layers):
                         "(torch.compile, export, XLA) does not run module hooks. Remove them or use a loop.")
     for i, layer in enumerate(layers):
         for name, sub in layer.named_modules():
-            if sub._forward_hooks or sub._forward_pre_hooks or sub._backward_hooks or sub._backward_pre_hooks:
+            if _compat.nn.module_has_hooks(sub):
                 where = f"layer {i}" + (f" ({name})" if name else "")
                 raise ScanError(f"scan_layers: {where} has module hooks; a traced scan_layers (torch.compile, "
                                 "export, XLA) runs layer 0's code, not the modules' __call__, so hooks would not "

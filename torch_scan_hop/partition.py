@@ -34,7 +34,7 @@ def _name_joint_placeholders(joint, num_primals):
     for i, node in enumerate(joint.graph.find_nodes(op="placeholder")):
         new = f"primals_{i + 1}" if i < num_primals else f"tangents_{i - num_primals + 1}"
         node.target = new
-        node._rename(new)
+        _compat.rename_node(node, new)
     joint.recompile()
 
 
@@ -90,7 +90,7 @@ class FwdBwd:
 
 def _is_view(node):
     target = node.target
-    return isinstance(target, torch._ops.OpOverload) and (
+    return _compat.is_op_overload(target) and (
         target.is_view or target is torch.ops.aten._unsafe_view.default)
 
 
@@ -208,8 +208,8 @@ def _classify_saved(fwd, num_outputs, num_carry, num_x):
 
 
 def _mutates(gm):
-    return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-               and n.target._schema.is_mutable for n in gm.graph.nodes)
+    return any(n.op == "call_function" and _compat.is_op_overload(n.target)
+               and _compat.op_schema(n.target).is_mutable for n in gm.graph.nodes)
 
 
 def _has_symbols(values):

@@ -64,7 +64,7 @@ _GRAPH_BREAK = ("torch_scan_hop.scan: the body fn must be captured whole by torc
 
 
 def _make_tracker_class():
-    from . import _compat_dynamo as dyn
+    from ._compat import dynamo as dyn
 
     upstream_cls = dyn.tracker_registry()["scan"]
     uncaptured, unsupported = dyn.uncaptured_error_class(), dyn.unsupported_error_classes()
@@ -164,7 +164,7 @@ def _resolve_unroll(tx, unroll, xs_vars):
     one-node form."""
     if unroll != AUTO_UNROLL:
         return unroll
-    from ._compat_dynamo import fake_value, is_exporting
+    from ._compat.dynamo import fake_value, is_exporting
 
     length = fake_value(xs_vars[0].as_proxy().node, tx).shape[0] if xs_vars else None
     if is_exporting(tx) or not isinstance(length, int) or length < _AUTO_MIN_LENGTH:
@@ -196,7 +196,7 @@ def _option_value(tx, name, var):
     dynamic=True, say unroll=k) is specialized, with a guard, to its value.
     Anything else must be a constant: a graph node cannot hold a function, so a
     callable ``remat`` works in eager and make_fx only."""
-    from ._compat_dynamo import is_constant, is_symbolic_int
+    from ._compat.dynamo import is_constant, is_symbolic_int
 
     if is_symbolic_int(var):
         return var.evaluate_expr(tx.output)
@@ -216,7 +216,7 @@ def compile_error(message, real_stack=None):
     while tracing in an InternalTorchDynamoError."""
     global _ScanCompileError
     if _ScanCompileError is None:
-        from ._compat_dynamo import uncaptured_error_class
+        from ._compat.dynamo import uncaptured_error_class
 
         UncapturedHigherOrderOpError = uncaptured_error_class()
 
@@ -235,7 +235,7 @@ def as_scan_error(e):
 
 def install():
     """Register our tracker for the name "scan" (idempotent)."""
-    from ._compat_dynamo import tracker_registry
+    from ._compat.dynamo import tracker_registry
 
     registry = tracker_registry()
     if getattr(registry["scan"], "_torch_scan_hop", False):

@@ -12,9 +12,9 @@ for a scan without steps; ``remat`` was consumed by the autograd rule.
 import contextlib
 
 import torch
-import torch.utils._pytree as pytree
 
 from . import _compat, inductor_reverse
+from ._compat import pytree
 from ._op import example_args, scan_op, split_out
 from ._schedule import block_order, segments
 from .rule_fake import check_body_carry

@@ -55,12 +55,12 @@ def _to_host(node):
 
 
 def _has_kernel(qualified_name, keys=_KERNEL_KEYS):
-    return any(torch._C._dispatch_has_kernel_for_dispatch_key(qualified_name, k) for k in keys)
+    return any(_compat.has_kernel_for(qualified_name, k) for k in keys)
 
 
 def _overload_name(op):
-    name = op._schema.name
-    return name if not op._schema.overload_name else f"{name}.{op._schema.overload_name}"
+    schema = _compat.op_schema(op)
+    return schema.name if not schema.overload_name else f"{schema.name}.{schema.overload_name}"
 
 
 def _falls_back_to_cpu(op):
@@ -72,7 +72,7 @@ def _falls_back_to_cpu(op):
         return True
     packet = op.overloadpacket
     outs = [getattr(packet, o) for o in packet.overloads()]
-    outs = [o for o in outs if any(a.is_out for a in o._schema.arguments)]
+    outs = [o for o in outs if any(a.is_out for a in _compat.op_schema(o).arguments)]
     return not any(_has_kernel(_overload_name(o)) for o in outs)
 
 
@@ -92,7 +92,7 @@ def check_runs_on_xla(body):
     if not isinstance(body, torch.fx.GraphModule):
         return  # a Python callable: nothing to inspect before running it
     for node in body.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        if node.op != "call_function" or not _compat.is_op_overload(node.target):
             continue
         problem = _problem(node)
         if problem is not None:
@@ -163,18 +163,16 @@ def _run_on_placeholders(combine_fn, init, xs, additional_inputs):
 
 def _param_sources(ctx, groups, outs, num_x, num_pass):
     """body parameter -> (kind, index), and the hoisted device data; the seed is the x after the real ones."""
-    torch_xla, _ = _xla()
-    xlac = torch_xla._XLAC
     where = {}
     for kind, tensors in groups:
         for i, t in enumerate(tensors):
             pid = ctx.tensor_parameter_id(t)
             if pid != -1:
                 where[pid] = (kind, i)
-    ids, values = xlac._get_tensors_xla_device_data_node(outs)
+    ids, values = _compat.xla.device_data_nodes(outs)
     seed_pid = None
-    if xlac._get_seed_info_id() in ids:
-        seed_pid = ctx.tensor_parameter_id(values[ids.index(xlac._get_seed_info_id())])
+    if _compat.xla.seed_info_id() in ids:
+        seed_pid = ctx.tensor_parameter_id(values[ids.index(_compat.xla.seed_info_id())])
     hoisted = []
     device_data = ctx.device_parameter_id_tensor_mapping()
     for pid in sorted(device_data):
@@ -195,9 +193,8 @@ def lower_body(combine_fn, init, xs, additional_inputs) -> BodyHlo:
     """Stage out one step of ``combine_fn`` as HLO (nothing runs on the device)."""
     check_runs_on_xla(combine_fn)
     combine_fn = keep_on_device(combine_fn)
-    torch_xla, _ = _xla()
     groups, outs = _run_on_placeholders(combine_fn, init, xs, additional_inputs)
-    ctx = torch_xla._XLAC.lowering.LoweringContext("scan_body")
+    ctx = _compat.xla.lowering_context("scan_body")
     ctx.build(outs)
     params, hoisted, uses_seed = _param_sources(ctx, groups, outs, len(xs), len(additional_inputs))
     ys = outs[len(init):]

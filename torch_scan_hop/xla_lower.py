@@ -12,7 +12,7 @@ from typing import Any, List
 
 import torch
 
-from . import _cache, _schedule
+from . import _cache, _compat, _schedule
 from ._trees import ScanError
 from .xla_body import lower_body
 
@@ -47,8 +47,6 @@ def _hlo_scan():
 
 
 def _lower(combine_fn, init, xs, additional_inputs, reverse, unroll):
-    import torch_xla
-
     body = lower_body(combine_fn, init, xs, additional_inputs)
     length = int(xs[0].shape[0])
     xs_shapes = [_shape(x.dtype, x.shape) for x in xs]
@@ -60,7 +58,7 @@ def _lower(combine_fn, init, xs, additional_inputs, reverse, unroll):
         [_shape(c.dtype, c.shape) for c in init], xs_shapes,
         [_shape(dtype, (length, *shape)) for shape, dtype in body.y_meta],
         [_shape(a.dtype, a.shape) for a in [*additional_inputs, *body.hoisted]], body.params)
-    computation = torch_xla._XLAC._xla_op_computation_from_module_proto("scan", module)
+    computation = _compat.xla.computation_from_module_proto("scan", module)
     return LoweredScan(computation, body.y_meta, body.hoisted, body.uses_seed)
 
 
@@ -84,8 +82,6 @@ def on_device(tensors, device):
 
 def scan_on_xla(combine_fn, init, xs, additional_inputs, reverse, unroll):
     """Run the While; returns [*final_carry, *ys]."""
-    import torch_xla
-
     device = xla_device([*init, *xs, *additional_inputs])
     init, xs, additional_inputs = (on_device(group, device) for group in (init, xs, additional_inputs))
     lowered = lowered_scan(combine_fn, init, xs, tuple(additional_inputs), reverse, unroll)
@@ -95,4 +91,4 @@ def scan_on_xla(combine_fn, init, xs, additional_inputs, reverse, unroll):
         seeds = [torch.randint(0, 2**62, (length,), dtype=torch.int64, device=device)]
     ys = [torch.zeros((length, *shape), dtype=dtype, device=device) for shape, dtype in lowered.y_meta]
     inputs = [*init, *xs, *seeds, *ys, *additional_inputs, *on_device(lowered.hoisted, device)]
-    return list(torch_xla._XLAC._xla_user_computation("xla::scan", inputs, lowered.computation))
+    return list(_compat.xla.user_computation("xla::scan", inputs, lowered.computation))

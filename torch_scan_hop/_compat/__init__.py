@@ -1,0 +1,93 @@
+"""Every private torch / torch_xla API this package touches, in one place.
+
+torch's HOP internals move between releases; keeping the imports and the thin
+adapters here means a new torch version changes this package, not the rules.
+Nothing else in torch_scan_hop imports a private torch name
+(tests/test_compat.py checks). One module per subsystem:
+
+- ``dispatch``: dispatch keys, active modes and transforms, operator and tensor internals;
+- ``tracing``: make_fx / proxy mode, fake tensors, functionalization, ``trace_graph``,
+  closure stand-ins, ``tracing_lock``, pytree;
+- ``hop``: ``torch._ops`` / ``torch._higher_order_ops`` (schema, registry, subgraphs);
+- ``autograd``: partitioners, joint tags, compiled autograd, SAC storage, custom-op formulas;
+- ``functorch``: vmap levels and batched tensors;
+- ``inductor``: post-grad scan pass, pattern matcher, subgraph lowering;
+- ``nn``: ``nn.Module`` internals (state dicts, hooks);
+- ``xla``: ``torch_xla._XLAC`` and torch_xla's private ops.
+
+- ``dynamo``: the Dynamo internals of rule_dynamo's VariableTracker.
+
+The names the package used from the former single module are re-exported
+here, so ``_compat.X`` keeps working; subsystem-only adapters are reached as
+``_compat.inductor.X``, ``_compat.xla.X``, ``_compat.nn.X``.
+"""
+from . import autograd, dispatch, dynamo, functorch, hop, inductor, nn, tracing, xla  # noqa: F401
+from .autograd import (  # noqa: F401
+    custom_op_lacks_autograd,
+    eager_autograd_engine,
+    extract_fwd_bwd,
+    partitioner,
+    rename_node,
+    replayable_selective_checkpoint_contexts,
+    tag_forward_nodes,
+)
+from .dispatch import (  # noqa: F401
+    AutoDispatchBelowAutograd,
+    DispatchKey,
+    dispatch_modes_active,
+    functionalization_on,
+    has_kernel_for,
+    is_concrete,
+    is_dynamo_compiling,
+    is_exporting,
+    is_functional,
+    is_op_or_packet,
+    is_op_overload,
+    on_xla,
+    op_schema,
+    runs_eagerly,
+    tensor_version,
+)
+from .functorch import (  # noqa: F401
+    TransformType,
+    add_batch_dim,
+    functorch_bdim,
+    functorch_level,
+    functorch_unwrap,
+    is_batched_here,
+)
+from .hop import (  # noqa: F401
+    HigherOrderOperator,
+    _from_fun,
+    _maybe_run_with_interpreter,
+    check_input_alias_and_mutation_return_outputs,
+    input_mutations_and_outputs,
+    install_as_upstream_scan,
+    is_hop,
+    materialize_as_graph,
+    reenter_make_fx,
+    scan_schema,
+    unique_graph_id,
+)
+from .nn import global_module_hooks_registered  # noqa: F401
+from .tracing import (  # noqa: F401
+    CppFunctionalizeAPI,
+    FakeTensor,
+    FakeTensorMode,
+    FunctionalTensor,
+    ProxyTorchDispatchMode,
+    allow_scalar_outputs,
+    detached_examples,
+    detect_fake_mode,
+    disable_functional_mode,
+    disable_proxy_modes_tracing,
+    fresh_fake_mode,
+    make_fx,
+    pytree,
+    recording_functional_closures,
+    trace_graph,
+    track_tensor_tree,
+    tracing_lock,
+    under_make_fx,
+    unset_fake_temporarily,
+)

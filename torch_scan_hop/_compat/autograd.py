@@ -1,0 +1,126 @@
+"""Autograd internals: functorch's partitioners, the joint trace's tags,
+compiled autograd, selective-checkpoint storage and custom-op formulas."""
+import contextlib
+
+from torch.fx.experimental import proxy_tensor as _proxy_tensor
+
+
+def tag_forward_nodes(num_primals):
+    """Tag what the joint trace has recorded so far as the forward, as
+    AOTAutograd does: newer torch's default_partition takes the forward to be
+    every node up to the last one tagged "is_forward" (untagged, "save_all"
+    would recompute everything). torch 2.9 reads only the backward tags;
+    torch 2.14 reads both (``_has_tag_is_forward``). One tagging serves both."""
+    mode = _proxy_tensor.get_proxy_mode()
+    if mode is None:
+        return
+    placeholders = 0
+    for node in mode.tracer.graph.nodes:
+        is_tangent = node.op == "placeholder" and placeholders >= num_primals
+        placeholders += node.op == "placeholder"
+        node.meta["partitioner_tag"] = "is_backward" if is_tangent else "is_forward"
+
+
+def rename_node(node, name):
+    """Give an FX node a new (unique) name. Partitioners tell primals from
+    tangents by placeholder name, as AOTAutograd names them, so a joint traced
+    here renames its placeholders. torch 2.9-2.14: ``Node._rename`` (no public API)."""
+    node._rename(name)
+
+
+def partitioner(name):
+    """functorch's partition function for a remat policy name. Public
+    (``functorch.compile``) on torch 2.9-2.14; 2.14 adds keyword-only options."""
+    from functorch.compile import default_partition, min_cut_rematerialization_partition
+
+    return {"save_all": default_partition, "min_cut": min_cut_rematerialization_partition}[name]
+
+
+def extract_fwd_bwd(joint, saved_values, num_fwd_outputs):
+    """functorch's fwd/bwd extraction for a hand-chosen list of saved nodes.
+
+    torch 2.9-2.14: ``torch._functorch.partitioners._extract_fwd_bwd_modules``;
+    2.14 adds a fourth positional parameter ``saved_opaque_nodes=None``, left
+    at its default (the call passes the sym nodes positionally, the rest by keyword)."""
+    from torch._functorch.partitioners import _extract_fwd_bwd_modules
+
+    return _extract_fwd_bwd_modules(joint, saved_values, [], num_fwd_outputs=num_fwd_outputs)
+
+
+@contextlib.contextmanager
+def eager_autograd_engine():
+    """Run torch.autograd.grad inside our joint trace on the plain engine, even
+    while compiled autograd is on (it would try to Dynamo-compile our trace).
+    torch 2.9-2.14: ``torch._dynamo.compiled_autograd._disable``."""
+    import sys
+
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    if ca is None:
+        yield
+        return
+    with ca._disable():
+        yield
+
+
+class _ReplayList(list):
+    """torch 2.9's SAC storage: a list per op that the backward ``pop(0)``s.
+    Replaying instead of consuming lets a step checkpointed selectively be
+    backwarded more than once, as the loop's own tape can (retain_graph,
+    gradcheck); positions restart at each recompute."""
+
+    pos = 0
+
+    def pop(self, index=-1):
+        item = self[self.pos]
+        self.pos += 1
+        return item
+
+
+class _ReplayDict(dict):
+    """Newer torch's SAC storage (2.14): ``{call index: saved}`` per op, an entry
+    marked consumed (``checkpoint._CONSUMED``) once used. Keeping the entry
+    allows a second backward."""
+
+    def __setitem__(self, key, value):
+        from torch.utils import checkpoint as ckpt
+
+        if key in self and value is getattr(ckpt, "_CONSUMED", None):
+            return
+        super().__setitem__(key, value)
+
+
+def replayable_selective_checkpoint_contexts(policy_fn):
+    """torch's ``create_selective_checkpoint_contexts`` with replaying storage.
+
+    The storage's default factory tells the layouts apart: ``dict`` is torch
+    2.14's indexed storage (``_ReplayDict``), ``list`` torch 2.9's (``_ReplayList``,
+    and a cached-context subclass that resets positions per recompute).
+    """
+    from torch.utils import checkpoint as ckpt
+
+    caching, cached = ckpt.create_selective_checkpoint_contexts(policy_fn)
+    storage = caching.storage
+    if storage.default_factory is dict:  # newer torch: indexed entries
+        storage.default_factory = _ReplayDict
+        return caching, cached
+
+    class Replaying(type(cached)):  # torch 2.9: lists, positions reset per recompute
+        def __enter__(self):
+            for saved in self.storage.values():
+                saved.pos = 0
+            return super().__enter__()
+
+    storage.default_factory = _ReplayList
+    return caching, Replaying(policy_fn, storage, False)
+
+
+def custom_op_lacks_autograd(qualified_name):
+    """``qualified_name`` ("xla::einsum_linear_forward") is a torch.library
+    custom op with no autograd formula registered, so one may be added with
+    ``torch.library.register_autograd``. False for an op torch.library does
+    not know. torch 2.9-2.14: ``torch._library.custom_ops._maybe_get_opdef``
+    and the opdef's ``_backward_fn`` (None until a formula is registered)."""
+    from torch._library.custom_ops import _maybe_get_opdef
+
+    opdef = _maybe_get_opdef(qualified_name)
+    return opdef is not None and opdef._backward_fn is None

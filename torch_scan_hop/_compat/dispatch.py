@@ -1,0 +1,141 @@
+"""The dispatcher: dispatch keys, which modes and transforms are active, and
+the operator / tensor internals the rules and caches inspect.
+
+Names re-exported as they are (torch 2.9-2.14, same API on both):
+``DispatchKey`` (``torch._C``), ``AutoDispatchBelowAutograd``
+(``torch._C._AutoDispatchBelowAutograd``).
+"""
+import contextlib
+
+import torch
+from torch._C import DispatchKey  # noqa: F401  (re-exported for the rules)
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
+
+from .functorch import _functionalize_transform_active, _is_functorch_wrapped
+
+AutoDispatchBelowAutograd = torch._C._AutoDispatchBelowAutograd
+
+
+@contextlib.contextmanager
+def functionalization_on():
+    """Lift an enclosing exclusion of the Functionalize key for this block.
+
+    A Functionalize rule redispatches with the key excluded. Code that must
+    see torch_xla's own functionalization (views of XLA tensors are only right
+    through it) re-enables the key here and restores the exclusion after.
+
+    torch 2.9-2.14: ``torch._C``'s TLS key-set getters and
+    ``_ForceDispatchKeyGuard`` are unchanged.
+    """
+    include = torch._C._dispatch_tls_local_include_set()
+    exclude = torch._C._dispatch_tls_local_exclude_set().remove(DispatchKey.Functionalize)
+    with torch._C._ForceDispatchKeyGuard(include, exclude):
+        yield
+
+
+def dispatch_modes_active():
+    """A TorchDispatchMode (fake, proxy, functional...) is on the stack.
+
+    torch 2.9-2.14: ``torch.utils._python_dispatch._len_torch_dispatch_stack``
+    (no public equivalent)."""
+    from torch.utils._python_dispatch import _len_torch_dispatch_stack
+
+    return _len_torch_dispatch_stack() > 0
+
+
+def is_dynamo_compiling():
+    """Dynamo is tracing this frame. Public on torch 2.9-2.14; kept here so the
+    rules ask every "which tracer is on" question in one place."""
+    return torch.compiler.is_dynamo_compiling()
+
+
+def is_exporting():
+    """torch.export is tracing, strict or not.
+
+    Under Dynamo, torch 2.9 folds ``torch.compiler.is_exporting()`` to True even
+    for torch.compile, and strict export runs Dynamo before setting its own
+    flag; export's Dynamo config (no runtime asserts) is the reliable tell.
+    torch 2.14 has the same config flag; the same test serves both.
+    """
+    if torch.compiler.is_dynamo_compiling():
+        return bool(torch._dynamo.config.do_not_emit_runtime_asserts)
+    return torch.compiler.is_exporting()
+
+
+def is_functional(t):
+    """Wrapped by a functionalization pass (torch.func.functionalize, a
+    FunctionalTensorMode). XLA tensors are functional wrappers by construction
+    (torch_xla's own functionalization); they are not counted here.
+
+    torch 2.9-2.14: ``torch._is_functional_tensor`` and functorch's wrapper
+    test are unchanged."""
+    if t.device.type == "xla":
+        return isinstance(t, FunctionalTensor) or _is_functorch_wrapped(t)
+    return isinstance(t, FunctionalTensor) or torch._is_functional_tensor(t) or _is_functorch_wrapped(t)
+
+
+def _is_eager_tensor(t):
+    return not isinstance(t, (FakeTensor, FunctionalTensor)) and not torch._is_functional_tensor(t) \
+        and t.device.type not in ("xla", "lazy")
+
+
+def runs_eagerly(tensors):
+    """No tracer (make_fx, fake mode, Dynamo, functionalization) is active and
+    every tensor holds real data off XLA: the scan is the Python loop.
+    torch.func's vmap/grad/jvp wrappers count as eager: the loop composes with them.
+
+    torch 2.9-2.14: the mode stack, fake / functional tensor classes and the
+    functorch interpreter stack it reads are the same on both."""
+    if is_dynamo_compiling() or dispatch_modes_active() or _functionalize_transform_active():
+        return False
+    return all(_is_eager_tensor(t) for t in tensors if isinstance(t, torch.Tensor))
+
+
+def on_xla(tensors):
+    """Any tensor lives on an XLA device (torch_xla's tensors are plain
+    ``torch.Tensor``s with device type "xla"; no torch_xla import needed)."""
+    return any(t.device.type == "xla" for t in tensors)
+
+
+def is_concrete(t):
+    """A tensor with real data and static shape (plain, Parameter or XLA): safe to cache on.
+    torch 2.9-2.14: FakeTensor (``torch._subclasses``) is the only fake class."""
+    return (isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor)
+            and all(type(d) is int for d in t.shape))
+
+
+def has_kernel_for(qualified_name, key):
+    """The operator ``qualified_name`` ("aten::add.Tensor") has a kernel
+    registered for dispatch key ``key`` (a key name: "XLA", ...).
+
+    The XLA body check asks which ops torch_xla lowers. torch 2.9-2.14:
+    ``torch._C._dispatch_has_kernel_for_dispatch_key`` (no public equivalent)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(qualified_name, key)
+
+
+def is_op_overload(target):
+    """An FX node target that is one aten/custom operator overload (``aten.add.Tensor``).
+
+    torch 2.9-2.14: ``torch._ops.OpOverload``; ``torch.ops`` has no public
+    class to test against."""
+    return isinstance(target, torch._ops.OpOverload)
+
+
+def is_op_or_packet(target):
+    """An operator overload or its packet (``aten.add`` / ``aten.add.Tensor``).
+    torch 2.9-2.14: ``torch._ops.OpOverload`` / ``OpOverloadPacket``."""
+    return isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+
+
+def op_schema(op):
+    """The FunctionSchema of an operator overload (name, overload_name,
+    arguments, is_mutable). torch 2.9-2.14: the ``_schema`` attribute."""
+    return op._schema
+
+
+def tensor_version(t):
+    """The tensor's version counter (bumped by every in-place write): a cache
+    keyed on a tensor's identity must also see its data change.
+    torch 2.9-2.14: ``Tensor._version``."""
+    return t._version

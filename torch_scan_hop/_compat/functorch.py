@@ -1,0 +1,49 @@
+"""functorch's C++ transforms (vmap levels, batched tensors, the interpreter stack).
+
+torch 2.9-2.14: ``torch._C._functorch`` and ``torch._functorch.pyfunctorch``
+have the same functions on both; ``TransformType`` is re-exported as it is.
+"""
+import torch
+from torch._C._functorch import TransformType  # noqa: F401  (re-exported for rule_functorch)
+
+
+def functorch_level(t):
+    """The vmap level of a batched tensor, else None (torch 2.9-2.14)."""
+    f = torch._C._functorch
+    return f.maybe_get_level(t) if f.is_batchedtensor(t) else None
+
+
+def functorch_unwrap(t):
+    """The tensor one functorch level below ``t`` (torch 2.9-2.14)."""
+    return torch._C._functorch.get_unwrapped(t)
+
+
+def functorch_bdim(t):
+    """The batch dim of a batched tensor at its own level (torch 2.9-2.14)."""
+    return torch._C._functorch.maybe_get_bdim(t)
+
+
+def is_batched_here(t):
+    """A tensor batched by some vmap level (torch 2.9-2.14)."""
+    return isinstance(t, torch.Tensor) and torch._C._functorch.is_batchedtensor(t)
+
+
+def add_batch_dim(t, bdim, level):
+    """Wrap ``t`` as batched along ``bdim`` at vmap ``level`` (torch 2.9-2.14)."""
+    from torch._C._functorch import _add_batch_dim
+
+    return _add_batch_dim(t, bdim, level)
+
+
+def _is_functorch_wrapped(t):
+    """A functorch wrapper (grad/jvp/functionalize level) around ``t``
+    (torch 2.9-2.14: ``is_functorch_wrapped_tensor``)."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+def _functionalize_transform_active():
+    """torch.func.functionalize is on the functorch interpreter stack
+    (torch 2.9-2.14: ``retrieve_all_functorch_interpreters``)."""
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return any(i.key() == TransformType.Functionalize for i in retrieve_all_functorch_interpreters())

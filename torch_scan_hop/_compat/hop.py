@@ -1,0 +1,81 @@
+"""HigherOrderOperator plumbing: ``torch._ops`` and ``torch._higher_order_ops``.
+
+Names re-exported as they are: ``HigherOrderOperator`` (``torch._ops``; 2.14
+adds the keyword ``supports_training_input_mutation=False``), and from
+``torch._higher_order_ops.utils`` ``_from_fun``, ``_maybe_run_with_interpreter``,
+``materialize_as_graph`` and ``reenter_make_fx`` (2.14 adds an optional
+``subgraph_decomp_table`` to both, unused here), ``unique_graph_id`` and
+``check_input_alias_and_mutation_return_outputs`` (signature differs: see
+``input_mutations_and_outputs``).
+"""
+import torch
+from torch._higher_order_ops.utils import (  # noqa: F401
+    _from_fun,
+    _maybe_run_with_interpreter,
+    check_input_alias_and_mutation_return_outputs,
+    materialize_as_graph,
+    reenter_make_fx,
+    unique_graph_id,
+)
+from torch._ops import HigherOrderOperator  # noqa: F401
+
+
+def input_mutations_and_outputs(gm):
+    """(indices of the inputs ``gm`` mutates, its example outputs).
+
+    torch 2.9 takes the placeholders' example values as an argument; newer
+    torch (2.1x, 2.14 included) reads them from the graph itself. The
+    one-parameter branch serves 2.14, the two-parameter one 2.9.
+    """
+    import inspect
+
+    params = inspect.signature(check_input_alias_and_mutation_return_outputs).parameters
+    if len(params) == 1:
+        *_, mutated, outputs = check_input_alias_and_mutation_return_outputs(gm)
+    else:
+        vals = [n.meta.get("val", n.meta.get("example_value")) for n in gm.graph.find_nodes(op="placeholder")]
+        *_, mutated, outputs = check_input_alias_and_mutation_return_outputs(gm, vals)
+    return mutated, outputs
+
+
+def install_as_upstream_scan(op):
+    """Make ``torch.ops.higher_order.scan`` resolve to ``op``.
+
+    The HOP registry and the ``torch.ops.higher_order`` namespace cache the
+    first object under a name, so both must be overwritten (NOTES decision 1).
+    torch 2.9-2.14: the registry is ``torch._ops._higher_order_ops`` on both.
+    """
+    torch._ops._higher_order_ops["scan"] = op
+    setattr(torch.ops.higher_order, "scan", op)
+
+
+def is_hop(target):
+    """An FX node target that is a HigherOrderOperator (torch 2.9-2.14: ``torch._ops``)."""
+    return isinstance(target, HigherOrderOperator)
+
+
+def scan_schema(op, combine_fn, init, xs, additional_inputs, examples, options):
+    """torch's HopSchemaGenerator filled in for a scan call (torch 2.9's API).
+
+    torch 2.14's ``HopSchemaGenerator`` has the same add_arg / add_output /
+    add_schema_tree_spec / gen_schema methods.
+    """
+    from torch._higher_order_ops.schema import HopSchemaGenerator
+
+    from .._trees import ScanError
+
+    gm = combine_fn if isinstance(combine_fn, torch.fx.GraphModule) else materialize_as_graph(combine_fn, tuple(examples))
+    mutated, outputs = input_mutations_and_outputs(gm)
+    if mutated:
+        raise ScanError(f"scan: the body mutates its inputs {sorted(mutated)} in place; scan bodies must be functional.")
+    gen = HopSchemaGenerator(op)
+    gen.add_arg("combine_fn", gm)
+    for prefix, values in (("init", init), ("xs", xs), ("additional_input", additional_inputs)):
+        for i, value in enumerate(values):
+            gen.add_arg(f"{prefix}{i}", value)
+    for name, value in options.items():  # a remat partition function is named, not embedded
+        gen.add_arg(name, value if not callable(value) else getattr(value, "__name__", repr(value)), kw_only=True)
+    for out in outputs:
+        gen.add_output(out)
+    gen.add_schema_tree_spec(combine_fn, init, xs, additional_inputs, **options)
+    return gen.gen_schema()

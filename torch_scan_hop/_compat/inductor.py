@@ -1,0 +1,73 @@
+"""Inductor internals: the post-grad scan pass, its pattern matcher, and the
+subgraph lowering that scan's while_loops go through.
+
+Checked against torch 2.14's ``torch/_inductor``: ``post_grad`` still looks
+``decompose_scan_to_while_loop`` up by name when its passes run, still has
+``resolve_shape_to_proxy(shape, bound_symbols)``; ``PatternMatcherPass`` adds
+an optional ``subsystem``; ``SubgraphLowering.__init__`` still inherits the
+parent's ``bw_donated_idxs`` (the fix in ``_inductor_fixes`` is still needed).
+"""
+import functools
+
+
+def post_grad_module():
+    """``torch._inductor.fx_passes.post_grad`` (torch 2.9-2.14), whose
+    module-level pass functions are looked up by name each compile."""
+    from torch._inductor.fx_passes import post_grad
+
+    return post_grad
+
+
+def run_before_scan_decomposition(before):
+    """Make inductor's post-grad pass ``decompose_scan_to_while_loop`` call
+    ``before(gm)`` first, then upstream's pass. Not idempotent: call once.
+
+    Inductor has no hook for a pass ahead of its scan decomposition; the
+    module attribute is replaced (``post_grad`` looks it up at run time on
+    torch 2.9 and 2.14 alike)."""
+    post_grad = post_grad_module()
+    upstream = post_grad.decompose_scan_to_while_loop
+
+    @functools.wraps(upstream)
+    def decompose_scans(gm):
+        before(gm)
+        return upstream(gm)
+
+    post_grad.decompose_scan_to_while_loop = decompose_scans
+
+
+def call_pattern_pass(target, extra_check, handler):
+    """A pattern pass (``.apply(gm)``) that calls ``handler(match, *args,
+    **kwargs)`` for each ``call_function`` node of ``target`` passing
+    ``extra_check(match)``; ``match.nodes`` and ``match.replace_by_example``
+    are the pattern matcher's. torch 2.9-2.14: ``torch._inductor.pattern_matcher``
+    (2.14's PatternMatcherPass takes an optional ``subsystem``, unused here)."""
+    from torch._inductor.pattern_matcher import CallFunctionVarArgs, PatternMatcherPass, register_graph_pattern
+
+    pass_ = PatternMatcherPass()
+    register_graph_pattern(CallFunctionVarArgs(target), extra_check=extra_check, pass_dict=pass_)(handler)
+    return pass_
+
+
+def resolve_shape_to_proxy(shape, symbols):
+    """Sizes or strides with symbols replaced by traced values computed from
+    ``symbols`` ({sympy symbol: SymInt}). Upstream's scan decomposition
+    preallocates its ys this way. torch 2.9-2.14: same function in ``post_grad``."""
+    from torch._inductor.fx_passes.post_grad import resolve_shape_to_proxy as resolve
+
+    return resolve(shape, symbols)
+
+
+def run_after_subgraph_lowering_init(after):
+    """Call ``after(lowering)`` at the end of every ``SubgraphLowering.__init__``
+    (a while_loop's cond and body graphs are lowered by one). Not idempotent:
+    call once. torch 2.9-2.14: ``torch._inductor.graph.SubgraphLowering``."""
+    from torch._inductor.graph import SubgraphLowering
+
+    init = SubgraphLowering.__init__
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        after(self)
+
+    SubgraphLowering.__init__ = __init__

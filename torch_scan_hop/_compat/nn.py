@@ -1,0 +1,40 @@
+"""``nn.Module`` internals that scan_layers reads to stack layers' state and
+to refuse hooks a traced scan would not run.
+
+torch 2.9-2.14: ``Module._parameters`` / ``_buffers`` / ``_modules`` and the
+per-module and global hook dicts have the same names and types on both.
+"""
+
+
+def global_module_hooks_registered():
+    """Hooks registered for every module (``register_module_forward_hook``
+    and the like). torch 2.9-2.14: ``torch.nn.modules.module._global_*_hooks``."""
+    from torch.nn.modules import module as m
+
+    return any(getattr(m, name, None) for name in (
+        "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+        "_global_backward_pre_hooks"))
+
+
+def module_has_hooks(module):
+    """``module`` itself has forward, forward-pre, backward or backward-pre
+    hooks. torch 2.9-2.14: the ``_forward_hooks``... dicts (no public query)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
+
+
+def own_parameters(module):
+    """``{name: parameter or None}`` registered on ``module`` itself, in order,
+    None entries included (``named_parameters`` skips them and recurses)."""
+    return module._parameters
+
+
+def own_buffers(module):
+    """``{name: buffer or None}`` registered on ``module`` itself, in order."""
+    return module._buffers
+
+
+def child_modules(module):
+    """``{name: submodule or None}``, the direct children in order (the dict
+    itself: ``named_children`` skips None and duplicates)."""
+    return module._modules

@@ -1,0 +1,54 @@
+"""torch_xla internals: the ``torch_xla._XLAC`` bindings the While lowering
+needs, and a private op of its SPMD module.
+
+Only torch_xla 2.9 exists for these (no torch_xla build for torch 2.14 in
+our environments): every adapter here serves torch_xla 2.9 and imports
+torch_xla only when called.
+"""
+
+
+def xlac():
+    """The ``torch_xla._XLAC`` extension module (torch_xla 2.9): its C++
+    bindings have no Python API for staging out or running HLO."""
+    import torch_xla
+
+    return torch_xla._XLAC
+
+
+def lowering_context(name):
+    """An XLA LoweringContext that builds the HLO of lazy tensors
+    (``build``, ``hlo``, ``tensor_parameter_id``,
+    ``device_parameter_id_tensor_mapping``). torch_xla 2.9."""
+    return xlac().lowering.LoweringContext(name)
+
+
+def device_data_nodes(tensors):
+    """(ids, tensors) of the device-data nodes the IR of ``tensors`` reads.
+    torch_xla 2.9: ``_get_tensors_xla_device_data_node``."""
+    return xlac()._get_tensors_xla_device_data_node(tensors)
+
+
+def seed_info_id():
+    """The device-data id of XLA's RNG seed. torch_xla 2.9: ``_get_seed_info_id``."""
+    return xlac()._get_seed_info_id()
+
+
+def computation_from_module_proto(name, module):
+    """A computation object from a serialized HloModuleProto.
+    torch_xla 2.9: ``_xla_op_computation_from_module_proto``."""
+    return xlac()._xla_op_computation_from_module_proto(name, module)
+
+
+def user_computation(name, inputs, computation):
+    """Run ``computation`` as one op named ``name`` on XLA tensors ``inputs``;
+    returns its outputs. torch_xla 2.9: ``_xla_user_computation``."""
+    return xlac()._xla_user_computation(name, inputs, computation)
+
+
+def aot_mark_sharding(tensor, mesh, partition_spec):
+    """torch_xla's ``xla::aot_mark_sharding`` op as ``MarkShardingFunction``
+    calls it (``mesh`` and ``partition_spec`` as strings). torch_xla 2.9:
+    ``torch_xla.distributed.spmd.xla_sharding._aot_mark_sharding``."""
+    from torch_xla.distributed.spmd.xla_sharding import _aot_mark_sharding
+
+    return _aot_mark_sharding(tensor, mesh, partition_spec)
