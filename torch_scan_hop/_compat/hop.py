@@ -42,7 +42,7 @@ def install_as_upstream_scan(op):
     """Make ``torch.ops.higher_order.scan`` resolve to ``op``.
 
     The HOP registry and the ``torch.ops.higher_order`` namespace cache the
-    first object under a name, so both must be overwritten (NOTES decision 1).
+    first object under a name, so both must be overwritten.
     torch 2.9-2.14: the registry is ``torch._ops._higher_order_ops`` on both.
     """
     torch._ops._higher_order_ops["scan"] = op
