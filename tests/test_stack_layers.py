@@ -298,6 +298,21 @@ def test_replaced_parameter_falls_back_to_stacking(how):
                            atol=1e-10, rtol=1e-8)
 
 
+def test_replacing_a_parameter_after_compiling_recompiles_to_the_fallback():
+    plain, layers = pair()
+    x = torch.randn(3, 6, dtype=torch.float64)
+    torch._dynamo.reset()
+    fn = torch.compile(run_scan, backend="aot_eager")
+    step(fn, layers, x)
+    new = torch.randn(6, 6, dtype=torch.float64)
+    plain[2].lin.weight = torch.nn.Parameter(new.clone())
+    layers[2].lin.weight = torch.nn.Parameter(new.clone())
+    plain.zero_grad()
+    layers.zero_grad()
+    assert_trees_close((step(fn, layers, x), grads(layers)), (step(run_loop, plain, x), grads(plain)),
+                       atol=1e-10, rtol=1e-8)
+
+
 def test_stacking_non_identical_layers_is_a_scan_error_naming_the_layer():
     layers = torch.nn.ModuleList([Block(), Block(), Block(7)])
     with pytest.raises(ScanError, match="layer 2.*lin.weight"):
