@@ -181,14 +181,14 @@ def _register_grad_hook(container, name, P):
         if owner is None or g is None:
             return
         with torch.no_grad():
-            for i, (m, leaf) in enumerate(owner._scan_owners[name]):
+            for (m, leaf), row in zip(owner._scan_owners[name], g.unbind(0)):  # row views, no copy
                 p = m._parameters.get(leaf)
                 if p is None or not p.requires_grad:
                     continue
                 if p.grad is None:
-                    p.grad = g[i]
+                    p.grad = row
                 else:
-                    p.grad.add_(g[i])
+                    p.grad.add_(row)
 
     P.register_post_accumulate_grad_hook(deliver)
 
