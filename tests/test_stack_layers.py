@@ -351,3 +351,32 @@ def test_xla_values_and_grads_match_the_loop():
     out2 = run_scan(layers, x.to(dev))  # the stack saw the optimizer's update of the views
     torch_xla.sync()
     assert_trees_close(out2.cpu(), run_loop(plain, x).detach(), atol=1e-5, rtol=1e-4)
+
+
+def test_export_lifts_the_layers_parameters_not_the_stacks():
+    plain, layers = pair(depth=3)
+
+    class Model(torch.nn.Module):
+        def __init__(self, layers):
+            super().__init__()
+            self.layers = layers
+
+        def forward(self, x):
+            return scan_layers(self.layers, x)
+
+    x = torch.randn(3, 6, dtype=torch.float64)
+    ep = torch.export.export(Model(layers), (x,), strict=False)
+    assert set(ep.state_dict) == {"layers." + k for k in plain.state_dict()}
+    assert not ep.constants
+    assert_trees_close(ep.module()(x), run_loop(plain, x), atol=1e-10, rtol=1e-8)
+
+
+def test_a_dropped_stack_is_freed():
+    import gc
+    import weakref
+
+    _, layers = pair()
+    ref = weakref.ref(layers)
+    del layers
+    gc.collect()
+    assert ref() is None

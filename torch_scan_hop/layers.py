@@ -257,7 +257,8 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=1, **broadcast_kwargs)
     if not layers:
         return _as_output(inputs)
     dynamo = _compat.is_dynamo_compiling()
-    stacked = stacked_storage(container, check_aliasing=not dynamo)
+    # torch.export keeps the per-call stack: its program then lifts the layers' registered parameters
+    stacked = None if _compat.is_exporting() else stacked_storage(container, check_aliasing=not dynamo)
     # stacked storage was checked for identical structure when made: layer 0's state suffices here
     states = _layer_states(layers) if stacked is None else [_state(layers[0], "", {})]
     flat_inputs = [t for t in flatten((inputs, broadcast_kwargs))[0] if isinstance(t, torch.Tensor)]

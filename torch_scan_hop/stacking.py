@@ -214,14 +214,14 @@ def stacked_storage(layers, check_aliasing):
 
 # --- noticing replaced parameters --------------------------------------------------------
 
-_OWNED = weakref.WeakKeyDictionary()  # a layer's submodule -> its stacked container
+_OWNED = weakref.WeakKeyDictionary()  # a layer's submodule -> weakref to its stacked container
 _HOOK = []
 
 
 def _track(container):
     for where in container.__dict__["_scan_owners"].values():
         for m, _ in where:
-            _OWNED[m] = container
+            _OWNED[m] = weakref.ref(container)  # weak: the container holds the submodule
     if not _HOOK:
         _HOOK.append(torch.nn.modules.module.register_module_parameter_registration_hook(_on_register))
 
@@ -229,7 +229,8 @@ def _track(container):
 def _on_register(module, name, param):
     """``layer.weight = nn.Parameter(...)`` (any register_parameter) on a stacked layer: the
     stack no longer holds that weight; scan_layers falls back to stacking per call."""
-    container = _OWNED.get(module)
+    ref = _OWNED.get(module)
+    container = None if ref is None else ref()
     if container is not None and any(m is module and leaf == name
                                      for where in container.__dict__.get("_scan_owners", {}).values()
                                      for m, leaf in where):
