@@ -10,9 +10,10 @@ from ._trees import ScanError
 from .api import scan
 from .graphs import fwd_bwd
 from .layers import scan_layers
+from .stacking import stack_layers
 from .partition import FwdBwd
 
 _compat.install_as_upstream_scan(scan_op)
 rule_dynamo.install()
 
-__all__ = ["scan", "scan_layers", "scan_op", "fwd_bwd", "ScanError", "FwdBwd", "clear_cache"]
+__all__ = ["scan", "scan_layers", "stack_layers", "scan_op", "fwd_bwd", "ScanError", "FwdBwd", "clear_cache"]

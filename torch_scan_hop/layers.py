@@ -21,6 +21,7 @@ import torch
 
 from . import _compat
 from ._stack_weights import stack_weights
+from .stacking import stacked_storage
 from ._trees import ScanError, flatten
 from .api import scan
 from .eager_loop import remat_step
@@ -101,6 +102,39 @@ def _state(module, prefix, out):
 
 def _stacked_state(states):
     return {name: stack_weights([state[name] for state in states]) for name in states[0]}
+
+
+def _from_storage(layers, stacked, ref_state, dynamo):
+    """The scanned weights from stacked storage: the stacked tensors themselves (no copy; their
+    gradient is handed to the layers by ``stacking``), detached for a parameter name whose layers
+    do not require grad. Under Dynamo layer 0's flag stands for the name (reading every layer's
+    parameter would make Dynamo trace them all); elsewhere any layer's flag counts. Buffers are
+    stacked per call as without stacked storage."""
+    xs, buffer_names = {}, []
+    for name, t in ref_state.items():
+        if name not in stacked:
+            buffer_names.append(name)
+            continue
+        P = stacked[name]
+        wants = t.requires_grad if dynamo else any(
+            m._parameters[leaf].requires_grad for m, leaf in layers_owners(layers, name))
+        xs[name] = P if wants else P.detach()
+    if buffer_names:
+        states = [_state(layer, "", {}) for layer in layers]
+        for name in buffer_names:
+            xs[name] = stack_weights([state[name] for state in states])
+    return xs
+
+
+def layers_owners(layers, name):
+    return [_owner(layer, name) for layer in layers]
+
+
+def _owner(module, name):
+    *path, leaf = name.split(".")
+    for part in path:
+        module = module._modules[part]
+    return module, leaf
 
 
 class _LayerView:
@@ -216,17 +250,22 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=1, **broadcast_kwargs)
     the same structure. Returns what the last layer returns (the inputs for
     an empty stack). Gradients land on each layer's own parameters.
     """
-    layers = list(layers)
+    container, layers = layers, list(layers)
     if not all(isinstance(m, torch.nn.Module) for m in layers):
         raise ScanError("scan_layers: every element of layers must be an nn.Module.")
     if not inputs:
         raise ScanError("scan_layers: pass the hidden state as a positional input: scan_layers(layers, x).")
     if not layers:
         return _as_output(inputs)
-    states = _layer_states(layers)
+    dynamo = _compat.is_dynamo_compiling()
+    # torch.export keeps the per-call stack: its program then lifts the layers' registered parameters
+    stacked = None if _compat.is_exporting() else stacked_storage(container, check_aliasing=not dynamo)
+    # stacked storage was checked for identical structure when made: layer 0's state suffices here
+    states = _layer_states(layers) if stacked is None else [_state(layers[0], "", {})]
     flat_inputs = [t for t in flatten((inputs, broadcast_kwargs))[0] if isinstance(t, torch.Tensor)]
     if not callable(remat) and _compat.runs_eagerly(flat_inputs + list(states[0].values())):
         return _eager_loop(layers, inputs, remat, broadcast_kwargs)
+    xs = _stacked_state(states) if stacked is None else _from_storage(layers, stacked, states[0], dynamo)
     template = layers[0]
     single = len(inputs) == 1
 
@@ -238,5 +277,5 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=1, **broadcast_kwargs)
             out = tuple(out)
         return out, None
 
-    out, _ = scan(step, _as_output(inputs), _stacked_state(states), remat=remat, unroll=unroll)
+    out, _ = scan(step, _as_output(inputs), xs, remat=remat, unroll=unroll)
     return out

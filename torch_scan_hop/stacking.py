@@ -1,0 +1,237 @@
+"""``stack_layers``: stacked parameter storage for a stack of identical modules.
+
+After ``stack_layers(model.layers)`` every layer parameter named ``name`` (say
+``"qkv.weight"``) is a view, row ``i``, of ONE stacked tensor per name (shape
+``(L, *shape)``), as FSDP's flat parameters are views of one flat buffer. The
+per-layer ``nn.Parameter`` objects stay registered where they were (same
+objects, now sharing the stacked storage), so ``state_dict`` keys,
+``named_parameters()``, optimizers built before or after, ``torch.save`` and
+``load_state_dict`` are unchanged: optimizers see and update the per-layer
+views, which updates the stack in place.
+
+The stacked tensors themselves are kept off the module's registries (a plain
+dict on the container, whose class becomes ``StackedModuleList`` /
+``StackedSequential``). ``scan_layers`` scans them directly when traced: no
+stack of the weights per call, and the backward writes one stacked gradient,
+which a post-accumulate-grad hook hands to the layers as row views (no copy)
+or adds into their existing ``.grad`` (gradient accumulation).
+
+Staying intact: ``.to()`` / ``.double()`` / ``.cuda()`` move the stack and
+re-view the layers (``_apply``); ``copy.deepcopy`` and pickling re-view too.
+Replacing a layer's parameter (``layer.weight = nn.Parameter(...)``,
+``load_state_dict(assign=True)``) marks the storage broken, and
+``scan_layers`` falls back to stacking per call (``restack()`` re-stacks).
+Outside ``torch.compile`` the aliasing is checked on every call as well, which
+also catches ``layer.weight.data = ...``; under ``torch.compile`` that one
+assignment is not seen (call ``restack()`` after it).
+"""
+import weakref
+
+import torch
+
+from ._trees import ScanError
+
+_BROKEN = "_scan_stack_broken"
+
+
+def stack_layers(layers):
+    """Give ``layers`` (an ``nn.ModuleList`` or ``nn.Sequential`` of identical
+    modules) stacked parameter storage, in place; returns ``layers``."""
+    if isinstance(layers, _StackedMixin):
+        layers.restack()
+        return layers
+    cls = _STACKED_CLASSES.get(type(layers))
+    if cls is None:
+        raise ScanError(f"stack_layers: expected an nn.ModuleList or nn.Sequential, got {type(layers).__name__}.")
+    from .layers import _layer_states
+
+    mods = list(layers)
+    if mods:
+        _layer_states(mods)  # same types, names, shapes and dtypes, or a ScanError naming layer and parameter
+        devices = {p.device for m in mods for p in m.parameters()}
+        if len(devices) > 1:
+            raise ScanError(f"stack_layers: the layers' parameters are on several devices {sorted(map(str, devices))}.")
+    layers.__class__ = cls
+    layers.restack()
+    return layers
+
+
+class _StackedMixin:
+    """The container side of stacked storage (mixed into ModuleList / Sequential)."""
+
+    def restack(self):
+        """(Re)build one stacked tensor per parameter name from the layers' current
+        parameters and make every layer's parameter a row view of it."""
+        mods = list(self)
+        stacked = {}
+        if mods:
+            owners = _owners(mods)
+            for name, where in owners.items():
+                ps = [m._parameters[leaf] for m, leaf in where]
+                with torch.no_grad():
+                    P = torch.stack([p.detach() for p in ps])
+                stacked[name] = P
+            self.__dict__["_scan_stacked"] = stacked
+            self.__dict__["_scan_owners"] = owners
+            self._rebind()
+        else:
+            self.__dict__["_scan_stacked"], self.__dict__["_scan_owners"] = {}, {}
+        self.__dict__[_BROKEN] = False
+        _track(self)
+        return self
+
+    def _rebind(self):
+        """Point every layer parameter at its row of the stack (keeps the Parameter objects)."""
+        for name, P in self._scan_stacked.items():
+            if P.is_floating_point() or P.is_complex():
+                P.requires_grad_(True)
+                _register_grad_hook(self, name, P)
+            rows = P.detach()
+            for i, (m, leaf) in enumerate(self._scan_owners[name]):
+                p = m._parameters[leaf]
+                p.data = rows[i]
+
+    def stacked_parameters(self):
+        """``{name: stacked tensor}`` (read-only use: the layers' parameters are its rows)."""
+        return dict(self._scan_stacked)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        if self.__dict__.get("_scan_stacked"):
+            new = {}
+            with torch.no_grad():
+                for name, P in self._scan_stacked.items():
+                    new[name] = fn(P.detach())
+            self.__dict__["_scan_stacked"] = new
+            self._rebind()
+        return out
+
+    def __getstate__(self):
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
+        state = dict(state)
+        state["_scan_stacked"] = {k: v.detach() for k, v in state.get("_scan_stacked", {}).items()}
+        state.pop("_scan_owners", None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        mods = list(self)
+        self.__dict__["_scan_owners"] = _owners(mods) if mods else {}
+        # the per-layer parameters are the truth (a deepcopy clones them apart from the stack):
+        # copy them into the stack and re-view; after torch.load they already alias it.
+        stacked = self.__dict__.get("_scan_stacked", {})
+        with torch.no_grad():
+            for name, P in stacked.items():
+                for i, (m, leaf) in enumerate(self._scan_owners[name]):
+                    p = m._parameters[leaf]
+                    if not _is_row(p, P, i):
+                        P[i].copy_(p.detach())
+        self._rebind()
+        self.__dict__.setdefault(_BROKEN, False)
+        _track(self)
+
+
+class StackedModuleList(_StackedMixin, torch.nn.ModuleList):
+    """An ``nn.ModuleList`` whose layers' parameters live stacked (see ``stack_layers``)."""
+
+
+class StackedSequential(_StackedMixin, torch.nn.Sequential):
+    """An ``nn.Sequential`` whose layers' parameters live stacked (see ``stack_layers``)."""
+
+
+_STACKED_CLASSES = {torch.nn.ModuleList: StackedModuleList, torch.nn.Sequential: StackedSequential}
+
+
+def _owners(mods):
+    """``{name: [(owning submodule, leaf name) per layer]}`` for every parameter of layer 0."""
+    out = {}
+    for layer in mods:
+        for name, (m, leaf) in _param_owners(layer, "", {}).items():
+            out.setdefault(name, []).append((m, leaf))
+    return out
+
+
+def _param_owners(module, prefix, out):
+    for name, p in module._parameters.items():
+        if p is not None:
+            out[prefix + name] = (module, name)
+    for name, sub in module._modules.items():
+        if sub is not None:
+            _param_owners(sub, prefix + name + ".", out)
+    return out
+
+
+def _is_row(p, P, i):
+    try:
+        return (p.device == P.device and p.dtype == P.dtype and p.shape == P.shape[1:]
+                and p.untyped_storage().data_ptr() == P.untyped_storage().data_ptr()
+                and p.storage_offset() == P.storage_offset() + i * P.stride(0)
+                and p.stride() == P.stride()[1:])
+    except (RuntimeError, NotImplementedError):  # no storage to compare (XLA, fake): trust the flag
+        return True
+
+
+def _register_grad_hook(container, name, P):
+    ref = weakref.ref(container)
+
+    def deliver(P):
+        owner = ref()
+        g = P.grad
+        P.grad = None
+        if owner is None or g is None:
+            return
+        with torch.no_grad():
+            for (m, leaf), row in zip(owner._scan_owners[name], g.unbind(0)):  # row views, no copy
+                p = m._parameters.get(leaf)
+                if p is None or not p.requires_grad:
+                    continue
+                if p.grad is None:
+                    p.grad = row
+                else:
+                    p.grad.add_(row)
+
+    P.register_post_accumulate_grad_hook(deliver)
+
+
+# --- used by scan_layers ---------------------------------------------------------------
+
+def stacked_storage(layers, check_aliasing):
+    """The container's ``{name: stacked tensor}`` when its storage is intact, else None."""
+    if not isinstance(layers, _StackedMixin):
+        return None
+    d = layers.__dict__
+    if d.get(_BROKEN, True):
+        return None
+    stacked = d["_scan_stacked"]
+    if check_aliasing:  # outside Dynamo: cheap pointer checks, catching `.data =` too
+        for name, P in stacked.items():
+            for i, (m, leaf) in enumerate(d["_scan_owners"][name]):
+                p = m._parameters.get(leaf)
+                if p is None or not _is_row(p, P, i):
+                    return None
+    return stacked
+
+
+# --- noticing replaced parameters --------------------------------------------------------
+
+_OWNED = weakref.WeakKeyDictionary()  # a layer's submodule -> weakref to its stacked container
+_HOOK = []
+
+
+def _track(container):
+    for where in container.__dict__["_scan_owners"].values():
+        for m, _ in where:
+            _OWNED[m] = weakref.ref(container)  # weak: the container holds the submodule
+    if not _HOOK:
+        _HOOK.append(torch.nn.modules.module.register_module_parameter_registration_hook(_on_register))
+
+
+def _on_register(module, name, param):
+    """``layer.weight = nn.Parameter(...)`` (any register_parameter) on a stacked layer: the
+    stack no longer holds that weight; scan_layers falls back to stacking per call."""
+    ref = _OWNED.get(module)
+    container = None if ref is None else ref()
+    if container is not None and any(m is module and leaf == name
+                                     for where in container.__dict__.get("_scan_owners", {}).values()
+                                     for m, leaf in where):
+        container.__dict__[_BROKEN] = True
