@@ -15,6 +15,17 @@ except ImportError:
     pass
 
 
+def capture_graphs():
+    """A torch.compile backend that records the graphs Dynamo hands it (and runs them as they are)."""
+    graphs = []
+
+    def backend(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    return graphs, backend
+
+
 @pytest.fixture
 def fresh_dynamo():
     """Dynamo's caches and counters empty before and after the test."""

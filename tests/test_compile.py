@@ -8,7 +8,7 @@ import textwrap
 import expecttest
 import pytest
 import torch
-from conftest import assert_trees_close
+from conftest import assert_trees_close, capture_graphs
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 
@@ -22,16 +22,6 @@ class RNN(torch.nn.Module):
 
     def forward(self, h0, xs):
         return scan(lambda h, x: (torch.tanh(self.lin(h) + x), h.sum(-1)), h0, xs)
-
-
-def capture_graphs():
-    graphs = []
-
-    def backend(gm, _inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    return graphs, backend
 
 
 def scan_nodes(gm):

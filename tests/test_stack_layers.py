@@ -4,7 +4,7 @@ import io
 
 import pytest
 import torch
-from conftest import assert_trees_close
+from conftest import assert_trees_close, capture_graphs
 from decoder import causal_mask, make_stack, run_loop
 
 from torch_scan_hop import ScanError, scan_layers, stack_layers
@@ -95,16 +95,6 @@ def test_decoder_under_inductor_matches_the_loop():
     assert_trees_close(got, want, atol=1e-5, rtol=1e-4)
 
 
-def _record_graphs():
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    return graphs, backend
-
-
 def _stacks_in(gm):
     return sum(1 for n in gm.graph.nodes if n.op == "call_function"
                and ("stack" in str(n.target) or "cat" in str(n.target)))
@@ -116,7 +106,7 @@ def test_compiled_graph_does_not_stack_the_weights():
     counts = {}
     for name, ls in (("plain", plain), ("stacked", layers)):
         torch._dynamo.reset()
-        graphs, backend = _record_graphs()
+        graphs, backend = capture_graphs()
         step(torch.compile(run_scan, backend=backend, fullgraph=True), ls, x)
         (gm,) = graphs
         counts[name] = (_stacks_in(gm), sum(1 for n in gm.graph.nodes if n.op == "placeholder"))
