@@ -260,16 +260,7 @@ def test_eager(name):
 INDUCTOR = list(MODELS) if os.environ.get("SCAN_ZOO_FULL") else ["lstm_cell", "selective_scan", "kalman", "gpt_scan_layers"]
 
 
-# torch 2.14 registers aten::_linalg_check_errors (linalg.inv's host-side check) as an ordered
-# effect: under AOTAutograd the traced body then takes an effect token that the scan loop does not
-# thread yet. Known gap, strict so that a fix shows.
-_EFFECT_TOKENS = pytest.mark.xfail(
-    tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 14), strict=True,
-    reason="torch 2.14: linalg.inv's _linalg_check_errors is an effectful op; its token is not threaded "
-           "through the scan loop yet")
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_EFFECT_TOKENS) if n == "kalman" else n for n in INDUCTOR])
+@pytest.mark.parametrize("name", INDUCTOR)
 def test_inductor(name):
     torch._dynamo.reset()
     model, inputs = build(name)

@@ -112,6 +112,9 @@ def trace_graph(fn, args, *, force_enable_grad=False):
         from .._xla_autograd import register_missing
 
         register_missing()
+    from .hop import without_effectful_checks
+
+    fn = without_effectful_checks(fn)
     with _data_dependence_as_scan_error():
         if under_make_fx() or detect_fake_mode(args) is not None:
             return materialize_as_graph(fn, tuple(args), force_enable_grad=force_enable_grad)
