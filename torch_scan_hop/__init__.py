@@ -4,7 +4,7 @@ Importing the package installs ``scan_op`` as ``torch.ops.higher_order.scan``.
 """
 from . import _compat
 from ._op import scan_op
-from . import rule_autograd, rule_eager, rule_fake, rule_functionalize, rule_functorch, rule_dynamo, rule_proxy, rule_xla  # noqa: F401,E501  (register rules)
+from . import rules  # noqa: F401  (registers every rule of scan_op)
 from ._cache import clear as clear_cache
 from ._trees import ScanError
 from .api import scan
@@ -14,6 +14,6 @@ from .stacking import stack_layers
 from .partition import FwdBwd
 
 _compat.install_as_upstream_scan(scan_op)
-rule_dynamo.install()
+rules.rule_dynamo.install()
 
 __all__ = ["scan", "scan_layers", "stack_layers", "scan_op", "fwd_bwd", "ScanError", "FwdBwd", "clear_cache"]

@@ -1,14 +1,12 @@
 """The user-facing ``scan``: pytrees, validation, the eager loop or the traced op."""
-import torch
-
 from . import _compat
+from ._body_checks import mark_checked
+from ._flat_body import AUTO_UNROLL, dynamo_body
 from ._lift import trace_and_lift
 from ._op import example_args, scan_op
 from ._trees import ScanError, ScanInputs, check_carry, check_pair, flatten_y, prepare_inputs
 from .eager_loop import run_tree
 from .partition import REMAT
-from .rule_dynamo import AUTO_UNROLL, dynamo_body
-from .rule_functionalize import mark_checked
 
 
 class FlatBody:

@@ -19,7 +19,7 @@ from . import _cache, _compat
 from ._graph_passes import fuse_accumulate
 from ._op import example_args, scan_op
 from .eager_loop import run_flat
-from .rule_functionalize import mark_functional
+from ._body_checks import mark_functional
 from .partition import FwdBwd, partition_step, trace_step
 
 

@@ -3,20 +3,7 @@ import torch
 
 from . import _compat
 from ._op import example_args, scan_op, split_out
-from ._trees import ScanError
-
-
-def check_body_carry(init, new_carry):
-    """Direct callers of scan_op get the same carry check as the front end."""
-    if len(new_carry) != len(init):
-        raise ScanError(f"scan: the body returned {len(new_carry)} carry leaves for {len(init)} init leaves.")
-    for i, (old, new) in enumerate(zip(init, new_carry)):
-        if not isinstance(new, torch.Tensor) or new.shape != old.shape or new.dtype != old.dtype:
-            got = f"{tuple(new.shape)}/{new.dtype}" if isinstance(new, torch.Tensor) else repr(new)
-            raise ScanError(
-                f"scan: carry leaf {i} changed across an iteration: got {got}, "
-                f"init has {tuple(old.shape)}/{old.dtype}."
-            )
+from ._body_checks import check_body_carry
 
 
 @scan_op.py_impl(_compat.FakeTensorMode)

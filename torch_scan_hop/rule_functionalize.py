@@ -6,53 +6,14 @@ carry, its x slice or a closed-over tensor is rejected with the index of the
 offending input rather than silently functionalized into a different program.
 """
 from . import _cache, _compat
-from ._op import example_args, scan_op
-from ._trees import ScanError
-
-
-def _input_name(i, num_carry, num_x):
-    if i < num_carry:
-        return f"carry leaf {i}"
-    if i < num_carry + num_x:
-        return f"x leaf {i - num_carry}"
-    return f"closed-over tensor {i - num_carry - num_x} (additional_inputs)"
-
-
-def check_no_input_mutation(combine_fn, init, xs, additional_inputs):
-    args = example_args(init, xs, additional_inputs)
-    check_graph_mutation(_compat.trace_graph(combine_fn, args), len(init), len(xs))
-
-
-def check_graph_mutation(gm, num_carry, num_x):
-    """Raise if the traced body ``gm`` writes into one of its inputs."""
-    mutated, _ = _compat.input_mutations_and_outputs(gm)
-    if mutated:
-        names = ", ".join(_input_name(i, num_carry, num_x) for i in mutated)
-        raise ScanError(
-            f"scan: fn mutates its input in place ({names}). Scan bodies must be functional: "
-            "use out-of-place ops (c = c + x, not c += x / c.add_(x))."
-        )
-
-
-_CHECKED = "_torch_scan_hop_no_input_mutation"
-
-
-def mark_checked(gm, num_carry, num_x):
-    """Check a body graph for input mutation now (no re-trace) and remember it passed."""
-    check_graph_mutation(gm, num_carry, num_x)
-    setattr(gm, _CHECKED, True)
-
-
-def mark_functional(gm):
-    """Graphs built by this package from functional graphs (the autograd step graphs)."""
-    setattr(gm, _CHECKED, True)
-    return gm
+from ._body_checks import check_no_input_mutation, is_checked
+from ._op import scan_op
 
 
 def _checked_once(ctx, combine_fn, init, xs, additional_inputs):
     """check_no_input_mutation, memoized per body and input metadata in plain
     eager (C++ functionalization, e.g. XLA tensors); tracers check every time."""
-    if getattr(combine_fn, _CHECKED, False):
+    if is_checked(combine_fn):
         return
     check = lambda: check_no_input_mutation(combine_fn, init, xs, additional_inputs) or True  # noqa: E731
     flat = [*init, *xs, *additional_inputs]

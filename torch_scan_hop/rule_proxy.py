@@ -17,8 +17,7 @@ from . import _compat, inductor_reverse
 from ._compat import pytree
 from ._op import example_args, scan_op, split_out
 from ._schedule import block_order, segments
-from .rule_fake import check_body_carry
-from .rule_functionalize import check_graph_mutation
+from ._body_checks import check_body_carry, check_graph_mutation
 
 
 def trace_body(combine_fn, init, xs, additional_inputs):

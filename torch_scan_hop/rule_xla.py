@@ -6,12 +6,12 @@ that, so forward and backward scans both arrive here as plain scans.
 """
 from . import _compat
 from ._op import scan_op
-from .rule_eager import scan_dense
+from .eager_loop import run_flat
 from .xla_lower import scan_on_xla
 
 
 @scan_op.py_impl(_compat.DispatchKey.XLA)
 def scan_xla(combine_fn, init, xs, additional_inputs, *, reverse=False, remat=None, unroll=1):
     if xs[0].shape[0] == 0:  # nothing to loop over: clones and empty ys, as in eager
-        return scan_dense(combine_fn, init, xs, additional_inputs)
+        return run_flat(combine_fn, list(init), list(xs), tuple(additional_inputs), False)
     return scan_on_xla(combine_fn, list(init), list(xs), tuple(additional_inputs), reverse, unroll)
