@@ -161,3 +161,14 @@ def test_rules_are_listed_in_one_place():
 
     listed = {m.__name__.rsplit(".", 1)[1] for m in rules.RULES.values()}
     assert listed == {p.stem for p in PACKAGE.glob("rule_*.py")}
+
+
+def test_xla_extra_pins_the_torch_its_wheel_was_built_for():
+    """torch_xla's wheel does not declare its torch: without the pin, pip pairs torch_xla 2.9 with the
+    newest torch the range allows, and every XLA call fails."""
+    import tomllib
+
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]
+    xla = project["optional-dependencies"]["xla"]
+    (xla_pin,) = [r for r in xla if r.startswith("torch_xla==")]
+    assert f"torch=={xla_pin.split('==')[1]}" in xla
