@@ -272,12 +272,6 @@ def detached_examples(values):
 
 
 def fresh_fake_mode():
-    return FakeTensorMode(allow_non_fake_inputs=True)
-
-
-def detect_fake_mode(tensors):
-    from torch._guards import detect_fake_mode as _detect
-def fresh_fake_mode():
     """A fake mode that accepts real inputs (constants). torch 2.9-2.14: the
     same ``FakeTensorMode(allow_non_fake_inputs=True)`` on both."""
     return FakeTensorMode(allow_non_fake_inputs=True)
