@@ -21,6 +21,7 @@ from . import _compat, _inductor_fixes
 from ._schedule import segments, step_index
 
 _installed = False
+_LOOP_PREFIX = "scan_loop_"  # our while_loops' cond/body subgraphs: no per-iteration input asserts
 
 
 def install():
@@ -35,6 +36,7 @@ def install():
         _lower_scans(gm)
 
     _compat.inductor.run_before_scan_decomposition(before_upstream)
+    _compat.inductor.skip_input_asserts_of_subgraphs(lambda name: _LOOP_PREFIX in name)
     _inductor_fixes.keep_subgraph_inputs_undonated()
     _installed = True
 
@@ -54,9 +56,30 @@ def _lower_scans(gm):
         reverse = bool(node.kwargs.get("reverse", False))
         match.replace_by_example(_while_loop(body, ys_vals, counts, reverse), flat, run_functional_passes=False)
 
+    theirs = set(gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.while_loop))
     _compat.inductor.call_pattern_pass(torch.ops.higher_order.scan, _is_ours_to_lower, lower).apply(gm)
+    _name_our_loops(gm, theirs)
     gm.graph.lint()
     gm.recompile()
+
+
+def _name_our_loops(gm, theirs):
+    """Prefix the cond/body subgraphs of the while_loops made here with
+    ``_LOOP_PREFIX``: inductor then leaves out their input asserts, which run on
+    every iteration (the carried layouts are fixed by the lowering itself)."""
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.while_loop):
+        if node in theirs:
+            continue
+        for sub in node.args[:2]:
+            if sub.op != "get_attr" or sub.target.startswith(_LOOP_PREFIX):
+                continue
+            new, n = _LOOP_PREFIX + sub.target, 0
+            while hasattr(gm, new):
+                n += 1
+                new = f"{_LOOP_PREFIX}{n}_{sub.target}"
+            gm.register_module(new, getattr(gm, sub.target))
+            delattr(gm, sub.target)
+            sub.target = new
 
 
 def _split(seq, *counts):
