@@ -17,7 +17,7 @@ their init and empty ys. ``install`` also puts in the workarounds of
 """
 import torch
 
-from . import _compat, _inductor_fixes
+from . import _buffer_pool, _compat, _inductor_fixes  # noqa: F401  (_buffer_pool: registers the op)
 from ._schedule import segments, step_index
 
 _installed = False
@@ -104,7 +104,7 @@ def _in_layout_of(new, old):
 
 
 def _while_loop(body, ys_vals, counts, reverse):
-    """The traced replacement: preallocated ys, a CPU counter, and a loop body that
+    """The traced replacement: preallocated ys (pooled storage), a CPU counter, and a loop body that
     runs ``body`` on the views ``x[i]`` and copies each y into ``ys[i]``, with
     ``i = step_index(counter)`` (``L-1-counter`` when reverse)."""
     resolve_shape_to_proxy = _compat.inductor.resolve_shape_to_proxy
@@ -115,9 +115,9 @@ def _while_loop(body, ys_vals, counts, reverse):
         init, xs, lifted = _split(flat, nc, nx, nl)
         length = xs[0].size(0)
         symbols = {a.node.expr: a for a in (*flat, length) if isinstance(a, torch.SymInt)}
-        ys = [torch.empty_strided(resolve_shape_to_proxy(v.size(), symbols),
-                                  resolve_shape_to_proxy(v.stride(), symbols), dtype=v.dtype, device=v.device)
-              for v in ys_vals]
+        ys = [torch.ops.torch_scan_hop.stacked_buffer(resolve_shape_to_proxy(v.size(), symbols),
+                                                      resolve_shape_to_proxy(v.stride(), symbols), v.dtype, v.device)
+              for v in ys_vals]  # storage reused between calls: see _buffer_pool
         ny = len(ys)
         if not segments(length):  # no step: the bounds asserts would fail statically
             return [*(c.clone() for c in init), *ys]

@@ -46,6 +46,7 @@ from .dispatch import (  # noqa: F401
     on_xla,
     op_schema,
     runs_eagerly,
+    storage_use_count,
     tensor_version,
 )
 from .functorch import (  # noqa: F401

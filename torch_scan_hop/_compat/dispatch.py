@@ -139,3 +139,10 @@ def tensor_version(t):
     keyed on a tensor's identity must also see its data change.
     torch 2.9-2.14: ``Tensor._version``."""
     return t._version
+
+
+def storage_use_count(storage):
+    """How many tensors (and Python storage objects) hold ``storage`` (an
+    ``UntypedStorage``), this one included. torch 2.9-2.14:
+    ``torch._C._storage_Use_Count(storage._cdata)`` (no public query)."""
+    return torch._C._storage_Use_Count(storage._cdata)

@@ -1,0 +1,112 @@
+"""The pool behind compiled scans' stacked buffers: storage is handed out again only when no tensor
+uses it, so results of calls still alive (two forwards before one backward, kept ys) are never
+overwritten; a steady training step reuses its buffers instead of page-faulting them in again."""
+import pytest
+import torch
+from conftest import assert_trees_close
+
+import torch_scan_hop
+from torch_scan_hop import _buffer_pool as pool
+from torch_scan_hop import scan
+
+BIG = (64, 8, 64)  # float32: 128 KiB, the smallest pooled size
+
+
+@pytest.fixture(autouse=True)
+def empty_pool():
+    torch_scan_hop.empty_cache()
+    yield
+    torch_scan_hop.empty_cache()
+
+
+def ptr(t):
+    return t.untyped_storage().data_ptr()
+
+
+def test_storage_in_use_is_never_handed_out():
+    a = pool.stacked_buffer(BIG, (512, 64, 1), torch.float32, torch.device("cpu"))
+    view = a[3]  # a view keeps the storage in use after the tensor itself is gone
+    del a
+    b = pool.stacked_buffer(BIG, (512, 64, 1), torch.float32, torch.device("cpu"))
+    assert ptr(b) != ptr(view)
+    view.fill_(1.0)
+    b.fill_(2.0)
+    assert bool((view == 1.0).all())
+
+
+def test_idle_storage_is_reused_with_any_layout_of_that_size():
+    a = pool.stacked_buffer(BIG, (512, 64, 1), torch.float32, torch.device("cpu"))
+    first = ptr(a)
+    del a
+    b = pool.stacked_buffer((64, 64, 8), (1, 512, 64), torch.float32, torch.device("cpu"))  # same span
+    assert ptr(b) == first and b.shape == (64, 64, 8) and b.stride() == (1, 512, 64)
+
+
+def test_small_and_non_cpu_buffers_are_not_pooled():
+    small = pool.stacked_buffer((4, 4), (4, 1), torch.float32, torch.device("cpu"))
+    assert small.shape == (4, 4) and pool._pooled_bytes() == (0, 0)
+    meta = pool.stacked_buffer(BIG, (512, 64, 1), torch.float32, torch.device("meta"))
+    assert meta.device.type == "meta" and pool._pooled_bytes() == (0, 0)
+
+
+def test_empty_cache_releases_idle_storage_and_the_pool_is_bounded():
+    held = [pool.stacked_buffer(BIG, (512, 64, 1), torch.float32, torch.device("cpu"))
+            for _ in range(pool._PER_KEY + 3)]
+    idle, total = pool._pooled_bytes()
+    assert idle == 0 and total == pool._PER_KEY * 128 * 1024  # the oldest ones were forgotten
+    del held
+    assert pool._pooled_bytes() == (total, total)
+    torch_scan_hop.empty_cache()
+    assert pool._pooled_bytes() == (0, 0)
+
+
+def rnn(w):
+    def cell(c, x):
+        h = torch.tanh(c @ w + x)
+        return h, h * 2
+    return cell
+
+
+def loop(w, c, xs):
+    ys = []
+    for x in xs:
+        c, y = rnn(w)(c, x)
+        ys.append(y)
+    return c, torch.stack(ys)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compiled_calls_alive_together_keep_their_own_buffers():
+    """Two forwards before one backward (gradient accumulation): the second call's ys and saved
+    activations must not take the first call's storage."""
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(64, 64, generator=gen, dtype=torch.float64) / 8).requires_grad_()
+    c0 = torch.randn(8, 64, generator=gen, dtype=torch.float64)  # float64: a wrong buffer is no rounding error
+    xs1, xs2 = torch.randn(2, *BIG, generator=gen, dtype=torch.float64).unbind(0)
+    compiled = torch.compile(lambda w, c, xs: scan(rnn(w), c, xs), backend="inductor", fullgraph=True)
+    for _ in range(2):  # the second round runs on reused storage
+        out1 = compiled(w, c0, xs1)
+        out2 = compiled(w, c0, xs2)
+        assert ptr(out1[1]) != ptr(out2[1])
+        (g,) = torch.autograd.grad(out1[1].sum() + out2[1].pow(2).sum() + out1[0].sum(), w)
+        ref1, ref2 = loop(w, c0, xs1), loop(w, c0, xs2)
+        (g_ref,) = torch.autograd.grad(ref1[1].sum() + ref2[1].pow(2).sum() + ref1[0].sum(), w)
+        assert_trees_close((out1, out2, g), (ref1, ref2, g_ref))
+        del out1, out2, g
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_steady_compiled_step_reuses_its_stacked_buffers():
+    gen = torch.Generator().manual_seed(1)
+    w = (torch.randn(64, 64, generator=gen, dtype=torch.float64) / 8).requires_grad_()
+    c0, xs = (torch.randn(*shape, generator=gen, dtype=torch.float64) for shape in ((8, 64), BIG))
+    compiled = torch.compile(lambda w, c, xs: scan(rnn(w), c, xs), backend="inductor", fullgraph=True)
+    _, ys = compiled(w, c0, xs)
+    ys.sum().backward()
+    first = ptr(ys)
+    del ys
+    w.grad = None
+    _, ys = compiled(w, c0, xs)
+    assert ptr(ys) == first
+    ys.sum().backward()
+    assert_trees_close((ys, w.grad), (loop(w, c0, xs)[1], torch.autograd.grad(loop(w, c0, xs)[1].sum(), w)[0]))
