@@ -233,12 +233,26 @@ def _check_no_hooks(layers):
         raise ScanError("scan_layers: global nn.Module hooks are registered; a traced scan_layers "
                         "(torch.compile, export, XLA) does not run module hooks. Remove them or use a loop.")
     for i, layer in enumerate(layers):
-        for name, sub in layer.named_modules():
-            if _compat.nn.module_has_hooks(sub):
-                where = f"layer {i}" + (f" ({name})" if name else "")
-                raise ScanError(f"scan_layers: {where} has module hooks; a traced scan_layers (torch.compile, "
-                                "export, XLA) runs layer 0's code, not the modules' __call__, so hooks would not "
-                                "run. Remove them or use a Python loop.")
+        name = _hooked_submodule(layer, "")
+        if name is not None:
+            where = f"layer {i}" + (f" ({name})" if name else "")
+            raise ScanError(f"scan_layers: {where} has module hooks; a traced scan_layers (torch.compile, "
+                            "export, XLA) runs layer 0's code, not the modules' __call__, so hooks would not "
+                            "run. Remove them or use a Python loop.")
+
+
+def _hooked_submodule(module, prefix):
+    """The dotted name of the first module in ``module``'s tree with hooks ("" for
+    itself), else None. A plain dict walk: Dynamo traces it once per layer, and the
+    ``named_modules`` generator cost several times more to trace at depth 64."""
+    if _compat.nn.module_has_hooks(module):
+        return prefix[:-1]
+    for name, sub in _compat.nn.child_modules(module).items():
+        if sub is not None:
+            found = _hooked_submodule(sub, prefix + name + ".")
+            if found is not None:
+                return found
+    return None
 
 
 def scan_layers(layers, *inputs, remat="save_all", unroll=1, **broadcast_kwargs):
