@@ -24,7 +24,7 @@ def ptr(t):
 
 
 def test_storage_in_use_is_never_handed_out():
-    a = pool.stacked_buffer(BIG, (512, 64, 1), torch.float32, torch.device("cpu"))
+    (a,) = pool.stacked_buffers([(BIG, (512, 64, 1))], torch.float32, torch.device("cpu"))  # the operator
     view = a[3]  # a view keeps the storage in use after the tensor itself is gone
     del a
     b = pool.stacked_buffer(BIG, (512, 64, 1), torch.float32, torch.device("cpu"))

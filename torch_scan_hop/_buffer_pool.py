@@ -27,7 +27,7 @@ from . import _compat
 
 _MIN_BYTES = 128 * 1024  # smaller blocks come from (and go back to) malloc's heap
 _KEYS = 64  # distinct (bytes, device) sizes kept
-_PER_KEY = 8  # storages kept per size
+_PER_KEY = 64  # storages kept per size (values of one size alive at once: q, k, v, ...)
 _lock = threading.Lock()
 _pool = collections.OrderedDict()  # (nbytes, device) -> [UntypedStorage], oldest first
 
@@ -81,12 +81,33 @@ def _pooled_bytes():
         return idle, total
 
 
-@torch.library.custom_op("torch_scan_hop::stacked_buffer", mutates_args=())
-def stacked_buffer_op(size: list[int], stride: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``stacked_buffer`` as an operator, so inductor's generated code calls it."""
-    return stacked_buffer(size, stride, dtype, device)
+def _unflatten(sizes, strides, ranks):
+    out, start = [], 0
+    for rank in ranks:
+        out.append((sizes[start:start + rank], strides[start:start + rank]))
+        start += rank
+    return out
 
 
-@stacked_buffer_op.register_fake
-def _(size, stride, dtype, device):
-    return torch.empty_strided(size, stride, dtype=dtype, device=device)
+@torch.library.custom_op("torch_scan_hop::stacked_buffers", mutates_args=())
+def stacked_buffers_op(sizes: list[int], strides: list[int], ranks: list[int], dtype: torch.dtype,
+                       device: torch.device) -> list[torch.Tensor]:
+    """``stacked_buffer`` for several buffers of one dtype and device, in ONE operator call (a
+    call from inductor's generated code costs ~60 us, so not one per buffer): sizes and strides
+    concatenated, ``ranks`` the number of dims of each."""
+    return [stacked_buffer(size, stride, dtype, device) for size, stride in _unflatten(sizes, strides, ranks)]
+
+
+@stacked_buffers_op.register_fake
+def _(sizes, strides, ranks, dtype, device):
+    return [torch.empty_strided(size, stride, dtype=dtype, device=device)
+            for size, stride in _unflatten(sizes, strides, ranks)]
+
+
+def stacked_buffers(shapes, dtype, device):
+    """One pooled buffer per ``(size, stride)`` in ``shapes``, through the operator."""
+    if not shapes:
+        return []
+    sizes = [s for size, _ in shapes for s in size]
+    strides = [s for _, stride in shapes for s in stride]
+    return torch.ops.torch_scan_hop.stacked_buffers(sizes, strides, [len(size) for size, _ in shapes], dtype, device)

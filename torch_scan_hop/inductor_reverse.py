@@ -17,7 +17,7 @@ their init and empty ys. ``install`` also puts in the workarounds of
 """
 import torch
 
-from . import _buffer_pool, _compat, _inductor_fixes  # noqa: F401  (_buffer_pool: registers the op)
+from . import _buffer_pool, _compat, _inductor_fixes
 from ._schedule import segments, step_index
 
 _installed = False
@@ -103,11 +103,25 @@ def _in_layout_of(new, old):
     return torch.ops.prims.copy_strided.default(new, old.stride())
 
 
+def _preallocate(ys_vals, symbols):
+    """Empty ys like ``ys_vals``, on storage reused between calls (see ``_buffer_pool``):
+    one operator call per dtype and device."""
+    resolve = _compat.inductor.resolve_shape_to_proxy
+    groups = {}
+    for i, v in enumerate(ys_vals):
+        groups.setdefault((v.dtype, v.device), []).append(i)
+    ys = [None] * len(ys_vals)
+    for (dtype, device), idx in groups.items():
+        shapes = [(resolve(ys_vals[i].size(), symbols), resolve(ys_vals[i].stride(), symbols)) for i in idx]
+        for i, y in zip(idx, _buffer_pool.stacked_buffers(shapes, dtype, device)):
+            ys[i] = y
+    return ys
+
+
 def _while_loop(body, ys_vals, counts, reverse):
     """The traced replacement: preallocated ys (pooled storage), a CPU counter, and a loop body that
     runs ``body`` on the views ``x[i]`` and copies each y into ``ys[i]``, with
     ``i = step_index(counter)`` (``L-1-counter`` when reverse)."""
-    resolve_shape_to_proxy = _compat.inductor.resolve_shape_to_proxy
 
     nc, nx, nl = counts
 
@@ -115,9 +129,7 @@ def _while_loop(body, ys_vals, counts, reverse):
         init, xs, lifted = _split(flat, nc, nx, nl)
         length = xs[0].size(0)
         symbols = {a.node.expr: a for a in (*flat, length) if isinstance(a, torch.SymInt)}
-        ys = [torch.ops.torch_scan_hop.stacked_buffer(resolve_shape_to_proxy(v.size(), symbols),
-                                                      resolve_shape_to_proxy(v.stride(), symbols), v.dtype, v.device)
-              for v in ys_vals]  # storage reused between calls: see _buffer_pool
+        ys = _preallocate(ys_vals, symbols)
         ny = len(ys)
         if not segments(length):  # no step: the bounds asserts would fail statically
             return [*(c.clone() for c in init), *ys]
