@@ -60,6 +60,19 @@ def test_empty_cache_releases_idle_storage_and_the_pool_is_bounded():
     assert pool._pooled_bytes() == (0, 0)
 
 
+def test_new_shapes_release_idle_storage_of_other_sizes():
+    """Changing shapes (sequence lengths) must not keep one idle working set per shape."""
+    a = pool.stacked_buffer(BIG, (512, 64, 1), torch.float32, torch.device("cpu"))
+    kept = pool.stacked_buffer(BIG, (512, 64, 1), torch.float32, torch.device("cpu"))
+    del a
+    assert pool._pooled_bytes() == (128 * 1024, 2 * 128 * 1024)
+    b = pool.stacked_buffer((65, 8, 64), (512, 64, 1), torch.float32, torch.device("cpu"))
+    assert pool._pooled_bytes() == (0, 128 * 1024 + 65 * 512 * 4)  # the idle one went, the one in use stays
+    kept.fill_(1.0)
+    b.fill_(2.0)
+    assert bool((kept == 1.0).all())
+
+
 def rnn(w):
     def cell(c, x):
         h = torch.tanh(c @ w + x)

@@ -14,9 +14,10 @@ The inductor lowering therefore takes such buffers from this pool: storage
 stays here between steps and is handed out again only when no tensor uses
 it any more (its use count is 1: the pool's own reference). Buffers of other
 devices (CUDA has its caching allocator) and small ones are plain
-``empty_strided``. Idle storage is bounded per size (``_PER_KEY``) and by
-the number of sizes kept (``_KEYS``, least recently used first out);
-``torch_scan_hop.empty_cache()`` releases every idle buffer.
+``empty_strided``. A request no idle storage fits (new shapes) releases the
+idle storage of every other size first, so changing shapes do not pile up
+one working set each; storage per size (``_PER_KEY``) and sizes (``_KEYS``)
+are bounded too; ``torch_scan_hop.empty_cache()`` releases every idle buffer.
 """
 import collections
 import threading
@@ -55,6 +56,7 @@ def _idle_or_new(key):
     for storage in entries:
         if _compat.storage_use_count(storage) == 1:  # only the pool holds it
             return storage
+    _drop_idle_of_other_sizes(key)
     storage = torch.UntypedStorage(key[0], device=key[1])
     entries.append(storage)
     if len(entries) > _PER_KEY:
@@ -62,6 +64,18 @@ def _idle_or_new(key):
     while len(_pool) > _KEYS:
         _pool.popitem(last=False)
     return storage
+
+
+def _drop_idle_of_other_sizes(key):
+    """A miss means new shapes (a new sequence length, a new model): idle storage of other sizes
+    is released, so shapes that keep changing never pile up one working set each."""
+    for other in list(_pool):
+        if other != key:
+            kept = [s for s in _pool[other] if _compat.storage_use_count(s) > 1]
+            if kept:
+                _pool[other] = kept
+            else:
+                del _pool[other]
 
 
 def empty_cache():
