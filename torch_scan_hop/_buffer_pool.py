@@ -25,6 +25,7 @@ import threading
 import torch
 
 from . import _compat
+from ._trees import split_counts
 
 _MIN_BYTES = 128 * 1024  # smaller blocks come from (and go back to) malloc's heap
 _KEYS = 64  # distinct (bytes, device) sizes kept
@@ -96,11 +97,7 @@ def _pooled_bytes():
 
 
 def _unflatten(sizes, strides, ranks):
-    out, start = [], 0
-    for rank in ranks:
-        out.append((sizes[start:start + rank], strides[start:start + rank]))
-        start += rank
-    return out
+    return zip(split_counts(sizes, *ranks), split_counts(strides, *ranks))
 
 
 @torch.library.custom_op("torch_scan_hop::stacked_buffers", mutates_args=())

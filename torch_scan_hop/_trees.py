@@ -44,6 +44,15 @@ class TreeDef:
 _LEAF = TreeDef(pytree.tree_structure(0), (False,))
 
 
+def split_counts(seq, *counts):
+    """``seq`` cut into consecutive lists of ``counts[0]``, ``counts[1]``, ... items."""
+    out, start = [], 0
+    for n in counts:
+        out.append(list(seq[start:start + n]))
+        start += n
+    return out
+
+
 def flatten(tree):
     """(tensor-or-other leaves without the Nones, TreeDef); a bare tensor skips
     pytree, whose node-type lookup alone costs several microseconds."""

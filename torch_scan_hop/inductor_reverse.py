@@ -19,6 +19,7 @@ import torch
 
 from . import _buffer_pool, _compat, _inductor_fixes
 from ._schedule import segments, step_index
+from ._trees import split_counts
 
 _installed = False
 _LOOP_PREFIX = "scan_loop_"  # our while_loops' cond/body subgraphs: no per-iteration input asserts
@@ -82,14 +83,6 @@ def _name_our_loops(gm, theirs):
             sub.target = new
 
 
-def _split(seq, *counts):
-    out, start = [], 0
-    for n in counts:
-        out.append(list(seq[start:start + n]))
-        start += n
-    return out
-
-
 def _same_strides(a, b):
     from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
@@ -126,7 +119,7 @@ def _while_loop(body, ys_vals, counts, reverse):
     nc, nx, nl = counts
 
     def lowered(*flat):
-        init, xs, lifted = _split(flat, nc, nx, nl)
+        init, xs, lifted = split_counts(flat, nc, nx, nl)
         length = xs[0].size(0)
         symbols = {a.node.expr: a for a in (*flat, length) if isinstance(a, torch.SymInt)}
         ys = _preallocate(ys_vals, symbols)
@@ -138,7 +131,7 @@ def _while_loop(body, ys_vals, counts, reverse):
             return counter < length
 
         def step(counter, *rest):
-            bufs, carry, xs_, lifted_ = _split(rest, ny, nc, nx, nl)
+            bufs, carry, xs_, lifted_ = split_counts(rest, ny, nc, nx, nl)
             i = step_index(counter.item(), length, reverse=reverse)
             torch.ops.aten._assert_scalar.default(i >= 0, "scan: index below 0")
             torch.ops.aten._assert_scalar.default(i < length, "scan: index past the end")
