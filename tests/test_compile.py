@@ -8,7 +8,7 @@ import textwrap
 import expecttest
 import pytest
 import torch
-from conftest import assert_trees_close, capture_graphs
+from conftest import assert_trees_close, capture_graphs, reference_scan
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 
@@ -126,6 +126,45 @@ def test_backends_match_eager_forward_and_backward(backend, reverse):
     got = loss_and_grads(torch.compile(f, backend=backend, fullgraph=True), w, init, xs)
     assert_trees_close(got, want, atol=1e-5, rtol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+
+class _LinearSkippingGrads(torch.autograd.Function):
+    """Computes only the gradients ``ctx.needs_input_grad`` asks for (as torch_xla's XLAPatchedLinear)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return (g @ w if ctx.needs_input_grad[0] else None), (g.t() @ x if ctx.needs_input_grad[1] else None)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize("init_grad", [False, True])
+def test_autograd_function_sees_the_carry_require_grad_from_step_two_on(backend, init_grad):
+    """init does not require grad, so step 1's carry does not; from step 2 on it
+    does (it depends on w). The body is traced with the carry requiring grad, or
+    the Function's backward drops the gradient through the carry (all steps but the last)."""
+    torch.manual_seed(0)
+    w0, init0, xs = torch.randn(4, 4, dtype=torch.float64) * 0.5, torch.randn(2, 4, dtype=torch.float64), \
+        torch.randn(5, 2, 4, dtype=torch.float64)
+
+    def f(w, init, xs):
+        return scan(lambda c, x: (torch.tanh(_LinearSkippingGrads.apply(c, w) + x), c.sum(-1)), init, xs)
+
+    def grads(fn):
+        w, init = w0.clone().requires_grad_(), init0.clone().requires_grad_(init_grad)
+        c, ys = fn(w, init, xs)
+        wrt = [w, init] if init_grad else [w]
+        return [c, ys, *torch.autograd.grad(c.pow(2).sum() + ys.sin().sum(), wrt)]
+
+    want = grads(lambda w, init, xs: reference_scan(lambda c, x: (torch.tanh(_LinearSkippingGrads.apply(c, w) + x),
+                                                                 c.sum(-1)), init, xs))
+    assert_trees_close(grads(f), want, atol=1e-10, rtol=1e-10)
+    assert_trees_close(grads(torch.compile(f, backend=backend, fullgraph=True)), want, atol=1e-10, rtol=1e-10)
 
 
 INDUCTOR_SCRIPT = textwrap.dedent("""

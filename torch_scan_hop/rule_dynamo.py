@@ -64,14 +64,21 @@ def _make_tracker_class():
             options = _non_default_options(options)
             init_vars, xs_vars = init.unpack_var_sequence(tx), xs.unpack_var_sequence(tx)
             add_vars = additional.unpack_var_sequence(tx)
-            with dyn.discard_graph_changes(tx):
-                sub_args = [v.call_method(tx, "clone", args=(), kwargs={}) for v in init_vars]
-                sub_args += [dyn.inlined(tx, slice_example)(v) for v in xs_vars]
-                sub_args += [v.call_method(tx, "clone", args=(), kwargs={}) for v in add_vars]
-            (_, spec), graph, freevars = dyn.speculate_subgraph(
-                tx, combine_fn, sub_args, description="torch_scan_hop.scan body",
-                source_target=self.value, set_subgraph_inputs="flatten_manual",
-                should_flatten_outputs=True, supports_input_mutation=False, supports_aliasing=True)
+            carry_grad = None
+            for _ in range(len(init_vars) + 1):  # the carries' requires_grad fixed point
+                with dyn.discard_graph_changes(tx):
+                    sub_args = [v.call_method(tx, "clone", args=(), kwargs={}) for v in init_vars]
+                    sub_args += [dyn.inlined(tx, slice_example)(v) for v in xs_vars]
+                    sub_args += [v.call_method(tx, "clone", args=(), kwargs={}) for v in add_vars]
+                carry_grad = _require_grad(sub_args[:len(init_vars)], carry_grad)
+                (_, spec), graph, freevars = dyn.speculate_subgraph(
+                    tx, combine_fn, sub_args, description="torch_scan_hop.scan body",
+                    source_target=self.value, set_subgraph_inputs="flatten_manual",
+                    should_flatten_outputs=True, supports_input_mutation=False, supports_aliasing=True)
+                grown = _carries_requiring_grad(graph, carry_grad)
+                if grown == carry_grad:
+                    break
+                carry_grad = grown
             _reject_constant_ys(spec)
             _clone_outputs_that_are_inputs(graph)
             _allow_scalar_outputs(tx)
@@ -81,6 +88,35 @@ def _make_tracker_class():
             return dyn.call_and_unflatten(tx, self.value, p_args, options, spec)
 
     return ScanVariable
+
+
+def _example(var):
+    return var.as_proxy().node.meta.get("example_value")
+
+
+def _require_grad(carry_vars, flags):
+    """The carries' example values, made to require grad where ``flags`` says
+    (None: as init's). The body is traced with a carry requiring grad when any
+    step's does, as in the loop from step 2 on: what reads requires_grad at trace
+    time (an autograd.Function's ``ctx.needs_input_grad``) must see it."""
+    examples = [_example(v) for v in carry_vars]
+    if flags is None:
+        return [isinstance(e, torch.Tensor) and e.requires_grad for e in examples]
+    with _compat.disable_proxy_modes_tracing():
+        for var, e, flag in zip(carry_vars, examples, flags):
+            if flag and not e.requires_grad:
+                var.as_proxy().node.meta["example_value"] = e.detach().requires_grad_()
+    return flags
+
+
+def _carries_requiring_grad(graph, flags):
+    """``flags`` grown by the body's carry outputs that require grad."""
+    (outs,) = graph.find_nodes(op="output")[0].args
+    grown = []
+    for flag, out in zip(flags, outs[:len(flags)]):
+        e = out.meta.get("example_value") if isinstance(out, torch.fx.Node) else None
+        grown.append(flag or (isinstance(e, torch.Tensor) and e.requires_grad))
+    return grown
 
 
 def _graph_break_message(e):
