@@ -166,3 +166,29 @@ def test_traced_path_does_not_grow_linecache_without_bound(monkeypatch):
     for _ in range(30):
         call()
     assert len(linecache.cache) - before <= 40 < 30 * per_call  # ...but only the newest 40 are kept
+
+
+def test_a_graph_body_reuses_its_plan_with_no_trace(monkeypatch):
+    """A graph body with no user function behind it (Dynamo's) is differentiated
+    as it is: an identical graph needs no trace of its joint to find its plan."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torch_scan_hop import _compat, scan_op
+
+    w = torch.randn(3, 3, dtype=D, requires_grad=True)
+    body = make_fx(lambda c, x, w: [torch.tanh(c @ w + x), c.sum(-1)])(
+        torch.zeros(2, 3, dtype=D), torch.zeros(2, 3, dtype=D), w.detach())
+    traces, real = [], _compat.trace_graph
+    monkeypatch.setattr(_compat, "trace_graph", lambda *a, **k: traces.append(1) or real(*a, **k))
+    part = CountingPartition()
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed)
+        init, xs = torch.randn(2, 3, dtype=D, generator=gen), torch.randn(4, 2, 3, dtype=D, generator=gen)
+        got = grads_of(lambda i, x: tuple(scan_op(body, [i], [x], (w,), remat=part)), init, xs, [w])
+        want = grads_of(lambda i, x: reference_scan(lambda c, x: (torch.tanh(c @ w + x), c.sum(-1)), i, x),
+                        init, xs, [w])
+        assert_trees_close(got, want)
+        if seed == 0:
+            assert traces
+            traces.clear()
+    assert part.calls == 1 and not traces

@@ -7,8 +7,8 @@ is derived from a trace is reused only for an identical graph: ``graph_key``
 describes every node, target, constant and literal of a GraphModule, so two
 graphs with the same key compute the same thing.
 
-* ``plan_for``: joint graph + input metadata + reverse + remat -> the autograd
-  plan (partitioned forward/backward step graphs).
+* ``plan_for``: joint graph (or a body graph that determines it) + input
+  metadata + reverse + remat -> the autograd plan (partitioned step graphs).
 * ``by_graph``: body graph + extra key -> e.g. the lowered XLA While.
 
 Both are small LRUs. Work under a tracer (make_fx, fake mode, Dynamo) is never
@@ -187,9 +187,10 @@ def by_graph(gm, key, build):
     return _graphs.get_or_build((graph, key, _ambient_state()), refs, build)
 
 
-def plan_for(joint, init, xs, additional_inputs, reverse, remat, build):
-    """The autograd plan, once per (joint graph, per-step input metadata, reverse, remat)."""
-    found = graph_key(joint)
+def plan_for(gm, init, xs, additional_inputs, reverse, remat, build, keyed_by="joint"):
+    """The autograd plan, once per (graph ``gm``, per-step input metadata, reverse, remat).
+    ``keyed_by``: what ``gm`` is, the step's joint or a body graph that determines it."""
+    found = graph_key(gm)
     if found is None:
         return build()
     graph, refs = found
@@ -199,7 +200,7 @@ def plan_for(joint, init, xs, additional_inputs, reverse, remat, build):
         refs = [*refs, weakref.ref(remat)] if _weakrefable(remat) else None
         if refs is None:
             return build()
-    return _plans.get_or_build((graph, meta, reverse, remat_key, _ambient_state()), refs, build)
+    return _plans.get_or_build((keyed_by, graph, meta, reverse, remat_key, _ambient_state()), refs, build)
 
 
 def _weakrefable(v):

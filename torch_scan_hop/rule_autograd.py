@@ -17,6 +17,7 @@ import torch
 
 from . import _cache, _compat
 from ._graph_passes import fuse_accumulate
+from ._lift import source_of
 from ._op import example_args, scan_op
 from .eager_loop import run_flat
 from ._body_checks import mark_functional
@@ -189,17 +190,30 @@ def _needs_grad(flat):
 
 
 def build_plan(combine_fn, init, xs, additional_inputs, reverse, remat):
-    """Trace the step's joint (every call: only the graph says what the body
-    computes), then partition it, or reuse the partition of an identical joint."""
+    """The partitioned step of this call, reused for an identical step.
+
+    A body traced by ``scan``'s front end has a user function behind it
+    (``_lift.source_of``) whose joint only a fresh trace can tell: the plan is
+    keyed by that joint. Any other graph body (Dynamo's, or our own backward)
+    is differentiated as it is, so its joint is a function of the graph: the
+    plan is keyed by the body graph itself, with no trace on a hit.
+    """
     with torch.no_grad(), _compat.disable_proxy_modes_tracing():
         examples = example_args(init, xs, additional_inputs)
     nc, nx = len(init), len(xs)
     flat = [*init, *xs, *additional_inputs]
     requires_grad = [isinstance(t, torch.Tensor) and t.requires_grad for t in flat]
-    step = trace_step(combine_fn, examples[:nc], examples[nc:nc + nx], examples[nc + nx:], requires_grad)
-    build = lambda: ScanGradPlan(partition_step(step, remat), reverse)  # noqa: E731
+
+    def trace():
+        return trace_step(combine_fn, examples[:nc], examples[nc:nc + nx], examples[nc + nx:], requires_grad)
+
     if _compat.dispatch_modes_active() or not all(_compat.is_concrete(t) for t in flat):
-        return build()
+        return ScanGradPlan(partition_step(trace(), remat), reverse)
+    if isinstance(combine_fn, torch.fx.GraphModule) and source_of(combine_fn) is None:
+        build = lambda: ScanGradPlan(partition_step(trace(), remat), reverse)  # noqa: E731
+        return _cache.plan_for(combine_fn, init, xs, additional_inputs, reverse, remat, build, keyed_by="body")
+    step = trace()
+    build = lambda: ScanGradPlan(partition_step(step, remat), reverse)  # noqa: E731
     return _cache.plan_for(step.joint, init, xs, additional_inputs, reverse, remat, build)
 
 
