@@ -232,7 +232,11 @@ def memo(owner, key, build):
 
 
 def clear():
-    """Forget every cached plan and lowering (never needed for correctness)."""
+    """Forget every cached plan and lowering, and the compiled entries of eager
+    scans on XLA (never needed for correctness)."""
+    from . import xla_eager
+
+    xla_eager.clear()
     _plans.clear()
     _graphs.clear()
     _memos.clear()

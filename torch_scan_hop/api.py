@@ -7,6 +7,7 @@ from ._op import example_args, scan_op
 from ._trees import ScanError, ScanInputs, check_carry, check_pair, flatten_y, prepare_inputs
 from .eager_loop import run_tree
 from .partition import REMAT
+from . import xla_eager
 
 
 class FlatBody:
@@ -57,6 +58,12 @@ def scan(fn, init, xs=None, *, length=None, reverse=False, dim=0, remat="save_al
     """
     _check_options(fn, reverse, remat, unroll)
     inputs = prepare_inputs(init, xs, length, dim)
+    if xla_eager.applies(fn, [*inputs.init_leaves, *inputs.xs_leaves], remat):
+        return _scan_on_xla(fn, init, xs, dict(length=length, reverse=reverse, dim=dim, remat=remat, unroll=unroll))
+    return _scan(fn, init, inputs, reverse, remat, unroll)
+
+
+def _scan(fn, init, inputs, reverse, remat, unroll):
     if _compat.is_dynamo_compiling():  # rule_dynamo captures fn as a subgraph, closures lifted
         out = scan_op(dynamo_body(fn, inputs), inputs.init_leaves, inputs.xs_leaves, (),
                       reverse=reverse, remat=remat, unroll=AUTO_UNROLL if unroll is None else unroll)
@@ -67,6 +74,23 @@ def scan(fn, init, xs=None, *, length=None, reverse=False, dim=0, remat="save_al
     nc = inputs.num_carry
     carry = inputs.init_spec.unflatten(flat_out[:nc])
     return carry, y_spec.unflatten(flat_out[nc:])
+
+
+def _scan_entry(fn, init, xs, *, length, reverse, dim, remat, unroll):
+    """What ``xla_eager`` hands to Dynamo: ``scan`` without the route to it."""
+    return _scan(fn, init, prepare_inputs(init, xs, length, dim), reverse, remat, unroll or 1)
+
+
+def _scan_on_xla(fn, init, xs, options):
+    """Through Dynamo (a guard check per unchanged call); a body it cannot
+    capture runs on the make_fx path, which also raises the user's own errors."""
+    try:
+        return xla_eager.call(_scan_entry, fn, init, xs, options)
+    except xla_eager.NotCaptured as e:
+        refused = e.key
+    result = _scan_entry(fn, init, xs, **options)
+    xla_eager.refuse(refused)  # only once the make_fx path succeeded: a user error is not Dynamo's
+    return result
 
 
 def _call_op(fn, inputs, **kwargs):

@@ -14,11 +14,13 @@ one more parameter, fed one seed per step (a length-T vector sliced like an x).
 """
 import copy
 import dataclasses
+import operator
 from typing import List
 
 import torch
 
 from . import _compat
+from ._op import example_args
 from ._trees import ScanError
 
 CARRY, X, PASS = 0, 1, 2  # what feeds a body parameter (hlo_scan.cc's Kind)
@@ -189,8 +191,24 @@ def _param_sources(ctx, groups, outs, num_x, num_pass):
     return [where[pid] for pid in range(len(where))], hoisted, seed_pid is not None
 
 
+def _is_aten_graph(gm):
+    return all(n.op != "call_function" or _compat.is_op_overload(n.target) or n.target is operator.getitem
+               for n in gm.graph.nodes) and not any(n.op in ("call_module", "call_method") for n in gm.graph.nodes)
+
+
+def as_aten_graph(body, init, xs, additional_inputs):
+    """A graph body of torch-level calls (Dynamo's) traced to aten ops, which
+    ``check_runs_on_xla`` can read; other bodies as they are."""
+    if not isinstance(body, torch.fx.GraphModule) or _is_aten_graph(body):
+        return body
+    with torch.no_grad(), _compat.disable_proxy_modes_tracing():
+        examples = example_args(init, xs, additional_inputs)
+    return _compat.trace_graph(body, examples)
+
+
 def lower_body(combine_fn, init, xs, additional_inputs) -> BodyHlo:
     """Stage out one step of ``combine_fn`` as HLO (nothing runs on the device)."""
+    combine_fn = as_aten_graph(combine_fn, init, xs, additional_inputs)
     check_runs_on_xla(combine_fn)
     combine_fn = keep_on_device(combine_fn)
     groups, outs = _run_on_placeholders(combine_fn, init, xs, additional_inputs)

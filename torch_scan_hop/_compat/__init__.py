@@ -54,6 +54,7 @@ from .functorch import (  # noqa: F401
     add_batch_dim,
     functorch_bdim,
     functorch_level,
+    functorch_transforms_active,
     functorch_unwrap,
     is_batched_here,
 )

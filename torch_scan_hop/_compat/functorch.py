@@ -47,3 +47,11 @@ def _functionalize_transform_active():
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
     return any(i.key() == TransformType.Functionalize for i in retrieve_all_functorch_interpreters())
+
+
+def functorch_transforms_active():
+    """Any torch.func transform (vmap, grad, jvp, functionalize) is active.
+    torch 2.9-2.14: ``retrieve_all_functorch_interpreters``."""
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return bool(retrieve_all_functorch_interpreters())
