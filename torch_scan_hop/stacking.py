@@ -29,6 +29,8 @@ import weakref
 
 import torch
 
+from . import _compat
+from ._stack_weights import rows_of
 from ._trees import ScanError
 
 _BROKEN = "_scan_stack_broken"
@@ -90,6 +92,8 @@ class _StackedMixin:
             for i, (m, leaf) in enumerate(self._scan_owners[name]):
                 p = m._parameters[leaf]
                 p.data = rows[i]
+            if P.device.type == "xla":  # rows start as pending slices: the first step's graph would differ
+                _compat.xla.materialize([P, *(m._parameters[leaf] for m, leaf in self._scan_owners[name])])
 
     def stacked_parameters(self):
         """``{name: stacked tensor}`` (read-only use: the layers' parameters are its rows)."""
@@ -181,7 +185,7 @@ def _register_grad_hook(container, name, P):
         if owner is None or g is None:
             return
         with torch.no_grad():
-            for (m, leaf), row in zip(owner._scan_owners[name], g.unbind(0)):  # row views, no copy
+            for (m, leaf), row in zip(owner._scan_owners[name], rows_of(g)):  # row views, no copy (XLA: gathers)
                 p = m._parameters.get(leaf)
                 if p is None or not p.requires_grad:
                     continue

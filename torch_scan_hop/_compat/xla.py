@@ -52,3 +52,10 @@ def aot_mark_sharding(tensor, mesh, partition_spec):
     from torch_xla.distributed.spmd.xla_sharding import _aot_mark_sharding
 
     return _aot_mark_sharding(tensor, mesh, partition_spec)
+
+
+def materialize(tensors):
+    """Compute the pending lazy values of ``tensors`` into device data now,
+    without waiting and without touching other tensors (unlike ``torch_xla.sync``).
+    torch_xla 2.9: ``_xla_sync_multi`` (what ``xm.unlazy`` calls, with wait=True)."""
+    xlac()._xla_sync_multi(list(tensors), devices=[], wait=False)
