@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import assert_trees_close
 
-from torch_scan_hop import _compat, scan, scan_layers, xla_eager
+from torch_scan_hop import ScanError, _compat, scan, scan_layers, xla_eager
 
 torch_xla = pytest.importorskip("torch_xla", reason="torch_xla is not installed: the XLA tests need the [xla] extra (torch 2.9)")
 
@@ -141,3 +141,19 @@ def test_scan_layers_sees_a_changed_attribute_and_parameter(traces):
         ref[1].lin.weight.mul_(2)
         layers[1].lin.weight.mul_(2)
     check()
+
+
+def test_scan_layers_refuses_a_layer_whose_read_attribute_changed_after_a_cached_call():
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(_Block() for _ in range(3)).to(DEV)
+    x = torch.randn(2, 4).to(DEV)
+    scan_layers(layers, x).sum().backward()
+    layers[2].note = "unread"  # differs, but the body never reads it
+    scan_layers(layers, x).sum().backward()
+    layers[2].gain = 0.5  # read by every step: layer 0's value would be used silently
+    with pytest.raises(ScanError, match=r"layer 2's attribute 'gain' is 0.5 but layer 0's is 1.0"):
+        scan_layers(layers, x)
+    layers[2].gain = 1.0
+    layers[1].lin.register_forward_hook(lambda *a: None)
+    with pytest.raises(ScanError, match=r"layer 1 \(lin\) has module hooks"):
+        scan_layers(layers, x)

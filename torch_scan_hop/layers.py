@@ -226,6 +226,32 @@ def _eager_loop(layers, inputs, remat, kwargs):
     return h
 
 
+_PER_LAYER_STATE = ("_parameters", "_buffers", "_modules")  # compared by _layer_states / recursion
+
+
+def _all_attributes_agree(layers):
+    """Every plain attribute in every layer's module tree equals layer 0's.
+
+    Then the body's checks on read (``_LayerView``: under Dynamo one guard per
+    layer and attribute read, the most of the compile time that grows with
+    depth) have nothing to find. Outside Dynamo only: it cannot enumerate a
+    ``__dict__``. Anything that differs (a per-layer index nobody reads, say)
+    leaves the checks on read to decide.
+    """
+    return all(_tree_agrees(layers[0], layer) for layer in layers[1:])
+
+
+def _tree_agrees(ref, module):
+    mine, theirs = vars(module), vars(ref)
+    if mine.keys() != theirs.keys() or type(module) is not type(ref):
+        return False
+    if not all(_same_value(mine[k], v) for k, v in theirs.items() if k not in _PER_LAYER_STATE):
+        return False
+    kids, ref_kids = _compat.nn.child_modules(module), _compat.nn.child_modules(ref)
+    return kids.keys() == ref_kids.keys() and all(
+        (a is None) == (b is None) and (a is None or _tree_agrees(b, a)) for a, b in zip(kids.values(), ref_kids.values()))
+
+
 def _check_no_hooks(layers):
     """A traced scan runs the layers' code, not their ``__call__``: hooks would
     silently not run, so they are refused (eager runs them: it is the loop)."""
@@ -282,11 +308,15 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=1, **broadcast_kwargs)
     xs = _stacked_state(states) if stacked is None else _from_storage(layers, stacked, states[0], dynamo)
     template = layers[0]
     single = len(inputs) == 1
+    if not dynamo:  # checked here, in Python: the traced body then reads no peer
+        _check_no_hooks(layers)
+    peers = () if not dynamo and _all_attributes_agree(layers) else layers[1:]
 
     def step(h, params):
-        _check_no_hooks(layers)  # in the body: under torch.compile only errors raised there stay ScanErrors
+        if dynamo:  # in the body: under torch.compile only errors raised there stay ScanErrors
+            _check_no_hooks(layers)
         args = (h,) if single else tuple(h)
-        out = view_of(template, params, peers=layers[1:])(*args, **broadcast_kwargs)  # kwargs: closed over
+        out = view_of(template, params, peers=peers)(*args, **broadcast_kwargs)  # kwargs: closed over
         if not single and isinstance(out, list):
             out = tuple(out)
         return out, None
