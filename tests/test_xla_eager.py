@@ -157,3 +157,19 @@ def test_scan_layers_refuses_a_layer_whose_read_attribute_changed_after_a_cached
     layers[1].lin.register_forward_hook(lambda *a: None)
     with pytest.raises(ScanError, match=r"layer 1 \(lin\) has module hooks"):
         scan_layers(layers, x)
+
+
+def test_more_shapes_than_dynamos_default_recompile_limit_stay_cached(traces):
+    """Each new length is a compile of the same body code; past Dynamo's default
+    limit (8 per code) the calls would take the make_fx path, a trace each."""
+    w = torch.randn(4, 4)
+    body = lambda c, x: _cell(c, x, w.to(DEV))  # noqa: E731
+    problems = [(torch.randn(2, 4), torch.randn(n, 2, 4)) for n in range(1, 11)]
+    for init, xs in problems:
+        scan(body, init.to(DEV), xs.to(DEV))
+    traces[0] = 0
+    for init, xs in problems:
+        got = scan(body, init.to(DEV), xs.to(DEV))
+        assert_trees_close([t.cpu() for t in got], list(_loop(lambda c, x: _cell(c, x, w), init, xs)),
+                           atol=1e-5, rtol=1e-5)
+    assert traces[0] == 0

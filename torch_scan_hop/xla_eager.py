@@ -11,7 +11,8 @@ captures the call as one scan node (``rule_dynamo``) and guards on what the
 body read; the captured graph runs as it is, and its scan node, a graph body,
 finds its plan and While by graph. A call whose guards hold costs a guard check.
 A body Dynamo cannot capture whole (a print, an unsupported construct) takes
-the make_fx path, as before, and is not offered to Dynamo again.
+the make_fx path, as before, and is not offered to Dynamo again; so do calls
+past the recompile limit of a body code (``_RECOMPILES``).
 """
 import threading
 import types
@@ -21,6 +22,9 @@ import torch
 from . import _compat
 
 _MAX_BODIES = 256  # distinct body codes with an entry of their own
+# compiles per body code: each new shape is one (static shapes: XLA compiles per
+# shape anyway), and past the limit calls take the make_fx path (Dynamo's default: 8)
+_RECOMPILES = 64
 _lock = threading.Lock()
 _entries = {}  # body code -> compiled entry (one per code: Dynamo's recompile limit counts per code)
 _refused = set()  # bodies Dynamo could not capture: (code, closure types)
@@ -79,7 +83,8 @@ class NotCaptured(Exception):
 def call(scan_impl, fn, init, xs, options):
     """``scan_impl(fn, init, xs, **options)`` captured by Dynamo (``scan_impl`` must not route here again)."""
     try:
-        return _entry_for(fn.__code__)(scan_impl, fn, init, xs, options)
+        with _compat.dynamo.recompile_limit_at_least(_RECOMPILES):
+            return _entry_for(fn.__code__)(scan_impl, fn, init, xs, options)
     except Exception as e:
         raise NotCaptured(_body_key(fn)) from e
 

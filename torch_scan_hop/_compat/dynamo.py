@@ -148,3 +148,10 @@ def is_exporting(tx):
 def subgraph_module(tx, graph):
     """A GraphModule for a speculated body, owning the frame's modules (2.9-2.14)."""
     return torch.fx.GraphModule(dict(tx.output.nn_modules), graph)
+
+
+def recompile_limit_at_least(n):
+    """Dynamo compiles one code object at most ``recompile_limit`` times, then
+    runs it uncompiled; raise the limit for a block.
+    torch 2.9-2.14: ``torch._dynamo.config.recompile_limit`` (default 8)."""
+    return torch._dynamo.config.patch(recompile_limit=max(n, torch._dynamo.config.recompile_limit))
