@@ -173,3 +173,23 @@ def test_more_shapes_than_dynamos_default_recompile_limit_stay_cached(traces):
         assert_trees_close([t.cpu() for t in got], list(_loop(lambda c, x: _cell(c, x, w), init, xs)),
                            atol=1e-5, rtol=1e-5)
     assert traces[0] == 0
+
+
+class _SuperCalling(_Block):
+    def forward(self, h):
+        return super().forward(h) + 1
+
+
+def test_layers_calling_super_run_on_xla_and_match_the_loop():
+    """Dynamo cannot trace zero-argument ``super()`` on the layer view: such a
+    stack takes the make_fx path (traced every call) and still gives the loop's values."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(_SuperCalling() for _ in range(3))
+    x = torch.randn(2, 4)
+    want = x
+    for layer in layers:
+        want = layer(want)
+    layers.to(DEV)
+    for _ in range(2):
+        assert_trees_close(scan_layers(layers, x.to(DEV)).cpu(), want.detach(), atol=1e-5, rtol=1e-5)
+    assert any(code.co_name == "step" for code, _ in xla_eager._refused)
