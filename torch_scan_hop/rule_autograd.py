@@ -207,14 +207,16 @@ def build_plan(combine_fn, init, xs, additional_inputs, reverse, remat):
     def trace():
         return trace_step(combine_fn, examples[:nc], examples[nc:nc + nx], examples[nc + nx:], requires_grad)
 
+    def plan(step):
+        return ScanGradPlan(partition_step(step, remat), reverse)
+
     if _compat.dispatch_modes_active() or not all(_compat.is_concrete(t) for t in flat):
-        return ScanGradPlan(partition_step(trace(), remat), reverse)
+        return plan(trace())
     if isinstance(combine_fn, torch.fx.GraphModule) and source_of(combine_fn) is None:
-        build = lambda: ScanGradPlan(partition_step(trace(), remat), reverse)  # noqa: E731
-        return _cache.plan_for(combine_fn, init, xs, additional_inputs, reverse, remat, build, keyed_by="body")
+        return _cache.plan_for(combine_fn, init, xs, additional_inputs, reverse, remat, lambda: plan(trace()),
+                               keyed_by="body")
     step = trace()
-    build = lambda: ScanGradPlan(partition_step(step, remat), reverse)  # noqa: E731
-    return _cache.plan_for(step.joint, init, xs, additional_inputs, reverse, remat, build)
+    return _cache.plan_for(step.joint, init, xs, additional_inputs, reverse, remat, lambda: plan(step))
 
 
 @scan_op.py_impl(_compat.DispatchKey.Autograd)  # not py_autograd_impl: it would trace the body for a schema every call

@@ -192,8 +192,9 @@ def _param_sources(ctx, groups, outs, num_x, num_pass):
 
 
 def _is_aten_graph(gm):
-    return all(n.op != "call_function" or _compat.is_op_overload(n.target) or n.target is operator.getitem
-               for n in gm.graph.nodes) and not any(n.op in ("call_module", "call_method") for n in gm.graph.nodes)
+    return all(n.op in ("placeholder", "output", "get_attr") or (
+        n.op == "call_function" and (_compat.is_op_overload(n.target) or n.target is operator.getitem))
+        for n in gm.graph.nodes)
 
 
 def as_aten_graph(body, init, xs, additional_inputs):

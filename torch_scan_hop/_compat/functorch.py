@@ -41,17 +41,19 @@ def _is_functorch_wrapped(t):
     return torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
-def _functionalize_transform_active():
-    """torch.func.functionalize is on the functorch interpreter stack
+def _interpreters():
+    """The active torch.func transforms, outermost first
     (torch 2.9-2.14: ``retrieve_all_functorch_interpreters``)."""
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-    return any(i.key() == TransformType.Functionalize for i in retrieve_all_functorch_interpreters())
+    return retrieve_all_functorch_interpreters()
+
+
+def _functionalize_transform_active():
+    """torch.func.functionalize is on the functorch interpreter stack."""
+    return any(i.key() == TransformType.Functionalize for i in _interpreters())
 
 
 def functorch_transforms_active():
-    """Any torch.func transform (vmap, grad, jvp, functionalize) is active.
-    torch 2.9-2.14: ``retrieve_all_functorch_interpreters``."""
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-    return bool(retrieve_all_functorch_interpreters())
+    """Any torch.func transform (vmap, grad, jvp, functionalize) is active."""
+    return bool(_interpreters())
