@@ -303,6 +303,56 @@ def test_replacing_a_parameter_after_compiling_recompiles_to_the_fallback():
                        atol=1e-10, rtol=1e-8)
 
 
+class Tuned(torch.nn.Module):
+    """Plain attributes the body reads: a float, a dropout's flags, a LayerNorm's shape tuple and eps."""
+
+    def __init__(self, d=3):
+        super().__init__()
+        self.lin, self.norm, self.drop, self.scale = torch.nn.Linear(d, d), torch.nn.LayerNorm(d), torch.nn.Dropout(0.0), 1.0
+
+    def forward(self, h):
+        return self.drop(torch.tanh(self.lin(self.norm(h))) * self.scale) * self.scale
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda ls: setattr(ls[2], "scale", 2.0), r"layer 2's attribute 'scale' is 2.0 but layer 0's is 1.0"),
+    (lambda ls: setattr(ls[2], "scale", torch.tensor(1.0)), r"layer 2's attribute 'scale' is a tensor of shape \[\] but"),
+    (lambda ls: ls[1].drop.eval(), r"layer 1's attribute 'drop.training' is False but layer 0's is True"),
+    (lambda ls: setattr(ls[3].norm, "eps", 1e-3), r"layer 3's attribute 'norm.eps' is 0.001"),
+    (lambda ls: setattr(ls[1].norm, "normalized_shape", (4,)), r"layer 1's attribute 'norm.normalized_shape' is \(4,\)"),
+])
+def test_a_compiled_stack_sees_one_layer_change_an_attribute_it_reads(change, message):
+    """Compiled once, then one layer's attribute changes: the guards on the other layers'
+    attributes recompile and the difference is refused, naming layer and attribute."""
+    torch._dynamo.reset()
+    layers = stack_layers(torch.nn.ModuleList(Tuned() for _ in range(4)).double())
+    compiled = torch.compile(run_scan, backend="eager", fullgraph=True)
+    h = torch.randn(2, 3, dtype=torch.float64)
+    assert_trees_close(compiled(layers, h), run_loop(layers, h), atol=1e-12, rtol=1e-10)
+    change(layers)
+    with pytest.raises(ScanError, match=message):
+        compiled(layers, h)
+
+
+@pytest.mark.parametrize("where", ["layer", "submodule", "global"])
+def test_a_compiled_stack_refuses_hooks_present_when_compiling(where):
+    torch._dynamo.reset()
+    layers = stack_layers(torch.nn.ModuleList(Tuned() for _ in range(4)))
+    target = {"layer": layers[2], "submodule": layers[1].norm}.get(where)
+    hook = (torch.nn.modules.module.register_module_forward_hook(lambda *a: None) if target is None
+            else target.register_forward_pre_hook(lambda *a: None))
+    want = {"layer": r"layer 2 has module hooks", "submodule": r"layer 1 \(norm\) has module hooks",
+            "global": r"global nn.Module hooks are registered"}[where]
+    try:
+        with pytest.raises(ScanError, match=want):
+            torch.compile(run_scan, backend="eager", fullgraph=True)(layers, torch.randn(2, 3))
+    finally:
+        hook.remove()
+    torch._dynamo.reset()
+    h = torch.randn(2, 3)
+    assert_trees_close(torch.compile(run_scan, backend="eager", fullgraph=True)(layers, h), run_loop(layers, h))
+
+
 def test_stacking_non_identical_layers_is_a_scan_error_naming_the_layer():
     layers = torch.nn.ModuleList([Block(), Block(), Block(7)])
     with pytest.raises(ScanError, match="layer 2.*lin.weight"):

@@ -21,7 +21,7 @@ import torch
 
 from . import _compat
 from ._stack_weights import stack_weights
-from .stacking import stacked_storage
+from .stacking import container_of, container_token, stacked_storage
 from ._trees import ScanError, flatten
 from .api import scan
 from .eager_loop import remat_step
@@ -55,7 +55,17 @@ def _layer_states(layers):
 _MISSING = object()
 
 
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _is_plain(value):
+    return type(value) in _PLAIN or type(value) is tuple and all(type(v) in _PLAIN for v in value)
+
+
 def _check_peers_agree(name, value, others):
+    n, kind = len(others), type(value)
+    if _is_plain(value) and [type(o) for o in others].count(kind) == n and others.count(value) == n:
+        return  # all equal, found with no call per layer (each costs Dynamo a trace, 64 at depth 64)
     for i, other in enumerate(others, start=1):
         if not _same_value(other, value):
             raise ScanError(
@@ -78,6 +88,8 @@ def _same_value(a, b):
 
 
 def _show(v):
+    if isinstance(v, torch.Tensor):  # no repr: under Dynamo a tensor has no value to print
+        return f"a tensor of shape {list(v.shape)}"
     return "missing" if v is _MISSING else repr(v)
 
 
@@ -154,8 +166,9 @@ class _LayerView:
     Dynamo can trace (it cannot enumerate a module's ``__dict__``).
     """
 
-    def __init__(self, module, state, prefix="", peers=()):
-        self.m, self.state, self.prefix, self.peers = module, state, prefix, peers
+    def __init__(self, module, state, prefix="", peers=(), checked=None, parent=None):
+        self.m, self.state, self.prefix, self.peers, self.parent = module, state, prefix, peers, parent
+        self.checked = {} if checked is None else checked  # names compared with the peers, whole tree
 
     def __getattr__(self, name):
         d = self.__dict__
@@ -166,9 +179,8 @@ class _LayerView:
             return state[prefix + name]
         children = _compat.nn.child_modules(module)
         if name in children:
-            sub = children[name]
-            peers = [_compat.nn.child_modules(p)[name] for p in d["peers"]]
-            return None if sub is None else view_of(sub, state, prefix + name + ".", peers)
+            sub = children[name]  # its peers are found when it first reads a plain attribute
+            return None if sub is None else view_of(sub, state, prefix + name + ".", None, d["checked"], (d, name))
         if name == "_modules":  # torch's containers read their children from this attribute
             return {k: getattr(self, k) for k in children}
         attr = getattr(type(module), name, None)
@@ -177,7 +189,9 @@ class _LayerView:
         if isinstance(attr, types.FunctionType):  # a method: bound to the view (partial: Dynamo traces it)
             return functools.partial(attr, self)
         value = getattr(module, name)
-        _check_peers_agree(prefix + name, value, [getattr(p, name, _MISSING) for p in d["peers"]])
+        if prefix + name not in d["checked"]:  # once per trace: a check reads the attribute of every layer
+            _check_peers_agree(prefix + name, value, [getattr(p, name, _MISSING) for p in _peers_of(d)])
+            d["checked"][prefix + name] = True
         return value
 
     def __call__(self, *args, **kwargs):
@@ -197,6 +211,15 @@ class _LayerView:
         return list(self._modules.values())[idx]
 
 
+def _peers_of(d):
+    """A view's peers: the other layers' modules at its path. A submodule view finds them
+    on first use, so one that reads no plain attribute (a Linear) reads no other layer."""
+    if d["peers"] is None:
+        parent, name = d["parent"]
+        d["peers"] = _compat.nn.children_named(_peers_of(parent), name)
+    return d["peers"]
+
+
 @functools.lru_cache(maxsize=None)
 def _view_type(cls):
     """A _LayerView whose ``__class__`` is ``cls``: ``isinstance`` and the
@@ -204,10 +227,10 @@ def _view_type(cls):
     return type(f"{cls.__name__}View", (_LayerView,), {"__class__": cls})
 
 
-def view_of(module, state, prefix="", peers=()):
+def view_of(module, state, prefix="", peers=(), checked=None, parent=None):
     """The view of ``module`` (Dynamo traces the plain _LayerView only)."""
     cls = _LayerView if _compat.is_dynamo_compiling() else _view_type(type(module))
-    return cls(module, state, prefix, peers)
+    return cls(module, state, prefix, peers, checked, parent)
 
 
 def _as_output(inputs):
@@ -255,16 +278,39 @@ def _tree_agrees(ref, module):
 def _check_no_hooks(layers):
     """A traced scan runs the layers' code, not their ``__call__``: hooks would
     silently not run, so they are refused (eager runs them: it is the loop)."""
+    message = _hooks_message(layers)
+    if message:
+        raise ScanError(message)
+
+
+def _check_no_hooks_traced(layers, token):
+    """``_check_no_hooks`` under Dynamo. Dynamo does not guard module hooks
+    (``torch._dynamo.config.skip_nnmodule_hook_guards``, on by default: a hook
+    added after compiling is not seen, for a compiled loop as well), so the
+    check is made once, in Python, when the body is traced: walking every
+    layer's modules in traced code made the trace grow with depth (~1.5 s from
+    8 to 64 layers). Needs a stacked container (its token finds the layers)."""
+    if token is None or not _compat.dynamo.hook_guards_skipped() or not _hook_free_when_traced(token):
+        _check_no_hooks(layers)  # traced: raises the ScanError naming the hooked layer
+
+
+@torch.compiler.assume_constant_result  # runs in Python when traced; the token is guarded, the result not
+def _hook_free_when_traced(token):
+    return _hooks_message(list(container_of(token))) is None
+
+
+def _hooks_message(layers):
     if _compat.global_module_hooks_registered():
-        raise ScanError("scan_layers: global nn.Module hooks are registered; a traced scan_layers "
-                        "(torch.compile, export, XLA) does not run module hooks. Remove them or use a loop.")
+        return ("scan_layers: global nn.Module hooks are registered; a traced scan_layers "
+                "(torch.compile, export, XLA) does not run module hooks. Remove them or use a loop.")
     for i, layer in enumerate(layers):
         name = _hooked_submodule(layer, "")
         if name is not None:
             where = f"layer {i}" + (f" ({name})" if name else "")
-            raise ScanError(f"scan_layers: {where} has module hooks; a traced scan_layers (torch.compile, "
-                            "export, XLA) runs layer 0's code, not the modules' __call__, so hooks would not "
-                            "run. Remove them or use a Python loop.")
+            return (f"scan_layers: {where} has module hooks; a traced scan_layers (torch.compile, "
+                    "export, XLA) runs layer 0's code, not the modules' __call__, so hooks would not "
+                    "run. Remove them or use a Python loop.")
+    return None
 
 
 def _hooked_submodule(module, prefix):
@@ -310,11 +356,12 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=1, **broadcast_kwargs)
     single = len(inputs) == 1
     if not dynamo:  # checked here, in Python: the traced body then reads no peer
         _check_no_hooks(layers)
+    token = None if stacked is None else container_token(container)
     peers = () if not dynamo and _all_attributes_agree(layers) else layers[1:]
 
     def step(h, params):
         if dynamo:  # in the body: under torch.compile only errors raised there stay ScanErrors
-            _check_no_hooks(layers)
+            _check_no_hooks_traced(layers, token)
         args = (h,) if single else tuple(h)
         out = view_of(template, params, peers=peers)(*args, **broadcast_kwargs)  # kwargs: closed over
         if not single and isinstance(out, list):

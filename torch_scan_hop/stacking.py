@@ -25,6 +25,7 @@ Outside ``torch.compile`` the aliasing is checked on every call as well, which
 also catches ``layer.weight.data = ...``; under ``torch.compile`` that one
 assignment is not seen (call ``restack()`` after it).
 """
+import itertools
 import weakref
 
 import torch
@@ -115,6 +116,7 @@ class _StackedMixin:
         state = dict(state)
         state["_scan_stacked"] = {k: v.detach() for k, v in state.get("_scan_stacked", {}).items()}
         state.pop("_scan_owners", None)
+        state.pop(_TOKEN, None)
         return state
 
     def __setstate__(self, state):
@@ -220,9 +222,25 @@ def stacked_storage(layers, check_aliasing):
 
 _OWNED = weakref.WeakKeyDictionary()  # a layer's submodule -> weakref to its stacked container
 _HOOK = []
+_TOKEN = "_scan_token"
+_TOKENS = itertools.count(1)
+_BY_TOKEN = weakref.WeakValueDictionary()
+
+
+def container_token(layers):
+    """A stacked container's token, an int unique to it (None for other containers): code
+    that runs at trace time finds the container by it, and Dynamo guards on it as a constant."""
+    return layers.__dict__.get(_TOKEN) if isinstance(layers, _StackedMixin) else None
+
+
+def container_of(token):
+    return _BY_TOKEN[token]
 
 
 def _track(container):
+    token = next(_TOKENS)  # fresh on every restack and copy: a deepcopy must not share its source's
+    container.__dict__[_TOKEN] = token
+    _BY_TOKEN[token] = container
     for where in container.__dict__["_scan_owners"].values():
         for m, _ in where:
             _OWNED[m] = weakref.ref(container)  # weak: the container holds the submodule

@@ -155,3 +155,9 @@ def recompile_limit_at_least(n):
     runs it uncompiled; raise the limit for a block.
     torch 2.9-2.14: ``torch._dynamo.config.recompile_limit`` (default 8)."""
     return torch._dynamo.config.patch(recompile_limit=max(n, torch._dynamo.config.recompile_limit))
+
+
+def hook_guards_skipped():
+    """Dynamo guards no module hooks (its default, 2.9-2.14): a hook added
+    after compiling is not seen."""
+    return bool(getattr(torch._dynamo.config, "skip_nnmodule_hook_guards", False))

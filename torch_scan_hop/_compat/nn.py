@@ -38,3 +38,9 @@ def child_modules(module):
     """``{name: submodule or None}``, the direct children in order (the dict
     itself: ``named_children`` skips None and duplicates)."""
     return module._modules
+
+
+def children_named(modules, name):
+    """Each module's child ``name``: ``child_modules`` in one list comprehension
+    (under Dynamo one inlined call, not one per module)."""
+    return [m._modules[name] for m in modules]
