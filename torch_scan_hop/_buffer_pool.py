@@ -43,19 +43,36 @@ def _span(size, stride):
 
 def stacked_buffer(size, stride, dtype, device):
     """An uninitialized tensor of ``size``/``stride``, on storage no live tensor uses."""
+    return _buffers([_entry(size, stride, dtype, device)], dtype, device)[0]
+
+
+def _entry(size, stride, dtype, device):
+    """``(pool key or None, size, stride)``: None for a buffer malloc serves well."""
     nbytes = _span(size, stride) * dtype.itemsize
-    if device.type != "cpu" or nbytes < _MIN_BYTES:
-        return torch.empty_strided(size, stride, dtype=dtype, device=device)
+    key = None if device.type != "cpu" or nbytes < _MIN_BYTES else (nbytes, device)
+    return key, tuple(size), tuple(stride)
+
+
+def _buffers(entries, dtype, device):
+    out = []
     with _lock:  # the check and the tensor taking the storage happen together
-        storage = _idle_or_new((nbytes, device))
-        return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, size, stride)
+        for key, size, stride in entries:
+            if key is None:
+                out.append(torch.empty_strided(size, stride, dtype=dtype, device=device))
+            else:
+                out.append(torch.empty(0, dtype=dtype).set_(_idle_or_new(key), 0, size, stride))
+    return out
 
 
 def _idle_or_new(key):
-    entries = _pool.pop(key, [])
-    _pool[key] = entries  # most recently used last
+    entries = _pool.get(key)
+    if entries is None:
+        entries = _pool[key] = []
+    else:
+        _pool.move_to_end(key)  # most recently used last
+    use_count = _compat.storage_use_count
     for storage in entries:
-        if _compat.storage_use_count(storage) == 1:  # only the pool holds it
+        if use_count(storage) == 1:  # only the pool holds it
             return storage
     _drop_idle_of_other_sizes(key)
     storage = torch.UntypedStorage(key[0], device=key[1])
@@ -100,19 +117,41 @@ def _unflatten(sizes, strides, ranks):
     return zip(split_counts(sizes, *ranks), split_counts(strides, *ranks))
 
 
-@torch.library.custom_op("torch_scan_hop::stacked_buffers", mutates_args=())
-def stacked_buffers_op(sizes: list[int], strides: list[int], ranks: list[int], dtype: torch.dtype,
-                       device: torch.device) -> list[torch.Tensor]:
+_LIB = torch.library.Library("torch_scan_hop", "FRAGMENT")
+_LIB.define("stacked_buffers(SymInt[] sizes, SymInt[] strides, SymInt[] ranks, ScalarType dtype, Device device) -> Tensor[]",
+            tags=(torch.Tag.pt2_compliant_tag,))
+
+
+def stacked_buffers_op(sizes, strides, ranks, dtype, device):
     """``stacked_buffer`` for several buffers of one dtype and device, in ONE operator call (a
     call from inductor's generated code costs ~60 us, so not one per buffer): sizes and strides
-    concatenated, ``ranks`` the number of dims of each."""
-    return [stacked_buffer(size, stride, dtype, device) for size, stride in _unflatten(sizes, strides, ranks)]
+    concatenated, ``ranks`` the number of dims of each. Runs every step: what does not change
+    between calls (sizes, pool keys) is worked out once per signature, and the operator is a
+    plain library kernel (``custom_op``'s Python wrappers cost ~150 us a call)."""
+    return _buffers(_entries_of(sizes, strides, ranks, dtype, device), dtype, device)
 
 
-@stacked_buffers_op.register_fake
+_LIB.impl("stacked_buffers", stacked_buffers_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("torch_scan_hop::stacked_buffers", lib=_LIB)
 def _(sizes, strides, ranks, dtype, device):
     return [torch.empty_strided(size, stride, dtype=dtype, device=device)
             for size, stride in _unflatten(sizes, strides, ranks)]
+
+
+_ENTRIES = {}  # call signature -> [(pool key, size, stride)]
+
+
+def _entries_of(sizes, strides, ranks, dtype, device):
+    sig = (*sizes, None, *strides, None, *ranks, dtype, device)
+    entries = _ENTRIES.get(sig)
+    if entries is None:
+        if len(_ENTRIES) >= 256:
+            _ENTRIES.clear()
+        entries = _ENTRIES[sig] = [_entry(size, stride, dtype, device)
+                                   for size, stride in _unflatten(sizes, strides, ranks)]
+    return entries
 
 
 def stacked_buffers(shapes, dtype, device):
