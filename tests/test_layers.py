@@ -161,6 +161,33 @@ def test_layers_that_differ_in_a_plain_attribute_the_body_reads(mode):
     assert_trees_close(run(layers, h), run_loop(layers, h), atol=1e-6, rtol=1e-5)
 
 
+class NamesLikeTheView(torch.nn.Module):
+    """Attributes named like the traced view's own bookkeeping: the view must read the module's."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.m, self.state, self.prefix, self.peers, self.parent, self.checked = 2.0, 3.0, 0.5, 1.5, -1.0, 0.25
+
+    def forward(self, h):
+        return torch.tanh(self.lin(h)) * self.m * self.state + self.prefix * self.peers + self.parent * self.checked
+
+
+@pytest.mark.parametrize("mode", ["compile", "make_fx", "stacked"])
+def test_layer_attributes_named_like_the_views_own_fields(mode):
+    layers = torch.nn.ModuleList(NamesLikeTheView() for _ in range(3)).double()
+    h = torch.randn(2, 3, dtype=torch.float64)
+    want = run_loop(layers, h)
+    if mode == "make_fx":
+        got = make_fx(lambda h: scan_layers(layers, h))(h)(h)
+    else:
+        if mode == "stacked":
+            torch_scan_hop.stack_layers(layers)
+        torch._dynamo.reset()
+        got = torch.compile(lambda l, h: scan_layers(l, h), backend="eager", fullgraph=True)(layers, h)
+    assert_trees_close(got, want, atol=1e-12, rtol=1e-10)
+
+
 def test_empty_stack_returns_the_inputs_like_the_loop():
     x, y = torch.randn(2, 3), torch.randn(2, 3)
     assert scan_layers(torch.nn.ModuleList(), x) is x

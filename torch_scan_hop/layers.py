@@ -167,20 +167,23 @@ class _LayerView:
     """
 
     def __init__(self, module, state, prefix="", peers=(), checked=None, parent=None):
-        self.m, self.state, self.prefix, self.peers, self.parent = module, state, prefix, peers, parent
-        self.checked = {} if checked is None else checked  # names compared with the peers, whole tree
+        # names no module attribute is likely to have: the view answers these itself
+        self._view_m, self._view_state, self._view_prefix = module, state, prefix
+        self._view_peers, self._view_parent = peers, parent
+        self._view_checked = {} if checked is None else checked  # names compared with the peers, whole tree
 
     def __getattr__(self, name):
         d = self.__dict__
-        if "m" not in d:  # Dynamo probing a not-yet-initialized stand-in
+        if "_view_m" not in d:  # Dynamo probing a not-yet-initialized stand-in
             raise AttributeError(name)
-        module, state, prefix = d["m"], d["state"], d["prefix"]
+        module, state, prefix = d["_view_m"], d["_view_state"], d["_view_prefix"]
         if prefix + name in state:
             return state[prefix + name]
         children = _compat.nn.child_modules(module)
         if name in children:
             sub = children[name]  # its peers are found when it first reads a plain attribute
-            return None if sub is None else view_of(sub, state, prefix + name + ".", None, d["checked"], (d, name))
+            return None if sub is None else view_of(
+                sub, state, prefix + name + ".", None, d["_view_checked"], (d, name))
         if name == "_modules":  # torch's containers read their children from this attribute
             return {k: getattr(self, k) for k in children}
         attr = getattr(type(module), name, None)
@@ -189,9 +192,9 @@ class _LayerView:
         if isinstance(attr, types.FunctionType):  # a method: bound to the view (partial: Dynamo traces it)
             return functools.partial(attr, self)
         value = getattr(module, name)
-        if prefix + name not in d["checked"]:  # once per trace: a check reads the attribute of every layer
+        if prefix + name not in d["_view_checked"]:  # once per trace: a check reads the attribute of every layer
             _check_peers_agree(prefix + name, value, [getattr(p, name, _MISSING) for p in _peers_of(d)])
-            d["checked"][prefix + name] = True
+            d["_view_checked"][prefix + name] = True
         return value
 
     def __call__(self, *args, **kwargs):
@@ -201,7 +204,7 @@ class _LayerView:
         return iter(self._modules.values())
 
     def __len__(self):
-        module = self.__dict__.get("m")
+        module = self.__dict__.get("_view_m")
         return 0 if module is None else len(_compat.nn.child_modules(module))
 
     def __bool__(self):  # a module is truthy whatever its number of children
@@ -214,10 +217,10 @@ class _LayerView:
 def _peers_of(d):
     """A view's peers: the other layers' modules at its path. A submodule view finds them
     on first use, so one that reads no plain attribute (a Linear) reads no other layer."""
-    if d["peers"] is None:
-        parent, name = d["parent"]
-        d["peers"] = _compat.nn.children_named(_peers_of(parent), name)
-    return d["peers"]
+    if d["_view_peers"] is None:
+        parent, name = d["_view_parent"]
+        d["_view_peers"] = _compat.nn.children_named(_peers_of(parent), name)
+    return d["_view_peers"]
 
 
 @functools.lru_cache(maxsize=None)
