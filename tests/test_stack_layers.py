@@ -4,6 +4,7 @@ import io
 
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 from conftest import assert_trees_close, capture_graphs
 from decoder import causal_mask, make_stack, run_loop
 
@@ -165,6 +166,45 @@ def test_optimizer_steps_match_the_unstacked_copy(opt, mode):
     assert_views(layers)  # the optimizer updated the views in place: the stack moved with them
     got = fn(layers, x)
     assert_trees_close(got, run_loop(plain, x), atol=1e-10, rtol=1e-8)
+
+
+class SharingBlock(torch.nn.Module):
+    """A module shared by every layer, and two weights tied within the layer."""
+
+    def __init__(self, shared, d=6):
+        super().__init__()
+        self.shared, self.a, self.b = shared, torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+        self.b.weight = self.a.weight
+
+    def forward(self, h):
+        return h + torch.tanh(self.shared(h) + self.a(h) - self.b(h).sin())
+
+
+def sharing_blocks(depth=4):
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(6, 6)
+    return torch.nn.ModuleList(SharingBlock(shared) for _ in range(depth)).double()
+
+
+@pytest.mark.parametrize("mode", ["eager", "aot_eager", "make_fx"])
+def test_shared_and_tied_parameters_stay_one_parameter(mode):
+    """A Parameter met twice cannot be one row per layer of a stack (its other rows would be
+    stale copies): those names are stacked per call, the rest live stacked; optimizer steps match."""
+    plain, layers = sharing_blocks(), stack_layers(sharing_blocks())
+    assert sorted(layers.stacked_parameters()) == ["a.bias", "b.bias"]
+    assert_views(layers)
+    x = torch.randn(3, 6, dtype=torch.float64)
+    torch._dynamo.reset()
+    fn = {"eager": run_scan, "aot_eager": torch.compile(run_scan, backend="aot_eager"),
+          "make_fx": lambda ls, x: make_fx(lambda x: scan_layers(ls, x))(x)(x)}[mode]
+    opts = [torch.optim.SGD(ls.parameters(), lr=0.2) for ls in (plain, layers)]
+    for _ in range(3):
+        for ls, o, f in ((plain, opts[0], run_loop), (layers, opts[1], fn)):
+            o.zero_grad()
+            step(f, ls, x)
+            o.step()
+    assert_same_params(layers, plain, atol=1e-10, rtol=1e-8)
+    assert_trees_close(fn(layers, x), run_loop(plain, x), atol=1e-10, rtol=1e-8)
 
 
 def test_compiled_optimizer_step_on_stacked_views():

@@ -25,6 +25,7 @@ Outside ``torch.compile`` the aliasing is checked on every call as well, which
 also catches ``layer.weight.data = ...``; under ``torch.compile`` that one
 assignment is not seen (call ``restack()`` after it).
 """
+import collections
 import itertools
 import weakref
 
@@ -149,12 +150,18 @@ _STACKED_CLASSES = {torch.nn.ModuleList: StackedModuleList, torch.nn.Sequential:
 
 
 def _owners(mods):
-    """``{name: [(owning submodule, leaf name) per layer]}`` for every parameter of layer 0."""
-    out = {}
+    """``{name: [(owning submodule, leaf name) per layer]}`` for every parameter name whose
+    tensor is its own in every layer. A Parameter met more than once (a module shared by the
+    layers, weights tied under two names) cannot be one row of one stack per name: its rows
+    would be copies that updates of the one Parameter never reach. Such names are left out;
+    ``scan_layers`` stacks them per call, and autograd sums their gradient."""
+    out, uses = {}, collections.Counter()
     for layer in mods:
         for name, (m, leaf) in _param_owners(layer, "", {}).items():
             out.setdefault(name, []).append((m, leaf))
-    return out
+            uses[id(m._parameters[leaf])] += 1
+    return {name: where for name, where in out.items()
+            if all(uses[id(m._parameters[leaf])] == 1 for m, leaf in where)}
 
 
 def _param_owners(module, prefix, out):
