@@ -276,6 +276,39 @@ def test_requires_grad_false_on_one_parameter_name(mode):
     assert all(m.lin.weight.grad is None for m in layers)
 
 
+def _set_frozen(layers_pair, idx, frozen):
+    for ls in layers_pair:
+        for i in idx:
+            ls[i].requires_grad_(not frozen)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_frozen_layers_before_and_after_compiling(backend):
+    """Fine-tuning freezes some layers: each trainable layer gets its gradient, a frozen one none,
+    whichever layers they are and whether the flags change before or after compiling."""
+    plain, layers = pair()
+    both = (plain, layers)
+    fn = torch.compile(run_scan, backend=backend)
+    torch._dynamo.reset()
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+
+    def check():
+        for ls in both:
+            ls.zero_grad(set_to_none=True)
+        assert_trees_close((step(fn, layers, x), grads(layers)), (step(run_loop, plain, x), grads(plain)),
+                           atol=1e-10, rtol=1e-8)
+
+    _set_frozen(both, [0], True)  # the first layer frozen: the others still train
+    check()
+    _set_frozen(both, [1, 2, 3], True)  # all frozen
+    check()
+    _set_frozen(both, [2], False)  # unfrozen after compiling
+    check()
+    _set_frozen(both, [0, 1, 3], False)
+    _set_frozen(both, [1], True)  # frozen after compiling
+    check()
+
+
 def test_torch_save_and_load_of_the_model_and_the_state_dict():
     plain, layers = pair()
     buf = io.BytesIO()

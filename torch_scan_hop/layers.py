@@ -116,26 +116,39 @@ def _stacked_state(states):
     return {name: stack_weights([state[name] for state in states]) for name in states[0]}
 
 
-def _from_storage(layers, stacked, ref_state, dynamo):
+def _from_storage(layers, stacked, ref_state, token):
     """The scanned weights from stacked storage: the stacked tensors themselves (no copy; their
-    gradient is handed to the layers by ``stacking``), detached for a parameter name whose layers
-    do not require grad. Under Dynamo layer 0's flag stands for the name (reading every layer's
-    parameter would make Dynamo trace them all); elsewhere any layer's flag counts. Buffers are
-    stacked per call as without stacked storage."""
+    gradient is handed to the layers by ``stacking``, to those whose flag asks for it), detached
+    for a parameter name no layer requires grad for. Buffers (and Parameters the stacks leave
+    out) are stacked per call as without stacked storage."""
     xs, buffer_names = {}, []
-    for name, t in ref_state.items():
+    for name in ref_state:
         if name not in stacked:
             buffer_names.append(name)
             continue
         P = stacked[name]
-        wants = t.requires_grad if dynamo else any(
-            m._parameters[leaf].requires_grad for m, leaf in layers_owners(layers, name))
-        xs[name] = P if wants else P.detach()
+        xs[name] = P if _some_layer_wants_grad(layers, name, token) else P.detach()
     if buffer_names:
         states = [_state(layer, "", {}) for layer in layers]
         for name in buffer_names:
             xs[name] = stack_weights([state[name] for state in states])
     return xs
+
+
+def _some_layer_wants_grad(layers, name, token):
+    """Any layer's ``requires_grad`` for ``name``. Under Dynamo it is first asked in Python
+    when tracing, unguarded: a yes stays right whatever the flags do later (the gradient is
+    handed out by each layer's current flag). Only a no is then read in traced code, one
+    guard per layer, so unfreezing a layer recompiles. (Layer 0's flag alone, as before,
+    gave no gradient to any layer once the first one was frozen.)"""
+    if token is not None and _compat.is_dynamo_compiling() and _name_wants_grad_when_traced(token, name):
+        return True
+    return any(m._parameters[leaf].requires_grad for m, leaf in layers_owners(layers, name))
+
+
+@torch.compiler.assume_constant_result  # runs in Python when traced; the token is guarded, the result not
+def _name_wants_grad_when_traced(token, name):
+    return any(m._parameters[leaf].requires_grad for m, leaf in container_of(token).__dict__["_scan_owners"][name])
 
 
 def layers_owners(layers, name):
@@ -349,17 +362,17 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=1, **broadcast_kwargs)
     dynamo = _compat.is_dynamo_compiling()
     # torch.export keeps the per-call stack: its program then lifts the layers' registered parameters
     stacked = None if _compat.is_exporting() else stacked_storage(container, check_aliasing=not dynamo)
+    token = None if stacked is None else container_token(container)
     # stacked storage was checked for identical structure when made: layer 0's state suffices here
     states = _layer_states(layers) if stacked is None else [_state(layers[0], "", {})]
     flat_inputs = [t for t in flatten((inputs, broadcast_kwargs))[0] if isinstance(t, torch.Tensor)]
     if not callable(remat) and _compat.runs_eagerly(flat_inputs + list(states[0].values())):
         return _eager_loop(layers, inputs, remat, broadcast_kwargs)
-    xs = _stacked_state(states) if stacked is None else _from_storage(layers, stacked, states[0], dynamo)
+    xs = _stacked_state(states) if stacked is None else _from_storage(layers, stacked, states[0], token)
     template = layers[0]
     single = len(inputs) == 1
     if not dynamo:  # checked here, in Python: the traced body then reads no peer
         _check_no_hooks(layers)
-    token = None if stacked is None else container_token(container)
     peers = () if not dynamo and _all_attributes_agree(layers) else layers[1:]
 
     def step(h, params):
