@@ -14,10 +14,15 @@ The inductor lowering therefore takes such buffers from this pool: storage
 stays here between steps and is handed out again only when no tensor uses
 it any more (its use count is 1: the pool's own reference). Buffers of other
 devices (CUDA has its caching allocator) and small ones are plain
-``empty_strided``. A request no idle storage fits (new shapes) releases the
-idle storage of every other size first, so changing shapes do not pile up
-one working set each; storage per size (``_PER_KEY``) and sizes (``_KEYS``)
-are bounded too; ``torch_scan_hop.empty_cache()`` releases every idle buffer.
+``empty_strided``. Idle storage is bounded by bytes: after a request no idle
+storage fits (new shapes), the least recently used idle storage goes until
+at most twice the largest single request stays idle. Changing shapes thus
+do not pile up one working set each, while two working sets used in turn (a
+training and an evaluation step of other shapes, two models) both stay:
+releasing everything else on each miss made such pairs evict each other on
+every call, page-faulting both in again. Storage per size (``_PER_KEY``) and
+sizes (``_KEYS``) are bounded too; ``torch_scan_hop.empty_cache()`` releases
+every idle buffer.
 """
 import collections
 import threading
@@ -32,6 +37,8 @@ _KEYS = 64  # distinct (bytes, device) sizes kept
 _PER_KEY = 64  # storages kept per size (values of one size alive at once: q, k, v, ...)
 _lock = threading.Lock()
 _pool = collections.OrderedDict()  # (nbytes, device) -> [UntypedStorage], oldest first
+_IDLE_FACTOR = 2  # idle bytes kept: at most this many times the largest request
+_largest_request = [0]  # pooled bytes of the largest single call so far (reset by empty_cache)
 
 
 def _span(size, stride):
@@ -54,17 +61,24 @@ def _entry(size, stride, dtype, device):
 
 
 def _buffers(entries, dtype, device):
-    out = []
+    out, missed = [], False
     with _lock:  # the check and the tensor taking the storage happen together
+        request = sum(key[0] for key, _, _ in entries if key is not None)
+        _largest_request[0] = max(_largest_request[0], request)
         for key, size, stride in entries:
             if key is None:
                 out.append(torch.empty_strided(size, stride, dtype=dtype, device=device))
             else:
-                out.append(torch.empty(0, dtype=dtype).set_(_idle_or_new(key), 0, size, stride))
+                storage, new = _idle_or_new(key)
+                missed |= new
+                out.append(torch.empty(0, dtype=dtype).set_(storage, 0, size, stride))
+        if missed:  # this request's buffers count as idle too: they will be
+            _trim_idle(_IDLE_FACTOR * _largest_request[0] - request)
     return out
 
 
 def _idle_or_new(key):
+    """``(storage, made now)``: an idle storage of this size, else a new one."""
     entries = _pool.get(key)
     if entries is None:
         entries = _pool[key] = []
@@ -73,33 +87,37 @@ def _idle_or_new(key):
     use_count = _compat.storage_use_count
     for storage in entries:
         if use_count(storage) == 1:  # only the pool holds it
-            return storage
-    _drop_idle_of_other_sizes(key)
+            return storage, False
     storage = torch.UntypedStorage(key[0], device=key[1])
     entries.append(storage)
     if len(entries) > _PER_KEY:
         del entries[0]  # forgotten: freed now if idle, else when its tensors die
     while len(_pool) > _KEYS:
         _pool.popitem(last=False)
-    return storage
+    return storage, True
 
 
-def _drop_idle_of_other_sizes(key):
-    """A miss means new shapes (a new sequence length, a new model): idle storage of other sizes
-    is released, so shapes that keep changing never pile up one working set each."""
-    for other in list(_pool):
-        if other != key:
-            kept = [s for s in _pool[other] if _compat.storage_use_count(s) > 1]
-            if kept:
-                _pool[other] = kept
-            else:
-                del _pool[other]
+def _trim_idle(limit):
+    """Release idle storage, least recently used size first, until at most ``limit`` bytes are idle."""
+    use_count = _compat.storage_use_count
+    idle = [(key, s) for key, entries in _pool.items() for s in entries if use_count(s) == 1]
+    excess = sum(key[0] for key, _ in idle) - limit
+    for key, storage in idle:  # oldest sizes first
+        if excess <= 0:
+            break
+        kept = [s for s in _pool[key] if s is not storage]
+        if kept:
+            _pool[key] = kept
+        else:
+            del _pool[key]
+        excess -= key[0]
 
 
 def empty_cache():
     """Release the pool's idle buffers (buffers still in use are freed when their tensors die)."""
     with _lock:
         _pool.clear()
+        _largest_request[0] = 0
 
 
 def _pooled_bytes():
