@@ -301,7 +301,7 @@ def _check_no_hooks(layers):
 
 def _check_no_hooks_traced(layers, token):
     """``_check_no_hooks`` under Dynamo. Dynamo does not guard module hooks
-    (``torch._dynamo.config.skip_nnmodule_hook_guards``, on by default: a hook
+    (its ``skip_nnmodule_hook_guards`` config, on by default: a hook
     added after compiling is not seen, for a compiled loop as well), so the
     check is made once, in Python, when the body is traced: walking every
     layer's modules in traced code made the trace grow with depth (~1.5 s from
