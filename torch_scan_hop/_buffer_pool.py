@@ -136,8 +136,8 @@ def _unflatten(sizes, strides, ranks):
 
 
 _LIB = torch.library.Library("torch_scan_hop", "FRAGMENT")
-_LIB.define("stacked_buffers(SymInt[] sizes, SymInt[] strides, SymInt[] ranks, ScalarType dtype, Device device) -> Tensor[]",
-            tags=(torch.Tag.pt2_compliant_tag,))
+_LIB.define("stacked_buffers(SymInt[] sizes, SymInt[] strides, SymInt[] ranks, ScalarType dtype, "
+            "Device device) -> Tensor[]", tags=(torch.Tag.pt2_compliant_tag,))
 
 
 def stacked_buffers_op(sizes, strides, ranks, dtype, device):
