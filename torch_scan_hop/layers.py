@@ -143,12 +143,16 @@ def _some_layer_wants_grad(layers, name, token):
     gave no gradient to any layer once the first one was frozen.)"""
     if token is not None and _compat.is_dynamo_compiling() and _name_wants_grad_when_traced(token, name):
         return True
-    return any(m._parameters[leaf].requires_grad for m, leaf in layers_owners(layers, name))
+    return _any_requires_grad(layers, name)
 
 
 @torch.compiler.assume_constant_result  # runs in Python when traced; the token is guarded, the result not
 def _name_wants_grad_when_traced(token, name):
-    return any(m._parameters[leaf].requires_grad for m, leaf in container_of(token).__dict__["_scan_owners"][name])
+    return _any_requires_grad(list(container_of(token)), name)
+
+
+def _any_requires_grad(layers, name):
+    return any(m._parameters[leaf].requires_grad for m, leaf in layers_owners(layers, name))
 
 
 def layers_owners(layers, name):
