@@ -138,3 +138,23 @@ def test_a_steady_compiled_step_reuses_its_stacked_buffers():
     assert ptr(ys) == first
     ys.sum().backward()
     assert_trees_close((ys, w.grad), (loop(w, c0, xs)[1], torch.autograd.grad(loop(w, c0, xs)[1].sum(), w)[0]))
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_dynamic_lengths_get_their_buffers_from_one_compiled_graph():
+    """``dynamic=True``: the buffers' sizes reach the pool's operator at run time (its symbols), so
+    every length gets buffers of its own shape, values and gradients those of the loop."""
+    gen = torch.Generator().manual_seed(2)
+    w = (torch.randn(64, 64, generator=gen, dtype=torch.float64) / 8).requires_grad_()
+    c0 = torch.randn(8, 64, generator=gen, dtype=torch.float64)
+    compiled = torch.compile(lambda w, c, xs: scan(rnn(w), c, xs), backend="inductor", dynamic=True, fullgraph=True)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for length in (40, 64, 70):
+        xs = torch.randn(length, 8, 64, generator=gen, dtype=torch.float64)
+        out = compiled(w, c0, xs)
+        assert out[1].shape == (length, 8, 64)
+        ref = loop(w, c0, xs)
+        grads = torch.autograd.grad(out[0].sum() + out[1].pow(2).sum(), w)
+        ref_grads = torch.autograd.grad(ref[0].sum() + ref[1].pow(2).sum(), w)
+        assert_trees_close((out, grads), (ref, ref_grads))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1

@@ -30,7 +30,6 @@ import threading
 import torch
 
 from . import _compat
-from ._trees import split_counts
 
 _MIN_BYTES = 128 * 1024  # smaller blocks come from (and go back to) malloc's heap
 _KEYS = 64  # distinct (bytes, device) sizes kept
@@ -50,7 +49,8 @@ def _span(size, stride):
 
 def stacked_buffer(size, stride, dtype, device):
     """An uninitialized tensor of ``size``/``stride``, on storage no live tensor uses."""
-    return _buffers([_entry(size, stride, dtype, device)], dtype, device)[0]
+    entry = _entry(size, stride, dtype, device)
+    return _buffers([entry], entry[0][0] if entry[0] else 0, dtype, device)[0]
 
 
 def _entry(size, stride, dtype, device):
@@ -60,16 +60,17 @@ def _entry(size, stride, dtype, device):
     return key, tuple(size), tuple(stride)
 
 
-def _buffers(entries, dtype, device):
-    out, missed = [], False
+def _buffers(entries, request, dtype, device):
+    """One tensor per entry; ``request`` is the entries' pooled bytes."""
+    out, missed, scanned = [], False, {}
     with _lock:  # the check and the tensor taking the storage happen together
-        request = sum(key[0] for key, _, _ in entries if key is not None)
-        _largest_request[0] = max(_largest_request[0], request)
+        if request > _largest_request[0]:
+            _largest_request[0] = request
         for key, size, stride in entries:
             if key is None:
                 out.append(torch.empty_strided(size, stride, dtype=dtype, device=device))
             else:
-                storage, new = _idle_or_new(key)
+                storage, new = _idle_or_new(key, scanned)
                 missed |= new
                 out.append(torch.empty(0, dtype=dtype).set_(storage, 0, size, stride))
         if missed:  # this request's buffers count as idle too: they will be
@@ -77,21 +78,24 @@ def _buffers(entries, dtype, device):
     return out
 
 
-def _idle_or_new(key):
-    """``(storage, made now)``: an idle storage of this size, else a new one."""
+def _idle_or_new(key, scanned):
+    """``(storage, made now)``: an idle storage of this size, else a new one. ``scanned[key]``:
+    how many of this size's storages this request has already looked at (all busy or taken)."""
     entries = _pool.get(key)
     if entries is None:
         entries = _pool[key] = []
-    else:
+    elif key not in scanned:
         _pool.move_to_end(key)  # most recently used last
     use_count = _compat.storage_use_count
-    for storage in entries:
-        if use_count(storage) == 1:  # only the pool holds it
-            return storage, False
+    for i in range(scanned.get(key, 0), len(entries)):
+        if use_count(entries[i]) == 1:  # only the pool holds it
+            scanned[key] = i + 1
+            return entries[i], False
     storage = torch.UntypedStorage(key[0], device=key[1])
     entries.append(storage)
     if len(entries) > _PER_KEY:
         del entries[0]  # forgotten: freed now if idle, else when its tensors die
+    scanned[key] = len(entries)
     while len(_pool) > _KEYS:
         _pool.popitem(last=False)
     return storage, True
@@ -131,51 +135,67 @@ def _pooled_bytes():
         return idle, total
 
 
-def _unflatten(sizes, strides, ranks):
-    return zip(split_counts(sizes, *ranks), split_counts(strides, *ranks))
-
-
 _LIB = torch.library.Library("torch_scan_hop", "FRAGMENT")
-_LIB.define("stacked_buffers(SymInt[] sizes, SymInt[] strides, SymInt[] ranks, ScalarType dtype, "
-            "Device device) -> Tensor[]", tags=(torch.Tag.pt2_compliant_tag,))
+_LIB.define("stacked_buffers(str layout, SymInt[] symbols, ScalarType dtype, Device device) -> Tensor[]",
+            tags=(torch.Tag.pt2_compliant_tag,))
 
 
-def stacked_buffers_op(sizes, strides, ranks, dtype, device):
+def _parse(layout, symbols):
+    """``[(size, stride)]`` from ``layout``: ``"s,s,s/t,t,t;..."``, an entry ``$k`` standing
+    for ``symbols[k]`` (a size the compiled graph only knows when called)."""
+    def value(v):
+        return symbols[int(v[1:])] if v[0] == "$" else int(v)
+
+    shapes = []
+    for buf in layout.split(";"):
+        size, stride = buf.split("/")
+        shapes.append(tuple(tuple(value(v) for v in part.split(",") if v) for part in (size, stride)))
+    return shapes
+
+
+def stacked_buffers_op(layout, symbols, dtype, device):
     """``stacked_buffer`` for several buffers of one dtype and device, in ONE operator call (a
-    call from inductor's generated code costs ~60 us, so not one per buffer): sizes and strides
-    concatenated, ``ranks`` the number of dims of each. Runs every step: what does not change
-    between calls (sizes, pool keys) is worked out once per signature, and the operator is a
-    plain library kernel (``custom_op``'s Python wrappers cost ~150 us a call)."""
-    return _buffers(_entries_of(sizes, strides, ranks, dtype, device), dtype, device)
+    call from inductor's generated code costs ~60 us, so not one per buffer). Runs every step:
+    the static sizes and strides travel as one string (a SymInt list costs ~0.4 us per int to
+    pass), only the sizes known at run time as ``symbols``, and what does not change between
+    calls (shapes, pool keys) is worked out once per signature. A plain library kernel
+    (``custom_op``'s Python wrappers cost ~150 us a call)."""
+    return _buffers(*_entries_of(layout, symbols, dtype, device), dtype, device)
 
 
 _LIB.impl("stacked_buffers", stacked_buffers_op, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("torch_scan_hop::stacked_buffers", lib=_LIB)
-def _(sizes, strides, ranks, dtype, device):
-    return [torch.empty_strided(size, stride, dtype=dtype, device=device)
-            for size, stride in _unflatten(sizes, strides, ranks)]
+def _(layout, symbols, dtype, device):
+    return [torch.empty_strided(size, stride, dtype=dtype, device=device) for size, stride in _parse(layout, symbols)]
 
 
-_ENTRIES = {}  # call signature -> [(pool key, size, stride)]
+_ENTRIES = {}  # call signature -> ([(pool key, size, stride)], pooled bytes)
 
 
-def _entries_of(sizes, strides, ranks, dtype, device):
-    sig = (*sizes, None, *strides, None, *ranks, dtype, device)
-    entries = _ENTRIES.get(sig)
-    if entries is None:
+def _entries_of(layout, symbols, dtype, device):
+    sig = (layout, *symbols, dtype, device)
+    found = _ENTRIES.get(sig)
+    if found is None:
         if len(_ENTRIES) >= 256:
             _ENTRIES.clear()
-        entries = _ENTRIES[sig] = [_entry(size, stride, dtype, device)
-                                   for size, stride in _unflatten(sizes, strides, ranks)]
-    return entries
+        entries = [_entry(size, stride, dtype, device) for size, stride in _parse(layout, symbols)]
+        found = _ENTRIES[sig] = (entries, sum(key[0] for key, _, _ in entries if key is not None))
+    return found
 
 
 def stacked_buffers(shapes, dtype, device):
-    """One pooled buffer per ``(size, stride)`` in ``shapes``, through the operator."""
+    """One pooled buffer per ``(size, stride)`` in ``shapes`` (ints or SymInts), through the operator."""
     if not shapes:
         return []
-    sizes = [s for size, _ in shapes for s in size]
-    strides = [s for _, stride in shapes for s in stride]
-    return torch.ops.torch_scan_hop.stacked_buffers(sizes, strides, [len(size) for size, _ in shapes], dtype, device)
+    symbols = []
+
+    def encode(v):
+        if isinstance(v, int):
+            return str(v)
+        symbols.append(v)
+        return f"${len(symbols) - 1}"
+
+    layout = ";".join(",".join(map(encode, size)) + "/" + ",".join(map(encode, stride)) for size, stride in shapes)
+    return torch.ops.torch_scan_hop.stacked_buffers(layout, symbols, dtype, device)
