@@ -188,6 +188,55 @@ def test_layer_attributes_named_like_the_views_own_fields(mode):
     assert_trees_close(got, want, atol=1e-12, rtol=1e-10)
 
 
+class NormedLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn = torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)
+
+    def forward(self, h):
+        return torch.tanh(self.bn(self.lin(h)))
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("mode", ["eager", "aot_eager", "make_fx"])
+def test_batchnorm_updating_running_stats_is_refused_by_name_and_eval_mode_runs(mode, stacked):
+    """Training-mode BatchNorm writes its running statistics in place: eager (the loop) updates them
+    per layer; traced, that write has nowhere to go and is refused naming the module and its
+    buffers. In eval mode the statistics are read-only inputs: values and grads are the loop's."""
+    torch.manual_seed(0)
+    base = torch.nn.ModuleList(NormedLayer() for _ in range(3)).double()
+    for m in base:  # distinct per-layer statistics, so that reading the wrong layer's shows
+        m.bn.running_mean.normal_()
+        m.bn.running_var.uniform_(0.5, 2.0)
+    h = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+
+    def run(layers, h):
+        if stacked:
+            torch_scan_hop.stack_layers(layers)
+        if mode == "make_fx":
+            return make_fx(lambda h: scan_layers(layers, h))(h)(h)
+        if mode == "aot_eager":
+            torch._dynamo.reset()
+            return torch.compile(lambda l, h: scan_layers(l, h), backend="aot_eager", fullgraph=True)(layers, h)
+        return scan_layers(layers, h)
+
+    layers, ref = copy.deepcopy(base), copy.deepcopy(base)
+    if mode == "eager":
+        assert_trees_close(run(layers, h), run_loop(ref, h))
+        assert_trees_close([m.bn.running_mean for m in layers], [m.bn.running_mean for m in ref])
+    else:
+        with pytest.raises(ScanError, match=r"BatchNorm1d 'bn' of layer 0 is in training mode and updates its "
+                                             r"buffers \['running_mean', 'running_var', 'num_batches_tracked'\]"):
+            run(layers, h)
+    layers.eval(), ref.eval()
+    h1, h2 = (h.detach().clone().requires_grad_() for _ in range(2))
+    got, want = run(layers, h1), run_loop(ref, h2)
+    assert_trees_close(got, want)
+    got.sum().backward()  # stacked storage hands its gradient out on backward (not to autograd.grad)
+    want.sum().backward()
+    assert_trees_close([h1.grad, *grads(layers)], [h2.grad, *grads(ref)])
+
+
 def test_empty_stack_returns_the_inputs_like_the_loop():
     x, y = torch.randn(2, 3), torch.randn(2, 3)
     assert scan_layers(torch.nn.ModuleList(), x) is x

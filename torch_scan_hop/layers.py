@@ -99,6 +99,19 @@ def _raise_name_mismatch(i, state, ref_state):
     raise ScanError(f"scan_layers: {where} compared to layer 0; all layers need the same parameters and buffers.")
 
 
+def _check_no_running_stat_updates(layer):
+    """A norm layer updating its running statistics in place (BatchNorm in training mode) would
+    write into the scan's slice of its buffers: refused by name, not as a generic input mutation."""
+    for path, m in layer.named_modules():
+        if _compat.nn.updates_running_stats(m):
+            stats = [n for n, b in _compat.nn.own_buffers(m).items() if b is not None]
+            raise ScanError(
+                f"scan_layers: {type(m).__name__} '{path or 'the layer itself'}' of layer 0 is in training mode and "
+                f"updates its buffers {stats} in place, which a traced scan_layers cannot write back per layer. "
+                "Put the norm layers in eval mode (.eval()), build them with track_running_stats=False, or run "
+                "the stack as a plain loop.")
+
+
 def _state(module, prefix, out):
     for name, p in _compat.nn.own_parameters(module).items():
         if p is not None:
@@ -377,11 +390,13 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=1, **broadcast_kwargs)
     single = len(inputs) == 1
     if not dynamo:  # checked here, in Python: the traced body then reads no peer
         _check_no_hooks(layers)
+        _check_no_running_stat_updates(template)  # other layers agree with layer 0 or are refused as read
     peers = () if not dynamo and _all_attributes_agree(layers) else layers[1:]
 
     def step(h, params):
         if dynamo:  # in the body: under torch.compile only errors raised there stay ScanErrors
             _check_no_hooks_traced(layers, token)
+            _check_no_running_stat_updates(template)
         args = (h,) if single else tuple(h)
         out = view_of(template, params, peers=peers)(*args, **broadcast_kwargs)  # kwargs: closed over
         if not single and isinstance(out, list):

@@ -44,3 +44,13 @@ def children_named(modules, name):
     """Each module's child ``name``: ``child_modules`` in one list comprehension
     (under Dynamo one inlined call, not one per module)."""
     return [m._modules[name] for m in modules]
+
+
+def updates_running_stats(module):
+    """``module`` is a norm layer whose forward updates its running-statistics
+    buffers in place (BatchNorm*/InstanceNorm* in training mode with
+    ``track_running_stats``). torch 2.9-2.14: their common base
+    ``torch.nn.modules.batchnorm._NormBase``."""
+    from torch.nn.modules.batchnorm import _NormBase
+
+    return isinstance(module, _NormBase) and module.training and module.track_running_stats
