@@ -361,6 +361,45 @@ def test_replaced_parameter_falls_back_to_stacking(how):
                            atol=1e-10, rtol=1e-8)
 
 
+EDITS = {
+    "append": lambda ls, new: ls.append(new),
+    "extend": lambda ls, new: ls.extend([new]),
+    "insert": lambda ls, new: ls.insert(1, new),
+    "setitem": lambda ls, new: ls.__setitem__(2, new),
+    "delitem": lambda ls, new: ls.__delitem__(1),
+    "pop": lambda ls, new: ls.pop(0),
+}
+
+
+@pytest.mark.parametrize("container", [torch.nn.ModuleList, torch.nn.Sequential])
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_editing_the_container_falls_back_to_stacking_until_restack(edit, container):
+    """A layer added, removed or replaced after stack_layers: the stacks no longer match the
+    layers. Traced scans (make_fx, and torch.compile after compiling the unedited stack) use the
+    edited layers, values and grads the loop's; restack() makes the stacks current again."""
+    torch.manual_seed(0)
+    layers4 = [Block() for _ in range(4)]
+    base = (container(layers4) if container is torch.nn.ModuleList else container(*layers4)).double()
+    plain, layers = copy.deepcopy(base), stack_layers(copy.deepcopy(base))
+    x = torch.randn(3, 6, dtype=torch.float64)
+    compiled = torch.compile(run_scan, backend="aot_eager")
+    torch._dynamo.reset()
+    step(compiled, layers, x)  # compiled before the edit
+    new = Block().double()
+    EDITS[edit](plain, copy.deepcopy(new))
+    EDITS[edit](layers, copy.deepcopy(new))
+    plain.zero_grad(), layers.zero_grad()
+    want = (step(run_loop, plain, x), grads(plain))
+    traced = make_fx(lambda x: scan_layers(layers, x))(x)(x)
+    assert_trees_close(traced, want[0], atol=1e-10, rtol=1e-8)
+    layers.zero_grad()
+    assert_trees_close((step(compiled, layers, x), grads(layers)), want, atol=1e-10, rtol=1e-8)
+    layers.restack()
+    assert_views(layers)
+    layers.zero_grad()
+    assert_trees_close((step(compiled, layers, x), grads(layers)), want, atol=1e-10, rtol=1e-8)
+
+
 def test_replacing_a_parameter_after_compiling_recompiles_to_the_fallback():
     plain, layers = pair()
     x = torch.randn(3, 6, dtype=torch.float64)

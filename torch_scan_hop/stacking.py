@@ -97,6 +97,30 @@ class _StackedMixin:
             if P.device.type == "xla":  # rows start as pending slices: the first step's graph would differ
                 _compat.xla.materialize([P, *(m._parameters[leaf] for m, leaf in self._scan_owners[name])])
 
+    # A layer added, removed or replaced (append, extend, insert, ``layers[i] = m``, del, pop): the
+    # stacks no longer match the layers, so scan_layers stacks per call until ``restack()``.
+    def _layers_edited(self):
+        if "_scan_stacked" in self.__dict__:
+            self.__dict__[_BROKEN] = True
+
+    def __setattr__(self, name, value):
+        if name == "_modules" or isinstance(value, torch.nn.Module):
+            self._layers_edited()
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name):
+        if name in self._modules:
+            self._layers_edited()
+        super().__delattr__(name)
+
+    def add_module(self, name, module):
+        self._layers_edited()
+        super().add_module(name, module)
+
+    def insert(self, index, module):  # writes ``_modules`` directly
+        self._layers_edited()
+        return super().insert(index, module)
+
     def stacked_parameters(self):
         """``{name: stacked tensor}`` (read-only use: the layers' parameters are its rows)."""
         return dict(self._scan_stacked)
