@@ -400,6 +400,37 @@ def test_editing_the_container_falls_back_to_stacking_until_restack(edit, contai
     assert_trees_close((step(compiled, layers, x), grads(layers)), want, atol=1e-10, rtol=1e-8)
 
 
+@pytest.mark.parametrize("mode", ["make_fx", "aot_eager"])
+def test_parameter_gradient_hooks_run_as_for_the_loop(mode):
+    """register_hook (may replace the gradient) and register_post_accumulate_grad_hook on a layer's
+    parameter (gradient masking, optimizer-in-backward): the traced stack hands out one stacked
+    gradient, and runs each layer parameter's hooks on its row as that parameter's own gradient
+    accumulation would (two backward calls: accumulation included)."""
+    plain, layers = pair(depth=3)
+    x = torch.randn(3, 6, dtype=torch.float64)
+    calls = {}
+
+    def hook_up(model, tag):
+        for i, layer in enumerate(model):
+            layer.lin.weight.register_hook(lambda g, i=i: g * (i + 1))
+            layer.lin.bias.register_hook(lambda g: None)  # returns None: the gradient unchanged
+            layer.norm.weight.register_post_accumulate_grad_hook(
+                lambda p, i=i: calls.setdefault(tag, []).append((i, p.grad.clone())))
+
+    hook_up(plain, "loop"), hook_up(layers, "scan")
+    fn = run_scan if mode == "aot_eager" else (lambda ls, x: make_fx(lambda x: scan_layers(ls, x))(x)(x))
+    if mode == "aot_eager":
+        torch._dynamo.reset()
+        fn = torch.compile(run_scan, backend="aot_eager")
+    for _ in range(2):
+        want = step(run_loop, plain, x)
+        got = step(fn, layers, x)
+    assert_trees_close((got, grads(layers)), (want, grads(plain)), atol=1e-10, rtol=1e-8)
+    got_calls, want_calls = (sorted(calls[k], key=lambda c: c[0]) for k in ("scan", "loop"))
+    assert [i for i, _ in got_calls] == [i for i, _ in want_calls] == [0, 0, 1, 1, 2, 2]
+    assert_trees_close([g for _, g in got_calls], [g for _, g in want_calls], atol=1e-10, rtol=1e-8)
+
+
 def test_replacing_a_parameter_after_compiling_recompiles_to_the_fallback():
     plain, layers = pair()
     x = torch.randn(3, 6, dtype=torch.float64)

@@ -23,6 +23,7 @@ here, so ``_compat.X`` keeps working; subsystem-only adapters are reached as
 """
 from . import autograd, dispatch, dynamo, functorch, hop, inductor, nn, tracing, xla  # noqa: F401
 from .autograd import (  # noqa: F401
+    leaf_grad_hooks,
     custom_op_lacks_autograd,
     eager_autograd_engine,
     extract_fwd_bwd,

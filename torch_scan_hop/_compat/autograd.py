@@ -124,3 +124,11 @@ def custom_op_lacks_autograd(qualified_name):
 
     opdef = _maybe_get_opdef(qualified_name)
     return opdef is not None and opdef._backward_fn is None
+
+
+def leaf_grad_hooks(t):
+    """``(pre, post)``: the hooks a leaf's gradient accumulation runs, ``register_hook``
+    ones (may replace the gradient) before, ``register_post_accumulate_grad_hook`` ones
+    after; empty dicts when none. torch 2.9-2.14: ``Tensor._backward_hooks`` and
+    ``Tensor._post_accumulate_grad_hooks`` (dicts or None)."""
+    return t._backward_hooks or {}, t._post_accumulate_grad_hooks or {}
