@@ -431,6 +431,35 @@ def test_parameter_gradient_hooks_run_as_for_the_loop(mode):
     assert_trees_close([g for _, g in got_calls], [g for _, g in want_calls], atol=1e-10, rtol=1e-8)
 
 
+@pytest.mark.parametrize("mode", ["make_fx", "aot_eager"])
+def test_functional_call_with_other_parameters_uses_them(mode):
+    """torch.func.functional_call(model, params, x) swaps the layers' parameters for the given
+    tensors: the scan must read those, not the stacks (it did under torch.compile, silently)."""
+    plain, layers = pair(depth=3)
+    new = {k: (v.detach() + 0.5).requires_grad_() for k, v in plain.named_parameters()}
+    x = torch.randn(3, 6, dtype=torch.float64)
+    class Wrap(torch.nn.Module):
+        def __init__(self, ls, fn):
+            super().__init__()
+            self.ls, self.fn = ls, fn
+
+        def forward(self, x):
+            return self.fn(self.ls, x)
+
+    want = torch.func.functional_call(Wrap(plain, run_loop), {"ls." + k: v for k, v in new.items()}, (x,))
+    g_want = torch.autograd.grad(want.pow(2).sum(), list(new.values()))
+    model = Wrap(layers, run_scan)
+    f = lambda x: torch.func.functional_call(model, {"ls." + k: v for k, v in new.items()}, (x,))  # noqa: E731
+    if mode == "aot_eager":
+        torch._dynamo.reset()
+        got = torch.compile(f, backend="aot_eager")(x)
+    else:
+        got = make_fx(f)(x)(x)
+    assert_trees_close(got, want, atol=1e-10, rtol=1e-8)
+    if mode == "aot_eager":
+        assert_trees_close(torch.autograd.grad(got.pow(2).sum(), list(new.values())), g_want, atol=1e-10, rtol=1e-8)
+
+
 def test_replacing_a_parameter_after_compiling_recompiles_to_the_fallback():
     plain, layers = pair()
     x = torch.randn(3, 6, dtype=torch.float64)

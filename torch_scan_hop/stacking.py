@@ -86,6 +86,8 @@ class _StackedMixin:
 
     def _rebind(self):
         """Point every layer parameter at its row of the stack (keeps the Parameter objects)."""
+        self.__dict__["_scan_first"] = {name: m._parameters[leaf] for name, ((m, leaf), *_) in
+                                        self._scan_owners.items()}
         for name, P in self._scan_stacked.items():
             if P.is_floating_point() or P.is_complex():
                 P.requires_grad_(True)
@@ -252,6 +254,11 @@ def stacked_storage(layers, check_aliasing):
                 p = m._parameters.get(leaf)
                 if p is None or not _is_row(p, P, i):
                     return None
+    else:  # traced: layer 0 still holds its own Parameters (not torch.func.functional_call's tensors)
+        first = d["_scan_first"]
+        for name, ((m, leaf), *_) in d["_scan_owners"].items():
+            if m._parameters.get(leaf) is not first[name]:
+                return None
     return stacked
 
 
