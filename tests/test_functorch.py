@@ -185,3 +185,26 @@ def test_transforms_under_torch_compile(backend):
     torch._dynamo.reset()
     got = torch.compile(vmap(grad(f), in_dims=(0, None)), backend=backend, fullgraph=True)(h0s, u)
     close(got, want)
+
+
+@pytest.mark.parametrize("transform", ["grad", "jacrev", "jvp", "vmap"])
+def test_transforms_traced_by_make_fx_match_the_loop(transform):
+    """make_fx(torch.func.grad(f)): the op's body graph was traced from the transform's wrapped
+    tensors, whose values entered it as constants: a zero gradient, silently. Under grad/jvp the
+    traced program is now the loop, differentiated as it runs; vmap keeps one scan."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    w, h0, u = data()
+
+    def apply(run):
+        fn = lambda w, h0, u: loss(run, w, h0, u)  # noqa: E731
+        if transform == "grad":
+            return grad(fn, argnums=(0, 1, 2))
+        if transform == "jacrev":
+            return jacrev(fn, argnums=(0, 2))
+        if transform == "jvp":
+            return lambda w, h0, u: jvp(fn, (w, h0, u), (torch.ones_like(w), h0, u))
+        return vmap(fn, in_dims=(None, 0, None))
+
+    args = (w, torch.stack([h0, 2 * h0]), u) if transform == "vmap" else (w, h0, u)
+    close(make_fx(apply(ours))(*args)(*args), apply(reference_scan)(*args))

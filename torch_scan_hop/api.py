@@ -68,12 +68,20 @@ def _scan(fn, init, inputs, reverse, remat, unroll):
         out = scan_op(dynamo_body(fn, inputs), inputs.init_leaves, inputs.xs_leaves, (),
                       reverse=reverse, remat=remat, unroll=AUTO_UNROLL if unroll is None else unroll)
         return inputs.init_spec.unflatten(out[:inputs.num_carry]), out[inputs.num_carry]
-    if not callable(remat) and _compat.runs_eagerly([*inputs.init_leaves, *inputs.xs_leaves]):
+    if not callable(remat) and (_compat.runs_eagerly([*inputs.init_leaves, *inputs.xs_leaves])
+                                or _under_grad_while_tracing()):
         return run_tree(fn, init, inputs, reverse, remat)
     flat_out, y_spec = _call_op(fn, inputs, reverse=reverse, remat=remat, unroll=unroll or 1)
     nc = inputs.num_carry
     carry = inputs.init_spec.unflatten(flat_out[:nc])
     return carry, y_spec.unflatten(flat_out[nc:])
+
+
+def _under_grad_while_tracing():
+    """torch.func.grad (or jvp) inside make_fx: the op's body graph would be traced from the
+    transform's wrapped tensors, whose values then entered it as constants (a zero gradient).
+    The loop is traced instead, each step's ops differentiated by the transform as they run."""
+    return _compat.dispatch_modes_active() and _compat.differentiating_transform_active()
 
 
 def _scan_entry(fn, init, xs, *, length, reverse, dim, remat, unroll):

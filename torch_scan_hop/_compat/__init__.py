@@ -55,6 +55,7 @@ from .functorch import (  # noqa: F401
     add_batch_dim,
     functorch_bdim,
     functorch_level,
+    differentiating_transform_active,
     functorch_transforms_active,
     functorch_unwrap,
     is_batched_here,

@@ -57,3 +57,9 @@ def _functionalize_transform_active():
 def functorch_transforms_active():
     """Any torch.func transform (vmap, grad, jvp, functionalize) is active."""
     return bool(_interpreters())
+
+
+def differentiating_transform_active():
+    """torch.func.grad / vjp / jvp (or jacrev, hessian...) is on the functorch
+    interpreter stack."""
+    return any(i.key() in (TransformType.Grad, TransformType.Jvp) for i in _interpreters())
