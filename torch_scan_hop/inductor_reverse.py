@@ -5,9 +5,7 @@ into ``while_loop`` in forward order only, and refuses kwargs. Under a compiler
 our proxy rule emits a reverse scan as ``scan(..., reverse=True)``; the pass
 here runs just before upstream's and lowers the scan nodes itself: a
 ``while_loop`` whose step ``i`` reads ``xs[i]`` (``xs[L-1-i]`` when reverse, a
-view) and writes ``ys[i]`` in place (``torch_scan_hop::write_row``, whose
-lowering lets a matmul producing a y write straight into its row: no copy of
-each weight gradient in a training backward). The forward-order alternative for reverse
+view) and writes ``ys[i]`` in place. The forward-order alternative for reverse
 gathers every slice and flips the ys afterwards: in a training backward,
 copies of all saved activations and weight gradients. Forward scans are
 lowered the same way so that one lowering (ours, the same on torch 2.9 and
@@ -40,27 +38,8 @@ def install():
 
     _compat.inductor.run_before_scan_decomposition(before_upstream)
     _compat.inductor.skip_input_asserts_of_subgraphs(lambda name: _LOOP_PREFIX in name)
-    _compat.inductor.register_row_write_lowering(torch.ops.torch_scan_hop.write_row.default)
     _inductor_fixes.keep_subgraph_inputs_undonated()
     _installed = True
-
-
-_LIB = torch.library.Library("torch_scan_hop", "FRAGMENT")
-_LIB.define("write_row(Tensor(a!) buf, SymInt i, Tensor y) -> ()")
-
-
-def _write_row(buf, i, y):
-    """``buf[i] = y`` as one op: its inductor lowering lets y's kernel write the row itself."""
-    buf.select(0, i).copy_(y)
-
-
-_LIB.impl("write_row", _write_row, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("torch_scan_hop::write_row", lib=_LIB)
-def _(buf, i, y):
-    """Nothing to compute on fake tensors (and ``select`` with a loop index guards on it)."""
-    return None
 
 
 def _is_ours_to_lower(match):
@@ -158,7 +137,7 @@ def _while_loop(body, ys_vals, counts, reverse):
             torch.ops.aten._assert_scalar.default(i < length, "scan: index past the end")
             out = body(*carry, *(x.select(0, i) for x in xs_), *lifted_)
             for y, buf in zip(out[nc:], bufs):
-                torch.ops.torch_scan_hop.write_row(buf, i, y)
+                buf.select(0, i).copy_(y)
             new_carry = [_in_layout_of(new, old) for new, old in zip(out[:nc], carry)]
             return (counter + 1, *bufs, *new_carry, *xs_)
 
