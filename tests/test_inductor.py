@@ -172,3 +172,33 @@ def test_loop_subgraphs_do_not_assert_their_inputs_every_iteration():
     for sub in subgraphs:
         assert "assert_size_stride(scan_loop_" not in sub, sub[:2000]
     assert_trees_close(out, loop(w, b, c0, xs, False))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_unrolled_blocks_of_sizes_off_the_alignment(dtype):
+    """unroll=2 concatenates a block's step values; inductor writes a step's carry straight into
+    its slice of that buffer and then handed the slice's storage on for reuse by the block's new
+    carry: a view into a live buffer, 15 elements in (3x5), which failed inductor's 16-byte
+    alignment assert on the loop's output. Such views are never reused now."""
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(5, 5, 5, generator=gen, dtype=dtype, requires_grad=True)
+    b = torch.randn(5, 5, generator=gen, dtype=dtype, requires_grad=True)
+    x = torch.randn(3, 5, generator=gen, dtype=dtype)
+
+    def body(h, wb):
+        return h + torch.tanh(torch.nn.functional.linear(h, *wb)), h.sum(-1)
+
+    def step(run):
+        c, ys = run(x, (w, b))
+        return (c, ys), torch.autograd.grad(c.pow(2).sum() + ys.sum(), (w, b))
+
+    def reference(h, wbs):
+        ys = []
+        for i in range(5):
+            h, y = body(h, (wbs[0][i], wbs[1][i]))
+            ys.append(y)
+        return h, torch.stack(ys)
+
+    compiled = torch.compile(lambda h, wb: scan(body, h, wb, unroll=2), backend="inductor")
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else {}
+    assert_trees_close(step(compiled), step(reference), **tol)

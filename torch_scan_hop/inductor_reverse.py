@@ -39,6 +39,7 @@ def install():
     _compat.inductor.run_before_scan_decomposition(before_upstream)
     _compat.inductor.skip_input_asserts_of_subgraphs(lambda name: _LOOP_PREFIX in name)
     _inductor_fixes.keep_subgraph_inputs_undonated()
+    _compat.inductor.reuse_no_aliasing_buffers()
     _installed = True
 
 

@@ -92,3 +92,30 @@ def skip_input_asserts_of_subgraphs(skipped):
         return asserts(self)
 
     SubgraphPythonWrapperCodegen.codegen_input_size_asserts = codegen_input_size_asserts
+
+
+def reuse_no_aliasing_buffers():
+    """Never hand a buffer that is a view of another (``NonOwningLayout``: a
+    ``cat`` input written into its slice of the cat's buffer) on for reuse.
+    Inductor's wrapper reuses a dead buffer's storage for a later one of the
+    same size; for such a view that storage is a slice of a buffer still in
+    use. In a scan body unrolled in blocks (its steps' values are
+    concatenated) a step's carry was written over the block's saved values,
+    and the loop's carry came out as a misaligned view (inductor's alignment
+    assert failed). torch 2.9-2.14: ``PythonWrapperCodegen.can_reuse``.
+    Idempotent."""
+    from torch._inductor import ir
+    from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+
+    can_reuse = PythonWrapperCodegen.can_reuse
+    if getattr(can_reuse, "_scan_skips_views", False):
+        return
+
+    def reuse_unless_view(self, input_buffer, output_buffer=None):
+        buffer = getattr(input_buffer, "node", input_buffer)  # a SchedulerBuffer or an ir.Buffer
+        if isinstance(getattr(buffer, "layout", None), ir.NonOwningLayout):
+            return False
+        return can_reuse(self, input_buffer, output_buffer)
+
+    reuse_unless_view._scan_skips_views = True
+    PythonWrapperCodegen.can_reuse = reuse_unless_view
