@@ -431,7 +431,7 @@ def test_parameter_gradient_hooks_run_as_for_the_loop(mode):
     assert_trees_close([g for _, g in got_calls], [g for _, g in want_calls], atol=1e-10, rtol=1e-8)
 
 
-@pytest.mark.parametrize("mode", ["make_fx", "aot_eager"])
+@pytest.mark.parametrize("mode", ["make_fx", "aot_eager", "func_grad_make_fx"])
 def test_functional_call_with_other_parameters_uses_them(mode):
     """torch.func.functional_call(model, params, x) swaps the layers' parameters for the given
     tensors: the scan must read those, not the stacks (it did under torch.compile, silently)."""
@@ -450,6 +450,12 @@ def test_functional_call_with_other_parameters_uses_them(mode):
     g_want = torch.autograd.grad(want.pow(2).sum(), list(new.values()))
     model = Wrap(layers, run_scan)
     f = lambda x: torch.func.functional_call(model, {"ls." + k: v for k, v in new.items()}, (x,))  # noqa: E731
+    if mode == "func_grad_make_fx":  # torch.func's own wrapped tensors for the parameters
+        loss = lambda params, x: torch.func.functional_call(model, params, (x,)).pow(2).sum()  # noqa: E731
+        params = {"ls." + k: v.detach() for k, v in new.items()}
+        got = make_fx(torch.func.grad(loss))(params, x)(params, x)
+        assert_trees_close([got["ls." + k] for k in new], list(g_want), atol=1e-10, rtol=1e-8)
+        return
     if mode == "aot_eager":
         torch._dynamo.reset()
         got = torch.compile(f, backend="aot_eager")(x)

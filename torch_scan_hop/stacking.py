@@ -248,17 +248,16 @@ def stacked_storage(layers, check_aliasing):
     if d.get(_BROKEN, True):
         return None
     stacked = d["_scan_stacked"]
+    first = d["_scan_first"]  # layer 0 still holds its own Parameters, not torch.func.functional_call's tensors
+    for name, ((m, leaf), *_) in d["_scan_owners"].items():
+        if m._parameters.get(leaf) is not first[name]:
+            return None
     if check_aliasing:  # outside Dynamo: cheap pointer checks, catching `.data =` too
         for name, P in stacked.items():
             for i, (m, leaf) in enumerate(d["_scan_owners"][name]):
                 p = m._parameters.get(leaf)
                 if p is None or not _is_row(p, P, i):
                     return None
-    else:  # traced: layer 0 still holds its own Parameters (not torch.func.functional_call's tensors)
-        first = d["_scan_first"]
-        for name, ((m, leaf), *_) in d["_scan_owners"].items():
-            if m._parameters.get(leaf) is not first[name]:
-                return None
     return stacked
 
 
