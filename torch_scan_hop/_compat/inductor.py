@@ -100,9 +100,9 @@ def reuse_no_aliasing_buffers():
     Inductor's wrapper reuses a dead buffer's storage for a later one of the
     same size; for such a view that storage is a slice of a buffer still in
     use. In a scan body unrolled in blocks (its steps' values are
-    concatenated) a step's carry was written over the block's saved values,
-    and the loop's carry came out as a misaligned view (inductor's alignment
-    assert failed). torch 2.9-2.14: ``PythonWrapperCodegen.can_reuse``.
+    concatenated) the block's new carry took the storage of a step's slice:
+    it could overwrite the block's saved values, and the loop's carry came out
+    as a misaligned view (inductor's alignment assert failed, 3x5 float64). torch 2.9-2.14: ``PythonWrapperCodegen.can_reuse``.
     Idempotent."""
     from torch._inductor import ir
     from torch._inductor.codegen.wrapper import PythonWrapperCodegen
