@@ -225,15 +225,17 @@ def _register_grad_hook(container, name, P):
                 if p is None or not p.requires_grad:
                     continue
                 pre, post = _compat.leaf_grad_hooks(p)
-                for hook in tuple(pre.values()):  # what the layer's own accumulation would run
-                    new = hook(row)
-                    row = row if new is None else new
+                if pre:  # what the layer's own accumulation would run (runs per row: no work without hooks)
+                    for hook in tuple(pre.values()):
+                        new = hook(row)
+                        row = row if new is None else new
                 if p.grad is None:
                     p.grad = row
                 else:
                     p.grad.add_(row)
-                for hook in tuple(post.values()):
-                    hook(p)
+                if post:
+                    for hook in tuple(post.values()):
+                        hook(p)
 
     P.register_post_accumulate_grad_hook(deliver)
 
