@@ -418,10 +418,11 @@ def test_parameter_gradient_hooks_run_as_for_the_loop(mode):
                 lambda p, i=i: calls.setdefault(tag, []).append((i, p.grad.clone())))
 
     hook_up(plain, "loop"), hook_up(layers, "scan")
-    fn = run_scan if mode == "aot_eager" else (lambda ls, x: make_fx(lambda x: scan_layers(ls, x))(x)(x))
     if mode == "aot_eager":
         torch._dynamo.reset()
         fn = torch.compile(run_scan, backend="aot_eager")
+    else:
+        fn = lambda ls, x: make_fx(lambda x: scan_layers(ls, x))(x)(x)  # noqa: E731
     for _ in range(2):
         want = step(run_loop, plain, x)
         got = step(fn, layers, x)
