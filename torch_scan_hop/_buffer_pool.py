@@ -175,6 +175,7 @@ _ENTRIES = {}  # call signature -> ([(pool key, size, stride)], pooled bytes)
 
 
 def _entries_of(layout, symbols, dtype, device):
+    symbols = symbols or ()  # AOTInductor passes an empty list as None
     sig = (layout, *symbols, dtype, device)
     found = _ENTRIES.get(sig)
     if found is None:

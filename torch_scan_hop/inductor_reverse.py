@@ -40,6 +40,8 @@ def install():
     _compat.inductor.skip_input_asserts_of_subgraphs(lambda name: _LOOP_PREFIX in name)
     _inductor_fixes.keep_subgraph_inputs_undonated()
     _compat.inductor.reuse_no_aliasing_buffers()
+    _compat.inductor.name_mutated_carries_in_cpp_while_loops()
+    _compat.inductor.plan_cpp_subgraph_reuse_without_peak_estimate()
     _installed = True
 
 
@@ -99,8 +101,12 @@ def _in_layout_of(new, old):
 
 def _preallocate(ys_vals, symbols):
     """Empty ys like ``ys_vals``, on storage reused between calls (see ``_buffer_pool``):
-    one operator call per dtype and device."""
+    one operator call per dtype and device. A C++ wrapper (AOTInductor) cannot call
+    the pool's Python operator: plain ``empty_strided`` there."""
     resolve = _compat.inductor.resolve_shape_to_proxy
+    if _compat.inductor.cpp_wrapper_active():
+        return [torch.empty_strided(resolve(v.size(), symbols), resolve(v.stride(), symbols), dtype=v.dtype,
+                                    device=v.device) for v in ys_vals]
     groups = {}
     for i, v in enumerate(ys_vals):
         groups.setdefault((v.dtype, v.device), []).append(i)
@@ -140,10 +146,11 @@ def _while_loop(body, ys_vals, counts, reverse):
             for y, buf in zip(out[nc:], bufs):
                 buf.select(0, i).copy_(y)
             new_carry = [_in_layout_of(new, old) for new, old in zip(out[:nc], carry)]
-            return (counter + 1, *bufs, *new_carry, *xs_)
+            return (counter + 1, *bufs, *new_carry)
 
         counter = torch.zeros([], dtype=torch.int64, device="cpu")
-        res = torch.ops.higher_order.while_loop(cond, step, (counter, *ys, *init, *xs), tuple(lifted))
+        # xs are read only: loop inputs, not carried (fewer values passed per step)
+        res = torch.ops.higher_order.while_loop(cond, step, (counter, *ys, *init), (*xs, *lifted))
         return [*res[1 + ny:1 + ny + nc], *res[1:1 + ny]]
 
     return lowered
