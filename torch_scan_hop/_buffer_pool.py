@@ -187,9 +187,13 @@ def _entries_of(layout, symbols, dtype, device):
 
 
 def stacked_buffers(shapes, dtype, device):
-    """One pooled buffer per ``(size, stride)`` in ``shapes`` (ints or SymInts), through the operator."""
+    """One pooled buffer per ``(size, stride)`` in ``shapes`` (ints or SymInts), through the operator.
+    A C++ wrapper (AOTInductor) cannot call a Python operator, and a package must run
+    without it: plain ``empty_strided`` there."""
     if not shapes:
         return []
+    if _compat.inductor.cpp_wrapper_active():
+        return [torch.empty_strided(size, stride, dtype=dtype, device=device) for size, stride in shapes]
     symbols = []
 
     def encode(v):

@@ -101,12 +101,8 @@ def _in_layout_of(new, old):
 
 def _preallocate(ys_vals, symbols):
     """Empty ys like ``ys_vals``, on storage reused between calls (see ``_buffer_pool``):
-    one operator call per dtype and device. A C++ wrapper (AOTInductor) cannot call
-    the pool's Python operator: plain ``empty_strided`` there."""
+    one operator call per dtype and device."""
     resolve = _compat.inductor.resolve_shape_to_proxy
-    if _compat.inductor.cpp_wrapper_active():
-        return [torch.empty_strided(resolve(v.size(), symbols), resolve(v.stride(), symbols), dtype=v.dtype,
-                                    device=v.device) for v in ys_vals]
     groups = {}
     for i, v in enumerate(ys_vals):
         groups.setdefault((v.dtype, v.device), []).append(i)

@@ -152,7 +152,8 @@ def name_mutated_carries_in_cpp_while_loops():
             return codegen(self, while_loop, stack_output)
         mutated = {name: m for m in while_loop.mutation_outputs for name in m.get_mutation_names()}
         rest = iter(outputs)
-        while_loop.outputs = [mutated.get(c.get_name()) or next(rest) for c in while_loop.carried_inputs]
+        while_loop.outputs = [mutated[c.get_name()] if c.get_name() in mutated else next(rest)
+                              for c in while_loop.carried_inputs]
         try:
             return codegen(self, while_loop, stack_output)
         finally:
