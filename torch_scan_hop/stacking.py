@@ -220,24 +220,40 @@ def _register_grad_hook(container, name, P):
         if owner is None or g is None:
             return
         with torch.no_grad():
-            for (m, leaf), row in zip(owner._scan_owners[name], rows_of(g)):  # row views, no copy (XLA: gathers)
-                p = m._parameters.get(leaf)
-                if p is None or not p.requires_grad:
-                    continue
-                pre, post = _compat.leaf_grad_hooks(p)
-                if pre:  # what the layer's own accumulation would run (runs per row: no work without hooks)
-                    for hook in tuple(pre.values()):
-                        new = hook(row)
-                        row = row if new is None else new
-                if p.grad is None:
-                    p.grad = row
-                else:
-                    p.grad.add_(row)
-                if post:
-                    for hook in tuple(post.values()):
-                        hook(p)
+            _hand_out(owner._scan_owners[name], rows_of(g))  # row views, no copy (XLA: gathers)
 
     P.register_post_accumulate_grad_hook(deliver)
+
+
+def _hand_out(owners, rows):
+    """Give each layer parameter its gradient row, as its own accumulation would: runs every
+    training step, once per layer and parameter (768 rows at depth 64), so the common case (no
+    hooks, ``.grad`` None after ``zero_grad``) costs one attribute write per row."""
+    for (m, leaf), row in zip(owners, rows):
+        p = m._parameters.get(leaf)
+        if p is None or not p.requires_grad:
+            continue
+        if p._backward_hooks or p._post_accumulate_grad_hooks:
+            _hand_out_with_hooks(p, row)
+        elif p.grad is None:
+            p.grad = row
+        else:
+            p.grad.add_(row)
+
+
+def _hand_out_with_hooks(p, row):
+    """What a leaf's accumulation runs around a gradient: ``register_hook`` hooks (each may
+    replace it), accumulation, then ``register_post_accumulate_grad_hook`` hooks."""
+    pre, post = _compat.leaf_grad_hooks(p)
+    for hook in tuple(pre.values()):
+        new = hook(row)
+        row = row if new is None else new
+    if p.grad is None:
+        p.grad = row
+    else:
+        p.grad.add_(row)
+    for hook in tuple(post.values()):
+        hook(p)
 
 
 # --- used by scan_layers ---------------------------------------------------------------
