@@ -142,6 +142,54 @@ def _hoist_recomputable_saves(joint, fwd, bwd, num_outputs, num_carry, num_x):
     return _compat.extract_fwd_bwd(joint, saved, num_outputs) if changed else (fwd, bwd)
 
 
+def _view_base(node):
+    """The node whose storage ``node`` views (itself when it is no view): through view
+    ops and the items of multi-output views (``split``'s q, k, v)."""
+    while node.op == "call_function":
+        src = node.args[0] if node.args else None
+        if node.target is operator.getitem and isinstance(src, torch.fx.Node) and _is_view(src):
+            node = src.args[0]
+        elif _is_view(node) and isinstance(src, torch.fx.Node):
+            node = src
+        else:
+            break
+    return node
+
+
+def _nbytes(node):
+    val = node.meta.get("val")
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else None
+
+
+def _save_view_bases(joint, fwd, bwd, num_outputs):
+    """Partitioners save views of one computed value separately (q, k and v split
+    from one matmul; a value and its reshape): a scan stacks each, a copy per
+    view and step. Save their base once instead when the views together are at
+    least as big (the backward re-views it for free), and a matmul writing the
+    base can then write its stacked row directly."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    (outs,) = fwd.graph.find_nodes(op="output")[0].args
+    by_name = {n.name: n for n in joint.graph.nodes}
+    saved = [by_name[o.name] for o in outs[num_outputs:]]
+    groups = {}
+    for n in saved:
+        base = _view_base(n)
+        if base is not n and base.op == "call_function" and _nbytes(base) is not None and _nbytes(n) is not None:
+            groups.setdefault(base, []).append(n)
+    bases = {base: views for base, views in groups.items()
+             if statically_known_true(sum(_nbytes(v) for v in views) >= _nbytes(base))}
+    if not bases:
+        return fwd, bwd
+    replaced = {v: base for base, views in bases.items() for v in views}
+    new = []
+    for n in saved:
+        n = replaced.get(n, n)
+        if n not in new:
+            new.append(n)
+    return _compat.extract_fwd_bwd(joint, new, num_outputs)
+
+
 def _input_kind(i, num_carry, num_x):
     if i < num_carry:
         return ("carry", i)
@@ -280,6 +328,7 @@ def partition_step(step: JointStep, remat="save_all") -> FwdBwd:
     _name_joint_placeholders(joint, len(primals))
     fwd, bwd = _partition_fn(remat)(joint, [*primals, *tangents], num_fwd_outputs=num_out)
     fwd, bwd = _hoist_recomputable_saves(joint, fwd, bwd, num_out, num_carry, num_x)
+    fwd, bwd = _save_view_bases(joint, fwd, bwd, num_out)
     fwd, bwd = _align_saves(fwd, bwd, num_out)
     fwd, bwd = _inline_constant_saves(fwd, bwd, num_out)
     fwd, bwd = simplify(fwd), simplify(bwd)
