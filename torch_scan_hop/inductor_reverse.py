@@ -42,6 +42,7 @@ def install():
     _compat.inductor.reuse_no_aliasing_buffers()
     _compat.inductor.name_mutated_carries_in_cpp_while_loops()
     _compat.inductor.plan_cpp_subgraph_reuse_without_peak_estimate()
+    _compat.inductor.write_extern_outputs_into_rows(lambda name: name.startswith(_LOOP_PREFIX) and "_body_" in name)
     _installed = True
 
 

@@ -186,3 +186,129 @@ def plan_cpp_subgraph_reuse_without_peak_estimate():
 
     should_reuse_buffer._scan_fixed = True
     AllocateLine.should_reuse_buffer = should_reuse_buffer
+
+
+def write_extern_outputs_into_rows(in_scan_body):
+    """In a graph that ``in_scan_body(name)`` accepts, lower ``row.copy_(y)``
+    (``row`` a view of an input buffer: a scan's ys buffer) by letting ``y``'s
+    extern kernel (``extern_kernels.mm``/``addmm``/``bmm``: every weight
+    gradient of a training backward, saved matmul outputs) write the row
+    itself, as inductor does for the inputs of a ``cat``: the kernel's output
+    buffer becomes a non-owning view of the row. Anywhere else, and where
+    that is not exactly a copy (``_extern_output_into``), inductor's own
+    ``copy_`` lowering runs unchanged. Not idempotent: call once.
+    torch 2.9-2.14: ``lowering.lowerings``, ``ir.NonOwningLayout``,
+    ``ir.ExternKernelOut``, ``V.graph.never_reuse_buffers``."""
+    import torch
+    from torch._inductor.lowering import lowerings
+    from torch._inductor.virtualized import V
+
+    op = torch.ops.aten.copy_.default
+    copy_ = lowerings[op]
+    _allocate_no_input_buffers()
+
+    def copy_into_row(dst, src, non_blocking=False):
+        if in_scan_body(getattr(V.graph, "name", None) or "") and _extern_output_into(dst, src):
+            return dst
+        return copy_(dst, src, non_blocking)
+
+    lowerings[op] = copy_into_row
+
+
+def _extern_output_into(dst, src):
+    """Make ``src``'s extern kernel write ``dst`` directly when that is the
+    same as copying it there; True if done."""
+    from torch._inductor import ir
+    from torch._inductor.virtualized import V
+
+    node = V.graph.current_node
+    if node is None or len(node.args) < 2 or any(u.op == "output" for u in getattr(node.args[1], "users", ())):
+        return False  # a y that is also a carry must not alias the ys buffer
+    row = _row_view(dst)
+    kernel = _extern_kernel_of(src)
+    if row is None or kernel is None:
+        return False
+    base = row.data.data
+    if base.get_name() in kernel.get_read_names():
+        return False
+    lay, rlay, sv = kernel.layout, row.layout, V.graph.sizevars
+
+    def equal(a, b):
+        return len(a) == len(b) and all(sv.statically_known_equals(p, q) for p, q in zip(a, b))
+
+    dense = ir.FlexibleLayout.contiguous_strides(rlay.size)
+    if not (lay.dtype == rlay.dtype and lay.device == rlay.device and equal(lay.size, rlay.size)
+            and equal(rlay.stride, dense) and sv.statically_known_equals(lay.offset, 0)
+            and (isinstance(lay, ir.FlexibleLayout) or equal(lay.stride, rlay.stride))):
+        return False  # not the whole output, or not dense in the row's layout
+    kernel.layout = ir.NonOwningLayout(row)
+    V.graph.never_reuse_buffers.add(kernel.get_name())  # its storage is the row: never handed on
+    V.graph.mark_buffer_mutated(base.get_name())
+    _also_uses_symbols_of(kernel, rlay.offset)
+    return True
+
+
+def _row_view(dst):
+    """``dst`` (a TensorBox) as a ReinterpretView of an input buffer, or None."""
+    from torch._inductor import ir
+
+    data = getattr(dst, "data", None)
+    if not isinstance(data, ir.BaseView):
+        return None
+    try:
+        view = ir.ExternKernel.convert_to_reinterpret_view(data)
+    except Exception:  # noqa: BLE001 - not strides over one buffer: copy as usual
+        return None
+    box = view.data
+    if not (isinstance(box, ir.StorageBox) and isinstance(box.data, ir.InputBuffer)):
+        return None
+    return view
+
+
+def _extern_kernel_of(src):
+    """The plain extern kernel call whose whole output ``src`` is, its layout
+    still its own (not yet aliased elsewhere), or None."""
+    from torch._inductor import ir
+
+    box = getattr(src, "data", None)
+    kernel = box.data if isinstance(box, ir.StorageBox) else None
+    if type(kernel) is not ir.ExternKernelOut or type(kernel.layout) not in (ir.FixedLayout, ir.FlexibleLayout):
+        return None
+    return kernel
+
+
+def _also_uses_symbols_of(kernel, offset):
+    """The kernel now writes at an offset of the loop index (an unbacked
+    symbol): the scheduler must place it after the index is read, and it only
+    orders kernels by the symbols they use."""
+    from torch._inductor.utils import get_free_symbols
+
+    if not get_free_symbols(offset, unbacked_only=True):
+        return
+    uses = kernel.get_free_symbol_uses
+
+    def get_free_symbol_uses(unbacked_only=False):
+        return uses(unbacked_only) | get_free_symbols(offset, unbacked_only)
+
+    kernel.get_free_symbol_uses = get_free_symbol_uses
+
+
+def _allocate_no_input_buffers():
+    """torch 2.9's wrapper allocates the base of a ``NonOwningLayout`` view
+    before aliasing it, also when that base is a graph input (a fresh
+    ``empty_strided`` shadowing the input): skip input buffers, as torch
+    2.14's ``PythonWrapperCodegen.codegen_allocation`` does. Idempotent."""
+    from torch._inductor import ir
+    from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+
+    allocate = PythonWrapperCodegen.codegen_allocation
+    if getattr(allocate, "_scan_skips_inputs", False):
+        return
+
+    def codegen_allocation(self, buffer):
+        if isinstance(buffer, ir.InputBuffer):
+            return None
+        return allocate(self, buffer)
+
+    codegen_allocation._scan_skips_inputs = True
+    PythonWrapperCodegen.codegen_allocation = codegen_allocation

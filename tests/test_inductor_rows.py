@@ -1,0 +1,131 @@
+"""Inductor writes a step's matmul outputs straight into their rows of the stacked buffers.
+
+A scan's ys (in training: every saved activation and every stacked weight gradient) are rows of
+preallocated buffers. A y made by an extern kernel (mm/addmm/bmm) is written by that kernel into
+its row, not into a temporary copied there; a partition saves the base of several views of one
+value (q, k, v split from one matmul) once, so that matmul too writes its row directly. Values
+and float64 gradients against the Python loop, for every kind of y the direct write must leave
+alone (a y that is also the carry, one y returned twice, a transposed y)."""
+import operator
+import re
+
+import pytest
+import torch
+from conftest import assert_trees_close
+from torch._inductor.utils import run_and_get_code
+
+from torch_scan_hop import fwd_bwd, scan
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+D = torch.float64
+
+
+def loop(body, c, xs, reverse):
+    ys = [None] * xs.shape[0]
+    for i in (reversed(range(xs.shape[0])) if reverse else range(xs.shape[0])):
+        c, ys[i] = body(c, xs[i])
+    return c, torch.utils._pytree.tree_map(lambda *t: torch.stack(t), *ys)
+
+
+def bodies(W, b, W3):
+    return {
+        "matmul y": lambda c, x: (torch.tanh(c @ W + x), c @ W),
+        "y is the carry": lambda c, x: (c @ W * 0.5, c @ W * 0.5),
+        "y returned twice": lambda c, x: (torch.tanh(c + x), ((c @ W), (c @ W))),
+        "y from x": lambda c, x: (c + 1, x @ W),
+        "addmm y": lambda c, x: (torch.sin(c) + x, torch.addmm(b, c, W)),
+        "bmm y": lambda c, x: (c * 0.9 + x, torch.bmm(W3, W3 + c.sum())),
+        "transposed y": lambda c, x: (torch.tanh(c @ W + x), (c @ W).t()),
+        "y read later": lambda c, x: (lambda m: (torch.tanh(m + x), m * 2))(c @ W),
+        "outer product y": lambda c, x: (c + x, c.t() @ x),
+    }
+
+
+CASES = [(name, reverse, unroll, n) for name in bodies(None, None, None)
+         for reverse, unroll, n in ((False, 1, 5), (True, 1, 4), (True, 2, 5), (False, 3, 4))]
+
+
+@pytest.mark.parametrize("name,reverse,unroll,n", CASES)
+def test_matmul_ys_match_the_loop(name, reverse, unroll, n):
+    gen = torch.Generator().manual_seed(n)
+    rand = lambda *s: torch.randn(*s, dtype=D, generator=gen)  # noqa: E731
+    W, b, W3 = rand(5, 5), rand(5), rand(2, 5, 5)
+    c0, xs = rand(3, 5), rand(n, 3, 5)
+    leaves = [t.requires_grad_() for t in (c0, xs, W, b, W3)]
+    body = bodies(W, b, W3)[name]
+    compiled = torch.compile(lambda c, xs: scan(body, c, xs, reverse=reverse, unroll=unroll),
+                             backend="inductor", fullgraph=True)
+    got, want = compiled(c0, xs), loop(body, c0, xs, reverse)
+    assert_trees_close(got, want, rtol=1e-7, atol=1e-9)
+    outs_got, outs_want = torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)
+    cot = [torch.randn_like(t) for t in outs_want]
+    g_got = torch.autograd.grad(outs_got, leaves, cot, allow_unused=True)
+    g_want = torch.autograd.grad(outs_want, leaves, cot, allow_unused=True)
+    zeros_for_none = lambda gs: [torch.zeros_like(t) if g is None else g for g, t in zip(gs, leaves)]  # noqa: E731
+    assert_trees_close(zeros_for_none(g_got), zeros_for_none(g_want), rtol=1e-7, atol=1e-9)
+
+
+def _written_into_rows(code):
+    """Names of extern-kernel outputs that are views of a loop body's input (a row of a ys buffer)."""
+    return re.findall(r"(\w*buf\d+) = reinterpret_tensor\(\w*arg\d+_1, .*# alias", code)
+
+
+def test_weight_gradients_are_written_into_their_rows():
+    """A training backward of a scan over stacked weights: each step's weight gradient (c.T @ g)
+    is written by its matmul into the stacked gradient, no copy kernel after it."""
+    Ws = torch.randn(6, 8, 8, dtype=D, requires_grad=True)
+    c0 = torch.randn(4, 8, dtype=D, requires_grad=True)
+
+    def f(c0, Ws):
+        return scan(lambda c, w: (torch.tanh(c @ w), None), c0, Ws)[0].sum()
+
+    compiled = torch.compile(f, backend="inductor")
+    _, (fwd, bwd) = run_and_get_code(lambda: torch.autograd.grad(compiled(c0, Ws), (c0, Ws)))
+    assert len(_written_into_rows(bwd)) == 1, bwd
+    c = c0
+    for i in range(Ws.shape[0]):
+        c = torch.tanh(c @ Ws[i])
+    got = torch.autograd.grad(compiled(c0, Ws), (c0, Ws))
+    assert_trees_close(got, torch.autograd.grad(c.sum(), (c0, Ws)), rtol=1e-5, atol=1e-6)
+
+
+def test_views_of_one_value_are_saved_once():
+    """q, k and v split from one matmul: the partition saves the matmul's output once (the backward
+    re-views it), not three views a scan would each copy into a stacked buffer."""
+    W = torch.randn(8, 24, requires_grad=True)
+
+    def body(c, x):
+        q, k, v = (c @ W).split(8, dim=-1)
+        return torch.tanh(q * k * v + x), None
+
+    step = fwd_bwd(body, torch.randn(4, 8, requires_grad=True), torch.randn(4, 8))
+    (outs,) = step.fwd.graph.find_nodes(op="output")[0].args
+    saved = {n.name: (n.target, tuple(n.meta["val"].shape)) for n in outs[1:]}
+    assert [shape for _, shape in saved.values()].count((4, 24)) == 1, saved
+    assert not any(target is operator.getitem for target, _ in saved.values()), saved
+
+
+def test_qkv_matmul_writes_its_saved_row():
+    """The same body in a compiled training step: the q/k/v matmul writes its row of the saved
+    stack (and the weight gradient its row of the stacked gradient); values and gradients
+    match the loop."""
+    Ws = torch.randn(5, 8, 24, dtype=D, requires_grad=True)
+    c0 = torch.randn(4, 8, dtype=D, requires_grad=True)
+
+    def body(c, w):
+        q, k, v = (c @ w).split(8, dim=-1)
+        return torch.tanh(q * k * v), None
+
+    def f(c0, Ws):
+        return scan(body, c0, Ws)[0]
+
+    compiled = torch.compile(f, backend="inductor")
+    (out, grads), (fwd, bwd) = run_and_get_code(
+        lambda: (lambda o: (o, torch.autograd.grad(o.sum(), (c0, Ws))))(compiled(c0, Ws)))
+    assert len(_written_into_rows(fwd)) == 1, fwd
+    assert len(_written_into_rows(bwd)) == 1, bwd
+    c = c0
+    for i in range(Ws.shape[0]):
+        c, _ = body(c, Ws[i])
+    assert_trees_close(out, c, rtol=1e-7, atol=1e-9)
+    assert_trees_close(grads, torch.autograd.grad(c.sum(), (c0, Ws)), rtol=1e-7, atol=1e-9)
