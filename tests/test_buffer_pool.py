@@ -88,6 +88,63 @@ def test_two_working_sets_in_turn_both_stay_pooled():
             del bufs
 
 
+CPU = torch.device("cpu")
+TRAIN = [(BIG, (512, 64, 1)), ((64, 8, 128), (1024, 128, 1)), ((4, 4), (4, 1))]  # two pooled, one small
+
+
+def test_a_repeated_request_gets_the_same_storage_while_idle_and_never_while_busy():
+    """The per-signature fast path (a steady step's buffers handed out again without a search)
+    hands storage out only when nothing uses it, as plain, non-view tensors of the asked layout."""
+    first = pool.stacked_buffers(TRAIN, torch.float32, CPU)
+    ptrs = [ptr(b) for b in first[:2]]
+    assert all(b._base is None and not b._is_view() for b in first)
+    assert [(b.shape, b.stride()) for b in first] == [(torch.Size(s), st) for s, st in TRAIN]
+    kept = first[1][2]  # a view keeps the second buffer busy
+    del first
+    second = pool.stacked_buffers(TRAIN, torch.float32, CPU)
+    assert ptr(second[0]) == ptrs[0] and ptr(second[1]) != ptrs[1]
+    kept.fill_(1.0)
+    second[1].fill_(2.0)
+    assert bool((kept == 1.0).all())
+    del second, kept
+    third = pool.stacked_buffers(TRAIN, torch.float32, CPU)
+    assert ptr(third[0]) == ptrs[0]
+    del third
+    assert pool._pooled_bytes()[0] == pool._pooled_bytes()[1]  # all idle again: nothing leaked as busy
+
+
+def test_storage_released_by_empty_cache_or_trimming_is_not_handed_out_again():
+    """The fast path remembers a signature's storage; once the pool lets that storage go it must
+    not come back from memory (it would be pooled storage the pool no longer counts)."""
+    a = pool.stacked_buffers(TRAIN, torch.float32, CPU)
+    del a
+    torch_scan_hop.empty_cache()
+    b = pool.stacked_buffers(TRAIN, torch.float32, CPU)
+    assert pool._pooled_bytes() == (0, 128 * 1024 + 256 * 1024)  # counted again, all of it busy
+    del b
+    for n in range(140, 180):  # other sizes, one after another: trimming releases the idle TRAIN storage
+        t = pool.stacked_buffer((n, 8, 64), (512, 64, 1), torch.float32, CPU)
+        del t
+    assert not {(128 * 1024, CPU), (256 * 1024, CPU)} & set(pool._pool)
+    c = pool.stacked_buffers(TRAIN, torch.float32, CPU)
+    idle, total = pool._pooled_bytes()
+    assert total - idle == 128 * 1024 + 256 * 1024
+    del c
+
+
+def test_one_storage_serves_several_dtypes_and_still_counts_as_idle():
+    f32 = pool.stacked_buffer(BIG, (512, 64, 1), torch.float32, CPU)
+    first = ptr(f32)
+    del f32
+    f64 = pool.stacked_buffer((32, 8, 64), (512, 64, 1), torch.float64, CPU)  # the same bytes
+    assert ptr(f64) == first and f64.dtype == torch.float64
+    del f64
+    again = pool.stacked_buffer(BIG, (512, 64, 1), torch.float32, CPU)
+    assert ptr(again) == first
+    del again
+    assert pool._pooled_bytes() == (128 * 1024, 128 * 1024)
+
+
 def rnn(w):
     def cell(c, x):
         h = torch.tanh(c @ w + x)

@@ -35,9 +35,10 @@ _MIN_BYTES = 128 * 1024  # smaller blocks come from (and go back to) malloc's he
 _KEYS = 64  # distinct (bytes, device) sizes kept
 _PER_KEY = 64  # storages kept per size (values of one size alive at once: q, k, v, ...)
 _lock = threading.Lock()
-_pool = collections.OrderedDict()  # (nbytes, device) -> [UntypedStorage], oldest first
+_pool = collections.OrderedDict()  # (nbytes, device) -> [_Slot], oldest first
 _IDLE_FACTOR = 2  # idle bytes kept: at most this many times the largest request
 _largest_request = [0]  # pooled bytes of the largest single call so far (reset by empty_cache)
+_epoch = [0]  # bumped whenever storage leaves the pool: a signature's last slots are then stale
 
 
 def _span(size, stride):
@@ -60,60 +61,111 @@ def _entry(size, stride, dtype, device):
     return key, tuple(size), tuple(stride)
 
 
-def _buffers(entries, request, dtype, device):
-    """One tensor per entry; ``request`` is the entries' pooled bytes."""
-    out, missed, scanned = [], False, {}
+def _buffers(entries, request, dtype, device, last=None):
+    """One tensor per entry; ``request`` is the entries' pooled bytes. ``last`` (a call
+    signature's ``[epoch, slots]``) remembers the storage this signature got last time: a
+    steady training step asks for the same buffers every call, and when all of them are idle
+    again they are handed out without searching the pool."""
     with _lock:  # the check and the tensor taking the storage happen together
-        if request > _largest_request[0]:
-            _largest_request[0] = request
-        for key, size, stride in entries:
-            if key is None:
-                out.append(torch.empty_strided(size, stride, dtype=dtype, device=device))
-            else:
-                storage, new = _idle_or_new(key, scanned)
-                missed |= new
-                out.append(torch.empty(0, dtype=dtype).set_(storage, 0, size, stride))
-        if missed:  # this request's buffers count as idle too: they will be
-            _trim_idle(_IDLE_FACTOR * _largest_request[0] - request)
+        slots = _same_as_last(last)
+        if slots is not None:
+            for key, _, _ in entries:
+                if key is not None:
+                    _pool.move_to_end(key)  # used now: trimmed last
+        else:
+            slots = _take(entries, request)
+            if last is not None:
+                last[:] = [_epoch[0], slots]
+        return [_compat.empty_strided(size, stride, dtype, device) if slot is None else slot.tensor(size, stride, dtype)
+                for slot, (_, size, stride) in zip(slots, entries)]
+
+
+def _same_as_last(last):
+    """``last``'s slots when they are all still pooled and idle, else None."""
+    if last is None or last[0] != _epoch[0]:
+        return None
+    slots = last[1]
+    for slot in slots:
+        if slot is not None and not slot.idle():
+            return None
+    return slots
+
+
+def _take(entries, request):
+    """One slot (None: not pooled) per entry: idle ones first, new ones else."""
+    if request > _largest_request[0]:
+        _largest_request[0] = request
+    out, missed, scanned = [], False, {}
+    for key, _, _ in entries:
+        if key is None:
+            out.append(None)
+        else:
+            slot, new = _idle_or_new(key, scanned)
+            missed |= new
+            out.append(slot)
+    if missed:  # this request's buffers count as idle too: they will be
+        _trim_idle(_IDLE_FACTOR * _largest_request[0] - request)
     return out
 
 
+class _Slot:
+    """One pooled storage, and per dtype an empty tensor on it from which buffers are made
+    (``_compat.alias_storage``: ~1 us, where a fresh ``empty(0).set_(storage)`` takes ~5 us;
+    ~25 buffers a training step)."""
+    __slots__ = ("storage", "bases")
+
+    def __init__(self, nbytes, device):
+        self.storage = torch.UntypedStorage(nbytes, device=device)
+        self.bases = {}
+
+    def idle(self):
+        """No tensor but the pool's own (its storage object and bases) uses the storage."""
+        return _compat.storage_use_count(self.storage) == 1 + len(self.bases)
+
+    def tensor(self, size, stride, dtype):
+        base = self.bases.get(dtype)
+        if base is None:
+            base = self.bases[dtype] = torch.empty(0, dtype=dtype, device=self.storage.device).set_(self.storage)
+        return _compat.alias_storage(base, size, stride)
+
+
 def _idle_or_new(key, scanned):
-    """``(storage, made now)``: an idle storage of this size, else a new one. ``scanned[key]``:
-    how many of this size's storages this request has already looked at (all busy or taken)."""
+    """``(slot, made now)``: an idle slot of this size, else a new one. ``scanned[key]``:
+    how many of this size's slots this request has already looked at (all busy or taken)."""
     entries = _pool.get(key)
     if entries is None:
         entries = _pool[key] = []
     elif key not in scanned:
         _pool.move_to_end(key)  # most recently used last
-    use_count = _compat.storage_use_count
     for i in range(scanned.get(key, 0), len(entries)):
-        if use_count(entries[i]) == 1:  # only the pool holds it
+        if entries[i].idle():
             scanned[key] = i + 1
             return entries[i], False
-    storage = torch.UntypedStorage(key[0], device=key[1])
-    entries.append(storage)
+    slot = _Slot(*key)
+    entries.append(slot)
     if len(entries) > _PER_KEY:
         del entries[0]  # forgotten: freed now if idle, else when its tensors die
+        _epoch[0] += 1
     scanned[key] = len(entries)
     while len(_pool) > _KEYS:
         _pool.popitem(last=False)
-    return storage, True
+        _epoch[0] += 1
+    return slot, True
 
 
 def _trim_idle(limit):
     """Release idle storage, least recently used size first, until at most ``limit`` bytes are idle."""
-    use_count = _compat.storage_use_count
-    idle = [(key, s) for key, entries in _pool.items() for s in entries if use_count(s) == 1]
+    idle = [(key, slot) for key, entries in _pool.items() for slot in entries if slot.idle()]
     excess = sum(key[0] for key, _ in idle) - limit
-    for key, storage in idle:  # oldest sizes first
+    for key, slot in idle:  # oldest sizes first
         if excess <= 0:
             break
-        kept = [s for s in _pool[key] if s is not storage]
+        kept = [s for s in _pool[key] if s is not slot]
         if kept:
             _pool[key] = kept
         else:
             del _pool[key]
+        _epoch[0] += 1
         excess -= key[0]
 
 
@@ -122,6 +174,7 @@ def empty_cache():
     with _lock:
         _pool.clear()
         _largest_request[0] = 0
+        _epoch[0] += 1
 
 
 def _pooled_bytes():
@@ -129,9 +182,9 @@ def _pooled_bytes():
     with _lock:
         idle = total = 0
         for (nbytes, _), entries in _pool.items():
-            for storage in entries:
+            for slot in entries:
                 total += nbytes
-                idle += nbytes if _compat.storage_use_count(storage) == 1 else 0
+                idle += nbytes if slot.idle() else 0
         return idle, total
 
 
@@ -160,7 +213,8 @@ def stacked_buffers_op(layout, symbols, dtype, device):
     pass), only the sizes known at run time as ``symbols``, and what does not change between
     calls (shapes, pool keys) is worked out once per signature. A plain library kernel
     (``custom_op``'s Python wrappers cost ~150 us a call)."""
-    return _buffers(*_entries_of(layout, symbols, dtype, device), dtype, device)
+    entries, request, last = _entries_of(layout, symbols, dtype, device)
+    return _buffers(entries, request, dtype, device, last)
 
 
 _LIB.impl("stacked_buffers", stacked_buffers_op, "CompositeExplicitAutograd")
@@ -171,7 +225,7 @@ def _(layout, symbols, dtype, device):
     return [torch.empty_strided(size, stride, dtype=dtype, device=device) for size, stride in _parse(layout, symbols)]
 
 
-_ENTRIES = {}  # call signature -> ([(pool key, size, stride)], pooled bytes)
+_ENTRIES = {}  # call signature -> ([(pool key, size, stride)], pooled bytes, [epoch, last slots])
 
 
 def _entries_of(layout, symbols, dtype, device):
@@ -182,7 +236,7 @@ def _entries_of(layout, symbols, dtype, device):
         if len(_ENTRIES) >= 256:
             _ENTRIES.clear()
         entries = [_entry(size, stride, dtype, device) for size, stride in _parse(layout, symbols)]
-        found = _ENTRIES[sig] = (entries, sum(key[0] for key, _, _ in entries if key is not None))
+        found = _ENTRIES[sig] = (entries, sum(key[0] for key, _, _ in entries if key is not None), [-1, None])
     return found
 
 

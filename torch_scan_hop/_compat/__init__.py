@@ -35,7 +35,9 @@ from .autograd import (  # noqa: F401
 from .dispatch import (  # noqa: F401
     AutoDispatchBelowAutograd,
     DispatchKey,
+    alias_storage,
     dispatch_modes_active,
+    empty_strided,
     functionalization_on,
     has_kernel_for,
     is_concrete,

@@ -146,3 +146,22 @@ def storage_use_count(storage):
     ``UntypedStorage``), this one included. torch 2.9-2.14:
     ``torch._C._storage_Use_Count(storage._cdata)`` (no public query)."""
     return torch._C._storage_Use_Count(storage._cdata)
+
+
+def alias_storage(base, size, stride):
+    """A new tensor on ``base``'s storage (from its start) with these sizes and
+    strides, and ``base``'s dtype: not a view (no ``_base``, own version
+    counter), like ``empty(0).set_(storage, 0, size, stride)`` but ~5x cheaper.
+    The caller guarantees the storage is large enough. torch 2.9-2.14:
+    ``torch._C._dynamo.guards._reinterpret_tensor`` (inductor's own
+    ``reinterpret_tensor``)."""
+    return torch._C._dynamo.guards._reinterpret_tensor(base, size, stride, -base.storage_offset())
+
+
+def empty_strided(size, stride, dtype, device):
+    """``torch.empty_strided`` without the Python binding's argument parsing on
+    the CPU (~0.8 vs ~1.4 us). torch 2.9-2.14: ``torch._C._dynamo.guards._empty_strided_cpu``
+    (what inductor's generated code calls)."""
+    if device.type == "cpu":
+        return torch._C._dynamo.guards._empty_strided_cpu(size, stride, dtype)
+    return torch.empty_strided(size, stride, dtype=dtype, device=device)
