@@ -70,3 +70,9 @@ def assert_trees_close(got, want, **kw):
         assert a.dtype == b.dtype, (a.dtype, b.dtype)
         assert a.shape == b.shape, (a.shape, b.shape)
         torch.testing.assert_close(a, b, **kw)
+
+
+def loops_in(code):
+    """Host-side loops in inductor's generated code: its own ``while`` loops, and the
+    ``for <loop>_step in range(n)`` our static-length scans are generated as."""
+    return code.count("while ") + code.count("_step in range(")

@@ -4,7 +4,7 @@ import os
 
 import pytest
 import torch
-from conftest import assert_trees_close
+from conftest import assert_trees_close, loops_in
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
@@ -88,10 +88,37 @@ def test_loop_bodies_never_write_into_their_inputs():
     got, codes = run_and_get_code(torch.compile(step, backend="inductor"), c0, xs)
     assert_trees_close(got, step(c0, xs), atol=1e-5, rtol=1e-4)
     code = "\n".join(codes)
-    assert code.count("while ") == 4  # forward and backward: blocks of 2 and a remainder step
+    assert loops_in(code) == 4  # forward and backward: blocks of 2 and a remainder step
     reused_inputs = [line for line in code.splitlines() if "# reuse" in line and "_graph_" in line
                      and "_arg" in line.split("=")[-1]]
     assert reused_inputs == []
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_static_lengths_loop_with_no_cond_call(dynamic):
+    """A scan of static length runs its body in a ``for ... in range(L)`` (no cond subgraph call,
+    bool buffer or tensor-to-bool per step); a dynamic length keeps inductor's while loop, whose
+    cond reads the length at run time. Values and gradients of the loop either way, lengths 1..3."""
+    torch.manual_seed(0)
+    w, b = torch.randn(3, 3, dtype=torch.float64, requires_grad=True), torch.randn(3, dtype=torch.float64)
+
+    def step(c0, xs):
+        c, ys = scan(rnn_cell(w, b), c0, xs)
+        return [c, ys, *torch.autograd.grad(c.pow(2).sum() + ys.pow(2).sum(), (w, c0, xs))]
+
+    compiled = torch.compile(step, backend="inductor", dynamic=dynamic)
+    for n in (3, 1, 2):
+        c0 = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+        xs = torch.randn(n, 2, 3, dtype=torch.float64, requires_grad=True)
+        got, codes = run_and_get_code(compiled, c0, xs)
+        assert_trees_close(got, step(c0, xs), atol=1e-10, rtol=1e-10)
+        code = "\n".join(codes)
+        counted = code.count(f"_step in range({n}):") == 2 and "while " not in code and "cond_result" not in code
+        looped = code.count("while ") == 2 and "_step in range(" not in code
+        if n == 3:  # compiled now: forward and backward loop
+            assert counted if not dynamic else looped
+        elif codes:  # a recompile (static: each length; dynamic: length 1 is specialized)
+            assert counted or (dynamic and looped)
 
 
 @pytest.mark.parametrize("reverse", [False, True])
@@ -161,10 +188,10 @@ def test_carry_returned_in_another_layout(reverse, dynamic):
 
 
 def test_loop_subgraphs_do_not_assert_their_inputs_every_iteration():
-    """The cond and body of our while_loops run once per step; asserting every carried input's
-    size and stride there cost ~140 asserts per decoder layer of a training step."""
+    """The body (and, for a dynamic length, the cond) of our loops run once per step; asserting
+    every carried input's size and stride there cost ~140 asserts per decoder layer of a training step."""
     w, b, c0, xs = torch.randn(2, 2), torch.randn(2), torch.randn(2, 2), torch.randn(5, 2, 2)
-    f = torch.compile(lambda c, xs: scan(rnn_cell(w, b), c, xs), backend="inductor", fullgraph=True)
+    f = torch.compile(lambda c, xs: scan(rnn_cell(w, b), c, xs), backend="inductor", fullgraph=True, dynamic=True)
     out, codes = run_and_get_code(f, c0, xs)
     code = "\n".join(codes)
     subgraphs = [part for part in code.split("\ndef ")[1:] if part.startswith("scan_loop_")]

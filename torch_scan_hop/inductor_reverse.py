@@ -43,6 +43,8 @@ def install():
     _compat.inductor.name_mutated_carries_in_cpp_while_loops()
     _compat.inductor.plan_cpp_subgraph_reuse_without_peak_estimate()
     _compat.inductor.write_extern_outputs_into_rows(lambda name: name.startswith(_LOOP_PREFIX) and "_body_" in name)
+    _compat.inductor.run_counted_loops_as_for_loops(lambda name: name.startswith(_LOOP_PREFIX))
+    _compat.inductor.skip_output_asserts_of(torch.ops.torch_scan_hop.stacked_buffers.default)
     _installed = True
 
 

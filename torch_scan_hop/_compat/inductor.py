@@ -312,3 +312,87 @@ def _allocate_no_input_buffers():
 
     codegen_allocation._scan_skips_inputs = True
     PythonWrapperCodegen.codegen_allocation = codegen_allocation
+
+
+def run_counted_loops_as_for_loops(is_counted):
+    """Generate ``for <loop>_step in range(n):`` around the body of a while_loop whose
+    cond graph is ``counter < n`` (``n`` an int), when ``is_counted(name)``
+    accepts its cond subgraph's name (loops whose counter starts at 0 and that
+    run at least once). Inductor's own codegen calls the cond subgraph
+    before every iteration: an argument list, a function call, a bool buffer,
+    a C++ kernel and a tensor-to-bool conversion, ~5-15 us each time, twice per
+    layer of a training step. Python wrapper only (a C++ wrapper has its own
+    ``codegen_while_loop``); other loops go to inductor's codegen. Not
+    idempotent: call once. torch 2.9-2.14:
+    ``PythonWrapperCodegen.codegen_while_loop(while_loop, stack_output)``,
+    ``codegen_subgraph_with_flattened_outputs``, ``EnterSubgraphLine``."""
+    from torch._inductor.codegen.wrapper import EnterSubgraphLine, ExitSubgraphLine, PythonWrapperCodegen
+    from torch._inductor.virtualized import V
+
+    codegen = PythonWrapperCodegen.codegen_while_loop
+
+    def codegen_while_loop(self, while_loop, stack_output=False):
+        cond = while_loop.cond_subgraph
+        n = None
+        if not stack_output and not V.graph.aot_mode and is_counted(cond.name):
+            n = _static_trip_count(cond.graph_module)
+        if n is None or n < 1:
+            return codegen(self, while_loop, stack_output)
+        name = while_loop.get_name()
+        carried = [buf.codegen_reference() for buf in while_loop.carried_inputs]
+        inputs = [f"{name}[{i}]" for i in range(len(carried))]
+        inputs += [buf.codegen_reference() for buf in while_loop.additional_inputs]
+        self.writeline(f"{name} = [{', '.join(carried)}]")
+        self.writeline(f"for {name}_step in range({n}):")
+        self.writeline(EnterSubgraphLine(self, while_loop.body_subgraph.graph))
+        self.codegen_subgraph_with_flattened_outputs(while_loop.body_subgraph, inputs, inputs[:len(carried)])
+        self.writeline(ExitSubgraphLine(self))
+        return None
+
+    PythonWrapperCodegen.codegen_while_loop = codegen_while_loop
+
+
+def _static_trip_count(cond_gm):
+    """``n`` when ``cond_gm`` computes exactly ``arg0 < n`` for an int ``n``, else None."""
+    import torch
+
+    nodes = [n for n in cond_gm.graph.nodes if n.op not in ("placeholder", "output")]
+    if len(nodes) != 1:
+        return None
+    (lt,) = nodes
+    first = next(iter(cond_gm.graph.find_nodes(op="placeholder")), None)
+    if (lt.op != "call_function" or lt.target is not torch.ops.aten.lt.Scalar or len(lt.args) != 2
+            or lt.args[0] is not first or type(lt.args[1]) is not int):
+        return None
+    (out,) = cond_gm.graph.find_nodes(op="output")
+    results = out.args[0]
+    if isinstance(results, (tuple, list)) and len(results) == 1:
+        results = results[0]
+    if results is not lt:
+        return None
+    return lt.args[1]
+
+
+def skip_output_asserts_of(op):
+    """Leave out the size/stride and alignment asserts inductor writes after
+    each output of a call to ``op`` (an OpOverload whose outputs are made
+    exactly as its fake kernel says: our pool's ``stacked_buffers``, ~25
+    outputs a training step, two asserts each, every call). Idempotent per op.
+    torch 2.9-2.14: ``ir.MultiOutput.skip_size_stride_alignment_checks``, its
+    producer being ``inputs[0]`` (a ``FallbackKernel`` with ``op_overload``)."""
+    from torch._inductor import ir
+
+    codegen = ir.MultiOutput.codegen
+    skipped = getattr(codegen, "_scan_skipped_ops", None)
+    if skipped is None:
+        skipped = set()
+
+        def multi_output_codegen(self, wrapper):
+            producer = self.inputs[0] if self.inputs else None
+            if getattr(producer, "op_overload", None) in skipped:
+                self.skip_size_stride_alignment_checks = True
+            return codegen(self, wrapper)
+
+        multi_output_codegen._scan_skipped_ops = skipped
+        ir.MultiOutput.codegen = multi_output_codegen
+    skipped.add(op)
