@@ -20,8 +20,11 @@ B, D = 2, 3  # the body works on (B, D) float values
 Pair = collections.namedtuple("Pair", ["a", "b"])
 PER_STEP = {"BD": (B, D), "D": (D,), "B": (B,), "S": ()}
 TO_BD = {(B, D): "{}", (D,): "{}.expand(2, 3)", (): "{}.expand(2, 3)", (B,): "{}.unsqueeze(-1).expand(2, 3)"}
+# LayerNorm's eps is 1e-3, not 1e-5: the bodies often normalize rows broadcast from fewer values
+# (TO_BD's expands), whose variance is 0; the output is then rounding noise times 1/sqrt(eps), and
+# at 1e-5 that noise (3e-5 in float32) differs between any two correct reduction orders.
 MODULES = ["torch.nn.Linear(3, 3)", "torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh())",
-           "torch.nn.LayerNorm(3)"]
+           "torch.nn.LayerNorm(3, eps=1e-3)"]
 REMATS = ["save_all", "min_cut", "recompute_all", "default_partition"]
 
 
