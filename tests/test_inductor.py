@@ -115,6 +115,8 @@ def test_static_lengths_loop_with_no_cond_call(dynamic):
         code = "\n".join(codes)
         counted = code.count(f"_step in range({n}):") == 2 and "while " not in code and "cond_result" not in code
         looped = code.count("while ") == 2 and "_step in range(" not in code
+        if codes:  # the pool's outputs are made as its fake kernel says: not asserted after each call
+            assert "stacked_buffers.default(" in code and "stacked_buffers.default')" not in code
         if n == 3:  # compiled now: forward and backward loop
             assert counted if not dynamic else looped
         elif codes:  # a recompile (static: each length; dynamic: length 1 is specialized)
@@ -187,15 +189,16 @@ def test_carry_returned_in_another_layout(reverse, dynamic):
     assert_trees_close(compiled(c0, xs), step(c0, xs), atol=1e-5, rtol=1e-4)
 
 
-def test_loop_subgraphs_do_not_assert_their_inputs_every_iteration():
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_loop_subgraphs_do_not_assert_their_inputs_every_iteration(dynamic):
     """The body (and, for a dynamic length, the cond) of our loops run once per step; asserting
     every carried input's size and stride there cost ~140 asserts per decoder layer of a training step."""
     w, b, c0, xs = torch.randn(2, 2), torch.randn(2), torch.randn(2, 2), torch.randn(5, 2, 2)
-    f = torch.compile(lambda c, xs: scan(rnn_cell(w, b), c, xs), backend="inductor", fullgraph=True, dynamic=True)
+    f = torch.compile(lambda c, xs: scan(rnn_cell(w, b), c, xs), backend="inductor", fullgraph=True, dynamic=dynamic)
     out, codes = run_and_get_code(f, c0, xs)
     code = "\n".join(codes)
     subgraphs = [part for part in code.split("\ndef ")[1:] if part.startswith("scan_loop_")]
-    assert len(subgraphs) == 2, "expected the cond and the body of one loop"
+    assert len(subgraphs) == (2 if dynamic else 1), "expected the body of one loop (and its cond if dynamic)"
     for sub in subgraphs:
         assert "assert_size_stride(scan_loop_" not in sub, sub[:2000]
     assert_trees_close(out, loop(w, b, c0, xs, False))
