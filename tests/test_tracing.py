@@ -126,6 +126,43 @@ def test_symbolic_trace_runs_other_lengths():
         assert_trees_close(tuple(gm(init, xs)), reference_scan(rnn, init, xs))
 
 
+def _reads_closure_sizes(W0, W1):
+    """A body that reads W0 only for its sizes (shape, numel, stride), W1 for its size and in an op.
+    (Not len(W): Python makes it an int, which specializes the size in any trace.)"""
+    def body(c, x):
+        v = c.reshape(2, W0.shape[-1]) * W0.stride(0)
+        h = torch.tanh(v.reshape(-1) + x * W1[: c.shape[0]].sum() + W1.size(0) + W1.nelement())
+        return h, h.sum() * W0.numel()
+    return body
+
+
+def test_symbolic_trace_of_a_body_reading_only_closure_sizes():
+    """Sizes of an outer trace's tensors are symbols the body's own trace has
+    never seen; reading them must work (it crashed inside torch) and must not
+    lift tensors only the package itself looked at (the init)."""
+    def f(c, xs, W0, W1):
+        final, ys = scan(_reads_closure_sizes(W0, W1), c, xs)
+        grads = torch.autograd.grad((final.sum(), ys.sum()), (c, xs, W1))
+        return final, ys, grads
+
+    def want(c, xs, W0, W1):
+        c, xs, W1 = (t.detach().requires_grad_() for t in (c, xs, W1))
+        final, ys = reference_scan(_reads_closure_sizes(W0, W1), c, xs)
+        return final, ys, torch.autograd.grad((final.sum(), ys.sum()), (c, xs, W1))
+
+    def example(n, k, dtype=torch.float32):
+        c, xs = torch.randn(2 * k, dtype=dtype, requires_grad=True), torch.randn(n, 2 * k, dtype=dtype, requires_grad=True)
+        return c, xs, torch.randn(k + 1, k, dtype=dtype), torch.randn(2 * k + 1, dtype=dtype, requires_grad=True)
+
+    gm = make_fx(f, tracing_mode="symbolic")(*example(5, 3))
+    node = scan_nodes(gm)[0]  # the forward; a second one is its backward
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert placeholders[0] not in node.args[3], "the init was lifted as a closure"
+    for n, k in ((5, 3), (2, 4), (9, 2)):  # sizes all distinct in the traced example: no duck-sized equalities
+        args = example(n, k, torch.float64)
+        assert_trees_close(tuple(gm(*args)), want(*args))
+
+
 def test_module_parameters_become_graph_inputs():
     cell = torch.nn.GRUCell(3, 3)
     gm = trace(lambda h, xs: scan(lambda h, x: (cell(x, h), None), h, xs), torch.zeros(2, 3), torch.randn(4, 2, 3))

@@ -25,8 +25,21 @@ def _tensor_constants(gm):
     return pairs
 
 
+def _drop_unread_aliases(gm):
+    """Aliases traced only to read a closure's sizes (``_compat`` binds an
+    outer trace's symbols with one) are dead when nothing used those sizes,
+    e.g. the front end's own carry-shape check: they must not lift the closure."""
+    for node in reversed(list(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.alias.default))):
+        source = node.args[0]
+        if not node.users and source.op == "get_attr":
+            gm.graph.erase_node(node)
+            if not source.users:
+                gm.graph.erase_node(source)
+
+
 def lift_constants(gm):
     """Rewrite ``gm`` in place so its tensor constants are trailing inputs; return them."""
+    _drop_unread_aliases(gm)
     lifted, placeholder_of = [], {}
     last = list(gm.graph.find_nodes(op="placeholder"))[-1:] or [None]
     constants = _tensor_constants(gm)

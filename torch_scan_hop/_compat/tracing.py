@@ -172,6 +172,7 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self._outer, self._by_id, self._moved, self.xla, self.inputs = {}, {}, {}, None, {}
+        self._aliases = {}
 
     def _stand_in(self, t, user=None):
         if user is None and (not (isinstance(t, torch.Tensor) and torch._is_functional_tensor(t))
@@ -206,6 +207,8 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.autograd.grad:  # differentiates w.r.t. the tensors named, stand-ins or not
             return func(*args, **(kwargs or {}))
+        if func in _METADATA_READS and args:
+            args = (self._traced_view(args[0]), *args[1:])
         tree_map = torch.utils._pytree.tree_map
         args, kwargs = tree_map(self._stand_in, (args, kwargs or {}))
         leaves = torch.utils._pytree.tree_leaves((args, kwargs))
@@ -214,6 +217,28 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
         if self.xla is not None and any(_cpu_array(t) for t in leaves):  # also ops on CPU tensors alone
             args, kwargs = tree_map(self._onto(self.xla), (args, kwargs))
         return func(*args, **kwargs)
+
+    def _traced_view(self, t):
+        """What a size read of ``t`` reads: ``t``, or an alias the current trace knows.
+
+        A closure from an outer symbolic trace has sizes like ``s3`` that the
+        body's own (re-entered) tracer has never seen: a body reading only
+        ``W.shape[-1]`` would fail deep in torch ("s3 is not tracked with
+        proxy"). One traced ``alias`` of it is a graph constant (lifted like
+        any closure) whose sizes, strides and numel the trace can compute.
+        torch 2.9-2.14: ``get_proxy_mode``, ``get_proxy_slot(obj, tracer, default)``.
+        """
+        mode = _proxy_tensor.get_proxy_mode() if isinstance(t, FakeTensor) else None
+        if mode is None:
+            return t
+        key = (id(mode.tracer), id(t))
+        if key not in self._aliases:
+            sizes = (*t.shape, *t.stride(), t.storage_offset(), t.numel())
+            if all(_proxy_tensor.get_proxy_slot(s, mode.tracer, None) is not None
+                   for s in sizes if isinstance(s, torch.SymInt)):
+                return t
+            self._aliases[key] = (torch.ops.aten.alias.default(t), t, mode.tracer)  # t, tracer kept alive: ids are keys
+        return self._aliases[key][0]
 
     def outer(self, t):
         """The user's tensor that stand-in ``t`` replaced (else ``t``)."""
@@ -239,6 +264,12 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
             with disable_proxy_modes_tracing(), torch.enable_grad():
                 self._moved[id(user)] = user.to(self.xla)
         return self._moved[id(user)]
+
+
+_METADATA_READS = frozenset({
+    torch.Tensor.shape.__get__, torch.Tensor.size, torch.Tensor.stride, torch.Tensor.storage_offset,
+    torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.__len__,
+})
 
 
 def _cpu_array(t):
