@@ -226,10 +226,10 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
         ``W.shape[-1]`` would fail deep in torch ("s3 is not tracked with
         proxy"). One traced ``alias`` of it is a graph constant (lifted like
         any closure) whose sizes, strides and numel the trace can compute.
-        torch 2.9-2.14: ``get_proxy_mode``, ``get_proxy_slot(obj, tracer, default)``.
+        torch 2.9-2.14: ``get_proxy_mode``, ``has_proxy_slot``, ``get_proxy_slot(obj, tracer, default)``.
         """
         mode = _proxy_tensor.get_proxy_mode() if isinstance(t, FakeTensor) else None
-        if mode is None:
+        if mode is None or _proxy_tensor.has_proxy_slot(t, mode.tracer):  # traced here: its sizes are too
             return t
         key = (id(mode.tracer), id(t))
         if key not in self._aliases:
