@@ -295,3 +295,61 @@ def test_bodies_that_broke_traced_paths(mode, body):
         got = _modes()[mode](grads(scan), init, xs)
     for g, w in zip(got, grads(reference_scan)(init, xs)):
         torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("remat", REMATS)
+@pytest.mark.parametrize("tracing_mode", ["real", "symbolic"])
+def test_make_fx_graph_run_under_autograd_keeps_the_bodys_detach(tracing_mode, remat):
+    """Running a make_fx graph of a scan with inputs that require grad differentiates
+    the recorded forward body: a ``.detach()`` in the body must still stop gradient
+    there (the forward graph once dropped it, and gradient flowed as the loop's never does)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    w = torch.randn(3, dtype=D, requires_grad=True)
+
+    def body(c, x):
+        h = torch.tanh(c * w + x)
+        return h, (h.detach() * c * x).sum(-1)
+
+    def grads(run, init, xs):
+        c, ys = run(init, xs)
+        return torch.autograd.grad(c.pow(2).sum() + ys.sin().sum(), [init, xs, w])
+
+    init, xs = torch.randn(2, 3, dtype=D, requires_grad=True), torch.randn(5, 2, 3, dtype=D, requires_grad=True)
+    gm = make_fx(lambda i, x: scan(body, i, x, remat=remat), tracing_mode=tracing_mode, _allow_non_fake_inputs=True)(init, xs)
+    for n in (5, 3) if tracing_mode == "symbolic" else (5,):
+        xs_n = xs[:n].detach().requires_grad_()
+        assert_trees_close(grads(gm, init, xs_n), grads(lambda i, x: reference_scan(body, i, x), init, xs_n))
+
+
+def _partition_fn():
+    from functorch.compile import default_partition
+
+    return default_partition
+
+
+@pytest.mark.parametrize("mode,remat", [("eager", "save_all"), ("eager", "partition_fn"), ("aot_eager", "save_all")])
+@pytest.mark.parametrize("length", [0, 1, 2, 3])
+def test_outputs_require_grad_as_after_that_many_loop_steps(length, remat, mode):
+    """Gradient reaches carry ``a`` only through carry ``b``, one step later, and the y only
+    from ``a``: after one step ``a`` does not require grad yet, nor do the ys before step 3.
+    The traced rule (a partition function in eager, or any compiler) once flagged every
+    output by the carries' steady state."""
+    w = torch.randn(3, dtype=D, requires_grad=True)
+
+    def body(c, x):
+        a, b, k = c
+        return (torch.tanh(b), b * w, k + 1), a.sum()
+
+    init = (torch.ones(3, dtype=D), torch.ones(3, dtype=D), torch.tensor(0))
+    kw = dict(length=length, remat=_partition_fn() if remat == "partition_fn" else remat)
+    if mode == "aot_eager":
+        torch._dynamo.reset()
+        carry, ys = torch.compile(lambda i: scan(body, i, None, **kw), backend="aot_eager", dynamic=False)(init)
+    else:
+        carry, ys = scan(body, init, None, **kw)
+    want_carry, want_ys = reference_scan(body, init, None, length=length)
+    assert [t.requires_grad for t in carry] == [t.requires_grad for t in want_carry]
+    if length:
+        assert ys.requires_grad == want_ys.requires_grad
+        assert_trees_close((carry, ys), (want_carry, want_ys))

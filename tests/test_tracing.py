@@ -246,3 +246,32 @@ def test_every_schedule_traces_to_the_loop_with_gradients(unroll, reverse):
         args = (torch.randn(2, 4, requires_grad=True), torch.randn(n, 2, 4, requires_grad=True),
                 torch.randn(2, 4), torch.randn(n, 2, 4))
         assert_trees_close(trace(f, *args, mode="real")(*args), loop(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_symbolic_trace_where_min_cut_saves_views_of_one_matmul():
+    """q, k, v split from one matmul are saved once as their base; with symbolic sizes
+    that choice compares symbolic byte counts, which must not be recorded in the trace
+    (it crashed: "2*s9 is not tracked with proxy")."""
+    W3 = torch.randn(4, 12, dtype=torch.float64, requires_grad=True)
+
+    def body(c, x):
+        q, k, v = (c @ W3).chunk(3, -1)
+        h = torch.tanh(q) * torch.sigmoid(k) + v * x
+        return h, h.sum(-1)
+
+    def f(c, xs):
+        final, ys = scan(body, c, xs, remat="min_cut")
+        return (final, ys), torch.autograd.grad(final.pow(2).sum() + ys.sum(), (c, xs, W3))
+
+    def want(c, xs):
+        final, ys = reference_scan(body, c, xs)
+        return (final, ys), torch.autograd.grad(final.pow(2).sum() + ys.sum(), (c, xs, W3))
+
+    def example(b, n):
+        return (torch.randn(b, 4, dtype=torch.float64, requires_grad=True),
+                torch.randn(n, b, 4, dtype=torch.float64, requires_grad=True))
+
+    gm = make_fx(f, tracing_mode="symbolic", _allow_non_fake_inputs=True)(*example(3, 5))
+    for b, n in ((3, 5), (2, 7)):
+        args = example(b, n)
+        assert_trees_close(gm(*args), want(*args))

@@ -17,7 +17,7 @@ def _is(node, target):
 
 
 def _drop_detach(graph):
-    """detach (and alias) is the identity on values; the step graphs never build autograd state."""
+    """detach (and alias) is the identity on values; a backward graph never builds autograd state."""
     for node in list(graph.nodes):
         if _is(node, aten.detach.default) or _is(node, aten.alias.default):
             node.replace_all_uses_with(node.args[0])
@@ -67,9 +67,16 @@ def _views_to_reshapes(graph):
             node.target = aten.reshape.default
 
 
-def simplify(gm):
-    """Apply the rewrites in place; return gm."""
-    _drop_detach(gm.graph)
+def simplify(gm, keep_detach=False):
+    """Apply the rewrites in place; return gm.
+
+    A forward graph keeps its ``detach`` nodes: it becomes the body of a scan
+    node in a traced graph (make_fx), and replaying that graph with inputs
+    that require grad differentiates the body graph itself, where a dropped
+    ``v.detach()`` would let gradient flow as the loop never does.
+    """
+    if not keep_detach:
+        _drop_detach(gm.graph)
     _views_to_reshapes(gm.graph)
     _fold_double_transpose(gm.graph)
     gm.graph.eliminate_dead_code()

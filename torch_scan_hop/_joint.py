@@ -80,18 +80,22 @@ def _outputs_require_grad(combine_fn, examples, flags):
 
 
 def requires_grad_fixed_point(combine_fn, examples, flags, num_carry):
-    """(input flags with the carries' fixed point, output flags).
+    """(input flags with the carries' fixed point, output flags, output flags after 1, 2, ... steps).
 
     ``flags``: does each input (*init, *x, *lifted) require grad. A carry is
     made differentiable only when something requiring grad reaches it, so a
     mask or a counter carried along never asks for a gradient it cannot have.
+    The per-step flags are the loop's: after one step a carry fed only by
+    another carry does not require grad yet (the last entry holds from there on).
     """
     flags = [bool(f) and _differentiable(e) for f, e in zip(flags, examples)]
+    steps = []
     for _ in range(num_carry + 1):
         out = _outputs_require_grad(combine_fn, examples, flags)
+        steps.append(list(out))
         grown = [f or (o and _differentiable(e)) for f, o, e in zip(flags[:num_carry], out, examples)]
         if grown == flags[:num_carry]:
-            return flags, out
+            return flags, out, steps
         flags = grown + flags[num_carry:]
     raise AssertionError("unreachable: the carry flags can only grow")
 

@@ -82,6 +82,7 @@ class FwdBwd:
     carry_spec: Optional[Any] = None
     x_spec: Optional[Any] = None
     y_spec: Optional[Any] = None
+    out_grad_steps: list = field(default_factory=list)  # out_grad after 1, 2, ... steps; the last holds on
 
     @property
     def num_saved(self):
@@ -157,8 +158,8 @@ def _view_base(node):
 
 
 def _nbytes(node):
-    val = node.meta.get("val")
-    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else None
+    val = node.meta["val"]
+    return val.numel() * val.element_size()
 
 
 def _save_view_bases(joint, fwd, bwd, num_outputs):
@@ -175,10 +176,13 @@ def _save_view_bases(joint, fwd, bwd, num_outputs):
     groups = {}
     for n in saved:
         base = _view_base(n)
-        if base is not n and base.op == "call_function" and _nbytes(base) is not None and _nbytes(n) is not None:
+        if base is not n and base.op == "call_function" and isinstance(base.meta.get("val"), torch.Tensor) \
+                and isinstance(n.meta.get("val"), torch.Tensor):
             groups.setdefault(base, []).append(n)
-    bases = {base: views for base, views in groups.items()
-             if statically_known_true(sum(_nbytes(v) for v in views) >= _nbytes(base))}
+    # sizes of symbolic values: arithmetic on their symbols must not be recorded in an outer trace
+    with _compat.disable_proxy_modes_tracing():
+        bases = {base: views for base, views in groups.items()
+                 if statically_known_true(sum(_nbytes(v) for v in views) >= _nbytes(base))}
     if not bases:
         return fwd, bwd
     replaced = {v: base for base, views in bases.items() for v in views}
@@ -293,6 +297,7 @@ class JointStep:
     num_carry: int
     num_x: int
     num_lifted: int
+    out_grad_steps: list  # out_grad after 1, 2, ... steps (the last one holds from there on)
 
 
 def trace_step(body: Callable, carry, x, lifted, requires_grad) -> JointStep:
@@ -303,14 +308,14 @@ def trace_step(body: Callable, carry, x, lifted, requires_grad) -> JointStep:
     init's flags; the carries' fixed point is computed here).
     """
     examples = _compat.detached_examples([*carry, *x, *lifted])
-    grad_mask, out_grad = requires_grad_fixed_point(body, examples, requires_grad, len(carry))
+    grad_mask, out_grad, out_grad_steps = requires_grad_fixed_point(body, examples, requires_grad, len(carry))
     out_vals = _output_metas(body, examples) or _output_metas(_compat.trace_graph(body, examples), examples)
     primals = with_flags(examples, grad_mask)
     with _compat.disable_proxy_modes_tracing():
         tangents = [torch.zeros(v.shape, dtype=v.dtype, device=v.device) for v in out_vals]
     joint = trace_joint(body, primals, tangents, grad_mask)
     return JointStep(joint, primals, tangents, list(grad_mask), list(out_grad), out_vals,
-                     len(carry), len(x), len(lifted))
+                     len(carry), len(x), len(lifted), out_grad_steps)
 
 
 def partition_step(step: JointStep, remat="save_all") -> FwdBwd:
@@ -331,11 +336,12 @@ def partition_step(step: JointStep, remat="save_all") -> FwdBwd:
     fwd, bwd = _save_view_bases(joint, fwd, bwd, num_out)
     fwd, bwd = _align_saves(fwd, bwd, num_out)
     fwd, bwd = _inline_constant_saves(fwd, bwd, num_out)
-    fwd, bwd = simplify(fwd), simplify(bwd)
+    fwd, bwd = simplify(fwd, keep_detach=True), simplify(bwd)
     return FwdBwd(
         fwd=fwd, bwd=bwd, num_carry=num_carry, num_x=num_x, num_lifted=step.num_lifted,
         num_y=num_out - num_carry, out_vals=step.out_vals, grad_mask=step.grad_mask,
         out_grad=step.out_grad, saved_from=_classify_saved(fwd, num_out, num_carry, num_x),
+        out_grad_steps=step.out_grad_steps,
     )
 
 

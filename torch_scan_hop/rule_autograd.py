@@ -161,15 +161,16 @@ class ScanAutogradFn(torch.autograd.Function):
 
 
 def _output_differentiable(plan, init, xs):
-    """Per output: does it require grad. A zero-length scan returns init, so
-    its carries are differentiable exactly when init's are."""
+    """Per output: does it require grad, as after the loop. A zero-length scan
+    returns init; a short one may end before a gradient reaches every carry
+    (a symbolic length is taken as long enough)."""
     fb = plan.fb
     length = xs[0].shape[0]
     if isinstance(length, int) and length == 0:
-        carry = [t.requires_grad for t in init]
-    else:
-        carry = fb.out_grad[:fb.num_carry]
-    return [*carry, *fb.out_grad[fb.num_carry:]]
+        return [t.requires_grad for t in init] + list(fb.out_grad[fb.num_carry:])
+    if isinstance(length, int) and fb.out_grad_steps:
+        return list(fb.out_grad_steps[min(length, len(fb.out_grad_steps)) - 1])
+    return list(fb.out_grad)
 
 
 def _with_scalars(tensors, scalars):
