@@ -331,20 +331,30 @@ def _partition_fn():
     return default_partition
 
 
+def _delayed(w):  # gradient reaches carry a one step after b, the y one more step later
+    return (torch.ones(3, dtype=D), torch.ones(3, dtype=D), torch.tensor(0)), \
+        lambda c, x: ((torch.tanh(c[1]), c[1] * w, c[2] + 1), c[0].sum())
+
+
+def _swapped(w):  # init's a requires grad and b not; the body swaps them: the flags alternate
+    return (torch.ones(3, dtype=D, requires_grad=True), torch.ones(3, dtype=D)), \
+        lambda c, x: ((c[1] * 1.5, torch.sin(c[0])), c[1].sum())
+
+
+def _overwritten(w):  # init requires grad, the body overwrites the carry with a constant
+    return (torch.ones(3, dtype=D, requires_grad=True),), \
+        lambda c, x: ((torch.full((3,), 0.5, dtype=D),), c[0].sum() * 2)
+
+
+@pytest.mark.parametrize("make", [_delayed, _swapped, _overwritten], ids=["delayed", "swapped", "overwritten"])
 @pytest.mark.parametrize("mode,remat", [("eager", "save_all"), ("eager", "partition_fn"), ("aot_eager", "save_all")])
-@pytest.mark.parametrize("length", [0, 1, 2, 3])
-def test_outputs_require_grad_as_after_that_many_loop_steps(length, remat, mode):
-    """Gradient reaches carry ``a`` only through carry ``b``, one step later, and the y only
-    from ``a``: after one step ``a`` does not require grad yet, nor do the ys before step 3.
-    The traced rule (a partition function in eager, or any compiler) once flagged every
-    output by the carries' steady state."""
+@pytest.mark.parametrize("length", [0, 1, 2, 3, 4])
+def test_outputs_require_grad_as_after_that_many_loop_steps(length, remat, mode, make):
+    """requires_grad of every output is the loop's after that many steps: a carry may not
+    require grad yet, or not any more. The traced rule (a partition function in eager, or
+    any compiler) once flagged every output by the carries' steady state."""
     w = torch.randn(3, dtype=D, requires_grad=True)
-
-    def body(c, x):
-        a, b, k = c
-        return (torch.tanh(b), b * w, k + 1), a.sum()
-
-    init = (torch.ones(3, dtype=D), torch.ones(3, dtype=D), torch.tensor(0))
+    init, body = make(w)
     kw = dict(length=length, remat=_partition_fn() if remat == "partition_fn" else remat)
     if mode == "aot_eager":
         torch._dynamo.reset()

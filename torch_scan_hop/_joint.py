@@ -16,6 +16,7 @@ iterated to a fixed point over the body.
 """
 import contextlib
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -79,25 +80,64 @@ def _outputs_require_grad(combine_fn, examples, flags):
     return found
 
 
+_MAX_ORBIT = 64  # carry-flag states followed for the loop's own flags (one body trace each)
+
+
+@dataclass(frozen=True)
+class FlagOrbit:
+    """The loop's output requires_grad flags step by step: ``steps[k]`` after
+    step k + 1, repeating from ``cycle_start`` (the carries' flags follow a
+    finite orbit; a carry may stop requiring grad when the body overwrites it)."""
+
+    steps: tuple
+    cycle_start: int
+    num_carry: int
+
+    def after(self, length):
+        """Flags of (*final carry, *stacked ys) after ``length`` >= 1 steps."""
+        n, nc = len(self.steps), self.num_carry
+        k = length - 1 if length <= n else self.cycle_start + (length - 1 - self.cycle_start) % (n - self.cycle_start)
+        ys = [any(step[nc + j] for step in self.steps[:length]) for j in range(len(self.steps[0]) - nc)]
+        return [*self.steps[k][:nc], *ys]
+
+
 def requires_grad_fixed_point(combine_fn, examples, flags, num_carry):
-    """(input flags with the carries' fixed point, output flags, output flags after 1, 2, ... steps).
+    """(input flags with the carries' fixed point, output flags there, the loop's ``FlagOrbit`` or None).
 
     ``flags``: does each input (*init, *x, *lifted) require grad. A carry is
     made differentiable only when something requiring grad reaches it, so a
     mask or a counter carried along never asks for a gradient it cannot have.
-    The per-step flags are the loop's: after one step a carry fed only by
-    another carry does not require grad yet (the last entry holds from there on).
+    That fixed point decides what the backward computes; the orbit says which
+    outputs require grad after a given number of steps, as in the loop.
     """
     flags = [bool(f) and _differentiable(e) for f, e in zip(flags, examples)]
-    steps = []
-    for _ in range(num_carry + 1):
-        out = _outputs_require_grad(combine_fn, examples, flags)
-        steps.append(list(out))
-        grown = [f or (o and _differentiable(e)) for f, o, e in zip(flags[:num_carry], out, examples)]
-        if grown == flags[:num_carry]:
-            return flags, out, steps
-        flags = grown + flags[num_carry:]
-    raise AssertionError("unreachable: the carry flags can only grow")
+    rest, seen_outputs = flags[num_carry:], {}
+
+    def outputs(carry_flags):  # one trace per distinct carry-flag state
+        if carry_flags not in seen_outputs:
+            seen_outputs[carry_flags] = _outputs_require_grad(combine_fn, examples, [*carry_flags, *rest])
+        return seen_outputs[carry_flags]
+
+    def carried(out):
+        return tuple(bool(o) and _differentiable(e) for o, e in zip(out[:num_carry], examples))
+
+    fixed = tuple(flags[:num_carry])
+    while (grown := tuple(f or c for f, c in zip(fixed, carried(outputs(fixed))))) != fixed:
+        fixed = grown  # flags only grow: this ends
+    return [*fixed, *rest], outputs(fixed), _flag_orbit(tuple(flags[:num_carry]), outputs, carried, num_carry)
+
+
+def _flag_orbit(state, outputs, carried, num_carry):
+    """Follow the carries' flags from init's until a state repeats (None past ``_MAX_ORBIT``)."""
+    seen, steps = {}, []
+    while state not in seen:
+        if len(steps) == _MAX_ORBIT:
+            return None
+        seen[state] = len(steps)
+        out = outputs(state)
+        steps.append(tuple(bool(o) for o in out))
+        state = carried(out)
+    return FlagOrbit(tuple(steps), seen[state], num_carry)
 
 
 def _joint_fn(combine_fn, grad_mask, stash):

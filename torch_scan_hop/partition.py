@@ -82,7 +82,7 @@ class FwdBwd:
     carry_spec: Optional[Any] = None
     x_spec: Optional[Any] = None
     y_spec: Optional[Any] = None
-    out_grad_steps: list = field(default_factory=list)  # out_grad after 1, 2, ... steps; the last holds on
+    flag_orbit: Any = None  # the loop's output requires_grad per step count (``_joint.FlagOrbit``), if known
 
     @property
     def num_saved(self):
@@ -297,7 +297,7 @@ class JointStep:
     num_carry: int
     num_x: int
     num_lifted: int
-    out_grad_steps: list  # out_grad after 1, 2, ... steps (the last one holds from there on)
+    flag_orbit: Any  # the loop's output flags per step (``_joint.FlagOrbit``), or None
 
 
 def trace_step(body: Callable, carry, x, lifted, requires_grad) -> JointStep:
@@ -308,14 +308,14 @@ def trace_step(body: Callable, carry, x, lifted, requires_grad) -> JointStep:
     init's flags; the carries' fixed point is computed here).
     """
     examples = _compat.detached_examples([*carry, *x, *lifted])
-    grad_mask, out_grad, out_grad_steps = requires_grad_fixed_point(body, examples, requires_grad, len(carry))
+    grad_mask, out_grad, flag_orbit = requires_grad_fixed_point(body, examples, requires_grad, len(carry))
     out_vals = _output_metas(body, examples) or _output_metas(_compat.trace_graph(body, examples), examples)
     primals = with_flags(examples, grad_mask)
     with _compat.disable_proxy_modes_tracing():
         tangents = [torch.zeros(v.shape, dtype=v.dtype, device=v.device) for v in out_vals]
     joint = trace_joint(body, primals, tangents, grad_mask)
     return JointStep(joint, primals, tangents, list(grad_mask), list(out_grad), out_vals,
-                     len(carry), len(x), len(lifted), out_grad_steps)
+                     len(carry), len(x), len(lifted), flag_orbit)
 
 
 def partition_step(step: JointStep, remat="save_all") -> FwdBwd:
@@ -341,7 +341,7 @@ def partition_step(step: JointStep, remat="save_all") -> FwdBwd:
         fwd=fwd, bwd=bwd, num_carry=num_carry, num_x=num_x, num_lifted=step.num_lifted,
         num_y=num_out - num_carry, out_vals=step.out_vals, grad_mask=step.grad_mask,
         out_grad=step.out_grad, saved_from=_classify_saved(fwd, num_out, num_carry, num_x),
-        out_grad_steps=step.out_grad_steps,
+        flag_orbit=step.flag_orbit,
     )
 
 

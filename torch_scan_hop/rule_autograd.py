@@ -162,14 +162,14 @@ class ScanAutogradFn(torch.autograd.Function):
 
 def _output_differentiable(plan, init, xs):
     """Per output: does it require grad, as after the loop. A zero-length scan
-    returns init; a short one may end before a gradient reaches every carry
-    (a symbolic length is taken as long enough)."""
+    returns init; after L steps a carry may not require grad yet, or any more
+    (the body overwrote it). A symbolic length takes the carries' fixed point."""
     fb = plan.fb
     length = xs[0].shape[0]
     if isinstance(length, int) and length == 0:
         return [t.requires_grad for t in init] + list(fb.out_grad[fb.num_carry:])
-    if isinstance(length, int) and fb.out_grad_steps:
-        return list(fb.out_grad_steps[min(length, len(fb.out_grad_steps)) - 1])
+    if isinstance(length, int) and fb.flag_orbit is not None:
+        return fb.flag_orbit.after(length)
     return list(fb.out_grad)
 
 
