@@ -101,7 +101,7 @@ class FlagOrbit:
         return [*self.steps[k][:nc], *ys]
 
 
-def requires_grad_fixed_point(combine_fn, examples, flags, num_carry):
+def requires_grad_flags(combine_fn, examples, flags, num_carry):
     """(input flags with the carries' fixed point, output flags there, the loop's ``FlagOrbit`` or None).
 
     ``flags``: does each input (*init, *x, *lifted) require grad. A carry is

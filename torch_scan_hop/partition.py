@@ -19,7 +19,7 @@ import torch
 
 from . import _compat
 from ._graph_passes import drop_aliases, simplify
-from ._joint import requires_grad_fixed_point, trace_joint, with_flags
+from ._joint import requires_grad_flags, trace_joint, with_flags
 from ._trees import ScanError
 
 REMAT = ("save_all", "min_cut", "recompute_all")
@@ -308,7 +308,7 @@ def trace_step(body: Callable, carry, x, lifted, requires_grad) -> JointStep:
     init's flags; the carries' fixed point is computed here).
     """
     examples = _compat.detached_examples([*carry, *x, *lifted])
-    grad_mask, out_grad, flag_orbit = requires_grad_fixed_point(body, examples, requires_grad, len(carry))
+    grad_mask, out_grad, flag_orbit = requires_grad_flags(body, examples, requires_grad, len(carry))
     out_vals = _output_metas(body, examples) or _output_metas(_compat.trace_graph(body, examples), examples)
     primals = with_flags(examples, grad_mask)
     with _compat.disable_proxy_modes_tracing():
