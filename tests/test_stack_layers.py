@@ -58,6 +58,15 @@ def assert_views(layers):
             assert p.storage_offset() == P.storage_offset() + i * P.stride(0)
 
 
+def assert_grads_are_rows_of_one_buffer(layers):
+    """Each parameter name's gradients are consecutive rows of one buffer: no per-layer copy."""
+    for name in layers.stacked_parameters():
+        gs = [layer.get_parameter(name).grad for layer in layers]
+        assert len({g.untyped_storage().data_ptr() for g in gs}) == 1, name
+        step = gs[0].numel()
+        assert [g.storage_offset() - gs[0].storage_offset() for g in gs] == [i * step for i in range(len(gs))], name
+
+
 def test_layers_are_views_of_one_stack_and_keep_their_parameters():
     plain = blocks()
     params = list(plain.parameters())
@@ -80,8 +89,7 @@ def test_values_and_grads_match_the_loop(mode):
     want = step(run_loop, plain, x), grads(plain)
     assert_trees_close(got, want, atol=1e-10, rtol=1e-8)
     if mode != "eager":  # the traced scan took one stacked gradient, handed out as row views
-        g = layers[0].lin.weight.grad
-        assert g._base is not None and g._base.shape == (4, 6, 6)
+        assert_grads_are_rows_of_one_buffer(layers)
         assert all(layers.stacked_parameters()[n].grad is None for n in layers.stacked_parameters())
 
 
@@ -430,6 +438,35 @@ def test_parameter_gradient_hooks_run_as_for_the_loop(mode):
     got_calls, want_calls = (sorted(calls[k], key=lambda c: c[0]) for k in ("scan", "loop"))
     assert [i for i, _ in got_calls] == [i for i, _ in want_calls] == [0, 0, 1, 1, 2, 2]
     assert_trees_close([g for _, g in got_calls], [g for _, g in want_calls], atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_autograd_grad_and_backward_inputs_of_layer_parameters(backend):
+    """The traced stack is ``torch.stack`` of the layers' parameters to autograd, so
+    ``torch.autograd.grad(loss, some layers' parameters)`` and ``backward(inputs=...)``
+    give what they give for the loop: those parameters' gradients, nobody else's."""
+    plain, layers = pair(depth=3)
+    x = torch.randn(3, 6, dtype=torch.float64)
+    torch._dynamo.reset()
+    fn = torch.compile(run_scan, backend=backend, fullgraph=True)
+
+    def picked(model):
+        return [model[1].lin.weight, model[2].norm.bias, model[0].lin.bias]
+
+    want = torch.autograd.grad(run_loop(plain, x).pow(2).sum(), picked(plain))
+    got = torch.autograd.grad(fn(layers, x).pow(2).sum(), picked(layers))
+    assert_trees_close(got, want, atol=1e-10, rtol=1e-8)
+    assert all(p.grad is None for p in layers.parameters())
+    run_loop(plain, x).pow(2).sum().backward(inputs=[plain[2].lin.weight])
+    fn(layers, x).pow(2).sum().backward(inputs=[layers[2].lin.weight])
+    assert_trees_close(grads(layers), grads(plain), atol=1e-10, rtol=1e-8)
+    assert sum(p.grad is not None for p in layers.parameters()) == 1
+    stacks = layers.stacked_inputs()
+    got = torch.autograd.grad(fn(layers, x).pow(2).sum(), list(stacks.values()))
+    want = torch.autograd.grad(run_loop(plain, x).pow(2).sum(), list(plain.parameters()))
+    want = dict(zip([n for n, _ in plain.named_parameters()], want))
+    assert_trees_close(list(got), [torch.stack([want[f"{i}.{name}"] for i in range(3)]) for name in stacks],
+                       atol=1e-10, rtol=1e-8)
 
 
 @pytest.mark.parametrize("mode", ["make_fx", "aot_eager", "func_grad_make_fx"])

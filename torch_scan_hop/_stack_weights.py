@@ -5,7 +5,7 @@
   weight made compile time grow by ~11 s from depth 8 to 64.
 * On XLA the backward gathers each layer's gradient row instead of slicing
   it: XLA's CPU compiler spends ~5 ms per slice output, 4 s at depth 64
-  (``rows_of``; stacked storage hands out its gradient rows the same way).
+  (``rows_of``; stacked storage on XLA hands out its gradient rows the same way).
 
 Eager CPU/GPU and ``torch.export`` keep plain ``aten.stack`` (fastest, and the
 exported program stays free of our ops).

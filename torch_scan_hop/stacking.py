@@ -12,9 +12,12 @@ views, which updates the stack in place.
 The stacked tensors themselves are kept off the module's registries (a plain
 dict on the container, whose class becomes ``StackedModuleList`` /
 ``StackedSequential``). ``scan_layers`` scans them directly when traced: no
-stack of the weights per call, and the backward writes one stacked gradient,
-which a post-accumulate-grad hook hands to the layers as row views (no copy)
-or adds into their existing ``.grad`` (gradient accumulation).
+stack of the weights per call, and the backward writes one stacked gradient.
+Autograd sees each stack as ``torch.stack`` of the layers' parameters (a graph
+node built once, see ``_stack_node``), so the engine itself splits that
+gradient into row views (no copy) and accumulates each into its layer's
+``.grad`` with the layer's hooks, exactly as for the loop. (On XLA a hook hands
+out gathered rows instead: XLA compiles slice outputs slowly.)
 
 Staying intact: ``.to()`` / ``.double()`` / ``.cuda()`` move the stack and
 re-view the layers (``_apply``); ``copy.deepcopy`` and pickling re-view too.
@@ -85,19 +88,26 @@ class _StackedMixin:
         return self
 
     def _rebind(self):
-        """Point every layer parameter at its row of the stack (keeps the Parameter objects)."""
+        """Point every layer parameter at its row of the stack (keeps the Parameter objects)
+        and make the tensors ``scan_layers`` feeds to the scan (``_scan_fed``)."""
         self.__dict__["_scan_first"] = {name: m._parameters[leaf] for name, ((m, leaf), *_) in
                                         self._scan_owners.items()}
+        fed = {}
         for name, P in self._scan_stacked.items():
-            if P.is_floating_point() or P.is_complex():
+            params = [m._parameters[leaf] for m, leaf in self._scan_owners[name]]
+            rows = P.detach()
+            for i, p in enumerate(params):
+                p.data = rows[i]
+            if not (P.is_floating_point() or P.is_complex()):
+                fed[name] = P
+            elif P.device.type == "xla":
                 P.requires_grad_(True)
                 _register_grad_hook(self, name, P)
-            rows = P.detach()
-            for i, (m, leaf) in enumerate(self._scan_owners[name]):
-                p = m._parameters[leaf]
-                p.data = rows[i]
-            if P.device.type == "xla":  # rows start as pending slices: the first step's graph would differ
-                _compat.xla.materialize([P, *(m._parameters[leaf] for m, leaf in self._scan_owners[name])])
+                fed[name] = P
+                _compat.xla.materialize([P, *params])  # rows start as pending slices: the first step's graph would differ
+            else:
+                fed[name] = _stack_node(params, P)
+        self.__dict__["_scan_fed"] = fed
 
     # A layer added, removed or replaced (append, extend, insert, ``layers[i] = m``, del, pop): the
     # stacks no longer match the layers, so scan_layers stacks per call until ``restack()``.
@@ -127,6 +137,11 @@ class _StackedMixin:
         """``{name: stacked tensor}`` (read-only use: the layers' parameters are its rows)."""
         return dict(self._scan_stacked)
 
+    def stacked_inputs(self):
+        """``{name: the stack as autograd sees it}``: ``torch.stack`` of the layers'
+        parameters, same storage (``torch.autograd.grad`` of it is the stacked gradient)."""
+        return dict(self._scan_fed)
+
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
         if self.__dict__.get("_scan_stacked"):
@@ -143,6 +158,7 @@ class _StackedMixin:
         state = dict(state)
         state["_scan_stacked"] = {k: v.detach() for k, v in state.get("_scan_stacked", {}).items()}
         state.pop("_scan_owners", None)
+        state.pop("_scan_fed", None)  # a graph node: rebuilt by _rebind
         state.pop(_TOKEN, None)
         return state
 
@@ -210,6 +226,31 @@ def _is_row(p, P, i):
         return True
 
 
+def _stack_node(params, P):
+    """``P`` as autograd sees ``torch.stack(params)``: same storage, and a ``StackBackward0``
+    node whose edges lead to every parameter's own AccumulateGrad. The backward then hands
+    each layer its gradient row in C++ (a view, stolen by AccumulateGrad: no copy), with
+    ``register_hook`` / post-accumulate hooks, ``.grad`` accumulation and
+    ``torch.autograd.grad(loss, layer.weight)`` / ``backward(inputs=...)`` as for the loop (a
+    hook on a leaf stack could do none of the last two; it cost about as much). The node saves no tensors, so
+    every step's backward can run through it. Edges go to every parameter, a frozen one
+    included (made to require grad while stacking): AccumulateGrad skips a parameter that
+    does not require grad when the backward runs, so freezing and unfreezing need no
+    rebuild. Built once per (re)stack; the one copy ``torch.stack`` makes is then dropped."""
+    frozen = [p for p in params if not p.requires_grad]
+    try:
+        for p in frozen:
+            p.requires_grad_(True)
+        with torch.inference_mode(False), torch.enable_grad():
+            node = torch.stack(params)
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
+    with torch.no_grad():
+        node.data = P
+    return node
+
+
 def _register_grad_hook(container, name, P):
     ref = weakref.ref(container)
 
@@ -220,15 +261,14 @@ def _register_grad_hook(container, name, P):
         if owner is None or g is None:
             return
         with torch.no_grad():
-            _hand_out(owner._scan_owners[name], rows_of(g))  # row views, no copy (XLA: gathers)
+            _hand_out(owner._scan_owners[name], rows_of(g))  # gathered rows
 
     P.register_post_accumulate_grad_hook(deliver)
 
 
 def _hand_out(owners, rows):
-    """Give each layer parameter its gradient row, as its own accumulation would: runs every
-    training step, once per layer and parameter (768 rows at depth 64), so the common case (no
-    hooks, ``.grad`` None after ``zero_grad``) costs one attribute write per row."""
+    """On XLA: give each layer parameter its gradient row, as its own accumulation would
+    (elsewhere ``_stack_node``'s StackBackward0 and AccumulateGrad do this in C++)."""
     for (m, leaf), row in zip(owners, rows):
         p = m._parameters.get(leaf)
         if p is None or not p.requires_grad:
@@ -259,13 +299,14 @@ def _hand_out_with_hooks(p, row):
 # --- used by scan_layers ---------------------------------------------------------------
 
 def stacked_storage(layers, check_aliasing):
-    """The container's ``{name: stacked tensor}`` when its storage is intact, else None."""
+    """The container's ``{name: stacked tensor as fed to the scan}`` when its storage is
+    intact, else None."""
     if not isinstance(layers, _StackedMixin):
         return None
     d = layers.__dict__
     if d.get(_BROKEN, True):
         return None
-    stacked = d["_scan_stacked"]
+    stacked = d["_scan_fed"]
     first = d["_scan_first"]  # layer 0 still holds its own Parameters, not torch.func.functional_call's tensors
     for name, ((m, leaf), *_) in d["_scan_owners"].items():
         if m._parameters.get(leaf) is not first[name]:
