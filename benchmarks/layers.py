@@ -7,9 +7,11 @@ PNG plot of the XLA first-call times.
 "stacked" is ours on layers given stacked storage by ``stack_layers`` (no stack of the weights per
 call, one stacked gradient handed back as row views).
 Targets: compile time flat in depth and <= torch_xla's scan_layers; steady step <= 1.2x the loop
-(stacked: <= 1.0x under inductor, first compile at depth 64 <= 1.2x depth 8).
+(stacked: <= 1.0x under inductor, first compile at depth 64 <= 1.2x depth 8). Under inductor the
+steps are interleaved round by round: "/loop" is best over best, "median/loop" the median of the
+rounds' ratios with a 95% bootstrap interval (an interval containing 1.0 is a tie on this machine).
 Run: python benchmarks/layers.py [--depths 8,32,64] [--batch 4x16] [--plot benchmarks/layers.png]
-     [--skip-inductor|--skip-xla] [--reps 10]
+     [--skip-inductor|--skip-xla] [--reps 30]
 """
 import copy
 import os
@@ -22,7 +24,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import interleaved_best_times, print_table  # noqa: E402
+from _timing import interleaved_times, paired_ratio, print_table  # noqa: E402
 from decoder import make_stack, run_loop  # noqa: E402
 
 from torch_scan_hop import scan_layers, stack_layers  # noqa: E402
@@ -83,7 +85,7 @@ def xla_table(depths):
     return results
 
 
-def inductor_table(depths, reps=10):
+def inductor_table(depths, reps=30):
     """First call per variant (Dynamo caches reset per depth), then the steady steps of both
     variants interleaved: a VM's bursts of load hit ours and the loop alike."""
     # one-time inductor start-up (C++ toolchain checks, headers) is not charged to the first row
@@ -98,12 +100,18 @@ def inductor_table(depths, reps=10):
             compiled, layers = torch.compile(fn, backend="inductor"), prepare(name, base)
             steps[name] = lambda c=compiled, l=layers: step(c, l, x, lambda ts: None)
             results[name, depth] = steps[name]()
-        for name, best in interleaved_best_times(steps, reps).items():
-            results[name, depth] = (results[name, depth], best)
+        times = interleaved_times(steps, reps)
+        for name, ts in times.items():
+            results[name, depth] = (results[name, depth], min(ts))
+        for name in ("ours", "stacked"):
+            results["paired", name, depth] = paired_ratio(times[name], times["loop"])
     return results
 
 
 def report(title, results, depths, names):
+    """Per variant: first call, best step, best / loop's best and, where the steps were
+    interleaved (inductor), the median of per-round ratios with its 95% interval."""
+    paired = [n for n in names if ("paired", n, depths[0]) in results]
     rows = []
     for d in depths:
         loop_first, loop_run = results["loop", d]
@@ -111,9 +119,13 @@ def report(title, results, depths, names):
         for n in names:
             first, run = results[n, d]
             row += [f"{first:.2f}", f"{run * 1e3:.1f}", f"{run / loop_run:.2f}x"]
+        for n in paired:
+            med, lo, hi = results["paired", n, d]
+            row.append(f"{med:.3f}x [{lo:.3f}, {hi:.3f}]")
         rows.append(row)
     print(title)
-    print_table(["depth"] + [f"{n} {c}" for n in names for c in ("1st s", "step ms", "/loop")], rows)
+    print_table(["depth"] + [f"{n} {c}" for n in names for c in ("1st s", "step ms", "/loop")]
+                + [f"{n} median/loop [95%]" for n in paired], rows)
 
 
 def plot(results, depths, path):
@@ -148,7 +160,7 @@ def main():
             plot(xla, depths, sys.argv[sys.argv.index("--plot") + 1])
     if "--skip-inductor" not in sys.argv:
         torch.set_num_threads(1)
-        reps = int(sys.argv[sys.argv.index("--reps") + 1]) if "--reps" in sys.argv else 10
+        reps = int(sys.argv[sys.argv.index("--reps") + 1]) if "--reps" in sys.argv else 30
         report(f"inductor (CPU) training step, batch {BATCH}x{SEQ}", inductor_table(depths, reps), depths,
                ["ours", "stacked", "loop"])
 
