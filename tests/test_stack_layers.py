@@ -317,6 +317,27 @@ def test_frozen_layers_before_and_after_compiling(backend):
     check()
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_layers_frozen_when_stacked_train_once_unfrozen(backend):
+    """Parameters frozen before ``stack_layers`` (a fine-tuning recipe) get no gradient, and get
+    theirs once unfrozen: the stack's graph node leads to every layer's parameter, frozen or not."""
+    plain = blocks()
+    _set_frozen([plain], [1, 3], True)
+    layers = stack_layers(copy.deepcopy(plain))
+    both = (plain, layers)
+    torch._dynamo.reset()
+    fn = torch.compile(run_scan, backend=backend)
+    x = torch.randn(3, 6, dtype=torch.float64)
+    for frozen in ([1, 3], [3], []):
+        _set_frozen(both, [0, 1, 2, 3], False)
+        _set_frozen(both, frozen, True)
+        for ls in both:
+            ls.zero_grad(set_to_none=True)
+        assert_trees_close((step(fn, layers, x), grads(layers)), (step(run_loop, plain, x), grads(plain)),
+                           atol=1e-10, rtol=1e-8)
+        assert all((p.grad is None) == (i in frozen) for i, layer in enumerate(layers) for p in layer.parameters())
+
+
 def test_torch_save_and_load_of_the_model_and_the_state_dict():
     plain, layers = pair()
     buf = io.BytesIO()
