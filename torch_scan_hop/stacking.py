@@ -104,7 +104,8 @@ class _StackedMixin:
                 P.requires_grad_(True)
                 _register_grad_hook(self, name, P)
                 fed[name] = P
-                _compat.xla.materialize([P, *params])  # rows start as pending slices: the first step's graph would differ
+                # rows start as pending slices: the first step's graph would differ
+                _compat.xla.materialize([P, *params])
             else:
                 fed[name] = _stack_node(params, P)
         self.__dict__["_scan_fed"] = fed
@@ -232,8 +233,8 @@ def _stack_node(params, P):
     each layer its gradient row in C++ (a view, stolen by AccumulateGrad: no copy), with
     ``register_hook`` / post-accumulate hooks, ``.grad`` accumulation and
     ``torch.autograd.grad(loss, layer.weight)`` / ``backward(inputs=...)`` as for the loop (a
-    hook on a leaf stack could do none of the last two; it cost about as much). The node saves no tensors, so
-    every step's backward can run through it. Edges go to every parameter, a frozen one
+    hook on a leaf stack could do none of the last two; it cost about as much). The node
+    saves no tensors, so every step's backward can run through it. Edges go to every parameter, a frozen one
     included (made to require grad while stacking): AccumulateGrad skips a parameter that
     does not require grad when the backward runs, so freezing and unfreezing need no
     rebuild. Built once per (re)stack; the one copy ``torch.stack`` makes is then dropped."""
