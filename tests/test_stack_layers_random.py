@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 from conftest import assert_trees_close
+from decoder import run_loop
 
 from torch_scan_hop import scan_layers, stack_layers
 
@@ -21,12 +22,6 @@ class Block(torch.nn.Module):
     def forward(self, h):
         z = h if self.norm is None else self.norm(h)
         return h + torch.tanh(self.lin(z)) * self.gate
-
-
-def run_loop(layers, x):
-    for layer in layers:
-        x = layer(x)
-    return x
 
 
 def random_pair(rng, seed):

@@ -234,10 +234,11 @@ def _stack_node(params, P):
     ``register_hook`` / post-accumulate hooks, ``.grad`` accumulation and
     ``torch.autograd.grad(loss, layer.weight)`` / ``backward(inputs=...)`` as for the loop (a
     hook on a leaf stack could do none of the last two; it cost about as much). The node
-    saves no tensors, so every step's backward can run through it. Edges go to every parameter, a frozen one
-    included (made to require grad while stacking): AccumulateGrad skips a parameter that
-    does not require grad when the backward runs, so freezing and unfreezing need no
-    rebuild. Built once per (re)stack; the one copy ``torch.stack`` makes is then dropped."""
+    saves no tensors, so every step's backward can run through it. Edges go to every
+    parameter, a frozen one included (made to require grad while stacking): AccumulateGrad
+    skips a parameter that does not require grad when the backward runs, so freezing and
+    unfreezing need no rebuild. Built once per (re)stack; the one copy ``torch.stack``
+    makes is then dropped."""
     frozen = [p for p in params if not p.requires_grad]
     try:
         for p in frozen:
