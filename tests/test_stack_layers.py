@@ -368,13 +368,20 @@ def test_deepcopy_keeps_its_own_stack():
     assert_same_params(twin, layers)
 
 
-@pytest.mark.parametrize("how", ["setattr", "data"])
+@pytest.mark.parametrize("how", ["setattr", "submodule", "data"])
 def test_replaced_parameter_falls_back_to_stacking(how):
     plain, layers = pair()
     new = torch.randn(6, 6, dtype=torch.float64)
     if how == "setattr":
         plain[2].lin.weight = torch.nn.Parameter(new.clone())
         layers[2].lin.weight = torch.nn.Parameter(new.clone())
+    elif how == "submodule":  # a new Linear in layer 2: no parameter registered on a stacked module
+        for ls in (plain, layers):
+            lin = torch.nn.Linear(6, 6, dtype=torch.float64)
+            with torch.no_grad():
+                lin.weight.copy_(new)
+                lin.bias.copy_(plain[2].lin.bias)
+            ls[2].lin = lin
     else:
         plain[2].lin.weight.data = new.clone()
         layers[2].lin.weight.data = new.clone()
@@ -383,7 +390,7 @@ def test_replaced_parameter_falls_back_to_stacking(how):
 
     traced = lambda ls, x: make_fx(lambda x: scan_layers(ls, x))(x)(x)  # noqa: E731 (no Dynamo: aliasing checked)
     assert_trees_close(traced(layers, x), run_loop(plain, x), atol=1e-10, rtol=1e-8)
-    if how == "setattr":  # noticed under torch.compile too
+    if how != "data":  # noticed under torch.compile too
         torch._dynamo.reset()
         fn = torch.compile(run_scan, backend="aot_eager")
         assert_trees_close((step(fn, layers, x), grads(layers)), (step(run_loop, plain, x), grads(plain)),
@@ -490,6 +497,15 @@ def test_autograd_grad_and_backward_inputs_of_layer_parameters(backend):
                        atol=1e-10, rtol=1e-8)
 
 
+class _Wrap(torch.nn.Module):
+    def __init__(self, ls, fn):
+        super().__init__()
+        self.ls, self.fn = ls, fn
+
+    def forward(self, x):
+        return self.fn(self.ls, x)
+
+
 @pytest.mark.parametrize("mode", ["make_fx", "aot_eager", "func_grad_make_fx"])
 def test_functional_call_with_other_parameters_uses_them(mode):
     """torch.func.functional_call(model, params, x) swaps the layers' parameters for the given
@@ -497,17 +513,9 @@ def test_functional_call_with_other_parameters_uses_them(mode):
     plain, layers = pair(depth=3)
     new = {k: (v.detach() + 0.5).requires_grad_() for k, v in plain.named_parameters()}
     x = torch.randn(3, 6, dtype=torch.float64)
-    class Wrap(torch.nn.Module):
-        def __init__(self, ls, fn):
-            super().__init__()
-            self.ls, self.fn = ls, fn
-
-        def forward(self, x):
-            return self.fn(self.ls, x)
-
-    want = torch.func.functional_call(Wrap(plain, run_loop), {"ls." + k: v for k, v in new.items()}, (x,))
+    want = torch.func.functional_call(_Wrap(plain, run_loop), {"ls." + k: v for k, v in new.items()}, (x,))
     g_want = torch.autograd.grad(want.pow(2).sum(), list(new.values()))
-    model = Wrap(layers, run_scan)
+    model = _Wrap(layers, run_scan)
     f = lambda x: torch.func.functional_call(model, {"ls." + k: v for k, v in new.items()}, (x,))  # noqa: E731
     if mode == "func_grad_make_fx":  # torch.func's own wrapped tensors for the parameters
         loss = lambda params, x: torch.func.functional_call(model, params, (x,)).pow(2).sum()  # noqa: E731
@@ -523,6 +531,35 @@ def test_functional_call_with_other_parameters_uses_them(mode):
     assert_trees_close(got, want, atol=1e-10, rtol=1e-8)
     if mode == "aot_eager":
         assert_trees_close(torch.autograd.grad(got.pow(2).sum(), list(new.values())), g_want, atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.parametrize("where", ["inside", "outside"])
+@pytest.mark.parametrize("kind", ["tensor", "parameter"])
+def test_functional_call_swapping_one_parameter_of_a_later_layer(where, kind):
+    """functional_call given ONE parameter of layer 2 (a plain tensor or an nn.Parameter): the
+    compiled scan must see it whether functional_call runs inside the compiled function or
+    around it (a check of layer 0's parameters alone used the stale stack, silently)."""
+    plain, layers = pair(depth=3)
+    w = torch.randn(6, 6, dtype=torch.float64)
+    new = {"2.lin.weight": w.clone().requires_grad_() if kind == "tensor" else torch.nn.Parameter(w.clone())}
+    x = torch.randn(3, 6, dtype=torch.float64)
+    want_layers = copy.deepcopy(plain)
+    with torch.no_grad():
+        want_layers[2].lin.weight.copy_(w)
+    want = run_loop(want_layers, x)
+    g_want = torch.autograd.grad(want.pow(2).sum(), want_layers[2].lin.weight)
+    torch._dynamo.reset()
+    compiled = torch.compile(run_scan, backend="aot_eager")
+    step(compiled, layers, x)  # compiled once with the stack's own parameters
+    new = {"ls." + k: v for k, v in new.items()}
+    if where == "inside":
+        got = torch.compile(lambda x: torch.func.functional_call(_Wrap(layers, run_scan), new, (x,)),
+                            backend="aot_eager")(x)
+    else:  # swapped in eager, then the compiled function runs
+        got = torch.func.functional_call(_Wrap(layers, compiled), new, (x,))
+    assert_trees_close(got, want, atol=1e-10, rtol=1e-8)
+    assert_trees_close(torch.autograd.grad(got.pow(2).sum(), new["ls.2.lin.weight"]), g_want, atol=1e-10, rtol=1e-8)
+    assert_trees_close(step(compiled, layers, x), step(run_loop, plain, x), atol=1e-10, rtol=1e-8)  # restored
 
 
 def test_replacing_a_parameter_after_compiling_recompiles_to_the_fallback():

@@ -24,9 +24,11 @@ re-view the layers (``_apply``); ``copy.deepcopy`` and pickling re-view too.
 Replacing a layer's parameter (``layer.weight = nn.Parameter(...)``,
 ``load_state_dict(assign=True)``) marks the storage broken, and
 ``scan_layers`` falls back to stacking per call (``restack()`` re-stacks).
-Outside ``torch.compile`` the aliasing is checked on every call as well, which
-also catches ``layer.weight.data = ...``; under ``torch.compile`` that one
-assignment is not seen (call ``restack()`` after it).
+Every call also checks that every layer still holds its own Parameter objects
+(``torch.func.functional_call`` swapping any of them, a replaced submodule;
+under ``torch.compile`` a traced check, so guarded). Outside ``torch.compile``
+the aliasing is checked too, which also catches ``layer.weight.data = ...``;
+under ``torch.compile`` that one assignment is not seen (call ``restack()``).
 """
 import collections
 import itertools
@@ -90,8 +92,8 @@ class _StackedMixin:
     def _rebind(self):
         """Point every layer parameter at its row of the stack (keeps the Parameter objects)
         and make the tensors ``scan_layers`` feeds to the scan (``_scan_fed``)."""
-        self.__dict__["_scan_first"] = {name: m._parameters[leaf] for name, ((m, leaf), *_) in
-                                        self._scan_owners.items()}
+        self.__dict__["_scan_ids"] = {name: tuple(id(m._parameters[leaf]) for m, leaf in where)
+                                      for name, where in self._scan_owners.items()}
         fed = {}
         for name, P in self._scan_stacked.items():
             params = [m._parameters[leaf] for m, leaf in self._scan_owners[name]]
@@ -159,6 +161,7 @@ class _StackedMixin:
         state = dict(state)
         state["_scan_stacked"] = {k: v.detach() for k, v in state.get("_scan_stacked", {}).items()}
         state.pop("_scan_owners", None)
+        state.pop("_scan_ids", None)
         state.pop("_scan_fed", None)  # a graph node: rebuilt by _rebind
         state.pop(_TOKEN, None)
         return state
@@ -309,17 +312,34 @@ def stacked_storage(layers, check_aliasing):
     if d.get(_BROKEN, True):
         return None
     stacked = d["_scan_fed"]
-    first = d["_scan_first"]  # layer 0 still holds its own Parameters, not torch.func.functional_call's tensors
-    for name, ((m, leaf), *_) in d["_scan_owners"].items():
-        if m._parameters.get(leaf) is not first[name]:
-            return None
+    if not _layers_hold_their_parameters(list(layers), d["_scan_ids"]):
+        return None
     if check_aliasing:  # outside Dynamo: cheap pointer checks, catching `.data =` too
         for name, P in stacked.items():
             for i, (m, leaf) in enumerate(d["_scan_owners"][name]):
-                p = m._parameters.get(leaf)
-                if p is None or not _is_row(p, P, i):
+                if not _is_row(m._parameters[leaf], P, i):
                     return None
     return stacked
+
+
+def _layers_hold_their_parameters(mods, ids):
+    """Every layer still holds the Parameter objects that are the stack's rows,
+    not tensors swapped in by ``torch.func.functional_call`` (in any layer) or assigned.
+    Read through the layers' own ``_modules`` / ``_parameters`` (the paths the model's code
+    reads: guards Dynamo skips while those dicts are unchanged), compared by ``id`` with
+    ints: comparing with stored objects made one Python aliasing guard per parameter. (A
+    tensor made in the traced graph is no Parameter: ``id`` is asked of sourced ones only.)"""
+    for name, want in ids.items():
+        *path, leaf = name.split(".")
+        for m, expected in zip(mods, want):
+            for part in path:
+                m = m._modules.get(part)
+                if m is None:
+                    return False
+            p = m._parameters.get(leaf)
+            if not isinstance(p, torch.nn.Parameter) or id(p) != expected:
+                return False
+    return True
 
 
 # --- noticing replaced parameters --------------------------------------------------------
