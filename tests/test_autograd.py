@@ -154,6 +154,52 @@ def test_views_of_x_slices_are_recomputed_not_saved():
     assert torch.autograd.gradcheck(lambda c0, w: scan(body, c0, w)[0], (c0, w))
 
 
+
+def _permuted_body(w):
+    """``tanh`` of a value laid out as the transpose of its memory: its saved output is a
+    dense permutation, and the backward reshapes it (a copy unless it is a view)."""
+    def body(c, x):
+        a = torch.tanh((c @ w + x).mT.contiguous().mT * 0.5)  # (4, 3) values over (3, 4) memory
+        return a.mT.reshape(3, 4).mT.contiguous() + c, a.reshape(12).sum()
+    return body
+
+
+def test_permuted_saved_values_are_saved_contiguous_and_permuted_back():
+    w = torch.randn(3, 3, requires_grad=True)
+    fb = fwd_bwd(_permuted_body(w), torch.randn(4, 3), torch.randn(4, 3))
+    saved = list(fb.fwd.graph.find_nodes(op="output")[0].args[0])[fb.num_carry + fb.num_y:]
+    step_saved = [n for n, (kind, _) in zip(saved, fb.saved_from) if kind == "step"]
+    assert step_saved and all(n.meta["val"].is_contiguous() for n in step_saved), \
+        [(n.name, n.meta["val"].stride()) for n in step_saved]
+    assert any(n.target is torch.ops.aten.permute.default for n in step_saved)
+
+
+@pytest.mark.parametrize("mode", ["eager", "make_fx", "aot_eager", "inductor"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_permuted_saved_values_match_the_loop(mode, reverse):
+    torch.manual_seed(0)
+    w = torch.randn(3, 3, dtype=D, requires_grad=True)
+    init, xs = torch.randn(4, 3, dtype=D, requires_grad=True), torch.randn(5, 4, 3, dtype=D, requires_grad=True)
+    body = _permuted_body(w)
+
+    def grads(run):
+        def f(init, xs):
+            c, ys = run(body, init, xs, reverse=reverse)
+            return torch.autograd.grad(c.pow(2).sum() + ys.sin().sum(), [init, xs, w])
+        return f
+
+    if mode in ("aot_eager", "inductor"):
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda i, x: scan(body, i, x, reverse=reverse), backend=mode)
+        got = grads(lambda fn, i, x, reverse: compiled(i, x))(init, xs)
+    else:
+        got = _modes()[mode](grads(scan), init, xs)
+    for g, want in zip(got, grads(reference_scan)(init, xs)):
+        torch.testing.assert_close(g, want)
+    if mode == "eager":
+        assert torch.autograd.gradcheck(lambda i, x: scan(body, i, x, reverse=reverse)[0], (init, xs))
+
+
 def seed_body():
     torch.manual_seed(0)
     w = torch.randn(4, 4, requires_grad=True)

@@ -9,6 +9,8 @@ rounding of a fused multiply-add.
 """
 import torch
 
+from . import _compat
+
 aten = torch.ops.aten
 
 
@@ -82,3 +84,56 @@ def simplify(gm, keep_detach=False):
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+def _dense_order(val):
+    """The permutation making ``val`` contiguous when it is a dense, non-contiguous
+    permutation of memory (an attention output in ``(b, h, t, d)`` seen over
+    ``(b, t, h, d)`` memory), else None. Static shapes only."""
+    if not isinstance(val, torch.Tensor) or val.dim() < 2 or val.is_contiguous():
+        return None
+    size, stride = val.shape, val.stride()
+    if not all(isinstance(v, int) for v in (*size, *stride)) or val.numel() == 0:
+        return None
+    perm = sorted(range(val.dim()), key=lambda d: (-stride[d], d))
+    return perm if val.permute(perm).is_contiguous() else None
+
+
+def save_dense_layouts(fwd, bwd, num_outputs):
+    """A scan stacks each saved value into a contiguous ``(L, ...)`` buffer and hands the
+    backward contiguous rows. A value saved in a permuted layout was therefore copied with
+    a transpose every forward step, and often copied back (``reshape`` of a row that is no
+    longer a view) every backward step. Save ``value.permute(p)``, contiguous, instead: the
+    forward's copy is a plain one and the backward's ``permute`` back restores the traced
+    strides as a view. Expects ``_align_saves``' order (saved i is backward input i)."""
+    with _compat.disable_proxy_modes_tracing():  # metadata of fake values, not ops of an outer trace
+        return _save_dense_layouts(fwd, bwd, num_outputs)
+
+
+def _save_dense_layouts(fwd, bwd, num_outputs):
+    fwd_out = fwd.graph.find_nodes(op="output")[0]
+    (outs,) = fwd_out.args
+    outs = list(outs)
+    placeholders = list(bwd.graph.find_nodes(op="placeholder"))
+    changed = False
+    for i, ph in zip(range(num_outputs, len(outs)), placeholders):
+        node = outs[i]
+        perm = None if node.op == "placeholder" else _dense_order(node.meta.get("val"))
+        if perm is None:
+            continue
+        val = node.meta["val"]
+        with fwd.graph.inserting_before(fwd_out):
+            saved = fwd.graph.call_function(aten.permute.default, (node, perm))
+        saved.meta["val"] = val.permute(perm)
+        outs[i] = saved
+        inverse = sorted(range(len(perm)), key=perm.__getitem__)
+        with bwd.graph.inserting_after(placeholders[-1]):
+            back = bwd.graph.call_function(aten.permute.default, (ph, inverse))
+        ph.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
+        back.meta["val"], ph.meta["val"] = val, saved.meta["val"]
+        changed = True
+    if changed:
+        fwd_out.args = (tuple(outs),)
+        for gm in (fwd, bwd):
+            gm.recompile()
+    return fwd, bwd

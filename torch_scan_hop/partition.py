@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import _compat
-from ._graph_passes import drop_aliases, simplify
+from ._graph_passes import drop_aliases, save_dense_layouts, simplify
 from ._joint import requires_grad_flags, trace_joint, with_flags
 from ._trees import ScanError
 
@@ -337,6 +337,7 @@ def partition_step(step: JointStep, remat="save_all") -> FwdBwd:
     fwd, bwd = _align_saves(fwd, bwd, num_out)
     fwd, bwd = _inline_constant_saves(fwd, bwd, num_out)
     fwd, bwd = simplify(fwd, keep_detach=True), simplify(bwd)
+    fwd, bwd = save_dense_layouts(fwd, bwd, num_out)
     return FwdBwd(
         fwd=fwd, bwd=bwd, num_carry=num_carry, num_x=num_x, num_lifted=step.num_lifted,
         num_y=num_out - num_carry, out_vals=step.out_vals, grad_mask=step.grad_mask,
