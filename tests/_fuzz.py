@@ -212,7 +212,8 @@ class _BodyWriter:
                "({a} > 0).to(%s) * {b}" % self.dt(), "torch.softmax({a}, -1)", "{a}.detach() * {b}",
                "{a}.clone().mul_({b})", "{a} * torch.arange(3, dtype=%s, device={a}.device)" % self.dt(),
                "{a}.t().t() * {b}", "torch.cat(torch.split({a}, [1, 2], -1)[::-1], -1)",
-               "torch.einsum('bd->db', {a}).T + torch.einsum('bd,de->be', {b}, {c}.T @ {a})"]
+               "torch.einsum('bd->db', {a}).T + torch.einsum('bd,de->be', {b}, {c}.T @ {a})",
+               "torch.tanh({a}.t().contiguous().t() * {b})"]  # a value over transposed memory, saved
         if self.ints:
             i = r.choice(self.ints)
             ops += ["{a} * (%s %% 3).to(%s)" % (i, self.dt()), "{a}.gather(1, (%s %% 3).expand(2, 3))" % i]
