@@ -90,10 +90,11 @@ def _dense_order(val):
     """The permutation making ``val`` contiguous when it is a dense, non-contiguous
     permutation of memory (an attention output in ``(b, h, t, d)`` seen over
     ``(b, t, h, d)`` memory), else None. Static shapes only."""
-    if not isinstance(val, torch.Tensor) or val.dim() < 2 or val.is_contiguous():
+    if not isinstance(val, torch.Tensor) or val.dim() < 2:
         return None
     size, stride = val.shape, val.stride()
-    if not all(isinstance(v, int) for v in (*size, *stride)) or val.numel() == 0:
+    # ints first: asking a symbolic value whether it is contiguous would add a guard
+    if not all(isinstance(v, int) for v in (*size, *stride)) or val.numel() == 0 or val.is_contiguous():
         return None
     perm = sorted(range(val.dim()), key=lambda d: (-stride[d], d))
     return perm if val.permute(perm).is_contiguous() else None
