@@ -21,7 +21,7 @@ import torch
 
 from . import _compat
 from ._stack_weights import stack_weights
-from .stacking import container_of, container_token, stacked_storage
+from .stacking import container_of, container_token, owner_of, stacked_storage
 from ._trees import ScanError, flatten
 from .api import scan
 from .eager_loop import remat_step
@@ -169,14 +169,7 @@ def _any_requires_grad(layers, name):
 
 
 def layers_owners(layers, name):
-    return [_owner(layer, name) for layer in layers]
-
-
-def _owner(module, name):
-    *path, leaf = name.split(".")
-    for part in path:
-        module = module._modules[part]
-    return module, leaf
+    return [owner_of(layer, name) for layer in layers]
 
 
 class _LayerView:

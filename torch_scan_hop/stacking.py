@@ -312,34 +312,42 @@ def stacked_storage(layers, check_aliasing):
     if d.get(_BROKEN, True):
         return None
     stacked = d["_scan_fed"]
-    if not _layers_hold_their_parameters(list(layers), d["_scan_ids"]):
+    # outside Dynamo also cheap pointer checks, catching `.data =` too
+    if not _layers_hold_their_parameters(list(layers), d["_scan_ids"], stacked, check_rows=check_aliasing):
         return None
-    if check_aliasing:  # outside Dynamo: cheap pointer checks, catching `.data =` too
-        for name, P in stacked.items():
-            for i, (m, leaf) in enumerate(d["_scan_owners"][name]):
-                if not _is_row(m._parameters[leaf], P, i):
-                    return None
     return stacked
 
 
-def _layers_hold_their_parameters(mods, ids):
+def _layers_hold_their_parameters(mods, ids, stacked, check_rows):
     """Every layer still holds the Parameter objects that are the stack's rows,
-    not tensors swapped in by ``torch.func.functional_call`` (in any layer) or assigned.
+    not tensors swapped in by ``torch.func.functional_call`` (in any layer) or assigned
+    (and, with ``check_rows``, they still view their rows of ``stacked``).
     Read through the layers' own ``_modules`` / ``_parameters`` (the paths the model's code
     reads: guards Dynamo skips while those dicts are unchanged), compared by ``id`` with
     ints: comparing with stored objects made one Python aliasing guard per parameter. (A
     tensor made in the traced graph is no Parameter: ``id`` is asked of sourced ones only.)"""
     for name, want in ids.items():
         *path, leaf = name.split(".")
-        for m, expected in zip(mods, want):
-            for part in path:
-                m = m._modules.get(part)
-                if m is None:
-                    return False
-            p = m._parameters.get(leaf)
+        for i, (m, expected) in enumerate(zip(mods, want)):
+            for part in path:  # ``owner_of`` inline: Dynamo traces a call per parameter (~2 ms each)
+                m = m._modules.get(part) if m is not None else None
+            p = None if m is None else m._parameters.get(leaf)
             if not isinstance(p, torch.nn.Parameter) or id(p) != expected:
                 return False
+            if check_rows and not _is_row(p, stacked[name], i):
+                return False
     return True
+
+
+def owner_of(module, name):
+    """``(submodule, leaf)`` holding the dotted parameter ``name`` of ``module``
+    (submodule None when a module on the path is gone)."""
+    *path, leaf = name.split(".")
+    for part in path:
+        module = module._modules.get(part)
+        if module is None:
+            break
+    return module, leaf
 
 
 # --- noticing replaced parameters --------------------------------------------------------
