@@ -717,3 +717,68 @@ def test_a_dropped_stack_is_freed():
     del layers
     gc.collect()
     assert ref() is None
+
+
+def test_compiling_wraps_no_parameter_past_layer_0(monkeypatch):
+    """Under torch.compile the check that every layer still holds the stack's Parameters is
+    answered when tracing and kept by identity guards: Dynamo wraps the same tensors at any depth
+    (wrapping each layer's parameters cost ~2.5 ms each: the first compile grew with depth)."""
+    from torch._dynamo.variables.builder import VariableBuilder
+
+    wrapped, counts = [], []
+    wrap = VariableBuilder.__call__  # (not wrap_tensor: a cached type table holds it)
+
+    def counting(self, value):
+        if isinstance(value, torch.Tensor):
+            wrapped.append(value)
+        return wrap(self, value)
+
+    monkeypatch.setattr(VariableBuilder, "__call__", counting)
+    x = torch.randn(3, 6, dtype=torch.float64)
+    for depth in (2, 5):
+        layers = stack_layers(blocks(depth))
+        torch._dynamo.reset()
+        wrapped.clear()
+        torch.compile(run_scan, backend="eager", fullgraph=True)(layers, x)
+        counts.append(len(wrapped))
+    assert counts[0] == counts[1] > 0
+
+
+@pytest.mark.parametrize("what", ["submodule", "parameter"])
+def test_a_layer_changed_inside_the_compiled_function_is_used(what):
+    """The compiled frame itself replaces a later layer's submodule, or one of its parameters
+    (as functional_call's swap does), before scanning: the real objects do not show it yet when
+    the check is answered; the scan must use the new one."""
+    plain, layers = pair()
+    x = torch.randn(3, 6, dtype=torch.float64)
+    torch.manual_seed(1)
+    new = torch.nn.Linear(6, 6, dtype=torch.float64) if what == "submodule" else torch.randn(6, dtype=torch.float64)
+
+    def change_then_scan(fn, ls, new, x):
+        if what == "submodule":
+            ls[3].lin = new
+        else:
+            ls[3].lin._parameters["bias"] = new
+        return fn(ls, x)
+
+    want = change_then_scan(run_loop, plain, copy.deepcopy(new), x)
+    torch._dynamo.reset()
+    got = torch.compile(change_then_scan, backend="aot_eager", fullgraph=True)(run_scan, layers, copy.deepcopy(new), x)
+    assert_trees_close(got, want, atol=1e-10, rtol=1e-8)
+
+
+def test_a_compiled_model_sees_a_later_layers_parameter_swapped_around_it():
+    """The stack reached as a model's attribute (``self.ls``, the usual case) in a compiled
+    ``forward``; functional_call then swaps one parameter of the last layer: the guards on the
+    layers' parameters send the call to a recompile that reads the swapped tensor."""
+    plain, layers = pair()
+    model = _Wrap(layers, run_scan)
+    model.compile(backend="aot_eager")
+    x = torch.randn(3, 6, dtype=torch.float64)
+    torch._dynamo.reset()
+    assert_trees_close(model(x), run_loop(plain, x), atol=1e-10, rtol=1e-8)
+    w = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    got = torch.func.functional_call(model, {"ls.3.lin.bias": w}, (x,))
+    with torch.no_grad():
+        plain[3].lin.bias.copy_(w)
+    assert_trees_close(got, run_loop(plain, x), atol=1e-10, rtol=1e-8)

@@ -5,6 +5,7 @@ Importing the package installs ``scan_op`` as ``torch.ops.higher_order.scan``.
 from . import _compat
 from ._op import scan_op
 from . import rules  # noqa: F401  (registers every rule of scan_op)
+from . import stacking_dynamo
 from ._buffer_pool import empty_cache
 from ._cache import clear as clear_cache
 from ._trees import ScanError
@@ -16,5 +17,6 @@ from .partition import FwdBwd
 
 _compat.install_as_upstream_scan(scan_op)
 rules.rule_dynamo.install()
+stacking_dynamo.install()
 
 __all__ = ["scan", "scan_layers", "stack_layers", "scan_op", "fwd_bwd", "ScanError", "FwdBwd", "clear_cache", "empty_cache"]

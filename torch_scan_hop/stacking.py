@@ -26,7 +26,8 @@ Replacing a layer's parameter (``layer.weight = nn.Parameter(...)``,
 ``scan_layers`` falls back to stacking per call (``restack()`` re-stacks).
 Every call also checks that every layer still holds its own Parameter objects
 (``torch.func.functional_call`` swapping any of them, a replaced submodule;
-under ``torch.compile`` a traced check, so guarded). Outside ``torch.compile``
+under ``torch.compile`` answered when tracing and kept by one identity guard per
+parameter, see ``stacking_dynamo``). Outside ``torch.compile``
 the aliasing is checked too, which also catches ``layer.weight.data = ...``;
 under ``torch.compile`` that one assignment is not seen (call ``restack()``).
 """
@@ -312,10 +313,21 @@ def stacked_storage(layers, check_aliasing):
     if d.get(_BROKEN, True):
         return None
     stacked = d["_scan_fed"]
+    if _compat.is_dynamo_compiling():  # answered when tracing, kept by guards
+        from .stacking_dynamo import layers_intact
+
+        return stacked if layers_intact(layers) else None
     # outside Dynamo also cheap pointer checks, catching `.data =` too
     if not _layers_hold_their_parameters(list(layers), d["_scan_ids"], stacked, check_rows=check_aliasing):
         return None
     return stacked
+
+
+def layers_hold_stack_parameters(layers):
+    """``_layers_hold_their_parameters`` without the pointer checks (what Dynamo traces
+    where its tracker cannot answer from the real objects)."""
+    d = layers.__dict__
+    return _layers_hold_their_parameters(list(layers), d["_scan_ids"], d["_scan_fed"], check_rows=False)
 
 
 def _layers_hold_their_parameters(mods, ids, stacked, check_rows):

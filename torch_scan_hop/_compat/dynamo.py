@@ -46,6 +46,17 @@ def tracker_base():
     return ScanTrackerBase
 
 
+def hop_tracker_base(name):
+    """The base class of trackers for a HOP that is no scan. 2.14 requires the
+    class attribute ``_HOP_NAME`` (error messages); a graph break inside stays
+    one (``_ALLOW_FALLBACK_TO_EAGER``); 2.9 ignores both."""
+    class HopTrackerBase(_hops().TorchHigherOrderOperatorVariable):
+        _HOP_NAME = name
+        _ALLOW_FALLBACK_TO_EAGER = True
+
+    return HopTrackerBase
+
+
 def hard_error(reason):
     """Decorator: a graph break inside makes the whole call a hard error.
     torch 2.9: ``raise_hard_error_if_graph_break``; 2.14 dropped it (the class
@@ -161,3 +172,58 @@ def hook_guards_skipped():
     """Dynamo guards no module hooks (its default, 2.9-2.14): a hook added
     after compiling is not seen."""
     return bool(getattr(torch._dynamo.config, "skip_nnmodule_hook_guards", False))
+
+
+# --- guards installed by hand (stacked storage's parameter check) -------------------------
+
+def module_and_source(var):
+    """``(module, source)`` for a tracker of an nn.Module Dynamo reached through a
+    source (an argument, an attribute), else None (2.9-2.14: Unspecialized/NNModuleVariable
+    keep the module in ``value``)."""
+    value, source = getattr(var, "value", None), getattr(var, "source", None)
+    if isinstance(value, torch.nn.Module) and source is not None:
+        return value, source
+    return None
+
+
+def modified_in_trace(tx, objects):
+    """Whether the frame being traced has changed any of ``objects`` so far (a dict
+    item set, an attribute stored): Dynamo then holds state the real objects do not
+    show yet. 2.9-2.14: ``side_effects`` keeps a tracker per object it tracks."""
+    side_effects = tx.output.side_effects
+    if getattr(side_effects, "ignore_mutation_on_these_variables", None):
+        return True  # inside a traced functional_call: the dicts it swaps into are not marked
+    for obj in objects:
+        if obj in side_effects:
+            try:
+                if side_effects.is_modified(side_effects[obj]):
+                    return True
+            except AssertionError:  # 2.14: a tracker without a mutation type: assume changed
+                return True
+    return False
+
+
+def attr_source(base, name):
+    from torch._dynamo.source import AttrSource
+
+    return AttrSource(base, name)
+
+
+def dict_item_source(base, key):
+    from torch._dynamo.source import DictGetItemSource
+
+    return DictGetItemSource(base, key)
+
+
+def guard_identity(sources):
+    """One ID_MATCH guard per source: the compiled code runs again only while each
+    source still gives the same object (2.9-2.14)."""
+    from torch._dynamo.guards import GuardBuilder, install_guard
+
+    install_guard(*(s.make_guard(GuardBuilder.ID_MATCH) for s in sources))
+
+
+def constant(value):
+    from torch._dynamo.variables import ConstantVariable
+
+    return ConstantVariable.create(value)
