@@ -113,3 +113,74 @@ def test_random_stacks_match_the_loop(seed):
     else:
         steps = 1 if how == "backward" else 2
         check_training(fn, plain, layers, x, steps, how if how in ("sgd", "adamw") else None)
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, layers, fn):
+        super().__init__()
+        self.layers, self.fn = layers, fn
+
+    def forward(self, x):
+        return self.fn(self.layers, x)
+
+
+def _fresh(rng, like):
+    return torch.randn(like.shape, dtype=like.dtype, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+
+
+def _change(rng, plain, layers):
+    """One random change of a layer's parameters made to both models alike, between compiled
+    calls: a submodule replaced, a Parameter registered in place of one, a Parameter written
+    straight into a module's ``_parameters`` (no registration hook sees it), a restack (the
+    stacked copy only), or nothing. Returns its name."""
+    depth = len(plain)
+    how, i = rng.choice(["submodule", "register", "dict", "restack", "none"]), rng.randrange(depth)
+    if how == "submodule":
+        lin = torch.nn.Linear(plain[i].lin.in_features, plain[i].lin.out_features, bias=plain[i].lin.bias is not None)
+        lin = lin.double()
+        plain[i].lin, layers[i].lin = lin, copy.deepcopy(lin)
+    elif how in ("register", "dict"):
+        new = _fresh(rng, plain[i].gate)
+        for model in (plain, layers):
+            if how == "register":
+                model[i].gate = torch.nn.Parameter(new.clone())
+            else:
+                model[i]._parameters["gate"] = torch.nn.Parameter(new.clone())
+    elif how == "restack":
+        layers.restack()
+    return how
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_random_parameter_changes_between_compiled_calls_match_the_loop(seed):
+    """A compiled scan over stacked storage, then calls with random changes of the layers'
+    parameters (``_change``) and random ``torch.func.functional_call`` swaps of some parameters
+    around the compiled model, or with none (the stacked path again), each call checked against
+    the loop (values and gradients): the compiled code must notice every change (its guards) and
+    never scan a stale stack."""
+    rng = random.Random(1000 + seed)
+    plain, layers, d = random_pair(rng, seed)
+    torch._dynamo.reset()
+    compiled = _Model(layers, scan_layers)
+    compiled.compile(backend="aot_eager")
+    reference = _Model(plain, run_loop)
+    x = torch.randn(2, d, dtype=torch.float64)
+    for step in range(5):  # the first call compiles the stacked path; later ones change things or not
+        plain_call = step == 0 or rng.random() < 0.4
+        if not plain_call:
+            _change(rng, plain, layers)
+        names = [n for n, _ in reference.named_parameters()]
+        swapped = [] if plain_call else rng.sample(names, rng.randint(0, min(3, len(names))))
+        news = {n: _fresh(rng, reference.get_parameter(n)) for n in swapped}
+        kind = rng.choice([torch.Tensor.requires_grad_, torch.nn.Parameter])
+        args = [{n: kind(v.clone()) for n, v in news.items()} for _ in range(2)]
+        outs = [torch.func.functional_call(m, a, (x,)) for m, a in ((compiled, args[0]), (reference, args[1]))]
+        assert_trees_close(outs[0], outs[1], atol=1e-9, rtol=1e-7)
+        assert outs[0].requires_grad == outs[1].requires_grad
+        if not outs[1].requires_grad:  # everything frozen
+            continue
+        plain.zero_grad(), layers.zero_grad()
+        for out in outs:
+            out.pow(2).sum().backward()
+        assert_trees_close((grads(layers), [v.grad for v in args[0].values()]),
+                           (grads(plain), [v.grad for v in args[1].values()]), atol=1e-9, rtol=1e-7)
