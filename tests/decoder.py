@@ -20,6 +20,17 @@ class DecoderBlock(torch.nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
+class Calling(torch.nn.Module):
+    """A model whose forward is ``fn(self.ls, x)`` (functional_call keys ``ls.<i>.<name>``)."""
+
+    def __init__(self, ls, fn):
+        super().__init__()
+        self.ls, self.fn = ls, fn
+
+    def forward(self, x):
+        return self.fn(self.ls, x)
+
+
 def causal_mask(t, device=None):
     return torch.ones(t, t, dtype=torch.bool, device=device).tril()
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from conftest import assert_trees_close, capture_graphs
-from decoder import causal_mask, make_stack, run_loop
+from decoder import Calling, causal_mask, make_stack, run_loop
 
 from torch_scan_hop import ScanError, scan_layers, stack_layers
 
@@ -497,15 +497,6 @@ def test_autograd_grad_and_backward_inputs_of_layer_parameters(backend):
                        atol=1e-10, rtol=1e-8)
 
 
-class _Wrap(torch.nn.Module):
-    def __init__(self, ls, fn):
-        super().__init__()
-        self.ls, self.fn = ls, fn
-
-    def forward(self, x):
-        return self.fn(self.ls, x)
-
-
 @pytest.mark.parametrize("mode", ["make_fx", "aot_eager", "func_grad_make_fx"])
 def test_functional_call_with_other_parameters_uses_them(mode):
     """torch.func.functional_call(model, params, x) swaps the layers' parameters for the given
@@ -513,9 +504,9 @@ def test_functional_call_with_other_parameters_uses_them(mode):
     plain, layers = pair(depth=3)
     new = {k: (v.detach() + 0.5).requires_grad_() for k, v in plain.named_parameters()}
     x = torch.randn(3, 6, dtype=torch.float64)
-    want = torch.func.functional_call(_Wrap(plain, run_loop), {"ls." + k: v for k, v in new.items()}, (x,))
+    want = torch.func.functional_call(Calling(plain, run_loop), {"ls." + k: v for k, v in new.items()}, (x,))
     g_want = torch.autograd.grad(want.pow(2).sum(), list(new.values()))
-    model = _Wrap(layers, run_scan)
+    model = Calling(layers, run_scan)
     f = lambda x: torch.func.functional_call(model, {"ls." + k: v for k, v in new.items()}, (x,))  # noqa: E731
     if mode == "func_grad_make_fx":  # torch.func's own wrapped tensors for the parameters
         loss = lambda params, x: torch.func.functional_call(model, params, (x,)).pow(2).sum()  # noqa: E731
@@ -553,10 +544,10 @@ def test_functional_call_swapping_one_parameter_of_a_later_layer(where, kind):
     step(compiled, layers, x)  # compiled once with the stack's own parameters
     new = {"ls." + k: v for k, v in new.items()}
     if where == "inside":
-        got = torch.compile(lambda x: torch.func.functional_call(_Wrap(layers, run_scan), new, (x,)),
+        got = torch.compile(lambda x: torch.func.functional_call(Calling(layers, run_scan), new, (x,)),
                             backend="aot_eager")(x)
     else:  # swapped in eager, then the compiled function runs
-        got = torch.func.functional_call(_Wrap(layers, compiled), new, (x,))
+        got = torch.func.functional_call(Calling(layers, compiled), new, (x,))
     assert_trees_close(got, want, atol=1e-10, rtol=1e-8)
     assert_trees_close(torch.autograd.grad(got.pow(2).sum(), new["ls.2.lin.weight"]), g_want, atol=1e-10, rtol=1e-8)
     assert_trees_close(step(compiled, layers, x), step(run_loop, plain, x), atol=1e-10, rtol=1e-8)  # restored
@@ -772,7 +763,7 @@ def test_a_compiled_model_sees_a_later_layers_parameter_swapped_around_it():
     ``forward``; functional_call then swaps one parameter of the last layer: the guards on the
     layers' parameters send the call to a recompile that reads the swapped tensor."""
     plain, layers = pair()
-    model = _Wrap(layers, run_scan)
+    model = Calling(layers, run_scan)
     model.compile(backend="aot_eager")
     x = torch.randn(3, 6, dtype=torch.float64)
     torch._dynamo.reset()

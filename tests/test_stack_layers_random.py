@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 from conftest import assert_trees_close
-from decoder import run_loop
+from decoder import Calling, run_loop
 
 from torch_scan_hop import scan_layers, stack_layers
 
@@ -115,15 +115,6 @@ def test_random_stacks_match_the_loop(seed):
         check_training(fn, plain, layers, x, steps, how if how in ("sgd", "adamw") else None)
 
 
-class _Model(torch.nn.Module):
-    def __init__(self, layers, fn):
-        super().__init__()
-        self.layers, self.fn = layers, fn
-
-    def forward(self, x):
-        return self.fn(self.layers, x)
-
-
 def _fresh(rng, like):
     return torch.randn(like.shape, dtype=like.dtype, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
 
@@ -161,9 +152,9 @@ def test_random_parameter_changes_between_compiled_calls_match_the_loop(seed):
     rng = random.Random(1000 + seed)
     plain, layers, d = random_pair(rng, seed)
     torch._dynamo.reset()
-    compiled = _Model(layers, scan_layers)
+    compiled = Calling(layers, scan_layers)
     compiled.compile(backend="aot_eager")
-    reference = _Model(plain, run_loop)
+    reference = Calling(plain, run_loop)
     x = torch.randn(2, d, dtype=torch.float64)
     for step in range(5):  # the first call compiles the stacked path; later ones change things or not
         plain_call = step == 0 or rng.random() < 0.4
