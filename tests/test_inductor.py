@@ -232,3 +232,34 @@ def test_unrolled_blocks_of_sizes_off_the_alignment(dtype):
     compiled = torch.compile(lambda h, wb: scan(body, h, wb, unroll=2), backend="inductor")
     tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else {}
     assert_trees_close(step(compiled), step(reference), **tol)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("init", ["empty", "none", "untouched"])
+def test_scans_with_one_output(init, dynamic):
+    """A scan whose only output is one y: no carry (``init`` empty or None), or a carry that
+    needs no gradient, whose backward is such a scan. Inductor's pattern matcher put the lowered
+    loop in place of the scan node itself, and the scan's ``getitem(scan, 0)`` then indexed a
+    tensor: a compile error. Values and the gradient of xs against the loop."""
+    xs = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    c0 = {"empty": (), "none": None, "untouched": torch.zeros(2)}[init]
+
+    def body(c, x):
+        return c, torch.sin(x) * 1.5
+
+    def run(fn, xs):
+        c, ys = fn(body, c0, xs)
+        return c, ys, torch.autograd.grad(ys.pow(2).sum(), xs)
+
+    def loop(body, c, xs):
+        ys = []
+        for x in xs:
+            c, y = body(c, x)
+            ys.append(y)
+        return c, torch.stack(ys)
+
+    compiled = torch.compile(lambda xs: run(scan, xs), backend="inductor", dynamic=dynamic, fullgraph=False)
+    assert_trees_close(compiled(xs), run(loop, xs), atol=1e-12, rtol=1e-10)
+    if dynamic:  # the same compiled code at another length
+        xs2 = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+        assert_trees_close(compiled(xs2), run(loop, xs2), atol=1e-12, rtol=1e-10)

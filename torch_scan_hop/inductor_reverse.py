@@ -61,13 +61,27 @@ def _lower_scans(gm):
         flat = [*init, *xs, *lifted]
         counts = (len(init), len(xs), len(lifted))
         reverse = bool(node.kwargs.get("reverse", False))
-        match.replace_by_example(_while_loop(body, ys_vals, counts, reverse), flat, run_functional_passes=False)
+        match.replace_by_example(_as_multi_output(_while_loop(body, ys_vals, counts, reverse)), flat,
+                                 run_functional_passes=False)
 
     theirs = set(gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.while_loop))
     _compat.inductor.call_pattern_pass(torch.ops.higher_order.scan, _is_ours_to_lower, lower).apply(gm)
     _name_our_loops(gm, theirs)
     gm.graph.lint()
     gm.recompile()
+
+
+def _as_multi_output(lowered):
+    """``lowered`` returning at least two values. The pattern matcher replaces the scan node
+    itself with a one-value replacement, leaving the scan's ``getitem(scan, 0)`` users
+    indexing a tensor (a scan with one output: no carry and one y, as the backward of a body
+    whose carry needs no gradient); with two or more values each user gets its own. The
+    duplicate has no user."""
+    def padded(*flat):
+        out = lowered(*flat)
+        return out if len(out) != 1 else [*out, out[0]]
+
+    return padded
 
 
 def _name_our_loops(gm, theirs):
