@@ -82,6 +82,25 @@ def _parameter_sources(container, source):
     return sources, objects
 
 
+def _answered_with_guards(tx, var):
+    """True when the real objects say every layer holds the stack's Parameters, the frame
+    has changed none of them, and the identity guards are installed. A Dynamo internal
+    that moved in some torch (AttributeError, ImportError, TypeError from ``_compat``)
+    answers False: the check is then traced, slower but right."""
+    from ._compat import dynamo as dyn
+
+    try:
+        found = dyn.module_and_source(var)
+        answer = None if found is None else _parameter_sources(*found)
+        if answer is None or dyn.modified_in_trace(tx, answer[1]):
+            return False
+        dyn.guard_identity(answer[0])
+    except (AttributeError, ImportError, TypeError) as e:
+        warnings.warn(f"torch_scan_hop: stacked storage's check is traced under torch.compile ({e!r}).")
+        return False
+    return True
+
+
 def _make_tracker_class():
     from ._compat import dynamo as dyn
 
@@ -90,12 +109,9 @@ def _make_tracker_class():
             from .stacking import layers_hold_stack_parameters
 
             args = dyn.realize_all(list(args))
-            found = dyn.module_and_source(args[0]) if len(args) == 1 and not kwargs else None
-            answer = None if found is None else _parameter_sources(*found)
-            if answer is None or dyn.modified_in_trace(tx, answer[1]):
-                return dyn.inlined(tx, layers_hold_stack_parameters)(*args, **kwargs)
-            dyn.guard_identity(answer[0])
-            return dyn.constant(True)
+            if len(args) == 1 and not kwargs and _answered_with_guards(tx, args[0]):
+                return dyn.constant(True)
+            return dyn.inlined(tx, layers_hold_stack_parameters)(*args, **kwargs)
 
     return LayersIntactVariable
 
