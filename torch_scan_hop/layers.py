@@ -371,7 +371,7 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=1, **broadcast_kwargs)
         return _as_output(inputs)
     dynamo = _compat.is_dynamo_compiling()
     # torch.export keeps the per-call stack: its program then lifts the layers' registered parameters
-    stacked = None if _compat.is_exporting() else stacked_storage(container, check_aliasing=not dynamo)
+    stacked = None if _compat.is_exporting() else stacked_storage(container)
     token = None if stacked is None else container_token(container)
     # stacked storage was checked for identical structure when made: layer 0's state suffices here
     states = _layer_states(layers) if stacked is None else [_state(layers[0], "", {})]

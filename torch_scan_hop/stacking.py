@@ -304,7 +304,7 @@ def _hand_out_with_hooks(p, row):
 
 # --- used by scan_layers ---------------------------------------------------------------
 
-def stacked_storage(layers, check_aliasing):
+def stacked_storage(layers):
     """The container's ``{name: stacked tensor as fed to the scan}`` when its storage is
     intact, else None."""
     if not isinstance(layers, _StackedMixin):
@@ -318,7 +318,7 @@ def stacked_storage(layers, check_aliasing):
 
         return stacked if layers_intact(layers) else None
     # outside Dynamo also cheap pointer checks, catching `.data =` too
-    if not _layers_hold_their_parameters(list(layers), d["_scan_ids"], stacked, check_rows=check_aliasing):
+    if not _layers_hold_their_parameters(list(layers), d["_scan_ids"], stacked, check_rows=True):
         return None
     return stacked
 
