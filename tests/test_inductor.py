@@ -263,3 +263,36 @@ def test_scans_with_one_output(init, dynamic):
     if dynamic:  # the same compiled code at another length
         xs2 = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
         assert_trees_close(compiled(xs2), run(loop, xs2), atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("shape", [(), (3,)])
+@pytest.mark.parametrize("case", ["same_tensor_twice", "zero_gradients_of_two_carries"])
+def test_two_carries_starting_from_one_buffer(case, shape):
+    """Two carries that start as one buffer: one tensor passed twice in init, or (in the backward)
+    the gradients of two carries the loss does not read, both the same zero. Inductor copies the
+    second carry; on torch 2.9 a 0-dim copy stayed unrealized and the loop failed to compile
+    ("NotImplementedError: Pointwise"). Values and gradients against the loop."""
+    torch.manual_seed(0)
+    a = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    s = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    xs = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+
+    def body(c, x):
+        a, s, t = c
+        return (a * x, s * 1.5, t + 1.0), (a * s).sum() + t.sum()
+
+    def loop(body, c, xs):
+        ys = []
+        for x in xs:
+            c, y = body(c, x)
+            ys.append(y)
+        return c, torch.stack(ys)
+
+    def run(fn, a, s, xs):
+        init = (a, s, s) if case == "same_tensor_twice" else (a, s * 2, s * 3)
+        (ca, cs, ct), ys = fn(body, init, xs)
+        loss = ys.pow(2).sum() + (ca.sum() + cs.sum() + ct.sum() if case == "same_tensor_twice" else 0)
+        return ca, ys, torch.autograd.grad(loss, (a, s, xs))
+
+    compiled = torch.compile(lambda a, s, xs: run(scan, a, s, xs), backend="inductor")
+    assert_trees_close(compiled(a, s, xs), run(loop, a, s, xs), atol=1e-12, rtol=1e-10)

@@ -1,4 +1,4 @@
-"""Workarounds for two torch 2.9 inductor defects that scan's while_loops hit.
+"""Workarounds for three torch 2.9 inductor defects that scan's while_loops hit.
 
 1. Subgraph inputs taken as donated buffers (fixed upstream by pytorch#193960).
    Compiling a backward graph, inductor marks the inputs listed in AOT's
@@ -18,6 +18,14 @@
    asserts. A scan's init and xs are while_loop operands, so a training step
    whose loss is ``carry.sum() + ys.sum()`` failed to compile. Such operands are
    materialized (a contiguous clone, as big as the expanded tensor) first.
+
+3. Two carries from one buffer. ``WhileLoop._clone_aliased_inputs`` gives the
+   second of two carries that share a buffer a ``clone``, left unrealized; for
+   a 0-dim carry nothing realizes it later and asking its strides raises
+   ``NotImplementedError: Pointwise``. Hit by ``scan(f, (s, s), xs)`` and by a
+   backward whose two 0-dim carry gradients start as the same zero. Such
+   clones are realized copies (what torch 2.14's ``ExternKernel.copy_input``
+   there does).
 """
 import contextlib
 
@@ -40,6 +48,26 @@ def keep_subgraph_inputs_undonated():
 
     _compat.inductor.run_after_subgraph_lowering_init(undonate)
     _subgraph_fix_installed = True
+
+
+def realize_copies_of_aliased_carries():
+    """Make the copies ``WhileLoop._clone_aliased_inputs`` gives aliased carries
+    realized buffers (defect 3). Idempotent; a no-op where the copies already are
+    (torch 2.14). torch 2.9-2.14: ``ir.WhileLoop._clone_aliased_inputs(carried)``,
+    ``ir.ExternKernel.copy_input``, ``ir.is_storage_and_layout``."""
+    from torch._inductor import ir
+
+    clone_aliased = ir.WhileLoop._clone_aliased_inputs
+    if getattr(clone_aliased, "_scan_realized", False):
+        return
+
+    def clone_aliased_inputs(carried_inputs):
+        result = clone_aliased(carried_inputs)
+        return [new if new is old or ir.is_storage_and_layout(new) else ir.ExternKernel.copy_input(old)
+                for new, old in zip(result, carried_inputs)]
+
+    clone_aliased_inputs._scan_realized = True
+    ir.WhileLoop._clone_aliased_inputs = staticmethod(clone_aliased_inputs)
 
 
 def _is_expanded(val):

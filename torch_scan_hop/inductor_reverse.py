@@ -39,6 +39,7 @@ def install():
     _compat.inductor.run_before_scan_decomposition(before_upstream)
     _compat.inductor.skip_input_asserts_of_subgraphs(lambda name: _LOOP_PREFIX in name)
     _inductor_fixes.keep_subgraph_inputs_undonated()
+    _inductor_fixes.realize_copies_of_aliased_carries()
     _compat.inductor.reuse_no_aliasing_buffers()
     _compat.inductor.name_mutated_carries_in_cpp_while_loops()
     _compat.inductor.plan_cpp_subgraph_reuse_without_peak_estimate()
