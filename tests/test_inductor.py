@@ -296,3 +296,36 @@ def test_two_carries_starting_from_one_buffer(case, shape):
 
     compiled = torch.compile(lambda a, s, xs: run(scan, a, s, xs), backend="inductor")
     assert_trees_close(compiled(a, s, xs), run(loop, a, s, xs), atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_attention_in_the_body_in_float64_and_float32(dtype):
+    """A body calling CPU flash attention (its logsumexp saved for the backward). torch 2.9
+    fakes a float64 attention's logsumexp as float32: the scan's stacked buffer for it was
+    float32, generated code read float64 values as float32 and the backward failed ("expected
+    scalar type Double but found Float"). Values and gradients against the loop."""
+    torch.manual_seed(0)
+    w = (torch.randn(8, 24, dtype=dtype) * 0.3).requires_grad_()
+    h0 = torch.randn(2, 5, 8, dtype=dtype, requires_grad=True)
+    xs = torch.randn(3, 2, 5, 8, dtype=dtype, requires_grad=True)
+
+    def body(h, x):
+        q, k, v = ((h + x) @ w).reshape(2, 5, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = torch.tanh(h + a.transpose(1, 2).reshape(2, 5, 8))
+        return h, h.sum(-1)
+
+    def loop(body, h, xs):
+        ys = []
+        for x in xs:
+            h, y = body(h, x)
+            ys.append(y)
+        return h, torch.stack(ys)
+
+    def run(fn, w, h0, xs):
+        h, ys = fn(body, h0, xs)
+        return h, ys, torch.autograd.grad(h.pow(2).sum() + ys.pow(2).sum(), (w, h0, xs))
+
+    tol = dict(atol=1e-10, rtol=1e-9) if dtype == torch.float64 else dict(atol=1e-3, rtol=1e-4)
+    compiled = torch.compile(lambda w, h0, xs: run(scan, w, h0, xs), backend="inductor")
+    assert_trees_close(compiled(w, h0, xs), run(loop, w, h0, xs), **tol)

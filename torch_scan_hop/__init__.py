@@ -2,7 +2,7 @@
 
 Importing the package installs ``scan_op`` as ``torch.ops.higher_order.scan``.
 """
-from . import _compat
+from . import _compat, _inductor_fixes
 from ._op import scan_op
 from . import rules  # noqa: F401  (registers every rule of scan_op)
 from . import stacking_dynamo
@@ -18,5 +18,6 @@ from .partition import FwdBwd
 _compat.install_as_upstream_scan(scan_op)
 rules.rule_dynamo.install()
 stacking_dynamo.install()
+_inductor_fixes.fake_float64_attention_logsumexp_as_float64()
 
 __all__ = ["scan", "scan_layers", "stack_layers", "scan_op", "fwd_bwd", "ScanError", "FwdBwd", "clear_cache", "empty_cache"]

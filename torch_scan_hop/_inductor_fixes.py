@@ -1,4 +1,4 @@
-"""Workarounds for three torch 2.9 inductor defects that scan's while_loops hit.
+"""Workarounds for four torch 2.9 defects that scan's inductor loops hit.
 
 1. Subgraph inputs taken as donated buffers (fixed upstream by pytorch#193960).
    Compiling a backward graph, inductor marks the inputs listed in AOT's
@@ -26,6 +26,15 @@
    backward whose two 0-dim carry gradients start as the same zero. Such
    clones are realized copies (what torch 2.14's ``ExternKernel.copy_input``
    there does).
+
+4. A float64 attention's logsumexp, faked as float32. torch 2.9's fake kernel of
+   ``aten._scaled_dot_product_flash_attention_for_cpu`` says float32 where the
+   CPU kernel returns float64 (torch 2.14 says float64). A compiled loop passes
+   the real tensor on; a scan copies each step's values into a stacked buffer
+   made from the fake, and generated code read the float64 values as float32
+   (then the backward stopped: "expected scalar type Double but found Float").
+   FakeTensorMode gets the real dtype for float64 inputs; others are untouched.
+   Installed on import: Dynamo fakes the body before inductor runs.
 """
 import contextlib
 
@@ -68,6 +77,41 @@ def realize_copies_of_aliased_carries():
 
     clone_aliased_inputs._scan_realized = True
     ir.WhileLoop._clone_aliased_inputs = staticmethod(clone_aliased_inputs)
+
+
+def fake_float64_attention_logsumexp_as_float64():
+    """Defect 4: where FakeTensorMode fakes a float64 CPU flash attention's logsumexp
+    as float32, register a fake rule returning it as float64. Idempotent. torch
+    2.9: ``fake_impls.op_implementations_checks`` (consulted before meta kernels),
+    ``fake_tensor.in_kernel_invocation_manager``, ``FakeTensor(mode, meta, device)``."""
+    from torch._subclasses import fake_impls
+
+    if any(getattr(impl, "_scan_float64_lse", False) for _, impl in fake_impls.op_implementations_checks):
+        return
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    if _faked_logsumexp_dtype(op) == torch.float64:
+        return
+
+    def fake_attention(fake_mode, func, *args, **kwargs):
+        from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+
+        query = args[0] if args else kwargs["query"]
+        if query.dtype != torch.float64:
+            return NotImplemented
+        with in_kernel_invocation_manager(fake_mode):
+            out, lse = func(*args, **kwargs)
+            lse = torch.empty_strided(lse.size(), lse.stride(), dtype=query.dtype, device="meta")
+        return FakeTensor(fake_mode, out, query.device), FakeTensor(fake_mode, lse, query.device)
+
+    fake_attention._scan_float64_lse = True
+    fake_impls.op_implementations_checks.append((lambda func: func is op, fake_attention))
+    _compat.FakeTensorMode.cache_clear()  # results cached before (the probe's among them) are stale
+
+
+def _faked_logsumexp_dtype(op):
+    with _compat.FakeTensorMode():
+        q = torch.empty(1, 1, 2, 4, dtype=torch.float64)
+        return op(q, q, q)[1].dtype
 
 
 def _is_expanded(val):
