@@ -4,7 +4,7 @@ import os
 
 import pytest
 import torch
-from conftest import assert_trees_close, loops_in
+from conftest import assert_trees_close, loops_in, reference_scan
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
@@ -281,13 +281,6 @@ def test_two_carries_starting_from_one_buffer(case, shape):
         a, s, t = c
         return (a * x, s * 1.5, t + 1.0), (a * s).sum() + t.sum()
 
-    def loop(body, c, xs):
-        ys = []
-        for x in xs:
-            c, y = body(c, x)
-            ys.append(y)
-        return c, torch.stack(ys)
-
     def run(fn, a, s, xs):
         init = (a, s, s) if case == "same_tensor_twice" else (a, s * 2, s * 3)
         (ca, cs, ct), ys = fn(body, init, xs)
@@ -295,7 +288,7 @@ def test_two_carries_starting_from_one_buffer(case, shape):
         return ca, ys, torch.autograd.grad(loss, (a, s, xs))
 
     compiled = torch.compile(lambda a, s, xs: run(scan, a, s, xs), backend="inductor")
-    assert_trees_close(compiled(a, s, xs), run(loop, a, s, xs), atol=1e-12, rtol=1e-10)
+    assert_trees_close(compiled(a, s, xs), run(reference_scan, a, s, xs), atol=1e-12, rtol=1e-10)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -315,17 +308,10 @@ def test_attention_in_the_body_in_float64_and_float32(dtype):
         h = torch.tanh(h + a.transpose(1, 2).reshape(2, 5, 8))
         return h, h.sum(-1)
 
-    def loop(body, h, xs):
-        ys = []
-        for x in xs:
-            h, y = body(h, x)
-            ys.append(y)
-        return h, torch.stack(ys)
-
     def run(fn, w, h0, xs):
         h, ys = fn(body, h0, xs)
         return h, ys, torch.autograd.grad(h.pow(2).sum() + ys.pow(2).sum(), (w, h0, xs))
 
     tol = dict(atol=1e-10, rtol=1e-9) if dtype == torch.float64 else dict(atol=1e-3, rtol=1e-4)
     compiled = torch.compile(lambda w, h0, xs: run(scan, w, h0, xs), backend="inductor")
-    assert_trees_close(compiled(w, h0, xs), run(loop, w, h0, xs), **tol)
+    assert_trees_close(compiled(w, h0, xs), run(reference_scan, w, h0, xs), **tol)

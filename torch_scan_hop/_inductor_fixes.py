@@ -60,58 +60,27 @@ def keep_subgraph_inputs_undonated():
 
 
 def realize_copies_of_aliased_carries():
-    """Make the copies ``WhileLoop._clone_aliased_inputs`` gives aliased carries
-    realized buffers (defect 3). Idempotent; a no-op where the copies already are
-    (torch 2.14). torch 2.9-2.14: ``ir.WhileLoop._clone_aliased_inputs(carried)``,
-    ``ir.ExternKernel.copy_input``, ``ir.is_storage_and_layout``."""
-    from torch._inductor import ir
-
-    clone_aliased = ir.WhileLoop._clone_aliased_inputs
-    if getattr(clone_aliased, "_scan_realized", False):
-        return
-
-    def clone_aliased_inputs(carried_inputs):
-        result = clone_aliased(carried_inputs)
-        return [new if new is old or ir.is_storage_and_layout(new) else ir.ExternKernel.copy_input(old)
-                for new, old in zip(result, carried_inputs)]
-
-    clone_aliased_inputs._scan_realized = True
-    ir.WhileLoop._clone_aliased_inputs = staticmethod(clone_aliased_inputs)
+    """Defect 3: the copies of carries that share a buffer are realized buffers."""
+    _compat.defects.realize_copies_of_aliased_while_carries()
 
 
 def fake_float64_attention_logsumexp_as_float64():
     """Defect 4: where FakeTensorMode fakes a float64 CPU flash attention's logsumexp
-    as float32, register a fake rule returning it as float64. Idempotent. torch
-    2.9: ``fake_impls.op_implementations_checks`` (consulted before meta kernels),
-    ``fake_tensor.in_kernel_invocation_manager``, ``FakeTensor(mode, meta, device)``."""
-    from torch._subclasses import fake_impls
-
-    if any(getattr(impl, "_scan_float64_lse", False) for _, impl in fake_impls.op_implementations_checks):
-        return
+    as float32, a fake rule gives it as float64 (for float64 queries only)."""
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-    if _faked_logsumexp_dtype(op) == torch.float64:
-        return
-
-    def fake_attention(fake_mode, func, *args, **kwargs):
-        from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
-
-        query = args[0] if args else kwargs["query"]
-        if query.dtype != torch.float64:
-            return NotImplemented
-        with in_kernel_invocation_manager(fake_mode):
-            out, lse = func(*args, **kwargs)
-            lse = torch.empty_strided(lse.size(), lse.stride(), dtype=query.dtype, device="meta")
-        return FakeTensor(fake_mode, out, query.device), FakeTensor(fake_mode, lse, query.device)
-
-    fake_attention._scan_float64_lse = True
-    fake_impls.op_implementations_checks.append((lambda func: func is op, fake_attention))
-    _compat.FakeTensorMode.cache_clear()  # results cached before (the probe's among them) are stale
-
-
-def _faked_logsumexp_dtype(op):
     with _compat.FakeTensorMode():
         q = torch.empty(1, 1, 2, 4, dtype=torch.float64)
-        return op(q, q, q)[1].dtype
+        if op(q, q, q)[1].dtype == torch.float64:
+            return
+
+    def float64_query(args, kwargs):
+        return (args[0] if args else kwargs["query"]).dtype == torch.float64
+
+    def logsumexp_as_float64(outs, args, kwargs):
+        out, lse = outs
+        return out, torch.empty_strided(lse.size(), lse.stride(), dtype=torch.float64, device=lse.device)
+
+    _compat.defects.add_fake_rule("float64 attention logsumexp", op, float64_query, logsumexp_as_float64)
 
 
 def _is_expanded(val):

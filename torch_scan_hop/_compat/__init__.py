@@ -12,6 +12,7 @@ Nothing else in torch_scan_hop imports a private torch name
 - ``autograd``: partitioners, joint tags, compiled autograd, SAC storage, custom-op formulas;
 - ``functorch``: vmap levels and batched tensors;
 - ``inductor``: post-grad scan pass, pattern matcher, subgraph lowering;
+- ``defects``: the mechanics of the torch 2.9 workarounds (an inductor IR patch, a fake rule);
 - ``nn``: ``nn.Module`` internals (state dicts, hooks);
 - ``xla``: ``torch_xla._XLAC`` and torch_xla's private ops.
 
@@ -21,7 +22,7 @@ The names the package used from the former single module are re-exported
 here, so ``_compat.X`` keeps working; subsystem-only adapters are reached as
 ``_compat.inductor.X``, ``_compat.xla.X``, ``_compat.nn.X``.
 """
-from . import autograd, dispatch, dynamo, functorch, hop, inductor, nn, tracing, xla  # noqa: F401
+from . import autograd, defects, dispatch, dynamo, functorch, hop, inductor, nn, tracing, xla  # noqa: F401
 from .autograd import (  # noqa: F401
     leaf_grad_hooks,
     custom_op_lacks_autograd,
