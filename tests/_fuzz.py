@@ -213,7 +213,12 @@ class _BodyWriter:
                "{a}.clone().mul_({b})", "{a} * torch.arange(3, dtype=%s, device={a}.device)" % self.dt(),
                "{a}.t().t() * {b}", "torch.cat(torch.split({a}, [1, 2], -1)[::-1], -1)",
                "torch.einsum('bd->db', {a}).T + torch.einsum('bd,de->be', {b}, {c}.T @ {a})",
-               "torch.tanh({a}.t().contiguous().t() * {b})"]  # a value over transposed memory, saved
+               "torch.tanh({a}.t().contiguous().t() * {b})",  # a value over transposed memory, saved
+               # ops with several outputs or an extern kernel (saved values of other dtypes/layouts)
+               "torch.nn.functional.scaled_dot_product_attention({a}[None, None], {b}[None, None], "
+               "{c}[None, None], is_causal=%s)[0, 0]" % r.choice([True, False]),  # 4-d: CPU flash attention
+               "torch.nn.functional.layer_norm({a}, (3,)) * {b}", "{a}.max(-1, keepdim=True).values * {b}",
+               "{a}.sort(-1).values * {b}", "{a}.cumsum(-1) * 0.3", "torch.logsumexp({a}, -1, keepdim=True) - {b}"]
         if self.ints:
             i = r.choice(self.ints)
             ops += ["{a} * (%s %% 3).to(%s)" % (i, self.dt()), "{a}.gather(1, (%s %% 3).expand(2, 3))" % i]
