@@ -5,7 +5,9 @@ step (forward + backward). On XLA (CPU): first call (trace + compile + run) and 
 time. Under inductor (CPU): compile (first call) and steady step time. One table each and a
 PNG plot of the XLA first-call times.
 "stacked" is ours on layers given stacked storage by ``stack_layers`` (no stack of the weights per
-call, one stacked gradient handed back as row views).
+call, one stacked gradient handed back as row views); "stacked_g" the same with
+``stack_layers(grads="stacked")`` (the stacks are the trained parameters: one gradient per name, no
+per-layer ``.grad``).
 Targets: compile time flat in depth and <= torch_xla's scan_layers; steady step <= 1.2x the loop
 (stacked: <= 1.0x under inductor, first compile at depth 64 <= 1.2x depth 8). Under inductor the
 steps are interleaved round by round: "/loop" is best over best, "median/loop" the median of the
@@ -46,13 +48,15 @@ def step(fn, layers, x, sync):
     layers.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     fn(layers, x).pow(2).mean().backward()
-    sync([p.grad for p in layers.parameters()])
+    sync([p.grad for p in layers.parameters() if p.grad is not None])
     return time.perf_counter() - t0
 
 
 def prepare(name, base):
     """A fresh copy of the stack for one variant (stacked storage for "stacked")."""
     layers = copy.deepcopy(base)
+    if name == "stacked_g":
+        return stack_layers(layers, grads="stacked")
     return stack_layers(layers) if name == "stacked" else layers
 
 
@@ -80,7 +84,8 @@ def xla_table(depths):
     for depth in depths:
         base = make_stack(depth, D, HEADS)
         x = torch.randn(BATCH, SEQ, D).to(dev)
-        for name, fn in (("ours", ours), ("stacked", ours), ("torch_xla", torch_xla_scan_layers), ("loop", run_loop)):
+        for name, fn in (("ours", ours), ("stacked", ours), ("stacked_g", ours), ("torch_xla", torch_xla_scan_layers),
+                         ("loop", run_loop)):
             results[name, depth] = measure(fn, prepare(name, base).to(dev), x, sync)
     return results
 
@@ -96,14 +101,14 @@ def inductor_table(depths, reps=30):
         x = torch.randn(BATCH, SEQ, D)
         torch._dynamo.reset()
         steps = {}
-        for name, fn in (("ours", ours), ("stacked", ours), ("loop", run_loop)):
+        for name, fn in (("ours", ours), ("stacked", ours), ("stacked_g", ours), ("loop", run_loop)):
             compiled, layers = torch.compile(fn, backend="inductor"), prepare(name, base)
             steps[name] = lambda c=compiled, l=layers: step(c, l, x, lambda ts: None)
             results[name, depth] = steps[name]()
         times = interleaved_times(steps, reps)
         for name, ts in times.items():
             results[name, depth] = (results[name, depth], min(ts))
-        for name in ("ours", "stacked"):
+        for name in ("ours", "stacked", "stacked_g"):
             results["paired", name, depth] = paired_ratio(times[name], times["loop"])
     return results
 
@@ -135,7 +140,7 @@ def plot(results, depths, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name in ("ours", "stacked", "torch_xla", "loop"):
+    for name in ("ours", "stacked", "stacked_g", "torch_xla", "loop"):
         ax.plot(depths, [results[name, d][0] for d in depths], marker="o", label=name)
     ax.set(xlabel="depth (layers)", ylabel="first training step: trace + compile + run (s)",
            title=f"decoder stack on XLA (CPU), hidden {D}")
@@ -155,14 +160,14 @@ def main():
     if "--skip-xla" not in sys.argv:
         xla = xla_table(depths)
         report(f"XLA (CPU) training step, decoder hidden {D}, batch {BATCH}x{SEQ}", xla, depths,
-               ["ours", "stacked", "torch_xla", "loop"])
+               ["ours", "stacked", "stacked_g", "torch_xla", "loop"])
         if "--plot" in sys.argv:
             plot(xla, depths, sys.argv[sys.argv.index("--plot") + 1])
     if "--skip-inductor" not in sys.argv:
         torch.set_num_threads(1)
         reps = int(sys.argv[sys.argv.index("--reps") + 1]) if "--reps" in sys.argv else 30
         report(f"inductor (CPU) training step, batch {BATCH}x{SEQ}", inductor_table(depths, reps), depths,
-               ["ours", "stacked", "loop"])
+               ["ours", "stacked", "stacked_g", "loop"])
 
 
 if __name__ == "__main__":

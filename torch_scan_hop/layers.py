@@ -22,6 +22,7 @@ import torch
 from . import _compat
 from ._stack_weights import stack_weights
 from .stacking import container_of, container_token, owner_of, stacked_storage
+from .stacking_grads import check_flags_traced, stacks_swapped
 from ._trees import ScanError, flatten
 from .api import scan
 from .eager_loop import remat_step
@@ -129,10 +130,11 @@ def _stacked_state(states):
     return {name: stack_weights([state[name] for state in states]) for name in states[0]}
 
 
-def _from_storage(layers, stacked, ref_state, token):
+def _from_storage(layers, stacked, ref_state, token, trained_stacks):
     """The scanned weights from stacked storage: the stacked tensors themselves (no copy; their
     gradient is handed to the layers by ``stacking``, to those whose flag asks for it), detached
-    for a parameter name no layer requires grad for. Buffers (and Parameters the stacks leave
+    for a parameter name no layer requires grad for. With ``trained_stacks`` (grads="stacked")
+    the stacks are parameters with their own flag and gradient. Buffers (and Parameters the stacks leave
     out) are stacked per call as without stacked storage."""
     xs, buffer_names = {}, []
     for name in ref_state:
@@ -140,7 +142,7 @@ def _from_storage(layers, stacked, ref_state, token):
             buffer_names.append(name)
             continue
         P = stacked[name]
-        xs[name] = P if _some_layer_wants_grad(layers, name, token) else P.detach()
+        xs[name] = P if trained_stacks or _some_layer_wants_grad(layers, name, token) else P.detach()
     if buffer_names:
         states = [_state(layer, "", {}) for layer in layers]
         for name in buffer_names:
@@ -376,9 +378,11 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=1, **broadcast_kwargs)
     # stacked storage was checked for identical structure when made: layer 0's state suffices here
     states = _layer_states(layers) if stacked is None else [_state(layers[0], "", {})]
     flat_inputs = [t for t in flatten((inputs, broadcast_kwargs))[0] if isinstance(t, torch.Tensor)]
-    if not callable(remat) and _compat.runs_eagerly(flat_inputs + list(states[0].values())):
+    if (not callable(remat) and _compat.runs_eagerly(flat_inputs + list(states[0].values()))
+            and not stacks_swapped(container, stacked)):  # a swapped stack: scanned, the layers cannot run it
         return _eager_loop(layers, inputs, remat, broadcast_kwargs)
-    xs = _stacked_state(states) if stacked is None else _from_storage(layers, stacked, states[0], token)
+    trained_stacks = stacked is not None and container.grads_mode == "stacked"
+    xs = _stacked_state(states) if stacked is None else _from_storage(layers, stacked, states[0], token, trained_stacks)
     template = layers[0]
     single = len(inputs) == 1
     if not dynamo:  # checked here, in Python: the traced body then reads no peer
@@ -390,6 +394,8 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=1, **broadcast_kwargs)
         if dynamo:  # in the body: under torch.compile only errors raised there stay ScanErrors
             _check_no_hooks_traced(layers, token)
             _check_no_running_stat_updates(template)
+            if trained_stacks:
+                check_flags_traced(token)
         args = (h,) if single else tuple(h)
         out = view_of(template, params, peers=peers)(*args, **broadcast_kwargs)  # kwargs: closed over
         if not single and isinstance(out, list):

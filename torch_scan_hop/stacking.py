@@ -38,16 +38,22 @@ import weakref
 import torch
 
 from . import _compat
-from ._stack_weights import rows_of
+from . import stacking_grads as _grads
 from ._trees import ScanError
 
 _BROKEN = "_scan_stack_broken"
 
 
-def stack_layers(layers):
+def stack_layers(layers, *, grads="per_layer"):
     """Give ``layers`` (an ``nn.ModuleList`` or ``nn.Sequential`` of identical
-    modules) stacked parameter storage, in place; returns ``layers``."""
+    modules) stacked parameter storage, in place; returns ``layers``.
+    ``grads``: "per_layer" (each layer parameter gets its ``.grad``, optimizers
+    train the layers' parameters) or "stacked" (the stacks are registered
+    parameters that get one ``.grad`` per name and that optimizers train; see
+    ``stacking_grads``)."""
+    _grads.check_mode(grads)
     if isinstance(layers, _StackedMixin):
+        layers.__dict__["_scan_grads"] = grads
         layers.restack()
         return layers
     cls = _STACKED_CLASSES.get(type(layers))
@@ -62,6 +68,7 @@ def stack_layers(layers):
         if len(devices) > 1:
             raise ScanError(f"stack_layers: the layers' parameters are on several devices {sorted(map(str, devices))}.")
     layers.__class__ = cls
+    layers.__dict__["_scan_grads"] = grads
     layers.restack()
     return layers
 
@@ -81,10 +88,15 @@ class _StackedMixin:
                 with torch.no_grad():
                     P = torch.stack([p.detach() for p in ps])
                 stacked[name] = P
+            if self.grads_mode == "stacked":
+                stacked = _grads.register_stacks(self, stacked, owners)
+            else:
+                _grads.drop_stacks(self)
             self.__dict__["_scan_stacked"] = stacked
             self.__dict__["_scan_owners"] = owners
             self._rebind()
         else:
+            _grads.drop_stacks(self)
             self.__dict__["_scan_stacked"], self.__dict__["_scan_owners"] = {}, {}
         self.__dict__[_BROKEN] = False
         _track(self)
@@ -101,17 +113,26 @@ class _StackedMixin:
             rows = P.detach()
             for i, p in enumerate(params):
                 p.data = rows[i]
-            if not (P.is_floating_point() or P.is_complex()):
+            if P.device.type == "xla":  # rows start as pending slices: the first step's graph would differ
+                _compat.xla.materialize([P, *params])
+            if self.grads_mode == "stacked" or not (P.is_floating_point() or P.is_complex()):
                 fed[name] = P
             elif P.device.type == "xla":
                 P.requires_grad_(True)
-                _register_grad_hook(self, name, P)
+                _grads.register_xla_hand_out(self, name, P)
                 fed[name] = P
-                # rows start as pending slices: the first step's graph would differ
-                _compat.xla.materialize([P, *params])
             else:
                 fed[name] = _stack_node(params, P)
         self.__dict__["_scan_fed"] = fed
+        if self.grads_mode == "stacked":
+            _grads.route_layer_grads(self)
+        else:
+            _grads.unroute_layer_grads(self)
+
+    @property
+    def grads_mode(self):
+        """"per_layer" or "stacked" (see ``stack_layers``)."""
+        return self.__dict__.get("_scan_grads", "per_layer")
 
     # A layer added, removed or replaced (append, extend, insert, ``layers[i] = m``, del, pop): the
     # stacks no longer match the layers, so scan_layers stacks per call until ``restack()``.
@@ -148,7 +169,10 @@ class _StackedMixin:
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
-        if self.__dict__.get("_scan_stacked"):
+        if self.__dict__.get("_scan_stacked") and self.grads_mode == "stacked":
+            self.__dict__["_scan_stacked"] = _grads.registered_stacks(self)  # moved as parameters
+            self._rebind()
+        elif self.__dict__.get("_scan_stacked"):
             new = {}
             with torch.no_grad():
                 for name, P in self._scan_stacked.items():
@@ -161,6 +185,8 @@ class _StackedMixin:
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
         state = dict(state)
         state["_scan_stacked"] = {k: v.detach() for k, v in state.get("_scan_stacked", {}).items()}
+        if state.get("_scan_grads") == "stacked":
+            state.pop("_scan_stacked")  # the registered parameters are the stacks
         state.pop("_scan_owners", None)
         state.pop("_scan_ids", None)
         state.pop("_scan_fed", None)  # a graph node: rebuilt by _rebind
@@ -173,6 +199,8 @@ class _StackedMixin:
         self.__dict__["_scan_owners"] = _owners(mods) if mods else {}
         # the per-layer parameters are the truth (a deepcopy clones them apart from the stack):
         # copy them into the stack and re-view; after torch.load they already alias it.
+        if self.grads_mode == "stacked":
+            self.__dict__["_scan_stacked"] = _grads.registered_stacks(self)
         stacked = self.__dict__.get("_scan_stacked", {})
         with torch.no_grad():
             for name, P in stacked.items():
@@ -183,6 +211,15 @@ class _StackedMixin:
         self._rebind()
         self.__dict__.setdefault(_BROKEN, False)
         _track(self)
+
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        _grads.drop_from_state_dict(self, destination, prefix)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, *rest):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, *rest)
+        _grads.forgive_missing(self, prefix, missing_keys)
 
 
 class StackedModuleList(_StackedMixin, torch.nn.ModuleList):
@@ -257,51 +294,6 @@ def _stack_node(params, P):
     return node
 
 
-def _register_grad_hook(container, name, P):
-    ref = weakref.ref(container)
-
-    def deliver(P):
-        owner = ref()
-        g = P.grad
-        P.grad = None
-        if owner is None or g is None:
-            return
-        with torch.no_grad():
-            _hand_out(owner._scan_owners[name], rows_of(g))  # gathered rows
-
-    P.register_post_accumulate_grad_hook(deliver)
-
-
-def _hand_out(owners, rows):
-    """On XLA: give each layer parameter its gradient row, as its own accumulation would
-    (elsewhere ``_stack_node``'s StackBackward0 and AccumulateGrad do this in C++)."""
-    for (m, leaf), row in zip(owners, rows):
-        p = m._parameters.get(leaf)
-        if p is None or not p.requires_grad:
-            continue
-        if p._backward_hooks or p._post_accumulate_grad_hooks:
-            _hand_out_with_hooks(p, row)
-        elif p.grad is None:
-            p.grad = row
-        else:
-            p.grad.add_(row)
-
-
-def _hand_out_with_hooks(p, row):
-    """What a leaf's accumulation runs around a gradient: ``register_hook`` hooks (each may
-    replace it), accumulation, then ``register_post_accumulate_grad_hook`` hooks."""
-    pre, post = _compat.leaf_grad_hooks(p)
-    for hook in tuple(pre.values()):
-        new = hook(row)
-        row = row if new is None else new
-    if p.grad is None:
-        p.grad = row
-    else:
-        p.grad.add_(row)
-    for hook in tuple(post.values()):
-        hook(p)
-
-
 # --- used by scan_layers ---------------------------------------------------------------
 
 def stacked_storage(layers):
@@ -313,14 +305,20 @@ def stacked_storage(layers):
     if d.get(_BROKEN, True):
         return None
     stacked = d["_scan_fed"]
+    # stacked grads: the registered parameters as they are now (functional_call may swap one)
+    fed = _grads.fed_stacks(layers) if layers.grads_mode == "stacked" else stacked
     if _compat.is_dynamo_compiling():  # answered when tracing, kept by guards
         from .stacking_dynamo import layers_intact
 
-        return stacked if layers_intact(layers) else None
+        return fed if layers_intact(layers) else None
     # outside Dynamo also cheap pointer checks, catching `.data =` too
     if not _layers_hold_their_parameters(list(layers), d["_scan_ids"], stacked, check_rows=True):
         return None
-    return stacked
+    if layers.grads_mode == "stacked":
+        message = _grads.flags_message(layers)
+        if message is not None:
+            raise ScanError(message)
+    return fed
 
 
 def layers_hold_stack_parameters(layers):
