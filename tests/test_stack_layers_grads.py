@@ -132,13 +132,20 @@ def test_state_dict_round_trips_both_ways_and_strict_load():
     assert_trees_close(run_scan(layers, x), run_loop(other, x), atol=1e-10, rtol=1e-8)
 
 
-def test_a_layer_run_directly_trains_through_its_row():
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_layer_run_directly_trains_through_its_row(backend):
     """Outside scan_layers the layer's own Parameter gets the gradient; it is moved into its row of
     the stack's ``.grad`` (the optimizer trains the stack), the layer keeps no ``.grad``."""
     plain, layers = pair()
     x = torch.randn(2, 5, dtype=torch.float64)
+    torch._dynamo.reset()
+
+    def direct(model, x):
+        return model[2](x).sum() + model[0](x).pow(2).sum()
+
     for model in (plain, layers):
-        (model[2](x).sum() + model[0](x).pow(2).sum()).backward()
+        (direct(model, x) if model is plain or backend == "eager"
+         else torch.compile(direct, backend=backend)(model, x)).backward()
     assert all(p.grad is None for layer in layers for p in layer.parameters())
     got = stacked_grads(layers)
     want = {n: torch.stack([torch.zeros_like(layer.get_parameter(n)) if layer.get_parameter(n).grad is None
@@ -164,6 +171,8 @@ def test_freezing_a_name_in_all_layers_and_refusing_one_frozen_layer():
     layers[1].gate.requires_grad_(False)
     with pytest.raises(ScanError, match=r"layer 1's 'gate' has requires_grad=False"):
         run_scan(layers, x)
+    with pytest.raises(ScanError, match=r"layer 1's 'gate' has requires_grad=False"):
+        compiled("aot_eager")(layers, x)  # when compiling
 
 
 def test_a_layer_frozen_after_compiling_is_refused_in_the_backward():
@@ -188,6 +197,14 @@ def test_to_deepcopy_and_torch_save_keep_the_registered_stacks():
     assert_views(layers)
     for copied in (copy.deepcopy(layers), _saved_and_loaded(layers)):
         assert copied.grads_mode == "stacked"
+        fn = compiled("aot_eager")
+        fn(copied, torch.randn(2, 5)).sum().backward()
+        copied.zero_grad()
+        copied[0].gate.requires_grad_(False)  # the copy's own stacks are checked after its backward
+        with pytest.raises(ScanError, match="layer 0's 'gate'"):
+            fn(copied, torch.randn(2, 5)).sum().backward()
+        copied[0].gate.requires_grad_(True)
+        copied.zero_grad()
         assert copied.stacked__lin__weight is not P
         assert copied.stacked_parameters()["lin.weight"] is copied.stacked__lin__weight
         assert_views(copied)
@@ -328,3 +345,13 @@ def test_xla_one_gradient_output_per_name_and_values_match_the_loop():
     assert compiles[1:] == [0, 0]
     assert_trees_close([t.cpu() for t in layers.state_dict().values()], list(plain.state_dict().values()),
                        atol=1e-5, rtol=1e-4)
+
+
+def test_export_runs_the_layers_and_keeps_the_unstacked_state_dict():
+    """torch.export stacks per call (its program lifts the layers' parameters); the registered
+    stacks are parameters it does not read."""
+    plain, layers = pair(depth=3)
+    x = torch.randn(2, 5, dtype=torch.float64)
+    ep = torch.export.export(_Wrapper(layers), (x,))
+    assert_trees_close(ep.module()(x), run_loop(plain, x), atol=1e-10, rtol=1e-8)
+    assert set(_Wrapper(plain).state_dict()) <= set(ep.state_dict)

@@ -395,7 +395,7 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=1, **broadcast_kwargs)
             _check_no_hooks_traced(layers, token)
             _check_no_running_stat_updates(template)
             if trained_stacks:
-                check_flags_traced(token)
+                check_flags_traced(container, token)
         args = (h,) if single else tuple(h)
         out = view_of(template, params, peers=peers)(*args, **broadcast_kwargs)  # kwargs: closed over
         if not single and isinstance(out, list):

@@ -62,12 +62,8 @@ def register_stacks(container, stacked, owners):
                 old.copy_(data)
             P = old
         else:
-            trainable = data.is_floating_point() or data.is_complex()
-            P = torch.nn.Parameter(data, requires_grad=trainable)
+            P = torch.nn.Parameter(data, requires_grad=False)
             container.register_parameter(key, P)
-            if trainable:  # kept when frozen and unfrozen later
-                P.register_post_accumulate_grad_hook(_check_flags_after_backward)
-        _STACKS[P] = (weakref.ref(container), name)
         P.requires_grad_(wants and (P.is_floating_point() or P.is_complex()))
         out[name] = P
     container.__dict__["_scan_stack_keys"] = keys
@@ -131,19 +127,19 @@ def flags_message(container):
     return None
 
 
-def check_flags_traced(token):
-    """``flags_message`` under Dynamo, asked in Python when the body is traced (unguarded:
-    changing one layer's flag after compiling is caught outside torch.compile only)."""
-    message = _flags_message_when_traced(token)
-    if message is not None:
-        raise ScanError(message)
+def check_flags_traced(container, token):
+    """``flags_message`` under Dynamo: the answer asked in Python when the body is traced
+    (unguarded: a layer frozen after compiling is refused in the backward, see
+    ``_check_flags_after_backward``); the message traced only when it is no."""
+    if not _flags_agree_when_traced(token):
+        raise ScanError(flags_message(container))
 
 
 @torch.compiler.assume_constant_result  # runs in Python when traced; the token is guarded
-def _flags_message_when_traced(token):
+def _flags_agree_when_traced(token):
     from .stacking import container_of
 
-    return flags_message(container_of(token))
+    return flags_message(container_of(token)) is None
 
 
 _STACKS = WeakIdKeyDictionary()  # registered stack -> (container ref, name)
@@ -173,12 +169,25 @@ def route_layer_grads(container):
     which trains the stack, sees it and nothing is updated twice. One hook per Parameter
     object, registered once; the route is updated on every restack."""
     ref = weakref.ref(container)
+    for name, P in container.__dict__["_scan_stacked"].items():
+        _watch_stack(P, (ref, name))
     for name, where in container.__dict__.get("_scan_owners", {}).items():
         for i, (m, leaf) in enumerate(where):
             p = m._parameters[leaf]
             if p not in _ROUTES:
                 p.register_post_accumulate_grad_hook(_move_grad_to_stack)
             _ROUTES[p] = (ref, name, i)
+
+
+def _watch_stack(P, route):
+    """The flags check after each backward, registered once per stack object (a copied or
+    unpickled container has new ones), kept when the stack is frozen and unfrozen later."""
+    if P not in _STACKS and (P.is_floating_point() or P.is_complex()):
+        wanted = P.requires_grad
+        P.requires_grad_(True)
+        P.register_post_accumulate_grad_hook(_check_flags_after_backward)
+        P.requires_grad_(wanted)
+    _STACKS[P] = route
 
 
 def unroute_layer_grads(container):
