@@ -7,7 +7,8 @@ per-layer ``nn.Parameter`` objects stay registered where they were (same
 objects, now sharing the stacked storage), so ``state_dict`` keys,
 ``named_parameters()``, optimizers built before or after, ``torch.save`` and
 ``load_state_dict`` are unchanged: optimizers see and update the per-layer
-views, which updates the stack in place.
+views, which updates the stack in place. (With ``grads="stacked"`` the stacks
+are the container's parameters and what optimizers train: ``stacking_grads``.)
 
 The stacked tensors themselves are kept off the module's registries (a plain
 dict on the container, whose class becomes ``StackedModuleList`` /
