@@ -9,26 +9,15 @@ import random
 import pytest
 import torch
 from conftest import assert_trees_close
-from decoder import make_stack, run_loop
+from decoder import Calling, make_stack, run_loop
+from test_stack_layers_random import Block
 
 from torch_scan_hop import ScanError, scan_layers, stack_layers
 
 
-class Block(torch.nn.Module):
-    def __init__(self, d=5, bias=True, norm=True):
-        super().__init__()
-        self.lin = torch.nn.Linear(d, d, bias=bias)
-        self.norm = torch.nn.LayerNorm(d) if norm else None
-        self.gate = torch.nn.Parameter(torch.randn(d))
-
-    def forward(self, h):
-        z = h if self.norm is None else self.norm(h)
-        return h + torch.tanh(self.lin(z)) * self.gate
-
-
-def pair(depth=4, seed=0, **kw):
+def pair(depth=4, seed=0, d=5, bias=True, norm=True):
     torch.manual_seed(seed)
-    plain = torch.nn.ModuleList(Block(**kw) for _ in range(depth)).double()
+    plain = torch.nn.ModuleList(Block(d, bias, norm) for _ in range(depth)).double()
     return plain, stack_layers(copy.deepcopy(plain), grads="stacked")
 
 
@@ -259,7 +248,7 @@ def test_functional_call_with_another_stack_uses_it(backend):
     _, layers = pair()
     W = (layers.stacked__lin__weight.detach() * 2).requires_grad_(True)
     x = torch.randn(2, 5, dtype=torch.float64)
-    model = _Wrapper(layers)
+    model = Calling(layers, scan_layers)
     torch._dynamo.reset()
     if backend != "eager":
         model.compile(backend=backend)
@@ -271,15 +260,6 @@ def test_functional_call_with_another_stack_uses_it(backend):
     assert_trees_close(got, run_loop(want_layers, x), atol=1e-10, rtol=1e-8)
     got.sum().backward()
     assert W.grad is not None and layers.stacked__lin__weight.grad is None
-
-
-class _Wrapper(torch.nn.Module):
-    def __init__(self, ls):
-        super().__init__()
-        self.ls = ls
-
-    def forward(self, x):
-        return scan_layers(self.ls, x)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -352,9 +332,9 @@ def test_export_runs_the_layers_and_keeps_the_unstacked_state_dict():
     stacks are parameters it does not read."""
     plain, layers = pair(depth=3)
     x = torch.randn(2, 5, dtype=torch.float64)
-    ep = torch.export.export(_Wrapper(layers), (x,))
+    ep = torch.export.export(Calling(layers, scan_layers), (x,))
     assert_trees_close(ep.module()(x), run_loop(plain, x), atol=1e-10, rtol=1e-8)
-    assert set(_Wrapper(plain).state_dict()) <= set(ep.state_dict)
+    assert set(Calling(plain, scan_layers).state_dict()) <= set(ep.state_dict)
 
 
 def test_compiled_optimizer_step_trains_the_stacks():
