@@ -213,7 +213,6 @@ class _StackedMixin:
         self.__dict__.setdefault(_BROKEN, False)
         _track(self)
 
-
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         _grads.drop_from_state_dict(self, destination, prefix)
@@ -307,7 +306,7 @@ def stacked_storage(layers):
         return None
     stacked = d["_scan_fed"]
     # stacked grads: the registered parameters as they are now (functional_call may swap one)
-    fed = _grads.fed_stacks(layers) if layers.grads_mode == "stacked" else stacked
+    fed = _grads.registered_stacks(layers) if layers.grads_mode == "stacked" else stacked
     if _compat.is_dynamo_compiling():  # answered when tracing, kept by guards
         from .stacking_dynamo import layers_intact
 

@@ -77,13 +77,9 @@ def drop_stacks(container, keep=()):
 
 
 def registered_stacks(container):
-    """``{name: the registered stack}`` after ``_apply`` / unpickling replaced or moved them."""
-    return {name: container._parameters[key] for name, key in stack_keys(container).items()}
-
-
-def fed_stacks(container):
-    """What ``scan_layers`` scans in stacked mode: the container's parameters under the
-    stack keys as they are now (``torch.func.functional_call`` may have swapped one)."""
+    """``{name: the container's parameter under the stack's key}`` as it is now: after
+    ``_apply`` / unpickling replaced or moved them, or with one swapped by
+    ``torch.func.functional_call`` (what ``scan_layers`` then scans)."""
     return {name: container._parameters[key] for name, key in stack_keys(container).items()}
 
 
@@ -153,7 +149,7 @@ def _check_flags_after_backward(P):
     container = None if found is None else found[0]()
     if container is None or container.grads_mode != "stacked":
         return
-    for i, (m, leaf) in enumerate(container.__dict__["_scan_owners"].get(found[1], ())):
+    for m, leaf in container.__dict__["_scan_owners"].get(found[1], ()):  # this stack's name only
         p = m._parameters.get(leaf)
         if p is not None and not p.requires_grad:
             P.grad = None
