@@ -354,3 +354,20 @@ def test_compiled_optimizer_step_trains_the_stacks():
         opt_s.zero_grad()
     assert_same_weights(layers, plain, atol=1e-10, rtol=1e-8)
     assert_views(layers)
+
+
+def test_an_optimizer_holding_the_layers_but_not_the_stacks_is_refused():
+    """Built before stack_layers(grads="stacked") it would hold only the layers' parameters, which
+    never get a gradient: its first step names the parameter instead of silently not training."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(Block(5, True, True) for _ in range(3)).double()
+    early = torch.optim.SGD(layers.parameters(), lr=0.1)
+    stack_layers(layers, grads="stacked")
+    late = torch.optim.SGD(layers.parameters(), lr=0.1)
+    run_scan(layers, torch.randn(2, 5, dtype=torch.float64)).sum().backward()
+    with pytest.raises(ScanError, match=r"SGD holds layer 0's 'gate' .*'stacked__gate'"):
+        early.step()
+    late.step()  # holds the stacks too
+    layers.requires_grad_(False)
+    layers.restack()
+    early.step()  # nothing trains: nothing is lost

@@ -165,6 +165,7 @@ def route_layer_grads(container):
     which trains the stack, sees it and nothing is updated twice. One hook per Parameter
     object, registered once; the route is updated on every restack."""
     ref = weakref.ref(container)
+    _watch_optimizers()
     for name, P in container.__dict__["_scan_stacked"].items():
         _watch_stack(P, (ref, name))
     for name, where in container.__dict__.get("_scan_owners", {}).items():
@@ -190,6 +191,46 @@ def unroute_layer_grads(container):
     for where in container.__dict__.get("_scan_owners", {}).values():
         for m, leaf in where:
             _ROUTES.pop(m._parameters.get(leaf), None)
+
+
+_OPTIMIZERS_CHECKED = weakref.WeakKeyDictionary()  # optimizer -> (restacks seen, parameter count)
+_RESTACKS = [0]
+
+
+def _watch_optimizers():
+    """An optimizer built on the layers' parameters before ``stack_layers(grads="stacked")``
+    (or on some of them, without the stacks) would never see a gradient: the layers train
+    silently not at all. A global step pre-hook refuses it at its first step (rechecked
+    after a restack or when its parameters change; skipped in a compiled step)."""
+    _RESTACKS[0] += 1
+    if _RESTACKS[0] == 1:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(_check_optimizer)
+
+
+def _check_optimizer(optimizer, args, kwargs):
+    if torch.compiler.is_compiling():
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    seen = (_RESTACKS[0], len(params))
+    if _OPTIMIZERS_CHECKED.get(optimizer) == seen:
+        return
+    held = {id(p) for p in params}
+    for p in params:
+        route = _ROUTES.get(p)
+        container = None if route is None else route[0]()
+        if container is None or container.__dict__.get("_scan_stack_broken", True):
+            continue
+        P = registered_stacks(container).get(route[1])
+        if P is not None and P.requires_grad and id(P) not in held:
+            raise ScanError(
+                f"{type(optimizer).__name__} holds layer {route[2]}'s '{route[1]}' of a "
+                "stack_layers(..., grads='stacked') container but not the stack trained in its place "
+                f"('{stack_key(route[1])}'): the layers' own parameters get no gradient there. Build the "
+                "optimizer after stack_layers from model.parameters() (or pass the stacks), or use "
+                "grads='per_layer'.")
+    _OPTIMIZERS_CHECKED[optimizer] = seen
 
 
 def _move_grad_to_stack(p):
