@@ -200,8 +200,10 @@ _RESTACKS = [0]
 def _watch_optimizers():
     """An optimizer built on the layers' parameters before ``stack_layers(grads="stacked")``
     (or on some of them, without the stacks) would never see a gradient: the layers train
-    silently not at all. A global step pre-hook refuses it at its first step (rechecked
-    after a restack or when its parameters change; skipped in a compiled step)."""
+    silently not at all; one holding a stack in another param group than its layers' parameters
+    would train it with options not meant for it. A global step pre-hook refuses both at the
+    first step (rechecked after a restack or when its parameters change; skipped in a compiled
+    step)."""
     _RESTACKS[0] += 1
     if _RESTACKS[0] == 1:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -212,25 +214,57 @@ def _watch_optimizers():
 def _check_optimizer(optimizer, args, kwargs):
     if torch.compiler.is_compiling():
         return
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    seen = (_RESTACKS[0], len(params))
+    groups = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    seen = (_RESTACKS[0], len(groups))
     if _OPTIMIZERS_CHECKED.get(optimizer) == seen:
         return
-    held = {id(p) for p in params}
-    for p in params:
+    for p in [p for group in optimizer.param_groups for p in group["params"]]:
         route = _ROUTES.get(p)
         container = None if route is None else route[0]()
         if container is None or container.__dict__.get("_scan_stack_broken", True):
             continue
         P = registered_stacks(container).get(route[1])
-        if P is not None and P.requires_grad and id(P) not in held:
+        if P is None or not P.requires_grad:
+            continue
+        where = (f"{type(optimizer).__name__} holds layer {route[2]}'s '{route[1]}' of a "
+                 "stack_layers(..., grads='stacked') container")
+        if id(P) not in groups:
             raise ScanError(
-                f"{type(optimizer).__name__} holds layer {route[2]}'s '{route[1]}' of a "
-                "stack_layers(..., grads='stacked') container but not the stack trained in its place "
-                f"('{stack_key(route[1])}'): the layers' own parameters get no gradient there. Build the "
-                "optimizer after stack_layers from model.parameters() (or pass the stacks), or use "
-                "grads='per_layer'.")
+                f"{where} but not the stack trained in its place ('{stack_key(route[1])}'): the layers' own "
+                "parameters get no gradient there. Build the optimizer after stack_layers from "
+                "model.parameters() (or pass the stacks), or use grads='per_layer'.")
+        _check_same_options(where, route, groups[id(p)], groups[id(P)])
     _OPTIMIZERS_CHECKED[optimizer] = seen
+
+
+def _check_same_options(where, route, layer_group, stack_group):
+    """A layer parameter's group states the options meant for it (e.g. no weight decay for biases
+    and norms, a per-layer learning rate), but its stack is what trains: a stack in a group with
+    other options would silently train otherwise (grouping by ``p.dim()`` does that: a stack has
+    one more dimension than its rows)."""
+    if layer_group is stack_group:
+        return
+    for key in sorted(set(layer_group) | set(stack_group)):
+        if key in ("params", "param_names"):
+            continue
+        a, b = layer_group.get(key), stack_group.get(key)
+        if not _same_option(a, b):
+            raise ScanError(
+                f"{where} in a param group with {key}={a!r}, but its stack '{stack_key(route[1])}' (what "
+                f"trains in its place) is in a group with {key}={b!r}. Put the stack in the layers' group "
+                "(a stack has one more dimension than a layer parameter: grouping by p.dim() separates "
+                "them), leave the layer parameters out of the optimizer, or use grads='per_layer' for "
+                "per-layer options.")
+
+
+def _same_option(a, b):
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and bool(torch.equal(a.detach().cpu(), b.detach().cpu())))
+    try:
+        return bool(a == b)
+    except Exception:  # options without a truthy comparison (arrays): identity only
+        return a is b
 
 
 def _move_grad_to_stack(p):
