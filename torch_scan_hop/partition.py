@@ -330,6 +330,7 @@ def partition_step(step: JointStep, remat="save_all") -> FwdBwd:
             plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in (*primals, *tangents)]
         joint = _compat.trace_graph(torch.func.functionalize(joint, remove="mutations"), plain)
     drop_aliases(joint)
+    _compat.drop_checkpoint_tags(joint)
     _name_joint_placeholders(joint, len(primals))
     fwd, bwd = _partition_fn(remat)(joint, [*primals, *tangents], num_fwd_outputs=num_out)
     fwd, bwd = _hoist_recomputable_saves(joint, fwd, bwd, num_out, num_carry, num_x)

@@ -31,6 +31,8 @@ from .autograd import (  # noqa: F401
     partitioner,
     rename_node,
     replayable_selective_checkpoint_contexts,
+    selective_checkpoint_modes,
+    drop_checkpoint_tags,
     tag_forward_nodes,
 )
 from .dispatch import (  # noqa: F401
@@ -48,6 +50,7 @@ from .dispatch import (  # noqa: F401
     is_op_or_packet,
     is_op_overload,
     on_xla,
+    only_user_modes_active,
     op_schema,
     runs_eagerly,
     storage_use_count,

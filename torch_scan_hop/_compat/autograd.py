@@ -21,6 +21,19 @@ def tag_forward_nodes(num_primals):
         node.meta["partitioner_tag"] = "is_backward" if is_tangent else "is_forward"
 
 
+def drop_checkpoint_tags(graph_module):
+    """Forget the activation-checkpoint tags a joint traced inside a compiled
+    ``torch.utils.checkpoint`` region inherits from it (FX copies the running
+    node's meta into every node it records): the partitioners would take the
+    whole body for a checkpoint region, default_partition would switch to a
+    min cut, and that cut fails on a joint with tags on one side only. The body's
+    own ``remat`` decides what its step saves; the region recomputes the scan as
+    one node. torch 2.9-2.14: node meta keys "recompute" and "ac_graph_id"."""
+    for node in graph_module.graph.nodes:
+        node.meta.pop("recompute", None)
+        node.meta.pop("ac_graph_id", None)
+
+
 def rename_node(node, name):
     """Give an FX node a new (unique) name. Partitioners tell primals from
     tangents by placeholder name, as AOTAutograd names them, so a joint traced
@@ -87,6 +100,15 @@ class _ReplayDict(dict):
         if key in self and value is getattr(ckpt, "_CONSUMED", None):
             return
         super().__setitem__(key, value)
+
+
+def selective_checkpoint_modes():
+    """The dispatch modes of ``torch.utils.checkpoint``'s selective checkpointing
+    (the forward's caching mode, the recompute's cached mode). torch 2.9-2.14:
+    ``_CachingTorchDispatchMode`` and ``_CachedTorchDispatchMode``, private, same names."""
+    from torch.utils import checkpoint as ckpt
+
+    return ckpt._CachingTorchDispatchMode, ckpt._CachedTorchDispatchMode
 
 
 def replayable_selective_checkpoint_contexts(policy_fn):
