@@ -28,6 +28,10 @@ class ScanOp(_compat.HigherOrderOperator):
             raise TypeError(f"scan_op: additional_inputs must be a tuple, got {type(additional_inputs)}")
         if not xs:
             raise ValueError("scan_op: xs must have at least one tensor (it carries the length)")
+        if _compat.only_user_modes_active():
+            flat = [*init, *xs, *additional_inputs]
+            if _compat.runs_eagerly(flat):
+                return _loop_under_user_modes(combine_fn, init, xs, additional_inputs, reverse, remat)
         kwargs = {}
         if reverse:
             kwargs["reverse"] = True
@@ -46,6 +50,18 @@ class ScanOp(_compat.HigherOrderOperator):
 
 
 scan_op = ScanOp()
+
+
+def _loop_under_user_modes(combine_fn, init, xs, additional_inputs, reverse, remat):
+    """Under modes that trace nothing (FlopCounterMode, selective checkpointing, a
+    logging mode) on real tensors the op is the Python loop, called here before
+    dispatch: the modes see each body op, as in a for loop, and no mode needs a
+    rule for this op. A partition function (``remat`` callable) only picks what a
+    traced backward saves; the loop's tape saves what each op saves."""
+    from .eager_loop import run_flat
+
+    return run_flat(combine_fn, list(init), list(xs), tuple(additional_inputs), reverse,
+                    "save_all" if callable(remat) else remat)
 
 
 def split_out(flat_out, num_carry):

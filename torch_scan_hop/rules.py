@@ -12,6 +12,7 @@ Functionalize                  ``rule_functionalize``  functionalized body, inpu
 functorch (vmap, grad, jvp)    ``rule_functorch``      vmap: one scan over the vmapped body
 XLA                            ``rule_xla``            one XLA While around the body's HLO
 Dynamo (torch.compile)         ``rule_dynamo``         VariableTracker capturing one scan node
+selective checkpoint modes     ``rule_checkpoint``     traced: the scan is one op to the policy
 =============================  ======================  ==============================================
 
 Rules import only shared helpers (``_body_checks``, ``eager_loop``,
@@ -19,6 +20,7 @@ Rules import only shared helpers (``_body_checks``, ``eager_loop``,
 """
 from . import (  # noqa: F401  (each registers its rule on import)
     rule_autograd,
+    rule_checkpoint,
     rule_dynamo,
     rule_eager,
     rule_fake,
@@ -37,4 +39,5 @@ RULES = {
     "functorch": rule_functorch,
     "XLA": rule_xla,
     "Dynamo": rule_dynamo,
+    "selective checkpoint modes": rule_checkpoint,
 }

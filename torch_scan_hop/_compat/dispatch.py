@@ -44,6 +44,27 @@ def dispatch_modes_active():
     return _len_torch_dispatch_stack() > 0
 
 
+def tracing_modes_active():
+    """A tracing mode is on the stack: fake, proxy or functional (torch's "infra"
+    modes), or a pre-dispatch trace. Other modes (FlopCounterMode, selective
+    checkpointing's caching modes, a user's logging mode) trace nothing: under them
+    the scan is the loop, each body op passing through the mode as in a for loop.
+
+    torch 2.9-2.14: ``TorchDispatchMode.is_infra_mode``, the stack getter of
+    ``torch.utils._python_dispatch`` and ``torch._ops``' pre-dispatch stack."""
+    from torch._ops import _len_torch_dispatch_stack_pre_dispatch
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    if _len_torch_dispatch_stack_pre_dispatch() > 0:
+        return True
+    return any(getattr(m, "is_infra_mode", lambda: False)() for m in _get_current_dispatch_mode_stack())
+
+
+def only_user_modes_active():
+    """Dispatch modes are on the stack and none of them traces (see ``tracing_modes_active``)."""
+    return dispatch_modes_active() and not tracing_modes_active()
+
+
 def is_dynamo_compiling():
     """Dynamo is tracing this frame. Public on torch 2.9-2.14; kept here so the
     rules ask every "which tracer is on" question in one place."""
@@ -81,13 +102,14 @@ def _is_eager_tensor(t):
 
 
 def runs_eagerly(tensors):
-    """No tracer (make_fx, fake mode, Dynamo, functionalization) is active and
+    """No tracer (make_fx, fake mode, Dynamo, functionalization) is active (modes that
+    trace nothing, e.g. FlopCounterMode, may be) and
     every tensor holds real data off XLA: the scan is the Python loop.
     torch.func's vmap/grad/jvp wrappers count as eager: the loop composes with them.
 
     torch 2.9-2.14: the mode stack, fake / functional tensor classes and the
     functorch interpreter stack it reads are the same on both."""
-    if is_dynamo_compiling() or dispatch_modes_active() or _functionalize_transform_active():
+    if is_dynamo_compiling() or tracing_modes_active() or _functionalize_transform_active():
         return False
     return all(_is_eager_tensor(t) for t in tensors if isinstance(t, torch.Tensor))
 
