@@ -371,3 +371,68 @@ def test_an_optimizer_holding_the_layers_but_not_the_stacks_is_refused():
     layers.requires_grad_(False)
     layers.restack()
     early.step()  # nothing trains: nothing is lost
+
+
+def test_a_stack_grouped_apart_from_its_layers_is_refused():
+    """Grouping by ``p.dim()`` (no weight decay for biases and norms) puts a layer's bias in one
+    group and its stack, one dimension higher, in another: the stack would silently be decayed.
+    Per-layer learning rates cannot reach a stack either. Both name the option; groups that agree
+    (or that hold the stacks with the layers) train like the loop."""
+    torch.manual_seed(0)
+    plain = torch.nn.ModuleList(Block(5, True, True) for _ in range(3)).double()
+    layers = stack_layers(copy.deepcopy(plain), grads="stacked")
+
+    def by_dim(model):
+        ps = list(model.parameters())
+        return torch.optim.AdamW([{"params": [p for p in ps if p.dim() >= 2], "weight_decay": 0.1},
+                                  {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}], lr=0.01)
+
+    run_scan(layers, torch.randn(2, 5, dtype=torch.float64)).sum().backward()
+    with pytest.raises(ScanError, match=r"layer 0's 'gate' .* weight_decay=0.0, but its stack 'stacked__gate' "
+                                        r".* weight_decay=0.1.*grouping by p.dim\(\)"):
+        by_dim(layers).step()
+    per_layer_lr = torch.optim.SGD([{"params": list(layer.parameters()), "lr": 0.1 / (i + 1)}
+                                    for i, layer in enumerate(layers)] +
+                                   [{"params": list(layers.stacked_parameters().values())}], lr=0.1)
+    with pytest.raises(ScanError, match=r"layer 1's 'gate' .* lr=0.05, but its stack 'stacked__gate' .* lr=0.1"):
+        per_layer_lr.step()
+    # what to do: group the stacks by their rows' dimension; a later add_param_group with equal options is fine
+    layers.zero_grad()
+    stacks = set(map(id, layers.stacked_parameters().values()))
+
+    def fixed(model):
+        ps = list(model.parameters())
+        rank = [p.dim() - (id(p) in stacks) for p in ps]
+        return torch.optim.AdamW([{"params": [p for p, r in zip(ps, rank) if r >= 2], "weight_decay": 0.1},
+                                  {"params": [p for p, r in zip(ps, rank) if r < 2], "weight_decay": 0.0}], lr=0.01)
+
+    opts = by_dim(plain), fixed(layers)
+    for _ in range(3):
+        x = torch.randn(2, 5, dtype=torch.float64)
+        for model, o, f in ((plain, opts[0], run_loop), (layers, opts[1], run_scan)):
+            f(model, x).pow(2).sum().backward()
+            o.step()
+            o.zero_grad()
+    assert_same_weights(layers, plain, atol=1e-10, rtol=1e-8)
+    late = torch.optim.SGD(list(layers[0].parameters()), lr=0.1)
+    late.add_param_group({"params": list(layers.stacked_parameters().values())})
+    run_scan(layers, torch.randn(2, 5, dtype=torch.float64)).sum().backward()
+    late.step()
+
+
+def test_eager_autograd_sees_the_stacks_and_hooked_layers_still_run_their_hooks():
+    """Eager runs the loop over the stacks' rows: ``torch.autograd.grad`` with respect to a
+    stack works as compiled (a layer parameter is then unused, as compiled). Layers with module
+    hooks run as themselves so the hooks run; their gradients land in the stacks."""
+    plain, layers = pair(depth=3)
+    x = torch.randn(2, 5, dtype=torch.float64)
+    stacks = layers.stacked_parameters()
+    got = torch.autograd.grad(run_scan(layers, x).pow(2).sum(), list(stacks.values()))
+    run_loop(plain, x).pow(2).sum().backward()
+    assert_trees_close(dict(zip(stacks, got)), loop_grads_stacked(plain, stacks), atol=1e-10, rtol=1e-8)
+    calls = []
+    layers[1].lin.register_forward_hook(lambda *a: calls.append(1))
+    run_scan(layers, x).pow(2).sum().backward()
+    assert calls == [1]
+    assert all(p.grad is None for layer in layers for p in layer.parameters())
+    assert_trees_close(stacked_grads(layers), loop_grads_stacked(plain, stacks), atol=1e-10, rtol=1e-8)

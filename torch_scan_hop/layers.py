@@ -1,7 +1,8 @@
 """``scan_layers``: a stack of identical modules run as ONE scan over their stacked weights.
 
 In plain eager it is the loop itself, over the real layers (hooks included),
-with ``remat`` as a per-layer checkpoint. Traced (torch.compile, export, XLA),
+with ``remat`` as a per-layer checkpoint (with ``stack_layers(..., grads="stacked")``
+and no hooks, over the stacks' rows, so that autograd sees the stacks). Traced (torch.compile, export, XLA),
 the parameters and buffers of the layers are stacked (``stack_weights``: a
 stack whose gradient flows back to every layer's own ``.grad``) and scanned
 over; the body calls the first layer's code on one layer's slice through a
@@ -22,6 +23,7 @@ import torch
 from . import _compat
 from ._stack_weights import stack_weights
 from .stacking import container_of, container_token, owner_of, stacked_storage
+from .layer_checks import check_no_hooks, check_no_hooks_traced, check_no_running_stat_updates, differentiates_stacks
 from .stacking_grads import check_flags_traced, stacks_swapped
 from ._trees import ScanError, flatten
 from .api import scan
@@ -98,19 +100,6 @@ def _raise_name_mismatch(i, state, ref_state):
     name = next(n for n in [*ref_state, *state] if n not in state or n not in ref_state)
     where = f"layer {i} lacks {name!r}" if name not in state else f"layer {i} has an extra {name!r}"
     raise ScanError(f"scan_layers: {where} compared to layer 0; all layers need the same parameters and buffers.")
-
-
-def _check_no_running_stat_updates(layer):
-    """A norm layer updating its running statistics in place (BatchNorm in training mode) would
-    write into the scan's slice of its buffers: refused by name, not as a generic input mutation."""
-    for path, m in layer.named_modules():
-        if _compat.nn.updates_running_stats(m):
-            stats = [n for n, b in _compat.nn.own_buffers(m).items() if b is not None]
-            raise ScanError(
-                f"scan_layers: {type(m).__name__} '{path or 'the layer itself'}' of layer 0 is in training mode and "
-                f"updates its buffers {stats} in place, which a traced scan_layers cannot write back per layer. "
-                "Put the norm layers in eval mode (.eval()), build them with track_running_stats=False, or run "
-                "the stack as a plain loop.")
 
 
 def _state(module, prefix, out):
@@ -303,58 +292,6 @@ def _tree_agrees(ref, module):
         (a is None) == (b is None) and (a is None or _tree_agrees(b, a)) for a, b in zip(kids.values(), ref_kids.values()))
 
 
-def _check_no_hooks(layers):
-    """A traced scan runs the layers' code, not their ``__call__``: hooks would
-    silently not run, so they are refused (eager runs them: it is the loop)."""
-    message = _hooks_message(layers)
-    if message:
-        raise ScanError(message)
-
-
-def _check_no_hooks_traced(layers, token):
-    """``_check_no_hooks`` under Dynamo. Dynamo does not guard module hooks
-    (its ``skip_nnmodule_hook_guards`` config, on by default: a hook
-    added after compiling is not seen, for a compiled loop as well), so the
-    check is made once, in Python, when the body is traced: walking every
-    layer's modules in traced code made the trace grow with depth (~1.5 s from
-    8 to 64 layers). Needs a stacked container (its token finds the layers)."""
-    if token is None or not _compat.dynamo.hook_guards_skipped() or not _hook_free_when_traced(token):
-        _check_no_hooks(layers)  # traced: raises the ScanError naming the hooked layer
-
-
-@torch.compiler.assume_constant_result  # runs in Python when traced; the token is guarded, the result not
-def _hook_free_when_traced(token):
-    return _hooks_message(list(container_of(token))) is None
-
-
-def _hooks_message(layers):
-    if _compat.global_module_hooks_registered():
-        return ("scan_layers: global nn.Module hooks are registered; a traced scan_layers "
-                "(torch.compile, export, XLA) does not run module hooks. Remove them or use a loop.")
-    for i, layer in enumerate(layers):
-        name = _hooked_submodule(layer, "")
-        if name is not None:
-            where = f"layer {i}" + (f" ({name})" if name else "")
-            return (f"scan_layers: {where} has module hooks; a traced scan_layers (torch.compile, "
-                    "export, XLA) runs layer 0's code, not the modules' __call__, so hooks would not "
-                    "run. Remove them or use a Python loop.")
-    return None
-
-
-def _hooked_submodule(module, prefix):
-    """The dotted name of the first module in ``module``'s tree with hooks ("" for
-    itself), else None. A plain dict walk: Dynamo traces it once per layer, and the
-    ``named_modules`` generator cost several times more to trace at depth 64."""
-    if _compat.nn.module_has_hooks(module):
-        return prefix[:-1]
-    for name, sub in _compat.nn.child_modules(module).items():
-        if sub is not None:
-            found = _hooked_submodule(sub, prefix + name + ".")
-            if found is not None:
-                return found
-    return None
-
-
 def scan_layers(layers, *inputs, remat="save_all", unroll=1, **broadcast_kwargs):
     """``for layer in layers: inputs = layer(*inputs, **broadcast_kwargs)`` as one scan.
 
@@ -362,7 +299,8 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=1, **broadcast_kwargs)
     structure. With one input the layers map a tensor (or pytree) to the same
     structure; with several, each layer takes them all and returns a tuple of
     the same structure. Returns what the last layer returns (the inputs for
-    an empty stack). Gradients land on each layer's own parameters.
+    an empty stack). Gradients land on each layer's own parameters (on the stacks
+    under ``stack_layers(layers, grads="stacked")``).
     """
     container, layers = layers, list(layers)
     if not all(isinstance(m, torch.nn.Module) for m in layers):
@@ -378,22 +316,24 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=1, **broadcast_kwargs)
     # stacked storage was checked for identical structure when made: layer 0's state suffices here
     states = _layer_states(layers) if stacked is None else [_state(layers[0], "", {})]
     flat_inputs = [t for t in flatten((inputs, broadcast_kwargs))[0] if isinstance(t, torch.Tensor)]
-    if (not callable(remat) and _compat.runs_eagerly(flat_inputs + list(states[0].values()))
-            and not stacks_swapped(container, stacked)):  # a swapped stack: scanned, the layers cannot run it
-        return _eager_loop(layers, inputs, remat, broadcast_kwargs)
     trained_stacks = stacked is not None and container.grads_mode == "stacked"
+    agree = not dynamo and _all_attributes_agree(layers)
+    if (not callable(remat) and _compat.runs_eagerly(flat_inputs + list(states[0].values()))
+            and not stacks_swapped(container, stacked)  # a swapped stack: scanned, the layers cannot run it
+            and not (trained_stacks and agree and differentiates_stacks(container, layers))):
+        return _eager_loop(layers, inputs, remat, broadcast_kwargs)
     xs = _stacked_state(states) if stacked is None else _from_storage(layers, stacked, states[0], token, trained_stacks)
     template = layers[0]
     single = len(inputs) == 1
     if not dynamo:  # checked here, in Python: the traced body then reads no peer
-        _check_no_hooks(layers)
-        _check_no_running_stat_updates(template)  # other layers agree with layer 0 or are refused as read
-    peers = () if not dynamo and _all_attributes_agree(layers) else layers[1:]
+        check_no_hooks(layers)
+        check_no_running_stat_updates(template)  # other layers agree with layer 0 or are refused as read
+    peers = () if agree else layers[1:]
 
     def step(h, params):
         if dynamo:  # in the body: under torch.compile only errors raised there stay ScanErrors
-            _check_no_hooks_traced(layers, token)
-            _check_no_running_stat_updates(template)
+            check_no_hooks_traced(layers, token)
+            check_no_running_stat_updates(template)
             if trained_stacks:
                 check_flags_traced(container, token)
         args = (h,) if single else tuple(h)
