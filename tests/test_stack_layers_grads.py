@@ -431,8 +431,14 @@ def test_eager_autograd_sees_the_stacks_and_hooked_layers_still_run_their_hooks(
     run_loop(plain, x).pow(2).sum().backward()
     assert_trees_close(dict(zip(stacks, got)), loop_grads_stacked(plain, stacks), atol=1e-10, rtol=1e-8)
     calls = []
-    layers[1].lin.register_forward_hook(lambda *a: calls.append(1))
+    hook = layers[1].lin.register_forward_hook(lambda *a: calls.append(1))
     run_scan(layers, x).pow(2).sum().backward()
     assert calls == [1]
+    assert all(p.grad is None for layer in layers for p in layer.parameters())
+    assert_trees_close(stacked_grads(layers), loop_grads_stacked(plain, stacks), atol=1e-10, rtol=1e-8)
+    hook.remove()
+    layers.zero_grad()
+    layers[2].lin.tag = "last"  # a per-layer attribute: the layers' own code runs (its gradients moved in)
+    run_scan(layers, x).pow(2).sum().backward()
     assert all(p.grad is None for layer in layers for p in layer.parameters())
     assert_trees_close(stacked_grads(layers), loop_grads_stacked(plain, stacks), atol=1e-10, rtol=1e-8)

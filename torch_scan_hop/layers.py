@@ -317,17 +317,21 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=1, **broadcast_kwargs)
     states = _layer_states(layers) if stacked is None else [_state(layers[0], "", {})]
     flat_inputs = [t for t in flatten((inputs, broadcast_kwargs))[0] if isinstance(t, torch.Tensor)]
     trained_stacks = stacked is not None and container.grads_mode == "stacked"
-    agree = not dynamo and _all_attributes_agree(layers)
+    agree = None  # every layer's attributes equal layer 0's: walked once, where asked
     if (not callable(remat) and _compat.runs_eagerly(flat_inputs + list(states[0].values()))
-            and not stacks_swapped(container, stacked)  # a swapped stack: scanned, the layers cannot run it
-            and not (trained_stacks and agree and differentiates_stacks(container, layers))):
-        return _eager_loop(layers, inputs, remat, broadcast_kwargs)
+            and not stacks_swapped(container, stacked)):  # a swapped stack: scanned, the layers cannot run it
+        if trained_stacks and differentiates_stacks(container, layers):
+            agree = _all_attributes_agree(layers)  # else a layer's own attribute: its own code runs it
+        if not agree:
+            return _eager_loop(layers, inputs, remat, broadcast_kwargs)
     xs = _stacked_state(states) if stacked is None else _from_storage(layers, stacked, states[0], token, trained_stacks)
     template = layers[0]
     single = len(inputs) == 1
     if not dynamo:  # checked here, in Python: the traced body then reads no peer
         check_no_hooks(layers)
         check_no_running_stat_updates(template)  # other layers agree with layer 0 or are refused as read
+    if agree is None:
+        agree = not dynamo and _all_attributes_agree(layers)
     peers = () if agree else layers[1:]
 
     def step(h, params):
