@@ -444,3 +444,31 @@ def test_eager_autograd_sees_the_stacks_and_hooked_layers_still_run_their_hooks(
     run_scan(layers, x).pow(2).sum().backward()
     assert all(p.grad is None for layer in layers for p in layer.parameters())
     assert_trees_close(stacked_grads(layers), loop_grads_stacked(plain, stacks), atol=1e-10, rtol=1e-8)
+
+
+class NormedBlock(torch.nn.Module):
+    def __init__(self, d=4):
+        super().__init__()
+        self.lin, self.bn = torch.nn.Linear(d, d), torch.nn.BatchNorm1d(d)
+
+    def forward(self, h):
+        return h + torch.tanh(self.bn(self.lin(h)))
+
+
+def test_eager_batchnorm_in_training_mode_runs_the_layers_and_updates_their_stats():
+    """Eager is the loop, running statistics included: a BatchNorm in training mode (which a
+    traced scan_layers refuses) makes the eager loop run the layers themselves, not the
+    stacks' rows; gradients still land in the stacks and each layer updates its own stats."""
+    torch.manual_seed(0)
+    plain = torch.nn.ModuleList(NormedBlock() for _ in range(3)).double()
+    layers = stack_layers(copy.deepcopy(plain), grads="stacked")
+    for _ in range(2):
+        x = torch.randn(5, 4, dtype=torch.float64)
+        out, ref = run_scan(layers, x), run_loop(plain, x)
+        out.pow(2).sum().backward()
+        ref.pow(2).sum().backward()
+        assert_trees_close(out, ref, atol=1e-10, rtol=1e-8)
+    stacks = layers.stacked_parameters()
+    assert_trees_close(stacked_grads(layers), loop_grads_stacked(plain, stacks), atol=1e-10, rtol=1e-8)
+    assert_same_weights(layers, plain, atol=1e-10, rtol=1e-8)  # the running statistics included
+    assert int(layers[2].bn.num_batches_tracked) == 2

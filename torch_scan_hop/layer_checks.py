@@ -13,23 +13,33 @@ from .stacking_grads import registered_stacks
 def check_no_running_stat_updates(layer):
     """A norm layer updating its running statistics in place (BatchNorm in training mode) would
     write into the scan's slice of its buffers: refused by name, not as a generic input mutation."""
+    found = _running_stats_updater(layer)
+    if found is not None:
+        path, m = found
+        stats = [n for n, b in _compat.nn.own_buffers(m).items() if b is not None]
+        raise ScanError(
+            f"scan_layers: {type(m).__name__} '{path or 'the layer itself'}' of layer 0 is in training mode and "
+            f"updates its buffers {stats} in place, which a traced scan_layers cannot write back per layer. "
+            "Put the norm layers in eval mode (.eval()), build them with track_running_stats=False, or run "
+            "the stack as a plain loop.")
+
+
+def _running_stats_updater(layer):
+    """(path, module) of the first module in ``layer`` updating running statistics in place, else None."""
     for path, m in layer.named_modules():
         if _compat.nn.updates_running_stats(m):
-            stats = [n for n, b in _compat.nn.own_buffers(m).items() if b is not None]
-            raise ScanError(
-                f"scan_layers: {type(m).__name__} '{path or 'the layer itself'}' of layer 0 is in training mode and "
-                f"updates its buffers {stats} in place, which a traced scan_layers cannot write back per layer. "
-                "Put the norm layers in eval mode (.eval()), build them with track_running_stats=False, or run "
-                "the stack as a plain loop.")
+            return path, m
+    return None
 
 
 def differentiates_stacks(container, layers):
     """Eager, stacked grads: the loop runs over the stacks' rows (autograd then sees the
     stacks: ``torch.autograd.grad`` with respect to one works, as compiled) unless a layer
-    has hooks, which only the layers' own ``__call__`` runs (their gradients are then moved
-    into the stacks as they accumulate)."""
+    has hooks or updates running statistics (BatchNorm in training mode), which only the
+    layers' own code does (their gradients are then moved into the stacks as they
+    accumulate). Layer 0 speaks for the others: the caller also asks that all agree."""
     return torch.is_grad_enabled() and any(P.requires_grad for P in registered_stacks(container).values()) \
-        and _hooks_message(layers) is None
+        and _hooks_message(layers) is None and _running_stats_updater(layers[0]) is None
 
 
 def check_no_hooks(layers):

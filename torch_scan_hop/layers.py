@@ -2,7 +2,8 @@
 
 In plain eager it is the loop itself, over the real layers (hooks included),
 with ``remat`` as a per-layer checkpoint (with ``stack_layers(..., grads="stacked")``
-and no hooks, over the stacks' rows, so that autograd sees the stacks). Traced (torch.compile, export, XLA),
+and no hooks or running-stat updates, over the stacks' rows, so that autograd sees
+the stacks). Traced (torch.compile, export, XLA),
 the parameters and buffers of the layers are stacked (``stack_weights``: a
 stack whose gradient flows back to every layer's own ``.grad``) and scanned
 over; the body calls the first layer's code on one layer's slice through a
@@ -317,22 +318,20 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=1, **broadcast_kwargs)
     states = _layer_states(layers) if stacked is None else [_state(layers[0], "", {})]
     flat_inputs = [t for t in flatten((inputs, broadcast_kwargs))[0] if isinstance(t, torch.Tensor)]
     trained_stacks = stacked is not None and container.grads_mode == "stacked"
-    agree = None  # every layer's attributes equal layer 0's: walked once, where asked
+    over_rows = False  # eager, over the stacks' rows: hooks and running stats already ruled out
     if (not callable(remat) and _compat.runs_eagerly(flat_inputs + list(states[0].values()))
             and not stacks_swapped(container, stacked)):  # a swapped stack: scanned, the layers cannot run it
-        if trained_stacks and differentiates_stacks(container, layers):
-            agree = _all_attributes_agree(layers)  # else a layer's own attribute: its own code runs it
-        if not agree:
+        # a layer's own attribute: its own code runs it
+        over_rows = trained_stacks and differentiates_stacks(container, layers) and _all_attributes_agree(layers)
+        if not over_rows:
             return _eager_loop(layers, inputs, remat, broadcast_kwargs)
     xs = _stacked_state(states) if stacked is None else _from_storage(layers, stacked, states[0], token, trained_stacks)
     template = layers[0]
     single = len(inputs) == 1
-    if not dynamo:  # checked here, in Python: the traced body then reads no peer
+    if not dynamo and not over_rows:  # checked here, in Python: the traced body then reads no peer
         check_no_hooks(layers)
         check_no_running_stat_updates(template)  # other layers agree with layer 0 or are refused as read
-    if agree is None:
-        agree = not dynamo and _all_attributes_agree(layers)
-    peers = () if agree else layers[1:]
+    peers = () if over_rows or (not dynamo and _all_attributes_agree(layers)) else layers[1:]
 
     def step(h, params):
         if dynamo:  # in the body: under torch.compile only errors raised there stay ScanErrors

@@ -218,7 +218,7 @@ def _check_optimizer(optimizer, args, kwargs):
     seen = (_RESTACKS[0], len(groups))
     if _OPTIMIZERS_CHECKED.get(optimizer) == seen:
         return
-    for p in [p for group in optimizer.param_groups for p in group["params"]]:
+    for p in (p for group in optimizer.param_groups for p in group["params"]):
         route = _ROUTES.get(p)
         container = None if route is None else route[0]()
         if container is None or container.__dict__.get("_scan_stack_broken", True):
