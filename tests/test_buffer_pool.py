@@ -6,7 +6,7 @@ import torch
 from conftest import assert_trees_close
 
 import torch_scan_hop
-from torch_scan_hop import _buffer_pool as pool
+from torch_scan_hop.inductor import buffer_pool as pool
 from torch_scan_hop import scan
 
 BIG = (64, 8, 64)  # float32: 128 KiB, the smallest pooled size

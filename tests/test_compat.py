@@ -145,24 +145,6 @@ def test_checker(tmp_path, code, caught):
     assert bool(private_uses(path)) == caught
 
 
-def test_rules_import_no_other_rule():
-    """Each rule_* module stands alone: shared code lives in helpers, never in another rule."""
-    offenders = []
-    for path in sorted(PACKAGE.glob("rule_*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                names = [node.module or ""] + ([a.name for a in node.names] if not node.module else [])
-                offenders += [f"{path.name} imports {n}" for n in names if n.startswith("rule_")]
-    assert offenders == []
-
-
-def test_rules_are_listed_in_one_place():
-    from torch_scan_hop import rules
-
-    listed = {m.__name__.rsplit(".", 1)[1] for m in rules.RULES.values()}
-    assert listed == {p.stem for p in PACKAGE.glob("rule_*.py")}
-
-
 def test_xla_extra_pins_the_torch_its_wheel_was_built_for():
     """torch_xla's wheel does not declare its torch: without the pin, pip pairs torch_xla 2.9 with the
     newest torch the range allows, and every XLA call fails."""

@@ -333,7 +333,7 @@ def test_tracker_that_cannot_be_built_warns_and_leaves_upstream_in_place(monkeyp
     """On a torch whose Dynamo internals moved, importing must not crash: it warns."""
     from torch._dynamo.variables import higher_order_ops as hops
 
-    from torch_scan_hop import rule_dynamo
+    from torch_scan_hop.op import dynamo as rule_dynamo
 
     ours = hops._hop_name_to_variable_class["scan"]
     monkeypatch.setitem(hops._hop_name_to_variable_class, "scan", ours.upstream)

@@ -18,7 +18,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from torch_scan_hop import scan, scan_layers, scan_op, stack_layers
+from torch_scan_hop import scan, scan_layers, stack_layers
+from torch_scan_hop.op.hop import scan_op
 
 
 class OpLog(TorchDispatchMode):

@@ -6,7 +6,8 @@ import torch
 from conftest import assert_trees_close, reference_scan
 
 import torch_scan_hop
-from torch_scan_hop import ScanError, scan, scan_op
+from torch_scan_hop import ScanError, scan
+from torch_scan_hop.op.hop import scan_op
 
 Point = collections.namedtuple("Point", ["a", "b"])
 W = torch.randn(4, 4)

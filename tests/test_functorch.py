@@ -6,7 +6,8 @@ from conftest import reference_scan
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
 import torch_scan_hop
-from torch_scan_hop import scan, scan_op
+from torch_scan_hop import scan
+from torch_scan_hop.op.hop import scan_op
 
 D = torch.float64
 B = 3

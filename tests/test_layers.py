@@ -261,7 +261,7 @@ def test_torch_compile_matches_loop_and_is_one_scan():
     nodes = graphs[0].graph.nodes
     assert sum(n.target is torch.ops.higher_order.scan for n in nodes) == 1
     # stacked by an op inductor calls rather than generates code for (compile time grew with depth)
-    stacks = [n for n in nodes if n.target is torch.ops.torch_scan_hop.stack_layers.default]
+    stacks = [n for n in nodes if n.target is torch.ops.torch_scan_hop.stack_weights.default]
     assert len(stacks) == len(list(_state_names(layers)))
 
 

@@ -6,7 +6,8 @@ from conftest import assert_trees_close, reference_scan
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from torch_scan_hop import ScanError, scan, scan_op
+from torch_scan_hop import ScanError, scan
+from torch_scan_hop.op.hop import scan_op
 
 W = torch.randn(4, 4)
 

@@ -157,7 +157,7 @@ def test_repeated_call_reuses_the_lowered_while(monkeypatch):
     """The body is traced every call (only its graph says what it computes);
     the XLA While is lowered once per distinct graph, and the body's Python
     runs a fixed number of times per call whatever the length."""
-    from torch_scan_hop import xla_lower
+    from torch_scan_hop.xla import lower as xla_lower
 
     lowered = [0]
     real_lower = xla_lower._lower
@@ -211,7 +211,7 @@ def _emitted_structure(computation):
 class TestEmittedModule(expecttest.TestCase):
     def test_reverse_unrolled_scan_is_one_while_per_segment(self):
         """reverse, unroll=2, length 3: _schedule gives [1, 3) in blocks of 2, then [0, 1)."""
-        from torch_scan_hop import xla_lower
+        from torch_scan_hop.xla import lower as xla_lower
 
         def body(c, x, w):
             h = c * w + x
@@ -326,7 +326,7 @@ def test_builder_rejects_a_bad_signature_without_crashing(segments, params, body
 
 
 def test_openxla_backend_uses_the_while_lowering_forward_and_training(monkeypatch):
-    from torch_scan_hop import xla_lower
+    from torch_scan_hop.xla import lower as xla_lower
 
     lowered = []
     real_lower = xla_lower._lower

@@ -1,23 +1,33 @@
 """torch_scan_hop: a scan HigherOrderOperator for eager, torch.compile, export and XLA.
 
 Importing the package installs ``scan_op`` as ``torch.ops.higher_order.scan``.
+
+The folders are the architecture, each importing only the ones below it:
+
+    api.py, fwd_bwd.py, layers/    front ends: scan, fwd_bwd, scan_layers / stack_layers
+    op/                            the HigherOrderOperator and one module per dispatch rule
+    trace/  xla/  inductor/        tracing and partitioning; XLA While lowering; inductor lowering
+    core/                          pytrees and input errors, the loop schedule, the op's arguments
+    _compat/                       every private torch / torch_xla API, importing nothing of ours
+
+(tests/test_layering.py keeps it so: no import cycles, no import up a floor.)
 """
-from . import _compat, _inductor_fixes
-from ._op import scan_op
-from . import rules  # noqa: F401  (registers every rule of scan_op)
-from . import stacking_dynamo
-from ._buffer_pool import empty_cache
-from ._cache import clear as clear_cache
-from ._trees import ScanError
-from .api import scan
-from .graphs import fwd_bwd
-from .layers import scan_layers
-from .stacking import stack_layers
-from .partition import FwdBwd
+from . import _compat
+from .api import clear_cache, scan
+from .core.trees import ScanError
+from .fwd_bwd import fwd_bwd
+from .inductor import workarounds
+from .inductor.buffer_pool import empty_cache
+from .layers import intact
+from .layers.scan_layers import scan_layers
+from .layers.storage import stack_layers
+from .op import dynamo as _dynamo_rule
+from .op.hop import scan_op
+from .trace.partition import FwdBwd
 
 _compat.install_as_upstream_scan(scan_op)
-rules.rule_dynamo.install()
-stacking_dynamo.install()
-_inductor_fixes.fake_float64_attention_logsumexp_as_float64()
+_dynamo_rule.install()
+intact.install()
+workarounds.fake_float64_attention_logsumexp_as_float64()
 
 __all__ = ["scan", "scan_layers", "stack_layers", "scan_op", "fwd_bwd", "ScanError", "FwdBwd", "clear_cache", "empty_cache"]

@@ -1,13 +1,22 @@
 """The user-facing ``scan``: pytrees, validation, the eager loop or the traced op."""
 from . import _compat
-from ._body_checks import mark_checked
-from ._flat_body import AUTO_UNROLL, dynamo_body
-from ._lift import trace_and_lift
-from ._op import example_args, scan_op
-from ._trees import ScanError, ScanInputs, check_carry, check_pair, flatten_y, prepare_inputs
-from .eager_loop import run_tree
-from .partition import REMAT
-from . import xla_eager
+from .core.op_args import example_args
+from .core.trees import (
+    ScanError,
+    ScanInputs,
+    check_carry,
+    check_pair,
+    flatten_y,
+    prepare_inputs,
+)
+from .op.hop import scan_op
+from .op.loop import run_tree
+from .trace import cache
+from .trace.body_checks import mark_checked
+from .trace.flat_body import AUTO_UNROLL, dynamo_body
+from .trace.lift import trace_and_lift
+from .trace.partition import REMAT
+from .xla import eager as xla_eager
 
 
 class FlatBody:
@@ -64,7 +73,7 @@ def scan(fn, init, xs=None, *, length=None, reverse=False, dim=0, remat="save_al
 
 
 def _scan(fn, init, inputs, reverse, remat, unroll):
-    if _compat.is_dynamo_compiling():  # rule_dynamo captures fn as a subgraph, closures lifted
+    if _compat.is_dynamo_compiling():  # op.dynamo captures fn as a subgraph, closures lifted
         out = scan_op(dynamo_body(fn, inputs), inputs.init_leaves, inputs.xs_leaves, (),
                       reverse=reverse, remat=remat, unroll=AUTO_UNROLL if unroll is None else unroll)
         return inputs.init_spec.unflatten(out[:inputs.num_carry]), out[inputs.num_carry]
@@ -117,7 +126,7 @@ def _call_op(fn, inputs, **kwargs):
 
 def _traced_body(fn, inputs):
     """The lifted body graph: traced on every call (only a graph can say what
-    fn computes; work on it is reused by graph, see _cache.graph_key)."""
+    fn computes; work on it is reused by graph, see cache.graph_key)."""
     body = FlatBody(fn, inputs)
     with _compat.disable_proxy_modes_tracing():
         args = example_args(inputs.init_leaves, inputs.xs_leaves, ())
@@ -125,3 +134,10 @@ def _traced_body(fn, inputs):
     if not _compat.under_make_fx():  # checked once here, on the graph we already have
         mark_checked(gm, inputs.num_carry, inputs.num_x)
     return gm, lifted, body.y_spec
+
+
+def clear_cache():
+    """Forget every cached plan and lowering, and the compiled entries of eager
+    scans on XLA (never needed for correctness)."""
+    xla_eager.clear()
+    cache.clear()

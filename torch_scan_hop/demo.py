@@ -3,7 +3,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import torch_scan_hop
-from torch_scan_hop import fwd_bwd, scan
+
+from . import fwd_bwd, scan
 
 
 def main():

@@ -6,7 +6,7 @@ Nothing else in torch_scan_hop imports a private torch name
 (tests/test_compat.py checks). One module per subsystem:
 
 - ``dispatch``: dispatch keys, active modes and transforms, operator and tensor internals;
-- ``tracing``: make_fx / proxy mode, fake tensors, functionalization, ``trace_graph``,
+- ``tracing``: make_fx / proxy mode, fake tensors, functionalization, ``trace_aten_graph``,
   closure stand-ins, ``tracing_lock``, pytree;
 - ``hop``: ``torch._ops`` / ``torch._higher_order_ops`` (schema, registry, subgraphs);
 - ``autograd``: partitioners, joint tags, compiled autograd, SAC storage, custom-op formulas;
@@ -16,23 +16,34 @@ Nothing else in torch_scan_hop imports a private torch name
 - ``nn``: ``nn.Module`` internals (state dicts, hooks);
 - ``xla``: ``torch_xla._XLAC`` and torch_xla's private ops.
 
-- ``dynamo``: the Dynamo internals of rule_dynamo's VariableTracker.
+- ``dynamo``: the Dynamo internals of op.dynamo's VariableTracker.
 
 The names the package used from the former single module are re-exported
 here, so ``_compat.X`` keeps working; subsystem-only adapters are reached as
 ``_compat.inductor.X``, ``_compat.xla.X``, ``_compat.nn.X``.
 """
-from . import autograd, defects, dispatch, dynamo, functorch, hop, inductor, nn, tracing, xla  # noqa: F401
+from . import (  # noqa: F401
+    autograd,
+    defects,
+    dispatch,
+    dynamo,
+    functorch,
+    hop,
+    inductor,
+    nn,
+    tracing,
+    xla,
+)
 from .autograd import (  # noqa: F401
-    leaf_grad_hooks,
     custom_op_lacks_autograd,
+    drop_checkpoint_tags,
     eager_autograd_engine,
     extract_fwd_bwd,
+    leaf_grad_hooks,
     partitioner,
     rename_node,
     replayable_selective_checkpoint_contexts,
     selective_checkpoint_modes,
-    drop_checkpoint_tags,
     tag_forward_nodes,
 )
 from .dispatch import (  # noqa: F401
@@ -59,9 +70,9 @@ from .dispatch import (  # noqa: F401
 from .functorch import (  # noqa: F401
     TransformType,
     add_batch_dim,
+    differentiating_transform_active,
     functorch_bdim,
     functorch_level,
-    differentiating_transform_active,
     functorch_transforms_active,
     functorch_unwrap,
     is_batched_here,
@@ -87,6 +98,7 @@ from .tracing import (  # noqa: F401
     FunctionalTensor,
     ProxyTorchDispatchMode,
     allow_scalar_outputs,
+    data_dependence_errors,
     detached_examples,
     detect_fake_mode,
     disable_functional_mode,
@@ -95,9 +107,9 @@ from .tracing import (  # noqa: F401
     make_fx,
     pytree,
     recording_functional_closures,
-    trace_graph,
-    track_tensor_tree,
+    trace_aten_graph,
     tracing_lock,
+    track_tensor_tree,
     under_make_fx,
     unset_fake_temporarily,
 )

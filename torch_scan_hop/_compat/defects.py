@@ -1,4 +1,4 @@
-"""Private-API mechanics of the torch 2.9 workarounds in ``_inductor_fixes``
+"""Private-API mechanics of the torch 2.9 workarounds in ``inductor.workarounds``
 (what each defect is, and why scan hits it, is documented there): an inductor
 IR patch and a FakeTensorMode rule. Both are no-ops where not needed."""
 import torch
@@ -33,7 +33,11 @@ def add_fake_rule(name, op, applies, adjust):
     ``fake_tensor.in_kernel_invocation_manager``, ``FakeTensor(mode, meta, device)``,
     ``FakeTensorMode.cache_clear``."""
     from torch._subclasses import fake_impls
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
+    from torch._subclasses.fake_tensor import (
+        FakeTensor,
+        FakeTensorMode,
+        in_kernel_invocation_manager,
+    )
 
     if any(getattr(rule, "_scan_rule", None) == name for _, rule in fake_impls.op_implementations_checks):
         return

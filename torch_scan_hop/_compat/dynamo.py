@@ -3,7 +3,7 @@
 Dynamo has no public API for a HigherOrderOperator's VariableTracker: the
 tracker subclasses ``TorchHigherOrderOperatorVariable`` and calls the helpers
 upstream's own HOP trackers use. Each adapter below says which torch versions
-it serves and how they differ; ``rule_dynamo`` imports nothing else from Dynamo.
+it serves and how they differ; ``op.dynamo`` imports nothing else from Dynamo.
 """
 import functools
 

@@ -55,20 +55,15 @@ def is_hop(target):
     return isinstance(target, HigherOrderOperator)
 
 
-def scan_schema(op, combine_fn, init, xs, additional_inputs, examples, options):
-    """torch's HopSchemaGenerator filled in for a scan call (torch 2.9's API).
+def scan_schema(op, combine_fn, gm, outputs, init, xs, additional_inputs, options):
+    """torch's HopSchemaGenerator filled in for a scan call (torch 2.9's API):
+    ``gm`` is the body ``combine_fn`` as a graph, ``outputs`` its output values.
 
     torch 2.14's ``HopSchemaGenerator`` has the same add_arg / add_output /
     add_schema_tree_spec / gen_schema methods.
     """
     from torch._higher_order_ops.schema import HopSchemaGenerator
 
-    from .._trees import ScanError
-
-    gm = combine_fn if isinstance(combine_fn, torch.fx.GraphModule) else materialize_as_graph(combine_fn, tuple(examples))
-    mutated, outputs = input_mutations_and_outputs(gm)
-    if mutated:
-        raise ScanError(f"scan: the body mutates its inputs {sorted(mutated)} in place; scan bodies must be functional.")
     gen = HopSchemaGenerator(op)
     gen.add_arg("combine_fn", gm)
     for prefix, values in (("init", init), ("xs", xs), ("additional_input", additional_inputs)):

@@ -5,7 +5,7 @@ Checked against torch 2.14's ``torch/_inductor``: ``post_grad`` still looks
 ``decompose_scan_to_while_loop`` up by name when its passes run, still has
 ``resolve_shape_to_proxy(shape, bound_symbols)``; ``PatternMatcherPass`` adds
 an optional ``subsystem``; ``SubgraphLowering.__init__`` still inherits the
-parent's ``bw_donated_idxs`` (the fix in ``_inductor_fixes`` is still needed);
+parent's ``bw_donated_idxs`` (the fix in ``inductor.workarounds`` is still needed);
 its C++ wrapper pairs mutated while_loop carries itself
 (``_get_while_loop_carried_output_names``), so that fix is skipped there.
 """
@@ -44,7 +44,11 @@ def call_pattern_pass(target, extra_check, handler):
     ``extra_check(match)``; ``match.nodes`` and ``match.replace_by_example``
     are the pattern matcher's. torch 2.9-2.14: ``torch._inductor.pattern_matcher``
     (2.14's PatternMatcherPass takes an optional ``subsystem``, unused here)."""
-    from torch._inductor.pattern_matcher import CallFunctionVarArgs, PatternMatcherPass, register_graph_pattern
+    from torch._inductor.pattern_matcher import (
+        CallFunctionVarArgs,
+        PatternMatcherPass,
+        register_graph_pattern,
+    )
 
     pass_ = PatternMatcherPass()
     register_graph_pattern(CallFunctionVarArgs(target), extra_check=extra_check, pass_dict=pass_)(handler)
@@ -326,7 +330,11 @@ def run_counted_loops_as_for_loops(is_counted):
     idempotent: call once. torch 2.9-2.14:
     ``PythonWrapperCodegen.codegen_while_loop(while_loop, stack_output)``,
     ``codegen_subgraph_with_flattened_outputs``, ``EnterSubgraphLine``."""
-    from torch._inductor.codegen.wrapper import EnterSubgraphLine, ExitSubgraphLine, PythonWrapperCodegen
+    from torch._inductor.codegen.wrapper import (
+        EnterSubgraphLine,
+        ExitSubgraphLine,
+        PythonWrapperCodegen,
+    )
     from torch._inductor.virtualized import V
 
     codegen = PythonWrapperCodegen.codegen_while_loop

@@ -1,5 +1,5 @@
 """Tracing: make_fx and its proxy mode, fake tensors, functionalization, the
-body trace (``trace_graph``), closure stand-ins and the tracing lock.
+body trace (``trace_aten_graph``), closure stand-ins and the tracing lock.
 
 Names re-exported as they are (torch 2.9-2.14, same API on both; 2.14 adds
 only optional arguments): ``make_fx``, ``ProxyTorchDispatchMode``,
@@ -16,9 +16,13 @@ import itertools
 import threading
 
 import torch
-import torch.utils._pytree as pytree  # noqa: F401  (re-exported for _trees and rule_proxy)
+import torch.utils._pytree as pytree  # noqa: F401  (re-exported for core.trees and op.proxy)
 from torch._dispatch.python import suspend_functionalization
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily  # noqa: F401
+from torch._subclasses.fake_tensor import (  # noqa: F401
+    FakeTensor,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
 from torch._subclasses.functional_tensor import (  # noqa: F401
     CppFunctionalizeAPI,
     FunctionalTensor,
@@ -99,46 +103,30 @@ def _forget_old_sources(before):
         linecache.cache.pop(key, None)
 
 
-def trace_graph(fn, args, *, force_enable_grad=False):
+def trace_aten_graph(fn, args, *, force_enable_grad=False):
     """Trace ``fn(*args)`` to an aten GraphModule in whatever mode is active.
 
     Re-enters an outer make_fx trace (or fake mode) if there is one; on real
     tensors traces with a fresh fake mode, so nothing real is computed and
-    closed-over real tensors become constants (which ``_lift`` turns into inputs).
+    closed-over real tensors become constants (which ``trace.lift`` turns into inputs).
     torch 2.9-2.14: ``materialize_as_graph`` and ``make_fx(tracing_mode="fake",
     _allow_non_fake_inputs=True)`` behave the same on both.
     """
-    if force_enable_grad:  # differentiating: torch_xla's custom ops need their formulas
-        from .._xla_autograd import register_missing
-
-        register_missing()
     from .hop import without_effectful_checks
 
     fn = without_effectful_checks(fn)
-    with _data_dependence_as_scan_error():
-        if under_make_fx() or detect_fake_mode(args) is not None:
-            return materialize_as_graph(fn, tuple(args), force_enable_grad=force_enable_grad)
-        return _trace_fresh(fn, args, force_enable_grad)
+    if under_make_fx() or detect_fake_mode(args) is not None:
+        return materialize_as_graph(fn, tuple(args), force_enable_grad=force_enable_grad)
+    return _trace_fresh(fn, args, force_enable_grad)
 
 
-@contextlib.contextmanager
-def _data_dependence_as_scan_error():
-    """A body that reads a tensor's value (``if c.sum() > 0``, ``.item()``,
-    ``bool(flag)``) cannot become one graph: say so in the user's terms."""
+def data_dependence_errors():
+    """What a trace raises when the traced function reads a tensor's value as a
+    Python value (``if t.sum() > 0``, ``.item()``, ``bool(t)``)."""
     from torch._subclasses.fake_tensor import DataDependentOutputException
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-    from .._trees import ScanError
-
-    try:
-        yield
-    except (DataDependentOutputException, GuardOnDataDependentSymNode) as e:
-        raise ScanError(
-            "scan: the body reads the value of a tensor as a Python value (data-dependent control "
-            "flow such as `if t.sum() > 0`, `.item()`, `bool(t)`), which a traced scan (make_fx, "
-            "torch.compile, export, XLA) cannot capture as one graph. Use torch.where / masking "
-            f"instead, or run eagerly. (torch: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-        ) from e
+    return (DataDependentOutputException, GuardOnDataDependentSymNode)
 
 
 def _trace_fresh(fn, args, force_enable_grad):

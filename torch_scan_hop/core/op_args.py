@@ -1,0 +1,21 @@
+"""The op's flat calling convention, as every rule and the front end see it.
+
+``scan_op(combine_fn, init, xs, additional_inputs) -> [*final_carry, *ys]`` with
+``combine_fn(*carry, *x_slice, *additional_inputs) -> [*new_carry, *y]``: the
+examples a body is traced on once, and the split of its flat outputs.
+"""
+import torch
+
+
+def split_out(flat_out, num_carry):
+    return list(flat_out[:num_carry]), list(flat_out[num_carry:])
+
+
+def slice_example(x):
+    """A stand-in for one slice of ``x`` that also exists when ``x`` has length 0."""
+    return torch.zeros(x.shape[1:], dtype=x.dtype, device=x.device)
+
+
+def example_args(init, xs, additional_inputs):
+    """Inputs for tracing the body once: fresh carries, one x slice, the closures."""
+    return [*(c.clone() for c in init), *(slice_example(x) for x in xs), *additional_inputs]

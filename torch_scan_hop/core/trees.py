@@ -1,0 +1,248 @@
+"""Pytree bookkeeping and the error messages for bad scan input.
+
+Everything here runs before the loop starts (or on the first step), so a user
+mistake is reported in terms of their own pytree paths, not torch internals.
+"""
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from .. import _compat
+from .._compat import pytree
+
+
+class TreeDef:
+    """A pytree spec in which None leaves mean "no value".
+
+    torch's pytree treats None as a leaf; for scan (as in JAX) None is an empty
+    subtree, so flat lists hold tensors only and None comes back on unflatten.
+    """
+
+    __slots__ = ("spec", "none_mask")
+
+    def __init__(self, spec, none_mask):
+        self.spec, self.none_mask = spec, none_mask
+
+    def __eq__(self, other):
+        return isinstance(other, TreeDef) and self.none_mask == other.none_mask and self.spec == other.spec
+
+    def __hash__(self):
+        return hash(self.none_mask)
+
+    def __repr__(self):
+        return repr(pytree.tree_unflatten(["*" if not m else None for m in self.none_mask], self.spec))
+
+    def is_leaf(self):
+        return self.spec.is_leaf() and self.none_mask == (False,)
+
+    def unflatten(self, leaves):
+        it = iter(leaves)
+        return pytree.tree_unflatten([None if m else next(it) for m in self.none_mask], self.spec)
+
+
+_LEAF = TreeDef(pytree.tree_structure(0), (False,))
+
+
+def split_counts(seq, *counts):
+    """``seq`` cut into consecutive lists of ``counts[0]``, ``counts[1]``, ... items."""
+    out, start = [], 0
+    for n in counts:
+        out.append(list(seq[start:start + n]))
+        start += n
+    return out
+
+
+def flatten(tree):
+    """(tensor-or-other leaves without the Nones, TreeDef); a bare tensor skips
+    pytree, whose node-type lookup alone costs several microseconds."""
+    if isinstance(tree, torch.Tensor):
+        return [tree], _LEAF
+    leaves, spec = pytree.tree_flatten(tree)
+    mask = tuple(leaf is None for leaf in leaves)
+    return [leaf for leaf in leaves if leaf is not None], TreeDef(spec, mask)
+
+
+def unflatten(leaves, treedef):
+    return treedef.unflatten(leaves)
+
+
+class ScanError(ValueError):
+    """Bad input to scan; the message names the leaf and what to do."""
+
+
+def _leaf_paths(tree, root):
+    """Key paths of the non-None leaves, e.g. ``carry['h'][0]``."""
+    leaves_with_path, _ = pytree.tree_flatten_with_path(tree)
+    return [root + pytree.keystr(p) for p, leaf in leaves_with_path if leaf is not None]
+
+
+def _describe(v):
+    if isinstance(v, torch.Tensor):
+        return f"Tensor(shape={tuple(v.shape)}, dtype={v.dtype})"
+    return f"{type(v).__name__} {v!r}"
+
+
+def require_tensor_leaves(tree, root, what, leaves=None):
+    """Paths are computed only on failure: they cost more than the check."""
+    leaves = flatten(tree)[0] if leaves is None else leaves
+    if all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        return
+    for path, leaf in zip(_leaf_paths(tree, root), leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise ScanError(
+                f"scan: {what} leaf {path} is a {_describe(leaf)}; every {what} leaf must be a "
+                f"torch.Tensor (wrap numbers with torch.tensor(...), or use None for no value)."
+            )
+
+
+@dataclass
+class ScanInputs:
+    """init and xs flattened, validated, with the scan dim moved to 0."""
+
+    init_leaves: list
+    init_spec: Any
+    xs_leaves: list  # each with the scanned dim at 0 (a dummy one when xs is None)
+    xs_spec: Optional[Any]  # None means the user passed xs=None
+    length: int
+
+    @property
+    def init_paths(self):
+        return _leaf_paths(self.init_spec.unflatten(self.init_leaves), "carry")
+
+    @property
+    def num_carry(self):
+        return len(self.init_leaves)
+
+    @property
+    def num_x(self):
+        return 0 if self.xs_spec is None else len(self.xs_leaves)
+
+
+def _check_length(xs, xs_leaves, length, dim):
+    lengths = [x.shape[0] for x in xs_leaves]
+    if lengths and any(n != lengths[0] for n in lengths):
+        xs_paths = _leaf_paths(xs, "xs")
+        detail = ", ".join(f"{p}: {n}" for p, n in zip(xs_paths, lengths))
+        raise ScanError(
+            f"scan: xs leaves have different lengths along dim={dim} ({detail}); "
+            "every xs leaf must have the same size along the scanned dim."
+        )
+    if length is not None and lengths and lengths[0] != length:
+        raise ScanError(
+            f"scan: length={length} disagrees with xs, whose leaves have size {lengths[0]} "
+            f"along dim={dim}; drop length or make them agree."
+        )
+
+
+def _join_xla_device(leaves):
+    """CPU leaves move to the XLA device when another leaf is on it.
+
+    A Python loop over mixed inputs works because torch_xla moves a CPU
+    operand of each op to the device; the scan is one op on XLA, so its
+    inputs move once, up front (differentiably: CPU leaves still get grads).
+    """
+    xla = next((t.device for t in leaves if t.device.type == "xla"), None)
+    if xla is None:
+        return leaves
+    return [t.to(xla) if t.device.type == "cpu" else t for t in leaves]
+
+
+def prepare_inputs(init, xs, length, dim) -> ScanInputs:
+    inputs = _prepare_inputs(init, xs, length, dim)
+    n = inputs.num_carry
+    joined = _join_xla_device([*inputs.init_leaves, *inputs.xs_leaves])
+    inputs.init_leaves, inputs.xs_leaves = joined[:n], joined[n:]
+    return inputs
+
+
+def _prepare_inputs(init, xs, length, dim) -> ScanInputs:
+    init_leaves, init_spec = flatten(init)
+    require_tensor_leaves(init, "init", "init", init_leaves)
+    if length is not None and (not isinstance(length, int) or isinstance(length, bool) or length < 0):
+        if not isinstance(length, torch.SymInt):
+            raise ScanError(f"scan: length must be a non-negative int, got {length!r}.")
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise ScanError(f"scan: dim must be an int, got {dim!r}.")
+    xs_leaves, xs_spec = flatten(xs)
+    if not xs_leaves:
+        if length is None:
+            raise ScanError(
+                "scan: xs is None (or has no tensor leaves) and length is not given; "
+                "pass length=N to run fn N times with x=None."
+            )
+        device = init_leaves[0].device if init_leaves else torch.device("cpu")
+        # A zero-width stand-in keeps the op's positional convention (xs carries the length).
+        dummy = torch.empty((length, 0), device=device)
+        return ScanInputs(init_leaves, init_spec, [dummy], None, length)
+    require_tensor_leaves(xs, "xs", "xs", xs_leaves)
+    moved = []
+    for k, x in enumerate(xs_leaves):
+        if x.dim() == 0 or not -x.dim() <= dim < x.dim():
+            path = _leaf_paths(xs, "xs")[k]
+            raise ScanError(
+                f"scan: dim={dim} is out of range for {path} with shape {tuple(x.shape)} "
+                f"({x.dim()} dims); every xs leaf needs the scanned dim."
+            )
+        moved.append(x if dim in (0, -x.dim()) else torch.movedim(x, dim, 0))
+    _check_length(xs, moved, length, dim)
+    return ScanInputs(init_leaves, init_spec, moved, xs_spec, moved[0].shape[0])
+
+
+def check_pair(out):
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        got = type(out).__name__ + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else "")
+        raise ScanError(
+            f"scan: fn must return a pair (new_carry, y), but it returned a {got}; "
+            "return (carry, None) if there is no per-step output."
+        )
+    return out
+
+
+def check_carry(new_carry, inputs: ScanInputs):
+    """The carry fn returns must match init in structure, shape and dtype."""
+    leaves, spec = flatten(new_carry)
+    if spec != inputs.init_spec:
+        got = _leaf_paths(new_carry, "carry")
+        missing = [p for p in inputs.init_paths if p not in got]
+        extra = [p for p in got if p not in inputs.init_paths]
+        hint = f" (missing: {missing}, unexpected: {extra})" if (missing or extra) else ""
+        raise ScanError(
+            "scan: the carry returned by fn has a different pytree structure than init"
+            f"{hint}: init is {inputs.init_spec}, fn returned {spec}. fn must return a carry "
+            "with exactly init's structure."
+        )
+    require_tensor_leaves(new_carry, "carry", "returned carry", leaves)
+    check_carry_meta(leaves, inputs)
+    return leaves
+
+
+def _same_shape(a, b):
+    """Shapes equal; symbolic sizes are compared outside any trace (an outer
+    trace's sizes are not tracked by the body's sub-trace)."""
+    if all(type(d) is int for d in (*a, *b)):
+        return a == b
+    with _compat.disable_proxy_modes_tracing():
+        return len(a) == len(b) and all(bool(x == y) for x, y in zip(a, b))
+
+
+def check_carry_meta(leaves, inputs: ScanInputs):
+    for k, (new, old) in enumerate(zip(leaves, inputs.init_leaves)):
+        if not _same_shape(new.shape, old.shape) or new.dtype != old.dtype:
+            path = inputs.init_paths[k]
+            what = []
+            if not _same_shape(new.shape, old.shape):
+                what.append(f"shape {tuple(new.shape)} vs init's {tuple(old.shape)}")
+            if new.dtype != old.dtype:
+                what.append(f"dtype {new.dtype} vs init's {old.dtype}")
+            raise ScanError(
+                f"scan: the carry leaf {path} changed across an iteration: {' and '.join(what)}. "
+                "The carry fn returns must keep init's shape and dtype (cast or reshape it, "
+                "or change init)."
+            )
+
+
+def flatten_y(y):
+    leaves, spec = flatten(y)
+    require_tensor_leaves(y, "y", "y", leaves)
+    return leaves, spec

@@ -1,0 +1,171 @@
+"""Inductor: every scan lowered to a while_loop here, reverse ones in place.
+
+Inductor's post-grad pass ``decompose_scan_to_while_loop`` turns scan nodes
+into ``while_loop`` in forward order only, and refuses kwargs. Under a compiler
+our proxy rule emits a reverse scan as ``scan(..., reverse=True)``; the pass
+here runs just before upstream's and lowers the scan nodes itself: a
+``while_loop`` whose step ``i`` reads ``xs[i]`` (``xs[L-1-i]`` when reverse, a
+view) and writes ``ys[i]`` in place. The forward-order alternative for reverse
+gathers every slice and flips the ys afterwards: in a training backward,
+copies of all saved activations and weight gradients. Forward scans are
+lowered the same way so that one lowering (ours, the same on torch 2.9 and
+2.14) holds the fixes every loop needs: a new carry is copied into its input's
+strides when the body returns it in another layout (``(c @ W).mT``, or an
+expanded gradient), as while_loop requires; scans of static length 0 become
+their init and empty ys. ``install`` also puts in the workarounds of
+``workarounds`` that every scan's while_loop needs on torch 2.9.
+"""
+import torch
+
+from .. import _compat
+from ..core.schedule import segments, step_index
+from ..core.trees import split_counts
+from . import buffer_pool, workarounds
+
+_installed = False
+_LOOP_PREFIX = "scan_loop_"  # our while_loops' cond/body subgraphs: no per-iteration input asserts
+
+
+def install():
+    """Wrap upstream's pass (looked up by name when post-grad passes run) and
+    apply the torch 2.9 inductor workarounds. Idempotent."""
+    global _installed
+    if _installed:
+        return
+
+    def before_upstream(gm):
+        workarounds.materialize_expanded_operands(gm)
+        _lower_scans(gm)
+
+    _compat.inductor.run_before_scan_decomposition(before_upstream)
+    _compat.inductor.skip_input_asserts_of_subgraphs(lambda name: _LOOP_PREFIX in name)
+    workarounds.keep_subgraph_inputs_undonated()
+    workarounds.realize_copies_of_aliased_carries()
+    _compat.inductor.reuse_no_aliasing_buffers()
+    _compat.inductor.name_mutated_carries_in_cpp_while_loops()
+    _compat.inductor.plan_cpp_subgraph_reuse_without_peak_estimate()
+    _compat.inductor.write_extern_outputs_into_rows(lambda name: name.startswith(_LOOP_PREFIX) and "_body_" in name)
+    _compat.inductor.run_counted_loops_as_for_loops(lambda name: name.startswith(_LOOP_PREFIX))
+    _compat.inductor.skip_output_asserts_of(torch.ops.torch_scan_hop.stacked_buffers.default)
+    _installed = True
+
+
+def _is_ours_to_lower(match):
+    """Scan nodes with no option but ``reverse`` (the proxy rule emits no other)."""
+    return set(match.nodes[0].kwargs) <= {"reverse"}
+
+
+def _lower_scans(gm):
+    def lower(match, combine, init, xs, lifted, **_kwargs):
+        node = match.nodes[0]
+        body = getattr(gm, combine.target)
+        ys_vals = node.meta["val"][len(init):]
+        flat = [*init, *xs, *lifted]
+        counts = (len(init), len(xs), len(lifted))
+        reverse = bool(node.kwargs.get("reverse", False))
+        match.replace_by_example(_as_multi_output(_while_loop(body, ys_vals, counts, reverse)), flat,
+                                 run_functional_passes=False)
+
+    theirs = set(gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.while_loop))
+    _compat.inductor.call_pattern_pass(torch.ops.higher_order.scan, _is_ours_to_lower, lower).apply(gm)
+    _name_our_loops(gm, theirs)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _as_multi_output(lowered):
+    """``lowered`` returning at least two values. The pattern matcher replaces the scan node
+    itself with a one-value replacement, leaving the scan's ``getitem(scan, 0)`` users
+    indexing a tensor (a scan with one output: no carry and one y, as the backward of a body
+    whose carry needs no gradient); with two or more values each user gets its own. The
+    duplicate has no user."""
+    def padded(*flat):
+        out = lowered(*flat)
+        return out if len(out) != 1 else [*out, out[0]]
+
+    return padded
+
+
+def _name_our_loops(gm, theirs):
+    """Prefix the cond/body subgraphs of the while_loops made here with
+    ``_LOOP_PREFIX``: inductor then leaves out their input asserts, which run on
+    every iteration (the carried layouts are fixed by the lowering itself)."""
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.while_loop):
+        if node in theirs:
+            continue
+        for sub in node.args[:2]:
+            if sub.op != "get_attr" or sub.target.startswith(_LOOP_PREFIX):
+                continue
+            new, n = _LOOP_PREFIX + sub.target, 0
+            while hasattr(gm, new):
+                n += 1
+                new = f"{_LOOP_PREFIX}{n}_{sub.target}"
+            gm.register_module(new, getattr(gm, sub.target))
+            delattr(gm, sub.target)
+            sub.target = new
+
+
+def _same_strides(a, b):
+    from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
+
+    return statically_known_true(sym_eq(tuple(a.stride()), tuple(b.stride())))
+
+
+def _in_layout_of(new, old):
+    """``new`` with ``old``'s strides (a copy only when they may differ)."""
+    if not isinstance(new, torch.Tensor) or _same_strides(new, old):
+        return new
+    return torch.ops.prims.copy_strided.default(new, old.stride())
+
+
+def _preallocate(ys_vals, symbols):
+    """Empty ys like ``ys_vals``, on storage reused between calls (see ``buffer_pool``):
+    one operator call per dtype and device."""
+    resolve = _compat.inductor.resolve_shape_to_proxy
+    groups = {}
+    for i, v in enumerate(ys_vals):
+        groups.setdefault((v.dtype, v.device), []).append(i)
+    ys = [None] * len(ys_vals)
+    for (dtype, device), idx in groups.items():
+        shapes = [(resolve(ys_vals[i].size(), symbols), resolve(ys_vals[i].stride(), symbols)) for i in idx]
+        for i, y in zip(idx, buffer_pool.stacked_buffers(shapes, dtype, device)):
+            ys[i] = y
+    return ys
+
+
+def _while_loop(body, ys_vals, counts, reverse):
+    """The traced replacement: preallocated ys (pooled storage), a CPU counter, and a loop body that
+    runs ``body`` on the views ``x[i]`` and copies each y into ``ys[i]``, with
+    ``i = step_index(counter)`` (``L-1-counter`` when reverse)."""
+
+    nc, nx, nl = counts
+
+    def lowered(*flat):
+        init, xs, lifted = split_counts(flat, nc, nx, nl)
+        length = xs[0].size(0)
+        symbols = {a.node.expr: a for a in (*flat, length) if isinstance(a, torch.SymInt)}
+        ys = _preallocate(ys_vals, symbols)
+        ny = len(ys)
+        if not segments(length):  # no step: the bounds asserts would fail statically
+            return [*(c.clone() for c in init), *ys]
+
+        def cond(counter, *_rest):
+            return counter < length
+
+        def step(counter, *rest):
+            bufs, carry, xs_, lifted_ = split_counts(rest, ny, nc, nx, nl)
+            i = step_index(counter.item(), length, reverse=reverse)
+            torch.ops.aten._assert_scalar.default(i >= 0, "scan: index below 0")
+            torch.ops.aten._assert_scalar.default(i < length, "scan: index past the end")
+            out = body(*carry, *(x.select(0, i) for x in xs_), *lifted_)
+            for y, buf in zip(out[nc:], bufs):
+                buf.select(0, i).copy_(y)
+            new_carry = [_in_layout_of(new, old) for new, old in zip(out[:nc], carry)]
+            return (counter + 1, *bufs, *new_carry)
+
+        counter = torch.zeros([], dtype=torch.int64, device="cpu")
+        # xs are read only: loop inputs, not carried (fewer values passed per step)
+        res = torch.ops.higher_order.while_loop(cond, step, (counter, *ys, *init), (*xs, *lifted))
+        return [*res[1 + ny:1 + ny + nc], *res[1:1 + ny]]
+
+    return lowered

@@ -1,0 +1,111 @@
+"""Workarounds for four torch 2.9 defects that scan's inductor loops hit.
+
+1. Subgraph inputs taken as donated buffers (fixed upstream by pytorch#193960).
+   Compiling a backward graph, inductor marks the inputs listed in AOT's
+   ``bw_donated_idxs`` as donated: their storage may be reused for the graph's
+   own results. ``SubgraphLowering`` (a while_loop's cond and body) inherited
+   those indices and applied them to its OWN placeholders, an unrelated
+   numbering. A loop body then wrote its new carry into the storage of a
+   carried input, so the loop's result aliased that input; the outer graph,
+   seeing the input's last use, reused its storage for a later buffer (the next
+   loop's preallocated ys) and the result was overwritten: wrong closure
+   gradients whenever the backward has two loops (``unroll`` blocks plus a
+   remainder) and buffer sizes happen to match.
+
+2. Expanded loop operands. ``WhileLoop.create`` asks every operand for its
+   exact strides; for a stride-0 dim (``expand``, e.g. the gradient of
+   ``ys.sum()``) ``require_strides`` calls ``slice_`` on an unwrapped view and
+   asserts. A scan's init and xs are while_loop operands, so a training step
+   whose loss is ``carry.sum() + ys.sum()`` failed to compile. Such operands are
+   materialized (a contiguous clone, as big as the expanded tensor) first.
+
+3. Two carries from one buffer. ``WhileLoop._clone_aliased_inputs`` gives the
+   second of two carries that share a buffer a ``clone``, left unrealized; for
+   a 0-dim carry nothing realizes it later and asking its strides raises
+   ``NotImplementedError: Pointwise``. Hit by ``scan(f, (s, s), xs)`` and by a
+   backward whose two 0-dim carry gradients start as the same zero. Such
+   clones are realized copies (what torch 2.14's ``ExternKernel.copy_input``
+   there does).
+
+4. A float64 attention's logsumexp, faked as float32. torch 2.9's fake kernel of
+   ``aten._scaled_dot_product_flash_attention_for_cpu`` says float32 where the
+   CPU kernel returns float64 (torch 2.14 says float64). A compiled loop passes
+   the real tensor on; a scan copies each step's values into a stacked buffer
+   made from the fake, and generated code read the float64 values as float32
+   (then the backward stopped: "expected scalar type Double but found Float").
+   FakeTensorMode gets the real dtype for float64 inputs; others are untouched.
+   Installed on import: Dynamo fakes the body before inductor runs.
+"""
+import contextlib
+
+import torch
+
+from .. import _compat
+
+_subgraph_fix_installed = False
+
+
+def keep_subgraph_inputs_undonated():
+    """Subgraphs own none of their inputs: clear the inherited donation indices
+    (what pytorch#193960 does in ``SubgraphLowering.__init__``). Idempotent."""
+    global _subgraph_fix_installed
+    if _subgraph_fix_installed:
+        return
+
+    def undonate(lowering):
+        lowering.bw_donated_idxs = None
+
+    _compat.inductor.run_after_subgraph_lowering_init(undonate)
+    _subgraph_fix_installed = True
+
+
+def realize_copies_of_aliased_carries():
+    """Defect 3: the copies of carries that share a buffer are realized buffers."""
+    _compat.defects.realize_copies_of_aliased_while_carries()
+
+
+def fake_float64_attention_logsumexp_as_float64():
+    """Defect 4: where FakeTensorMode fakes a float64 CPU flash attention's logsumexp
+    as float32, a fake rule gives it as float64 (for float64 queries only)."""
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    with _compat.FakeTensorMode():
+        q = torch.empty(1, 1, 2, 4, dtype=torch.float64)
+        if op(q, q, q)[1].dtype == torch.float64:
+            return
+
+    def float64_query(args, kwargs):
+        return (args[0] if args else kwargs["query"]).dtype == torch.float64
+
+    def logsumexp_as_float64(outs, args, kwargs):
+        out, lse = outs
+        return out, torch.empty_strided(lse.size(), lse.stride(), dtype=torch.float64, device=lse.device)
+
+    _compat.defects.add_fake_rule("float64 attention logsumexp", op, float64_query, logsumexp_as_float64)
+
+
+def _is_expanded(val):
+    """A stride-0 dim that is not statically of size 1 (inductor's test)."""
+    return isinstance(val, torch.Tensor) and any(
+        isinstance(st, int) and st == 0 and not (isinstance(sz, int) and sz <= 1)
+        for sz, st in zip(val.shape, val.stride()))
+
+
+def _contiguous_copy(graph, node):
+    clone = graph.call_function(torch.ops.aten.clone.default, (node,),
+                                {"memory_format": torch.contiguous_format})
+    val = node.meta["val"]
+    with getattr(val, "fake_mode", None) or contextlib.nullcontext():
+        clone.meta["val"] = val.clone(memory_format=torch.contiguous_format)
+    return clone
+
+
+def materialize_expanded_operands(gm):
+    """Give every scan node a dense copy of each expanded init or xs input."""
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan):
+        combine, init, xs, *rest = node.args
+        with gm.graph.inserting_before(node):
+            init, xs = ([_contiguous_copy(gm.graph, n) if _is_expanded(n.meta.get("val")) else n for n in group]
+                        for group in (init, xs))
+        node.args = (combine, init, xs, *rest)
+    gm.graph.lint()
+

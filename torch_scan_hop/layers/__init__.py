@@ -1,0 +1,15 @@
+"""Layer stacks: ``scan_layers`` (a stack of identical modules as ONE scan) and
+``stack_layers`` (their parameters stored stacked), floor by floor:
+
+- ``scan_layers``: the front end (imports ``api``, the eager loop and everything below);
+- ``storage``: the stacked containers ``stack_layers`` returns;
+- ``checks``: what a scanned stack asks of its layers (no hooks, no running-stat updates);
+- ``grads``: where stacked storage's gradients go (per layer or on the stacks);
+- ``intact``: the per-call "layers still hold the stack's parameters" check, answered by
+  Dynamo when tracing;
+- ``layer_state``: each layer's parameters and buffers, checked to agree with layer 0's;
+- ``stack_weights``: ``torch.stack`` of the weights, as a custom op under compile/XLA;
+- ``ownership``: which container a parameter belongs to (imports no sibling).
+
+May import: ``api``, ``op``, ``core``, ``_compat``.
+"""

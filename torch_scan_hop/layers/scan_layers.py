@@ -1,0 +1,277 @@
+"""``scan_layers``: a stack of identical modules run as ONE scan over their stacked weights.
+
+In plain eager it is the loop itself, over the real layers (hooks included),
+with ``remat`` as a per-layer checkpoint (with ``stack_layers(..., grads="stacked")``
+and no hooks or running-stat updates, over the stacks' rows, so that autograd sees
+the stacks). Traced (torch.compile, export, XLA),
+the parameters and buffers of the layers are stacked (``layers.stack_weights``: a
+stack whose gradient flows back to every layer's own ``.grad``) and scanned
+over; the body calls the first layer's code on one layer's slice through a
+read-only view (``_LayerView``). The traced body therefore does not depend on
+the depth: one trace, one compile, for 8 or 64 layers.
+
+Layers must be identical up to their weights, in every mode: same type,
+parameter and buffer names, shapes and dtypes, and the same plain attributes
+(a scale, ``training``), since the traced body runs layer 0's code with layer
+0's attributes. Broadcast keyword inputs (attention masks, positions) reach
+every layer unchanged; tensor ones are closed over (constants of the call).
+"""
+import functools
+import types
+
+import torch
+
+from .. import _compat
+from ..api import scan
+from ..core.trees import ScanError, flatten
+from ..op.loop import remat_step
+from .checks import (
+    check_no_hooks,
+    check_no_hooks_traced,
+    check_no_running_stat_updates,
+    differentiates_stacks,
+)
+from .grads import check_flags_traced, stacks_swapped
+from .layer_state import (
+    MISSING,
+    check_peers_agree,
+    layer_state,
+    layer_states,
+    same_value,
+)
+from .ownership import container_of, container_token, owner_of
+from .stack_weights import stack_weights
+from .storage import stacked_storage
+
+
+def _stacked_state(states):
+    return {name: stack_weights([state[name] for state in states]) for name in states[0]}
+
+
+def _from_storage(layers, stacked, ref_state, token, trained_stacks):
+    """The scanned weights from stacked storage: the stacked tensors themselves (no copy; their
+    gradient is handed to the layers by ``layers.storage``, to those whose flag asks for it), detached
+    for a parameter name no layer requires grad for. With ``trained_stacks`` (grads="stacked")
+    the stacks are parameters with their own flag and gradient. Buffers (and Parameters the stacks leave
+    out) are stacked per call as without stacked storage."""
+    xs, buffer_names = {}, []
+    for name in ref_state:
+        if name not in stacked:
+            buffer_names.append(name)
+            continue
+        P = stacked[name]
+        xs[name] = P if trained_stacks or _some_layer_wants_grad(layers, name, token) else P.detach()
+    if buffer_names:
+        states = [layer_state(layer, "", {}) for layer in layers]
+        for name in buffer_names:
+            xs[name] = stack_weights([state[name] for state in states])
+    return xs
+
+
+def _some_layer_wants_grad(layers, name, token):
+    """Any layer's ``requires_grad`` for ``name``. Under Dynamo it is first asked in Python
+    when tracing, unguarded: a yes stays right whatever the flags do later (the gradient is
+    handed out by each layer's current flag). Only a no is then read in traced code, one
+    guard per layer, so unfreezing a layer recompiles. (Layer 0's flag alone, as before,
+    gave no gradient to any layer once the first one was frozen.)"""
+    if token is not None and _compat.is_dynamo_compiling() and _name_wants_grad_when_traced(token, name):
+        return True
+    return _any_requires_grad(layers, name)
+
+
+@torch.compiler.assume_constant_result  # runs in Python when traced; the token is guarded, the result not
+def _name_wants_grad_when_traced(token, name):
+    return _any_requires_grad(list(container_of(token)), name)
+
+
+def _any_requires_grad(layers, name):
+    return any(m._parameters[leaf].requires_grad for m, leaf in layers_owners(layers, name))
+
+
+def layers_owners(layers, name):
+    return [owner_of(layer, name) for layer in layers]
+
+
+class _LayerView:
+    """Layer 0 seen with one layer's slice of the stacked weights.
+
+    Attribute reads resolve to the slice (parameters, buffers), to views of
+    submodules, to methods of the module's class bound to the view, or else to
+    the module's own attributes. Nothing is written to the module, so the body
+    has no side effects (which Dynamo refuses inside a scan body) and no
+    parameter swapping per step. Module hooks are not run. (State is read via
+    ``self.__dict__``, which Dynamo traces on objects created in the body.)
+
+    A plain attribute the body reads (a scale, ``training``) is layer 0's for
+    every step, so it is compared with the same attribute of every layer
+    (``peers``) as it is read: a layer that differs is a ScanError naming it.
+    Checking on read covers exactly what the code uses, and is the one form
+    Dynamo can trace (it cannot enumerate a module's ``__dict__``).
+    """
+
+    def __init__(self, module, state, prefix="", peers=(), checked=None, parent=None):
+        # names no module attribute is likely to have: the view answers these itself
+        self._view_m, self._view_state, self._view_prefix = module, state, prefix
+        self._view_peers, self._view_parent = peers, parent
+        self._view_checked = {} if checked is None else checked  # names compared with the peers, whole tree
+
+    def __getattr__(self, name):
+        d = self.__dict__
+        if "_view_m" not in d:  # Dynamo probing a not-yet-initialized stand-in
+            raise AttributeError(name)
+        module, state, prefix = d["_view_m"], d["_view_state"], d["_view_prefix"]
+        if prefix + name in state:
+            return state[prefix + name]
+        children = _compat.nn.child_modules(module)
+        if name in children:
+            sub = children[name]  # its peers are found when it first reads a plain attribute
+            return None if sub is None else view_of(
+                sub, state, prefix + name + ".", None, d["_view_checked"], (d, name))
+        if name == "_modules":  # torch's containers read their children from this attribute
+            return {k: getattr(self, k) for k in children}
+        attr = getattr(type(module), name, None)
+        if isinstance(attr, property):
+            return attr.fget(self)
+        if isinstance(attr, types.FunctionType):  # a method: bound to the view (partial: Dynamo traces it)
+            return functools.partial(attr, self)
+        value = getattr(module, name)
+        if prefix + name not in d["_view_checked"]:  # once per trace: a check reads the attribute of every layer
+            check_peers_agree(prefix + name, value, [getattr(p, name, MISSING) for p in _peers_of(d)])
+            d["_view_checked"][prefix + name] = True
+        return value
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def __iter__(self):  # containers (Sequential, ModuleList) iterate their children
+        return iter(self._modules.values())
+
+    def __len__(self):
+        module = self.__dict__.get("_view_m")
+        return 0 if module is None else len(_compat.nn.child_modules(module))
+
+    def __bool__(self):  # a module is truthy whatever its number of children
+        return True
+
+    def __getitem__(self, idx):
+        return list(self._modules.values())[idx]
+
+
+def _peers_of(d):
+    """A view's peers: the other layers' modules at its path. A submodule view finds them
+    on first use, so one that reads no plain attribute (a Linear) reads no other layer."""
+    if d["_view_peers"] is None:
+        parent, name = d["_view_parent"]
+        d["_view_peers"] = _compat.nn.children_named(_peers_of(parent), name)
+    return d["_view_peers"]
+
+
+@functools.lru_cache(maxsize=None)
+def _view_type(cls):
+    """A _LayerView whose ``__class__`` is ``cls``: ``isinstance`` and the
+    zero-argument ``super()`` in the layer's methods then accept the view."""
+    return type(f"{cls.__name__}View", (_LayerView,), {"__class__": cls})
+
+
+def view_of(module, state, prefix="", peers=(), checked=None, parent=None):
+    """The view of ``module`` (Dynamo traces the plain _LayerView only)."""
+    cls = _LayerView if _compat.is_dynamo_compiling() else _view_type(type(module))
+    return cls(module, state, prefix, peers, checked, parent)
+
+
+def _as_output(inputs):
+    return inputs[0] if len(inputs) == 1 else tuple(inputs)
+
+
+def _eager_loop(layers, inputs, remat, kwargs):
+    """The loop over the real layers (hooks and all), remat per layer."""
+    single = len(inputs) == 1
+    h = _as_output(inputs)
+    for layer in layers:
+        call = remat_step(lambda h, layer=layer: layer(*((h,) if single else h), **kwargs), remat)
+        h = call(h)
+        if not single and isinstance(h, list):
+            h = tuple(h)
+    return h
+
+
+_PER_LAYER_STATE = ("_parameters", "_buffers", "_modules")  # compared by layer_states / recursion
+
+
+def _all_attributes_agree(layers):
+    """Every plain attribute in every layer's module tree equals layer 0's.
+
+    Then the body's checks on read (``_LayerView``: under Dynamo one guard per
+    layer and attribute read, the most of the compile time that grows with
+    depth) have nothing to find. Outside Dynamo only: it cannot enumerate a
+    ``__dict__``. Anything that differs (a per-layer index nobody reads, say)
+    leaves the checks on read to decide.
+    """
+    return all(_tree_agrees(layers[0], layer) for layer in layers[1:])
+
+
+def _tree_agrees(ref, module):
+    mine, theirs = vars(module), vars(ref)
+    if mine.keys() != theirs.keys() or type(module) is not type(ref):
+        return False
+    if not all(same_value(mine[k], v) for k, v in theirs.items() if k not in _PER_LAYER_STATE):
+        return False
+    kids, ref_kids = _compat.nn.child_modules(module), _compat.nn.child_modules(ref)
+    return kids.keys() == ref_kids.keys() and all(
+        (a is None) == (b is None) and (a is None or _tree_agrees(b, a)) for a, b in zip(kids.values(), ref_kids.values()))
+
+
+def scan_layers(layers, *inputs, remat="save_all", unroll=1, **broadcast_kwargs):
+    """``for layer in layers: inputs = layer(*inputs, **broadcast_kwargs)`` as one scan.
+
+    ``layers.scan_layers``: an ``nn.ModuleList`` (or sequence) of modules with identical
+    structure. With one input the layers map a tensor (or pytree) to the same
+    structure; with several, each layer takes them all and returns a tuple of
+    the same structure. Returns what the last layer returns (the inputs for
+    an empty stack). Gradients land on each layer's own parameters (on the stacks
+    under ``stack_layers(layers, grads="stacked")``).
+    """
+    container, layers = layers, list(layers)
+    if not all(isinstance(m, torch.nn.Module) for m in layers):
+        raise ScanError("scan_layers: every element of layers must be an nn.Module.")
+    if not inputs:
+        raise ScanError("scan_layers: pass the hidden state as a positional input: scan_layers(layers, x).")
+    if not layers:
+        return _as_output(inputs)
+    dynamo = _compat.is_dynamo_compiling()
+    # torch.export keeps the per-call stack: its program then lifts the layers' registered parameters
+    stacked = None if _compat.is_exporting() else stacked_storage(container)
+    token = None if stacked is None else container_token(container)
+    # stacked storage was checked for identical structure when made: layer 0's state suffices here
+    states = layer_states(layers) if stacked is None else [layer_state(layers[0], "", {})]
+    flat_inputs = [t for t in flatten((inputs, broadcast_kwargs))[0] if isinstance(t, torch.Tensor)]
+    trained_stacks = stacked is not None and container.grads_mode == "stacked"
+    over_rows = False  # eager, over the stacks' rows: hooks and running stats already ruled out
+    if (not callable(remat) and _compat.runs_eagerly(flat_inputs + list(states[0].values()))
+            and not stacks_swapped(container, stacked)):  # a swapped stack: scanned, the layers cannot run it
+        # a layer's own attribute: its own code runs it
+        over_rows = trained_stacks and differentiates_stacks(container, layers) and _all_attributes_agree(layers)
+        if not over_rows:
+            return _eager_loop(layers, inputs, remat, broadcast_kwargs)
+    xs = _stacked_state(states) if stacked is None else _from_storage(layers, stacked, states[0], token, trained_stacks)
+    template = layers[0]
+    single = len(inputs) == 1
+    if not dynamo and not over_rows:  # checked here, in Python: the traced body then reads no peer
+        check_no_hooks(layers)
+        check_no_running_stat_updates(template)  # other layers agree with layer 0 or are refused as read
+    peers = () if over_rows or (not dynamo and _all_attributes_agree(layers)) else layers[1:]
+
+    def step(h, params):
+        if dynamo:  # in the body: under torch.compile only errors raised there stay ScanErrors
+            check_no_hooks_traced(layers, token)
+            check_no_running_stat_updates(template)
+            if trained_stacks:
+                check_flags_traced(container, token)
+        args = (h,) if single else tuple(h)
+        out = view_of(template, params, peers=peers)(*args, **broadcast_kwargs)  # kwargs: closed over
+        if not single and isinstance(out, list):
+            out = tuple(out)
+        return out, None
+
+    out, _ = scan(step, _as_output(inputs), xs, remat=remat, unroll=unroll)
+    return out

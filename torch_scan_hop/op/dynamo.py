@@ -1,0 +1,253 @@
+"""Dynamo: a VariableTracker that captures scan as ONE node with the body as a subgraph.
+
+Dynamo picks the tracker for a HigherOrderOperator by name, so ours replaces
+upstream's "scan" entry (our op IS torch.ops.higher_order.scan) and hands
+upstream's own op object, if it ever shows up, to upstream's tracker. The
+Dynamo internals it needs are wrapped, per torch version, in ``_compat``.
+
+Our front end calls the op with ``functools.partial(pytree_step, ...)``: the
+body takes flat leaves and returns ``[*carry_leaves, y]`` with ``y`` the user's
+pytree. The subgraph's outputs are flattened (None leaves dropped) and the op's
+flat result is unflattened back to ``[*carry_leaves, ys]`` for the front end,
+so no Python-side state has to leave the speculated body. Tensors the body
+closes over (and module parameters) become explicit additional inputs.
+A graph break inside the body is a hard error naming the body.
+"""
+import warnings
+
+import torch
+
+from .. import _compat
+from ..core.op_args import slice_example
+from ..core.trees import ScanError
+from ..trace.flat_body import _ERROR, AUTO_UNROLL
+
+_AUTO_MIN_LENGTH, _AUTO_BLOCK = 16, 8
+
+
+_GRAPH_BREAK = ("torch_scan_hop.scan: the body fn must be captured whole by torch.compile "
+                "(no graph breaks inside the scanned function)")
+
+
+def _make_tracker_class():
+    from .._compat import dynamo as dyn
+
+    upstream_cls = dyn.tracker_registry()["scan"]
+    uncaptured, unsupported = dyn.uncaptured_error_class(), dyn.unsupported_error_classes()
+
+    class ScanVariable(dyn.tracker_base()):
+        upstream = upstream_cls
+
+        def _call_function(self, tx, args, kwargs):
+            from .hop import scan_op
+
+            if self.value is not scan_op:  # upstream's own op object: upstream's rules
+                return self.upstream(self.value, self.source)._call_function(tx, args, kwargs)
+            try:
+                return self._call_ours(tx, args, kwargs)
+            except uncaptured as e:  # a graph break in the body, e.g. `if c.sum() > 0:`
+                raise as_scan_error(e) from None
+            except unsupported as e:  # the same message as torch 2.9's hard error
+                raise compile_error(f"{_GRAPH_BREAK} Got {_graph_break_message(e)}",
+                                    getattr(e, "real_stack", None)) from e
+
+        @dyn.hard_error(reason=_GRAPH_BREAK)
+        def _call_ours(self, tx, args, kwargs):
+            args, kwargs = dyn.realize_all((args, kwargs))
+            if len(args) != 4:
+                dyn.graph_break(f"scan: expected (combine_fn, init, xs, additional_inputs), got {len(args)} args")
+            combine_fn, init, xs, additional = args
+            _materialize_lazy_graph(combine_fn)
+            options = {k: _option_value(tx, k, v) for k, v in kwargs.items()}
+            options["unroll"] = _resolve_unroll(tx, options.get("unroll", 1), xs.unpack_var_sequence(tx))
+            options = _non_default_options(options)
+            init_vars, xs_vars = init.unpack_var_sequence(tx), xs.unpack_var_sequence(tx)
+            add_vars = additional.unpack_var_sequence(tx)
+            carry_grad = None
+            for _ in range(len(init_vars) + 1):  # the carries' requires_grad fixed point
+                with dyn.discard_graph_changes(tx):
+                    sub_args = [v.call_method(tx, "clone", args=(), kwargs={}) for v in init_vars]
+                    sub_args += [dyn.inlined(tx, slice_example)(v) for v in xs_vars]
+                    sub_args += [v.call_method(tx, "clone", args=(), kwargs={}) for v in add_vars]
+                carry_grad = _require_grad(sub_args[:len(init_vars)], carry_grad)
+                (_, spec), graph, freevars = dyn.speculate_subgraph(
+                    tx, combine_fn, sub_args, description="torch_scan_hop.scan body",
+                    source_target=self.value, set_subgraph_inputs="flatten_manual",
+                    should_flatten_outputs=True, supports_input_mutation=False, supports_aliasing=True)
+                grown = _carries_requiring_grad(graph, carry_grad)
+                if grown == carry_grad:
+                    break
+                carry_grad = grown
+            _reject_constant_ys(spec)
+            _clone_outputs_that_are_inputs(graph)
+            _allow_scalar_outputs(tx)
+            name = tx.output.install_subgraph("scan_body", dyn.subgraph_module(tx, graph))
+            p_args = (dyn.make_attr(tx, name), init.as_proxy(), xs.as_proxy(),
+                      tuple(additional.as_proxy()) + tuple(freevars.keys()))
+            return dyn.call_and_unflatten(tx, self.value, p_args, options, spec)
+
+    return ScanVariable
+
+
+def _example(var):
+    return var.as_proxy().node.meta.get("example_value")
+
+
+def _require_grad(carry_vars, flags):
+    """The carries' example values, made to require grad where ``flags`` says
+    (None: as init's). The body is traced with a carry requiring grad when any
+    step's does, as in the loop from step 2 on: what reads requires_grad at trace
+    time (an autograd.Function's ``ctx.needs_input_grad``) must see it."""
+    examples = [_example(v) for v in carry_vars]
+    if flags is None:
+        return [isinstance(e, torch.Tensor) and e.requires_grad for e in examples]
+    with _compat.disable_proxy_modes_tracing():
+        for var, e, flag in zip(carry_vars, examples, flags):
+            if flag and not e.requires_grad:
+                var.as_proxy().node.meta["example_value"] = e.detach().requires_grad_()
+    return flags
+
+
+def _carries_requiring_grad(graph, flags):
+    """``flags`` grown by the body's carry outputs that require grad."""
+    (outs,) = graph.find_nodes(op="output")[0].args
+    grown = []
+    for flag, out in zip(flags, outs[:len(flags)]):
+        e = out.meta.get("example_value") if isinstance(out, torch.fx.Node) else None
+        grown.append(flag or (isinstance(e, torch.Tensor) and e.requires_grad))
+    return grown
+
+
+def _graph_break_message(e):
+    """What broke the graph: Dynamo's message, or for an exception the body
+    raised while Dynamo ran it on fake tensors (torch 2.14 wraps it in an
+    ObservedException), the body's own error."""
+    msg = getattr(e, "msg", None)
+    if msg:
+        return msg
+    cause = e.__cause__ or e.__context__
+    while cause is not None and (cause.__cause__ or cause.__context__) is not None and not isinstance(cause, ScanError):
+        cause = cause.__cause__ or cause.__context__
+    return f"{type(cause).__name__}: {cause}" if cause is not None else type(e).__name__
+
+
+def _clone_outputs_that_are_inputs(graph):
+    """A body may return its input (``y = c``), as in eager; the op's subgraph
+    must not alias, so such outputs get a clone."""
+    out = graph.find_nodes(op="output")[0]
+    (values,) = out.args
+    with graph.inserting_before(out):
+        values = [graph.call_method("clone", (v,)) if isinstance(v, torch.fx.Node) and v.op == "placeholder"
+                  else v for v in values]
+    out.args = (tuple(values),)
+    graph.lint()
+
+
+def _materialize_lazy_graph(fn_var):
+    """A body that is a lazily compiled GraphModule (compiled autograd's backward
+    graphs, re-traced graphs) must get its real forward before Dynamo inlines it:
+    Dynamo skips ``_LazyGraphModule._lazy_forward``."""
+    gm = getattr(fn_var, "value", None)
+    if isinstance(gm, torch.fx.GraphModule) and hasattr(gm, "real_recompile"):
+        gm.real_recompile()
+
+
+def _allow_scalar_outputs(tx):
+    """Inductor rewrites scan into a while_loop that indexes with
+    ``aten._local_scalar_dense`` (pytorch 153437); that needs this frame's
+    ShapeEnv to accept scalar outputs, which users should not have to set up."""
+    _compat.allow_scalar_outputs(tx.output.shape_env)
+
+
+def _resolve_unroll(tx, unroll, xs_vars):
+    """``unroll=None`` under torch.compile: blocks of 8 steps per loop iteration
+    for a static length >= 16 (inductor's while_loop pays a fixed cost per
+    iteration, ~as much as a small RNN step), else 1. Export keeps the plain
+    one-node form."""
+    if unroll != AUTO_UNROLL:
+        return unroll
+    from .._compat.dynamo import fake_value, is_exporting
+
+    length = fake_value(xs_vars[0].as_proxy().node, tx).shape[0] if xs_vars else None
+    if is_exporting(tx) or not isinstance(length, int) or length < _AUTO_MIN_LENGTH:
+        return 1
+    return _AUTO_BLOCK
+
+
+def _non_default_options(options):
+    """Defaults stay out of the graph, so it keeps upstream's kwarg-free form."""
+    defaults = {"reverse": False, "remat": "save_all", "unroll": 1}
+    return {k: v for k, v in options.items() if k not in defaults or v != defaults[k]}
+
+
+def _reject_constant_ys(spec):
+    """Only None may be a non-tensor leaf of y (as in eager)."""
+    if not spec.masks_to_filter_const_values:
+        return
+    consts = [v for m, v in zip(spec.masks_to_filter_const_values, spec.const_values) if m]
+    if consts[:1] == [_ERROR]:
+        raise compile_error(consts[1])
+    for value in consts:
+        if value is not None:
+            raise compile_error(f"scan: fn returned the non-tensor value {value!r} as a carry or y leaf; "
+                                "leaves must be tensors (use torch.tensor(...)) or None.")
+
+
+def _option_value(tx, name, var):
+    """A keyword option as a Python value; a symbolic int (an int variable under
+    dynamic=True, say unroll=k) is specialized, with a guard, to its value.
+    Anything else must be a constant: a graph node cannot hold a function, so a
+    callable ``remat`` works in eager and make_fx only."""
+    from .._compat.dynamo import is_constant, is_symbolic_int
+
+    if is_symbolic_int(var):
+        return var.evaluate_expr(tx.output)
+    if name == "remat" and not is_constant(var):
+        raise compile_error(
+            "scan: remat=<callable> is not supported under torch.compile (the compiled graph cannot hold a "
+            "function); pass 'save_all', 'min_cut' or 'recompute_all', or call scan outside torch.compile.")
+    return var.as_python_constant()
+
+
+_ScanCompileError = None
+
+
+def compile_error(message, real_stack=None):
+    """A ScanError that Dynamo lets through as it is: Dynamo re-raises its
+    UncapturedHigherOrderOpError unchanged but wraps any other exception raised
+    while tracing in an InternalTorchDynamoError."""
+    global _ScanCompileError
+    if _ScanCompileError is None:
+        from .._compat.dynamo import uncaptured_error_class
+
+        UncapturedHigherOrderOpError = uncaptured_error_class()
+
+        class ScanCompileError(ScanError, UncapturedHigherOrderOpError):
+            def __init__(self, msg, real_stack=None):
+                UncapturedHigherOrderOpError.__init__(self, msg, real_stack)
+
+        _ScanCompileError = ScanCompileError
+    return _ScanCompileError(message, real_stack)
+
+
+def as_scan_error(e):
+    """Dynamo's hard error for a graph break in the body, as a ScanError."""
+    return e if isinstance(e, ScanError) else compile_error(e.msg, e.real_stack)
+
+
+def install():
+    """Register our tracker for the name "scan" (idempotent)."""
+    from .._compat.dynamo import tracker_registry
+
+    registry = tracker_registry()
+    if getattr(registry["scan"], "_torch_scan_hop", False):
+        return
+    try:
+        cls = _make_tracker_class()
+    except (AttributeError, TypeError, ImportError) as e:  # a torch whose Dynamo internals moved
+        warnings.warn(f"torch_scan_hop supports torch 2.9 to 2.14; on torch {torch.__version__} its "
+                      f"torch.compile tracker could not be installed ({e}).")
+        return
+    cls._torch_scan_hop = True
+    registry["scan"] = cls
+

@@ -1,0 +1,41 @@
+"""Functionalize: run the body functionalized; in-place mutation of inputs is an error.
+
+Scan bodies are pure functions of (carry, x, closures) — that is what lets the
+backward replay them and XLA put them in a While. A body that writes into its
+carry, its x slice or a closed-over tensor is rejected with the index of the
+offending input rather than silently functionalized into a different program.
+"""
+from .. import _compat
+from ..trace import cache
+from ..trace.body_checks import check_no_input_mutation, is_checked
+from .hop import scan_op
+
+
+def _checked_once(ctx, combine_fn, init, xs, additional_inputs):
+    """check_no_input_mutation, memoized per body and input metadata in plain
+    eager (C++ functionalization, e.g. XLA tensors); tracers check every time."""
+    if is_checked(combine_fn):
+        return
+    check = lambda: check_no_input_mutation(combine_fn, init, xs, additional_inputs) or True  # noqa: E731
+    flat = [*init, *xs, *additional_inputs]
+    if isinstance(ctx, _compat.CppFunctionalizeAPI) and not _compat.dispatch_modes_active() \
+            and all(_compat.is_concrete(t) for t in flat):
+        cache.memo(combine_fn, ("no-input-mutation", cache.tensor_meta(flat)), check)
+    else:
+        check()
+
+
+@scan_op.py_functionalize_impl
+def scan_functionalize(ctx, combine_fn, init, xs, additional_inputs, **kwargs):
+    init, xs, additional_inputs = (ctx.unwrap_tensors(list(t)) for t in (init, xs, additional_inputs))
+    with ctx.redispatch_to_next():
+        _checked_once(ctx, combine_fn, init, xs, additional_inputs)
+        if _compat.on_xla([*init, *xs]):
+            # The XLA rule lowers the body on its own placeholder tensors, where
+            # internal in-place ops are fine; keeping the body object lets it
+            # cache the lowered While per body.
+            body = combine_fn
+        else:
+            body = ctx.functionalize(_compat._maybe_run_with_interpreter(combine_fn))
+        out = scan_op(body, init, xs, tuple(additional_inputs), **kwargs)
+    return ctx.wrap_tensors(out)

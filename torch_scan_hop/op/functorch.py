@@ -1,0 +1,144 @@
+"""torch.func transforms of the op (vmap, grad, jvp).
+
+The front end already composes: in eager, ``scan`` is the Python loop, and
+every transform applies to its ops. These rules serve the op itself (graph
+bodies from Dynamo or upstream's front end, and transforms under tracing):
+
+* vmap: ONE scan over a batched body (``torch.vmap`` of the body), not a loop
+  over the batch. The batch dim of xs sits right after the scan dim, so each
+  slice is batched at 0; ys come back batched at dim 1. Which carries are
+  batched is a fixed point over the body, as in jax's batching rule: a carry
+  is batched if init is, or if the body makes it depend on something batched.
+* grad / jvp: the loop itself at the transform's level (each step's ops are
+  differentiated as they run), which also gives double backward, jacrev,
+  jacfwd and hessian.
+"""
+import torch
+
+from .. import _compat
+from ..core.op_args import split_out
+from .hop import scan_op
+from .loop import run_flat
+
+
+def _unwrap(t, level):
+    """(value one level down, bdim or None) of an input at this vmap level."""
+    if isinstance(t, torch.Tensor) and _compat.functorch_level(t) == level:
+        return _compat.functorch_unwrap(t), _compat.functorch_bdim(t)
+    return t, None
+
+
+def _batched_outputs(combine_fn, args, in_dims, batch_size, num_carry):
+    """Which outputs of one step are batched when the inputs are batched as
+    ``in_dims`` says: a probe of the body on fake stand-ins (nothing computed).
+    None if the body cannot be probed that way (then every carry is batched)."""
+    found = []
+
+    def probe(*a):
+        outs = list(combine_fn(*a))
+        found[:] = [_compat.is_batched_here(o) for o in outs]
+        return [o.new_zeros(()) if isinstance(o, torch.Tensor) else o for o in outs][:1] or [torch.zeros(())]
+
+    try:
+        with _compat.fresh_fake_mode():
+            fake = [_fake_input(a, d, batch_size) for a, d in zip(args, in_dims)]
+            torch.vmap(probe, in_dims=tuple(in_dims), randomness="different")(*fake)
+    except Exception:  # a body the probe cannot run (e.g. batched closures): batch every carry
+        return None
+    return found[:num_carry]
+
+
+def _fake_input(a, bdim, batch_size):
+    if not isinstance(a, torch.Tensor):
+        return a
+    shape = [batch_size, *a.shape] if bdim is not None else list(a.shape)
+    return torch.zeros(shape, dtype=a.dtype, device=a.device)
+
+
+def _carry_batching(combine_fn, init_batched, examples, other_dims, batch_size):
+    """The carries' batched flags at the fixed point."""
+    nc = len(init_batched)
+    flags = list(init_batched)
+    args = [*examples[0], *examples[1], *examples[2]]
+    for _ in range(nc + 1):
+        in_dims = [0 if f else None for f in flags] + other_dims
+        out = _batched_outputs(combine_fn, args, in_dims, batch_size, nc)
+        if out is None:
+            return [True] * nc
+        grown = [f or o for f, o in zip(flags, out)]
+        if grown == flags:
+            return flags
+        flags = grown
+    return [True] * nc
+
+
+def _to_front(value, bdim, batched, batch_size):
+    """A carry/lifted value with its batch dim at 0 (expanded if it must be batched)."""
+    if bdim is not None:
+        return value.movedim(bdim, 0)
+    if batched:
+        return value.unsqueeze(0).expand(batch_size, *value.shape).contiguous()
+    return value
+
+
+@scan_op.py_impl(_compat.TransformType.Vmap)
+def scan_vmap(interpreter, combine_fn, init, xs, additional_inputs, **options):
+    level, batch_size = interpreter.level(), interpreter.batch_size()
+    init_u = [_unwrap(t, level) for t in init]
+    xs_u = [_unwrap(t, level) for t in xs]
+    lifted_u = [_unwrap(t, level) for t in additional_inputs]
+    x_dims = [None if d is None else 0 for _, d in xs_u]
+    lifted_dims = [None if d is None else 0 for _, d in lifted_u]
+    with _compat.disable_proxy_modes_tracing():
+        examples = ([_example(v, d) for v, d in init_u], [_example(v, d, scanned=True) for v, d in xs_u],
+                    [_example(v, d) for v, d in lifted_u])
+    carry_batched = _carry_batching(combine_fn, [d is not None for _, d in init_u], examples,
+                                    x_dims + lifted_dims, batch_size)
+    init_b = [_to_front(v, d, b, batch_size) for (v, d), b in zip(init_u, carry_batched)]
+    # xs: the batch dim right after the scan dim, so every slice is batched at 0
+    xs_b = [v if d is None else v.movedim(d, 1) for v, d in xs_u]
+    lifted_b = [_to_front(v, d, False, batch_size) for v, d in lifted_u]
+    carry_dims = [0 if b else None for b in carry_batched]
+    body = _batched_body(combine_fn, tuple(carry_dims + x_dims + lifted_dims), carry_dims, interpreter.randomness())
+    with interpreter.lower():
+        out = scan_op(body, init_b, xs_b, tuple(lifted_b), **options)
+    carry, ys = split_out(out, len(init))
+    # ys are all batched (at 0 per step, so at 1 once stacked behind the scan dim)
+    return [*(c if d is None else _compat.add_batch_dim(c, 0, level) for c, d in zip(carry, carry_dims)),
+            *(_compat.add_batch_dim(y, 1, level) for y in ys)]
+
+
+def _batched_body(combine_fn, in_dims, carry_dims, randomness):
+    """``torch.vmap`` of the body: carries keep their batching, every y is batched."""
+    def body(*args):
+        outs = list(combine_fn(*args))
+        return outs[:len(carry_dims)], outs[len(carry_dims):]
+
+    vmapped = torch.vmap(body, in_dims=in_dims, out_dims=(list(carry_dims), 0), randomness=randomness)
+
+    def flat(*args):
+        carry, ys = vmapped(*args)
+        return [*carry, *ys]
+
+    return flat
+
+
+def _example(value, bdim, scanned=False):
+    """A zero tensor of the logical (unbatched) shape; ``scanned``: of one slice
+    (the scan dim is the logical dim 0)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    drop = {bdim} if bdim is not None else set()
+    if scanned:
+        drop.add(next(i for i in range(value.dim()) if i not in drop))
+    shape = [s for i, s in enumerate(value.shape) if i not in drop]
+    return torch.zeros(shape, dtype=value.dtype, device=value.device)
+
+
+def _decomposed(interpreter, combine_fn, init, xs, additional_inputs, *, reverse=False, remat=None, unroll=1):
+    """grad / jvp: the loop at this transform's level."""
+    return run_flat(combine_fn, list(init), list(xs), tuple(additional_inputs), reverse)
+
+
+scan_op.py_impl(_compat.TransformType.Grad)(_decomposed)
+scan_op.py_impl(_compat.TransformType.Jvp)(_decomposed)

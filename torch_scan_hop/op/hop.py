@@ -1,0 +1,73 @@
+"""The scan HigherOrderOperator itself (its rules live beside it, one module per rule).
+
+Positional convention is upstream torch's own scan HOP, so upstream's Dynamo
+tracer, front end and inductor pass all run on this object:
+
+    scan_op(combine_fn, init: list, xs: list, additional_inputs: tuple)
+        -> [*final_carry, *ys]
+
+with ``combine_fn(*carry, *x_slice, *additional_inputs) -> [*new_carry, *y]``.
+Keyword-only extras: ``remat`` is consumed by the autograd rule and never
+reaches a graph; ``unroll`` becomes the loop schedule of ``core.schedule`` (one
+node per segment, block bodies); ``reverse`` stays a ``reverse=True`` kwarg for
+compilers (inductor lowers it in place), and becomes upstream's kwarg-free form
+for ``torch.export`` (a scan over the indices L-1..0) and torch_xla's bridge
+(flips around the node).
+"""
+import torch
+
+from .. import _compat
+from ..core.op_args import example_args
+from ..core.trees import ScanError
+
+
+class ScanOp(_compat.HigherOrderOperator):
+    def __init__(self):
+        super().__init__("scan")
+
+    def __call__(self, combine_fn, init, xs, additional_inputs, *, reverse=False,
+                 remat="save_all", unroll=1):
+        if not isinstance(additional_inputs, (tuple, list)):
+            raise TypeError(f"scan_op: additional_inputs must be a tuple, got {type(additional_inputs)}")
+        if not xs:
+            raise ValueError("scan_op: xs must have at least one tensor (it carries the length)")
+        if _compat.only_user_modes_active():
+            flat = [*init, *xs, *additional_inputs]
+            if _compat.runs_eagerly(flat):
+                return _loop_under_user_modes(combine_fn, init, xs, additional_inputs, reverse, remat)
+        kwargs = {}
+        if reverse:
+            kwargs["reverse"] = True
+        if remat != "save_all":
+            kwargs["remat"] = remat
+        if unroll != 1:
+            kwargs["unroll"] = unroll
+        return super().__call__(combine_fn, list(init), list(xs), tuple(additional_inputs), **kwargs)
+
+    def gen_schema(self, combine_fn, init, xs, additional_inputs, **kwargs):
+        """The FunctionSchema of one call (HOP schemas depend on the body):
+        flat tensor arguments, the body as a graph, the options keyword-only.
+        Rejects a body that mutates its inputs, as the op's rules do."""
+        init, xs, additional_inputs = list(init), list(xs), tuple(additional_inputs)
+        gm = combine_fn if isinstance(combine_fn, torch.fx.GraphModule) else \
+            _compat.materialize_as_graph(combine_fn, tuple(example_args(init, xs, additional_inputs)))
+        mutated, outputs = _compat.input_mutations_and_outputs(gm)
+        if mutated:
+            raise ScanError(f"scan: the body mutates its inputs {sorted(mutated)} in place; "
+                            "scan bodies must be functional.")
+        return _compat.scan_schema(self, combine_fn, gm, outputs, init, xs, additional_inputs, kwargs)
+
+
+scan_op = ScanOp()
+
+
+def _loop_under_user_modes(combine_fn, init, xs, additional_inputs, reverse, remat):
+    """Under modes that trace nothing (FlopCounterMode, selective checkpointing, a
+    logging mode) on real tensors the op is the Python loop, called here before
+    dispatch: the modes see each body op, as in a for loop, and no mode needs a
+    rule for this op. A partition function (``remat`` callable) only picks what a
+    traced backward saves; the loop's tape saves what each op saves."""
+    from .loop import run_flat
+
+    return run_flat(combine_fn, list(init), list(xs), tuple(additional_inputs), reverse,
+                    "save_all" if callable(remat) else remat)

@@ -1,0 +1,176 @@
+"""Eager scan IS the Python loop: every step runs the body on the autograd tape.
+
+Nothing is traced or cached in eager mode, so whatever the loop supports the
+scan supports, with the loop's values, gradients and side effects:
+``no_grad`` regions, custom ``autograd.Function``s, hooks, RNG draws, grad-mode
+branches, double backward and ``torch.func`` transforms. ``remat`` is realised
+per step with ``torch.utils.checkpoint``:
+
+* ``"save_all"``: the plain tape.
+* ``"recompute_all"``: each step is a (non-reentrant) checkpoint; its inputs
+  are saved and the step is re-run in the backward (RNG state restored, so
+  dropout masks match; the body's Python side effects run again there).
+* ``"min_cut"``: a selective checkpoint that saves the outputs of matmuls,
+  convolutions and attention and recomputes the cheap ops around them, which
+  is where functorch's min-cut partitioner lands for typical bodies.
+"""
+import functools
+
+import torch
+from torch.utils import checkpoint as _ckpt
+
+from .. import _compat
+from ..core.op_args import example_args, slice_example
+from ..core.schedule import step_order
+from ..core.trees import ScanError, check_carry, check_pair, flatten_y
+
+
+@functools.lru_cache(maxsize=None)
+def _compute_ops():
+    """The ops whose outputs a "min_cut" step saves (the expensive ones)."""
+    aten = torch.ops.aten
+    names = ["mm", "addmm", "bmm", "baddbmm", "matmul", "convolution", "_convolution",
+             "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention"]
+    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
+
+
+def _save_compute_policy(ctx, op, *args, **kwargs):
+    if op in _compute_ops():
+        return _ckpt.CheckpointPolicy.MUST_SAVE
+    return _ckpt.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def remat_step(step, remat):
+    """``step`` with the remat policy applied per call (see the module docstring)."""
+    if remat in (None, "save_all"):
+        return step
+    if remat == "recompute_all":
+        return functools.partial(_ckpt.checkpoint, step, use_reentrant=False)
+    if remat == "min_cut":
+        contexts = functools.partial(_compat.replayable_selective_checkpoint_contexts, _save_compute_policy)
+        return functools.partial(_ckpt.checkpoint, step, use_reentrant=False, context_fn=contexts)
+    raise ScanError(f"scan: remat={remat!r} has no eager per-step form; use 'save_all', 'min_cut' or "
+                    "'recompute_all' (a partition function runs the traced body).")
+
+
+def stack_column(column, k):
+    """One y leaf's per-step values -> one tensor (a clear error if shapes drift)."""
+    try:
+        return torch.stack(column)
+    except (RuntimeError, TypeError) as e:
+        kinds = sorted({(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else type(t).__name__
+                        for t in column}, key=str)
+        raise ScanError(
+            f"scan: y leaf {k} changed across iterations (saw {kinds}); each step must "
+            "return ys of the same structure, shape and dtype."
+        ) from e
+
+
+def stack_ys(ys):
+    """Per-step lists of y leaves -> one stacked tensor per leaf."""
+    return [stack_column(column, k) for k, column in enumerate(zip(*ys))]
+
+
+# ---------------------------------------------------------------- the op's loop (flat leaves)
+
+def run_flat(combine_fn, init, xs, additional_inputs, reverse=False, remat=None):
+    """``[*final_carry, *ys]`` of the op's flat convention, by a Python loop.
+
+    Slices come from one ``unbind`` per xs leaf (what ``for x in xs`` does), so
+    the tape holds one node for all slices instead of one select per step.
+    """
+    num_carry, length = len(init), xs[0].shape[0]
+    if length == 0:
+        return [c.clone() for c in init] + empty_flat_ys(combine_fn, init, xs, additional_inputs)
+    columns = [x.unbind(0) for x in xs]
+
+    def step(carry, i):
+        out = combine_fn(*carry, *(col[i] for col in columns), *additional_inputs)
+        return list(out[:num_carry]), list(out[num_carry:])
+
+    step = remat_step(step, remat)
+    carry, ys = list(init), [None] * length
+    for i in step_order(length, reverse):
+        carry, ys[i] = step(carry, i)
+    return [*carry, *stack_ys(ys)]
+
+
+def empty_flat_ys(combine_fn, init, xs, additional_inputs):
+    """ys of a zero-length scan: shapes from one fake run of the body."""
+    with _compat.fresh_fake_mode() as mode:
+        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                     for a in example_args(init, xs, additional_inputs)]
+        y_meta = list(combine_fn(*fake_args))[len(init):]
+    return [torch.empty((0, *y.shape), dtype=y.dtype, device=y.device) for y in y_meta]
+
+
+# ---------------------------------------------------------------- the front end's loop (pytrees)
+
+def _x_slices(inputs):
+    """The per-step x pytrees, built lazily per step from one unbind per leaf."""
+    if inputs.xs_spec is None:
+        return lambda i: None
+    columns = [x.unbind(0) for x in inputs.xs_leaves]
+    if len(columns) == 1 and inputs.xs_spec.is_leaf():
+        return columns[0].__getitem__
+    return lambda i: inputs.xs_spec.unflatten([col[i] for col in columns])
+
+
+def run_tree(fn, init, inputs, reverse=False, remat="save_all"):
+    """``(final_carry, ys)`` of ``fn`` over ``inputs``: the user's loop on the tape.
+
+    Step 0 is checked in full (structure, leaf types, carry shape and dtype);
+    later steps pay only for what the loop does anyway, and the final carry is
+    checked again (a drift in between surfaces there or when ys are stacked).
+    """
+    if inputs.length == 0:
+        return init, empty_tree_ys(fn, inputs)
+    x_at = _x_slices(inputs)
+    order = step_order(inputs.length, reverse)
+    step = remat_step(lambda c, x: _pair(fn(c, x)), remat)
+    ys = [None] * inputs.length
+    first = order[0]
+    carry, y = check_pair(step(init, x_at(first)))
+    check_carry(carry, inputs)
+    y_leaves, y_spec = flatten_y(y)
+    if y_spec.is_leaf():  # one tensor y: stacked as a flat list
+        ys[first] = y
+        for i in order[1:]:
+            carry, ys[i] = step(carry, x_at(i))
+        check_carry(carry, inputs)
+        return carry, y_spec.unflatten([stack_column(ys, 0)])
+    ys[first] = y_leaves
+    for i in order[1:]:
+        carry, y = step(carry, x_at(i))
+        ys[i] = _same_structure_y(y, y_spec)
+    check_carry(carry, inputs)
+    return carry, y_spec.unflatten(stack_ys(ys))
+
+
+def empty_tree_ys(fn, inputs):
+    """The ys pytree of a zero-length scan: fn runs once under a fake tensor
+    mode (nothing is computed) to learn the structure, shapes and dtypes."""
+    with _compat.fresh_fake_mode() as mode:
+        carry = inputs.init_spec.unflatten([mode.from_tensor(t) for t in inputs.init_leaves])
+        x = None if inputs.xs_spec is None else inputs.xs_spec.unflatten(
+            [mode.from_tensor(slice_example(t)) for t in inputs.xs_leaves])
+        new_carry, y = check_pair(fn(carry, x))
+        check_carry(new_carry, inputs)
+        y_leaves, y_spec = flatten_y(y)
+    empty = [torch.empty((0, *y.shape), dtype=y.dtype, device=y.device) for y in y_leaves]
+    return y_spec.unflatten(empty)
+
+
+def _pair(out):
+    if type(out) is not tuple or len(out) != 2:
+        check_pair(out)
+    return out
+
+
+def _same_structure_y(y, y_spec):
+    leaves, spec = flatten_y(y)
+    if spec != y_spec:
+        raise ScanError(f"scan: fn returned y with structure {spec} after {y_spec}; "
+                        "y must have the same structure at every step.")
+    return leaves

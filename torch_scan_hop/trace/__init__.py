@@ -1,0 +1,14 @@
+"""From a body to graphs: tracing, closure lifting, the joint, partitioning, caches.
+
+- ``graph``: ``trace_graph``, the one entry for tracing a function to an aten graph;
+- ``lift``: closed-over tensors become explicit inputs (``additional_inputs``);
+- ``flat_body``: the front end's body as the op sees it under Dynamo;
+- ``body_checks``: the checks every traced body passes (carry types, no input mutation);
+- ``joint``: one step's joint forward/backward graph, traced from the user's own function;
+- ``partition``: the joint split into ``fwd`` / ``bwd`` (``FwdBwd``), remat policies;
+- ``peephole``: clean-ups of the partitioned graphs;
+- ``cache``: reuse of partitions and lowerings, keyed by graphs (never by functions);
+- ``xla_formulas``: autograd formulas for torch_xla ops a joint meets.
+
+May import: ``core``, ``_compat``.
+"""

@@ -1,0 +1,35 @@
+"""``trace_graph``: one function traced to an aten graph, with the errors a user can act on.
+
+Every trace of a body (its forward, its joint, the checks) goes through here:
+``_compat.trace_aten_graph`` does the tracing; this adds what is ours, the torch_xla
+ops' autograd formulas a joint needs (``xla_formulas``) and a body that reads a
+tensor's value reported as a ``ScanError`` in the user's terms.
+"""
+import contextlib
+
+from .. import _compat
+from ..core.trees import ScanError
+from .xla_formulas import register_missing
+
+
+def trace_graph(fn, args, *, force_enable_grad=False):
+    """``fn(*args)`` as an aten GraphModule, traced in whatever mode is active."""
+    if force_enable_grad:  # differentiating: torch_xla's custom ops need their formulas
+        register_missing()
+    with _data_dependence_as_scan_error():
+        return _compat.trace_aten_graph(fn, args, force_enable_grad=force_enable_grad)
+
+
+@contextlib.contextmanager
+def _data_dependence_as_scan_error():
+    """A body that reads a tensor's value (``if c.sum() > 0``, ``.item()``,
+    ``bool(flag)``) cannot become one graph: say so in the user's terms."""
+    try:
+        yield
+    except _compat.data_dependence_errors() as e:
+        raise ScanError(
+            "scan: the body reads the value of a tensor as a Python value (data-dependent control "
+            "flow such as `if t.sum() > 0`, `.item()`, `bool(t)`), which a traced scan (make_fx, "
+            "torch.compile, export, XLA) cannot capture as one graph. Use torch.where / masking "
+            f"instead, or run eagerly. (torch: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from e

@@ -1,0 +1,10 @@
+"""XLA: the whole scan as one XLA ``While`` around the body's HLO.
+
+- ``body``: one step of the body staged out as HLO on placeholder tensors;
+- ``lower``: the While(s) built by the C++ extension (``torch_scan_hop._hlo_scan``,
+  csrc/hlo_scan.cc) around it, cached per graph;
+- ``eager``: an eager scan on XLA tensors routed through Dynamo, whose guards say when
+  the body is unchanged.
+
+May import: ``core``, ``trace``, ``_compat``.
+"""

@@ -1,0 +1,222 @@
+"""The scan body as an HLO computation: run once on placeholder XLA tensors.
+
+Placeholders have a shape but no buffer, so the body is staged out without
+computing anything. Whatever reads a value on the host (``.item()``, an op
+torch_xla runs through its CPU fallback) would abort the process on a
+placeholder, and inside a While there is no per-step value to read anyway:
+``check_runs_on_xla`` rejects those with a ScanError before the body runs.
+Moves to the CPU are dropped instead (``keep_on_device``): values stay put.
+
+Parameters of the body HLO come from four places: the carry, the x slice, the
+additional inputs, and device data the body made itself (constants, hoisted
+and passed to every call). If the body draws random numbers, XLA's RNG seed is
+one more parameter, fed one seed per step (a length-T vector sliced like an x).
+"""
+import copy
+import dataclasses
+import operator
+from typing import List
+
+import torch
+
+from .. import _compat
+from ..core.op_args import example_args
+from ..core.trees import ScanError
+from ..trace.graph import trace_graph
+
+CARRY, X, PASS = 0, 1, 2  # what feeds a body parameter (hlo_scan.cc's Kind)
+
+_aten = torch.ops.aten
+_HOST_READS = {
+    _aten._local_scalar_dense.default: "reads a tensor's value on the host (.item(), float(t), int(t))",
+    _aten.equal.default: "reads tensor values on the host (torch.equal)",
+    _aten.is_nonzero.default: "reads a tensor's value on the host (bool(t), if t: ...)",
+}
+# Kernels that run on XLA without its CPU fallback. A CompositeExplicitAutogradNonFunctional
+# kernel counts only if the op's out= variant has one of these (_linalg_solve_ex's has none).
+_KERNEL_KEYS = ("XLA", "CompositeExplicitAutograd", "CompositeImplicitAutograd")
+
+
+# Checks that read a value on the host to raise (a singular matrix in linalg.solve, an
+# assert on a tensor): inside a While there is no per-step value to read, so they are
+# dropped, as XLA itself does not raise (a singular solve gives inf/nan there).
+_HOST_CHECKS = {op for op in (
+    getattr(_aten, "_linalg_check_errors", None), getattr(_aten, "_assert_async", None),
+    getattr(_aten, "_functional_assert_async", None)) if op is not None}
+
+
+def _host_check(node):
+    return node.op == "call_function" and getattr(node.target, "overloadpacket", None) in _HOST_CHECKS
+
+
+def _to_host(node):
+    """A copy to a non-XLA device (t.cpu(), t.to("cpu"))."""
+    if node.op != "call_function":
+        return False
+    device = node.kwargs.get("device")
+    return node.target is _aten._to_copy.default and device is not None and torch.device(device).type != "xla"
+
+
+def _has_kernel(qualified_name, keys=_KERNEL_KEYS):
+    return any(_compat.has_kernel_for(qualified_name, k) for k in keys)
+
+
+def _overload_name(op):
+    schema = _compat.op_schema(op)
+    return schema.name if not schema.overload_name else f"{schema.name}.{schema.overload_name}"
+
+
+def _falls_back_to_cpu(op):
+    """torch_xla has no lowering for op: its CPU fallback copies the inputs' values to the host."""
+    name = _overload_name(op)
+    if _has_kernel(name):
+        return False
+    if not _has_kernel(name, ("CompositeExplicitAutogradNonFunctional",)):
+        return True
+    packet = op.overloadpacket
+    outs = [getattr(packet, o) for o in packet.overloads()]
+    outs = [o for o in outs if any(a.is_out for a in _compat.op_schema(o).arguments)]
+    return not any(_has_kernel(_overload_name(o)) for o in outs)
+
+
+def _problem(node):
+    op = node.target
+    if op in _HOST_READS:
+        return _HOST_READS[op] + ", which a step inside an XLA While cannot do; keep it a tensor " \
+            "(x * c.sum() instead of x * c.sum().item(), torch.where instead of if)"
+    if _falls_back_to_cpu(op):
+        return "has no XLA lowering (torch_xla runs it on the CPU from the tensor's value), so it cannot run " \
+            "inside an XLA While; rewrite that step with other ops, or run the scan on CPU"
+    return None
+
+
+def check_runs_on_xla(body):
+    """Raise a ScanError for the first op of a body graph that needs values on the host."""
+    if not isinstance(body, torch.fx.GraphModule):
+        return  # a Python callable: nothing to inspect before running it
+    for node in body.graph.nodes:
+        if node.op != "call_function" or not _compat.is_op_overload(node.target):
+            continue
+        problem = _problem(node)
+        if problem is not None:
+            raise ScanError(f"scan on XLA: the body's {node.target} ({node.name}) {problem}.")
+
+
+def keep_on_device(body):
+    """``body`` with its moves to the CPU and its host-side checks dropped (a
+    copy; body is not changed).
+
+    Inside the While every value lives on the device, and a copy keeps the
+    value. Graphs have such moves where a 0-dim CPU tensor meets XLA ones, as
+    in the gradient of a CPU scalar closure (autograd moves it back after).
+    """
+    if not isinstance(body, torch.fx.GraphModule) or \
+            not any(_to_host(n) or _host_check(n) for n in body.graph.nodes):
+        return body
+    gm = torch.fx.GraphModule(body, copy.deepcopy(body.graph))
+    for node in list(gm.graph.nodes):
+        if _to_host(node):
+            node.kwargs = {k: v for k, v in node.kwargs.items() if k != "device"}
+        elif _host_check(node) and not node.users:
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+@dataclasses.dataclass
+class BodyHlo:
+    """One step of the body as HLO, and what feeds each of its parameters."""
+
+    proto: bytes  # HloModuleProto
+    params: List[tuple]  # body parameter i <- (CARRY | X | PASS, index)
+    y_meta: List[tuple]  # (per-step shape, dtype) of each y
+    hoisted: List[torch.Tensor]  # device data the body made, appended to the pass-through inputs
+    uses_seed: bool  # the last x is the per-step RNG seed vector
+
+
+def _xla():
+    import torch_xla
+    import torch_xla.core.xla_builder as xb
+    import torch_xla.core.xla_model  # noqa: F401
+
+    return torch_xla, xb
+
+
+def _placeholders(xb, tensors, drop_lead=False):
+    return [xb.create_placeholder_tensor(tuple(t.shape[1:] if drop_lead else t.shape), t.dtype) for t in tensors]
+
+
+def _run_on_placeholders(combine_fn, init, xs, additional_inputs):
+    """(placeholder groups, outputs). Functionalization must be on here: the
+    Functionalize rule excluded its key, and without it torch_xla builds
+    placeholders without the functional wrapper and lowers chains of views
+    (permute then view, as einsum emits them) to the wrong HLO."""
+    torch_xla, xb = _xla()
+    rng_state = torch_xla.core.xla_model.get_rng_state()
+    try:
+        with torch.no_grad(), _compat.functionalization_on():
+            groups = [(CARRY, _placeholders(xb, init)), (X, _placeholders(xb, xs, drop_lead=True)),
+                      (PASS, _placeholders(xb, additional_inputs))]
+            outs = list(combine_fn(*(t for _, ts in groups for t in ts)))
+    finally:  # tracing drew from the RNG; a cached call would not, so undo that draw
+        torch_xla.core.xla_model.set_rng_state(rng_state)
+    return groups, outs
+
+
+def _param_sources(ctx, groups, outs, num_x, num_pass):
+    """body parameter -> (kind, index), and the hoisted device data; the seed is the x after the real ones."""
+    where = {}
+    for kind, tensors in groups:
+        for i, t in enumerate(tensors):
+            pid = ctx.tensor_parameter_id(t)
+            if pid != -1:
+                where[pid] = (kind, i)
+    ids, values = _compat.xla.device_data_nodes(outs)
+    seed_pid = None
+    if _compat.xla.seed_info_id() in ids:
+        seed_pid = ctx.tensor_parameter_id(values[ids.index(_compat.xla.seed_info_id())])
+    hoisted = []
+    device_data = ctx.device_parameter_id_tensor_mapping()
+    for pid in sorted(device_data):
+        if pid in where:
+            continue
+        if pid == seed_pid:
+            where[pid] = (X, num_x)
+            continue
+        where[pid] = (PASS, num_pass + len(hoisted))
+        hoisted.append(device_data[pid])
+    missing = sorted(set(range(len(where))) - set(where))
+    if missing:
+        raise ScanError(f"scan on XLA: body HLO parameters {missing} have no known source (internal error).")
+    return [where[pid] for pid in range(len(where))], hoisted, seed_pid is not None
+
+
+def _is_aten_graph(gm):
+    return all(n.op in ("placeholder", "output", "get_attr") or (
+        n.op == "call_function" and (_compat.is_op_overload(n.target) or n.target is operator.getitem))
+        for n in gm.graph.nodes)
+
+
+def as_aten_graph(body, init, xs, additional_inputs):
+    """A graph body of torch-level calls (Dynamo's) traced to aten ops, which
+    ``check_runs_on_xla`` can read; other bodies as they are."""
+    if not isinstance(body, torch.fx.GraphModule) or _is_aten_graph(body):
+        return body
+    with torch.no_grad(), _compat.disable_proxy_modes_tracing():
+        examples = example_args(init, xs, additional_inputs)
+    return trace_graph(body, examples)
+
+
+def lower_body(combine_fn, init, xs, additional_inputs) -> BodyHlo:
+    """Stage out one step of ``combine_fn`` as HLO (nothing runs on the device)."""
+    combine_fn = as_aten_graph(combine_fn, init, xs, additional_inputs)
+    check_runs_on_xla(combine_fn)
+    combine_fn = keep_on_device(combine_fn)
+    groups, outs = _run_on_placeholders(combine_fn, init, xs, additional_inputs)
+    ctx = _compat.xla.lowering_context("scan_body")
+    ctx.build(outs)
+    params, hoisted, uses_seed = _param_sources(ctx, groups, outs, len(xs), len(additional_inputs))
+    ys = outs[len(init):]
+    return BodyHlo(ctx.hlo(), params, [(tuple(y.shape), y.dtype) for y in ys], hoisted, uses_seed)
+

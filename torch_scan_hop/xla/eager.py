@@ -1,0 +1,101 @@
+"""Eager ``scan`` on XLA tensors: Dynamo's guards say when a body is unchanged.
+
+On XLA a scan is a traced graph (one While), and a trace of the body by make_fx
+costs milliseconds per op: with the joint, ~1 s per training step of a decoder
+layer, ten times the Python loop's own lazy trace. The plan and the While are
+reused by graph (``trace.cache``), but only a trace can tell that the graph is
+unchanged: no key on a Python function sees all it reads. Dynamo's guards do.
+
+So an eager scan on XLA runs through ``torch.compile(backend="eager")``: Dynamo
+captures the call as one scan node (``op.dynamo``) and guards on what the
+body read; the captured graph runs as it is, and its scan node, a graph body,
+finds its plan and While by graph. A call whose guards hold costs a guard check.
+A body Dynamo cannot capture whole (a print, an unsupported construct) takes
+the make_fx path, as before, and is not offered to Dynamo again; so do calls
+past the recompile limit of a body code (``_RECOMPILES``).
+"""
+import threading
+import types
+
+import torch
+
+from .. import _compat
+
+_MAX_BODIES = 256  # distinct body codes with an entry of their own
+# compiles per body code: each new shape is one (static shapes: XLA compiles per
+# shape anyway), and past the limit calls take the make_fx path (Dynamo's default: 8)
+_RECOMPILES = 64
+_lock = threading.Lock()
+_entries = {}  # body code -> compiled entry (one per code: Dynamo's recompile limit counts per code)
+_refused = set()  # bodies Dynamo could not capture: (code, closure types)
+
+
+def applies(fn, leaves, remat):
+    """A plain eager call on XLA tensors, with no tracer, transform or mode active."""
+    if callable(remat) or not leaves or getattr(fn, "__code__", None) is None:
+        return False
+    if _compat.is_dynamo_compiling() or _compat.dispatch_modes_active() or _compat.under_make_fx() \
+            or _compat.functorch_transforms_active():
+        return False
+    if not all(isinstance(t, torch.Tensor) and t.device.type == "xla" and not _compat.is_functional(t)
+               for t in leaves):
+        return False
+    return _body_key(fn) not in _refused
+
+
+def _body_key(fn):
+    """What a Dynamo failure is remembered by: the body's code and what its closure holds."""
+    cells = getattr(fn, "__closure__", None) or ()
+    return fn.__code__, tuple(type(_cell_contents(c)) for c in cells)
+
+
+def _cell_contents(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def _run(scan_impl, fn, init, xs, options):
+    return scan_impl(fn, init, xs, **options)
+
+
+def _entry_for(code):
+    """The compiled entry of one body code, with a code object of its own."""
+    with _lock:
+        entry = _entries.get(code)
+        if entry is None:
+            if len(_entries) >= _MAX_BODIES:
+                _entries.pop(next(iter(_entries)))
+            own = types.FunctionType(_run.__code__.replace(co_name=f"scan_of_{code.co_name}"), _run.__globals__)
+            entry = _entries[code] = torch.compile(own, backend="eager", fullgraph=True, dynamic=False)
+        return entry
+
+
+class NotCaptured(Exception):
+    """Dynamo did not capture this call; the make_fx path runs it instead."""
+
+    def __init__(self, key):
+        super().__init__()
+        self.key = key
+
+
+def call(scan_impl, fn, init, xs, options):
+    """``scan_impl(fn, init, xs, **options)`` captured by Dynamo (``scan_impl`` must not route here again)."""
+    try:
+        with _compat.dynamo.recompile_limit_at_least(_RECOMPILES):
+            return _entry_for(fn.__code__)(scan_impl, fn, init, xs, options)
+    except Exception as e:
+        raise NotCaptured(_body_key(fn)) from e
+
+
+def refuse(key):
+    """The make_fx path ran a body Dynamo failed on: do not offer it to Dynamo again."""
+    with _lock:
+        _refused.add(key)
+
+
+def clear():
+    with _lock:
+        _entries.clear()
+        _refused.clear()
