@@ -8,7 +8,7 @@ RNN cell H=32, T=32, batch 16, CPU, one thread. Rows:
   (the same batched ops, so ~1.0x is the target).
 - per-sample gradients: vmap(grad(scan)) vs grad per sample in a loop.
 - Hessian-vector product (double backward) through scan vs through the loop.
-Run: python benchmarks/functorch.py
+Run: python benchmarks/func_transforms.py
 """
 import os
 import sys

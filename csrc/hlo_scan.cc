@@ -1,7 +1,7 @@
 // Builds the HloModuleProto of a whole scan around the body's HloModuleProto.
 //
 // Python gives the body module (LoweringContext.hlo()), the loop signature and
-// the schedule (torch_scan_hop/_schedule.py: segments in execution order, each
+// the schedule (torch_scan_hop/core/schedule.py: segments in execution order, each
 // [start, stop) run as iterations of `unroll` body calls). We return
 //
 //   entry(carry..., xs..., ys..., pass...):
