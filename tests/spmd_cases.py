@@ -172,3 +172,79 @@ def check_cumsum_output_shardings():
         assert "devices=[1,4]0," in spec(t), spec(t)
     want = reference_scan(lambda c, x: (torch.sin(c + x),) * 2, init.detach().cpu(), xseq.detach().cpu())
     assert_trees_close(to_cpu((carry, ys)), want, atol=1e-5, rtol=1e-5)
+
+
+class Stack(torch.nn.Module):
+    """4 Linear(128, 128) layers, run by ``scan_layers`` (ours or torch_xla's) or as a loop."""
+
+    def __init__(self, run=None):
+        super().__init__()
+        self.layers = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(4)])
+        self.run = run
+
+    def forward(self, x):
+        return self.layers(x) if self.run is None else self.run(self.layers, x)
+
+
+def _dots(model, x):
+    import re
+
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo([model(x)])
+    return re.findall(r"dot(?:\.\d+)? = f32\[([\d,]+)\]", hlo)
+
+
+def check_xla_patched_linear_keeps_leading_dims():
+    """torch_xla's einsum patch of nn.Linear survives the body trace: the While's dots keep
+    the input's leading dims (3,4,5) that a sharding of them needs, instead of flattening to 60."""
+    from torch_xla.distributed.spmd.xla_sharding import apply_xla_patch_to_nn_linear
+
+    torch.manual_seed(42)
+    model = Stack(scan_layers).to(DEV)
+    x = torch.randn(3, 4, 5, 128, device=DEV)
+    assert "60,128" in _dots(model, x), _dots(model, x)
+    model = apply_xla_patch_to_nn_linear(model)
+    dots = _dots(model, x)
+    assert dots and all(d == "3,4,5,128" for d in dots), dots
+
+
+def _bf16_outputs(x):
+    """Our scan_layers, torch_xla's scan_layers and the Python loop, all in bfloat16 on XLA,
+    and the loop on CPU, over the same (einsum-patched) weights."""
+    from torch_xla.distributed.spmd.xla_sharding import apply_xla_patch_to_nn_linear
+    from torch_xla.experimental.scan_layers import scan_layers as xla_scan_layers
+
+    torch.manual_seed(42)
+    cpu = Stack().bfloat16()
+    outs = {}
+    for name, run in (("ours", scan_layers), ("torch_xla", xla_scan_layers), ("xla_loop", None)):
+        model = Stack(run).bfloat16()
+        model.load_state_dict(cpu.state_dict())
+        model = apply_xla_patch_to_nn_linear(model.to(DEV))
+        outs[name] = model(x.to(DEV)).cpu()
+    outs["cpu_loop"] = cpu(x)
+    return outs
+
+
+def check_bf16_numerics_match_torch_xla_scan():
+    """The bf16 model against the CPU loop at torch_xla's test tolerance (1e-3), and, where
+    the CPU's bf16 rounding differs from XLA's, against torch_xla's own scan_layers and the loop
+    on XLA: ours gives their numbers."""
+    x = torch.randn(3, 4, 5, 128).bfloat16()
+    outs = _bf16_outputs(x)
+    torch.testing.assert_close(outs["ours"], outs["torch_xla"], atol=0, rtol=0)
+    torch.testing.assert_close(outs["ours"], outs["xla_loop"], atol=0, rtol=0)
+    torch.testing.assert_close(outs["ours"], outs["cpu_loop"], atol=1e-2, rtol=1e-2)
+
+
+def bf16_max_differences():
+    """Max |difference| of ours from torch_xla's scan_layers, the XLA loop and the CPU loop."""
+    outs = _bf16_outputs(torch.randn(3, 4, 5, 128).bfloat16())
+    return {k: (outs["ours"].float() - v.float()).abs().max().item() for k, v in outs.items()}
+
+
+def crash_for_test():
+    """Dies of SIGSEGV, as a native crash would (test_spmd checks it fails one test only)."""
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGSEGV)
