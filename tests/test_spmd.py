@@ -15,7 +15,7 @@ of torch_xla's.
 import pytest
 
 pytest.importorskip("torch_xla", reason="torch_xla is not installed: the XLA tests need the [xla] extra (torch 2.9)")
-import _isolated  # noqa: E402
+import _isolated
 
 
 def spmd(func, *args):
