@@ -2,33 +2,41 @@
 a segfault) fails only the case that was running instead of killing the whole pytest run.
 
     call("test_model_zoo", "check_xla", "kalman")   # raises AssertionError on failure or crash
+    call("spmd_cases", "check_cumsum", env=SPMD)        # a child of its own, started with env
 
 The child imports torch (and torch_xla) once; after a crash the next call starts a new one.
+``env`` is set before the child starts (what torch_xla reads once, at start:
+CPU_NUM_DEVICES); one child is kept per distinct env. ``SPMD`` starts one on 4
+virtual CPU devices in SPMD mode (``torch_xla.runtime.use_spmd()`` before any test).
 """
 import atexit
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 
 MARK = "@@isolated-result@@ "
 HERE = os.path.dirname(os.path.abspath(__file__))
-_child = None
+SPMD = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "ISOLATED_USE_SPMD": "1"}
+_children = {}  # the env's items -> (process, stderr log)
 
 
-def _start():
-    global _child
+def _start(extra):
     log = tempfile.TemporaryFile(mode="w+")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    env.update(extra)
     proc = subprocess.Popen([sys.executable, "-u", "-c", "import _isolated; _isolated.serve()"], env=env, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
-    _child = (proc, log)
-    return _child
+    _children[tuple(sorted(extra.items()))] = (proc, log)
+    return proc, log
 
 
-def call(module, func, *args):
-    proc, log = _child if _child is not None and _child[0].poll() is None else _start()
+def call(module, func, *args, env=None):
+    """``module.func(*args)`` in the child for ``env``; AssertionError on failure or crash."""
+    child = _children.get(tuple(sorted((env or {}).items())))
+    proc, log = child if child is not None and child[0].poll() is None else _start(env or {})
     proc.stdin.write(json.dumps([module, func, args]) + "\n")
     proc.stdin.flush()
     for line in proc.stdout:
@@ -39,7 +47,8 @@ def call(module, func, *args):
             return
     code = proc.wait()
     log.seek(0)
-    raise AssertionError(f"{module}.{func}{args} crashed the interpreter (exit code {code}); its stderr ends:\n"
+    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    raise AssertionError(f"{module}.{func}{args} crashed the interpreter ({how}); its stderr ends:\n"
                          + log.read()[-6000:])
 
 
@@ -47,6 +56,9 @@ def serve():
     import importlib
     import traceback
 
+    if os.environ.get("ISOLATED_USE_SPMD") == "1":  # before any XLA tensor exists
+        import torch_xla.runtime as xr
+        xr.use_spmd()
     import conftest  # noqa: F401  (PJRT_DEVICE, torch_xla started before any backward)
     for line in sys.stdin:
         module, func, args = json.loads(line)
@@ -61,6 +73,7 @@ def serve():
 
 @atexit.register
 def _stop():
-    if _child is not None and _child[0].poll() is None:
-        _child[0].stdin.close()
-        _child[0].wait(timeout=60)
+    for proc, _ in _children.values():
+        if proc.poll() is None:
+            proc.stdin.close()
+            proc.wait(timeout=60)

@@ -59,3 +59,47 @@ def materialize(tensors):
     without waiting and without touching other tensors (unlike ``torch_xla.sync``).
     torch_xla 2.9: ``_xla_sync_multi`` (what ``xm.unlazy`` calls, with wait=True)."""
     xlac()._xla_sync_multi(list(tensors), devices=[], wait=False)
+
+
+def annotate_sharding(tensor, mesh, partition_spec):
+    """What ``xla::aot_mark_sharding(tensor, mesh, partition_spec)`` stages
+    out, safe on a lowering placeholder: a copy of ``tensor`` under a Sharding
+    custom call. torch_xla 2.9: the op calls ``mark_sharding``, which annotates
+    a computed value this way (``custom_sharding_``) but, when the value is
+    device data, reads it to the host to upload it sharded, and a placeholder
+    has no buffer to read (a segfault). ``annotate_custom_sharding`` always
+    takes the custom-call path."""
+    import ast
+
+    import torch_xla.distributed.spmd as xs
+
+    mesh = xs.Mesh.from_str(mesh)
+    out = xs.annotate_custom_sharding(tensor.clone(), mesh, ast.literal_eval(partition_spec))
+    return getattr(out, "global_tensor", out)
+
+
+def op_sharding(tensor):
+    """The OpSharding torch_xla 2.9 keeps on an XLA tensor, or None when it has
+    none (not SPMD, or not annotated): ``_get_xla_sharding_spec`` and
+    ``_get_xla_op_sharding``."""
+    if not xlac()._get_xla_sharding_spec(tensor):
+        return None
+    return xlac()._get_xla_op_sharding(tensor)
+
+
+def with_op_sharding(tensor, sharding):
+    """A copy of ``tensor`` annotated with ``sharding`` (a Sharding custom call,
+    as ``annotate_custom_sharding`` adds). torch_xla 2.9: ``_xla_annotate_custom_sharding``."""
+    out = tensor.clone()
+    xlac()._xla_annotate_custom_sharding(out, sharding)
+    return out
+
+
+def raised_by_in_place_sharding(error):
+    """Did ``error`` come out of torch_xla's in-place ``mark_sharding`` (the
+    torch_xla 2.9 function in ``distributed/spmd/xla_sharding.py``)?"""
+    import traceback
+
+    frames = [f.name for f in traceback.extract_tb(error.__traceback__)
+              if f.filename.replace("\\", "/").endswith("spmd/xla_sharding.py")]
+    return "mark_sharding" in frames and "_aot_mark_sharding" not in frames

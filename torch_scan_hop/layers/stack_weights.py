@@ -6,6 +6,7 @@
 * On XLA the backward gathers each layer's gradient row instead of slicing
   it: XLA's CPU compiler spends ~5 ms per slice output, 4 s at depth 64
   (``rows_of``; stacked storage on XLA hands out its gradient rows the same way).
+  Under SPMD each row gets the sharding of the weight it is the gradient of.
 
 Eager CPU/GPU and ``torch.export`` keep plain ``aten.stack`` (fastest, and the
 exported program stays free of our ops).
@@ -13,6 +14,7 @@ exported program stays free of our ops).
 import torch
 
 from .. import _compat
+from ..xla import sharding
 
 
 def stack_weights(tensors):
@@ -36,6 +38,7 @@ def _stack_weights_fake(tensors):
 
 def _setup_context(ctx, inputs, output):
     ctx.n = len(inputs[0])
+    ctx.shardings = sharding.of(inputs[0])  # XLA SPMD: each layer's gradient sharded as its weight
 
 
 def rows_of(t):
@@ -46,7 +49,7 @@ def rows_of(t):
 
 
 def _stack_weights_backward(ctx, grad):
-    return rows_of(grad)
+    return [sharding.like(row, s) for row, s in zip(rows_of(grad), ctx.shardings)]
 
 
 stack_weights_op.register_autograd(_stack_weights_backward, setup_context=_setup_context)

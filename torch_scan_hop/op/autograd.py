@@ -22,6 +22,7 @@ from ..trace.body_checks import mark_functional
 from ..trace.lift import source_of
 from ..trace.partition import FwdBwd, partition_step, trace_step
 from ..trace.peephole import fuse_accumulate
+from ..xla import sharding
 from .hop import scan_op
 from .loop import run_flat
 
@@ -133,6 +134,7 @@ class ScanAutogradFn(torch.autograd.Function):
                               *(lifted[i] for i in plan.lifted_needed if isinstance(lifted[i], torch.Tensor)),
                               *(a for a in lifted if isinstance(a, torch.Tensor)))
         ctx.out_meta = [(r.shape, r.dtype, r.device) for r in result]
+        ctx.shardings = sharding.of(flat)  # SPMD: each gradient gets its input's sharding
         ctx.mark_non_differentiable(*(r for r, d in zip(result, _output_differentiable(plan, init, xs)) if not d))
         return tuple(result)
 
@@ -147,7 +149,10 @@ class ScanAutogradFn(torch.autograd.Function):
         num_init = ctx.num_init
         g_carry = [_grad_or_zeros(grads[i], ctx.out_meta[i]) for i in plan.carry_grad]
         g_y = [_grad_or_zeros(grads[num_init + j], ctx.out_meta[num_init + j]) for j in plan.y_grad]
-        g_sum0 = [torch.zeros_like(lifted[i]) for i in plan.lifted_grad]
+        shardings = ctx.shardings
+        num_xs = ctx.num_xs
+        g_sum0 = [sharding.like(torch.zeros_like(lifted[i]), shardings[num_init + num_xs + i])
+                  for i in plan.lifted_grad]
         per_step = [torch.empty((ctx.length, 0), device=ctx.xs_device)] if plan.length_only else [
             *step_saved, *xs_needed, *g_y]
         out = scan_op(plan.bwd_step, [*g_carry, *g_sum0], per_step,
@@ -156,10 +161,9 @@ class ScanAutogradFn(torch.autograd.Function):
         g_init = dict(zip(plan.carry_grad, [next(it) for _ in plan.carry_grad]))
         g_lifted = dict(zip(plan.lifted_grad, [next(it) for _ in plan.lifted_grad]))
         g_xs = dict(zip(plan.x_grad, [next(it) for _ in plan.x_grad]))
-        return (None, None, None, None,
-                *(g_init.get(i) for i in range(num_init)),
-                *(g_xs.get(i) for i in range(ctx.num_xs)),
-                *(g_lifted.get(i) for i in range(len(lifted))))
+        in_grads = [*(g_init.get(i) for i in range(num_init)), *(g_xs.get(i) for i in range(num_xs)),
+                    *(g_lifted.get(i) for i in range(len(lifted)))]
+        return (None, None, None, None, *(sharding.like(g, s) for g, s in zip(in_grads, shardings)))
 
 
 def _output_differentiable(plan, init, xs):

@@ -16,8 +16,25 @@ def trace_graph(fn, args, *, force_enable_grad=False):
     """``fn(*args)`` as an aten GraphModule, traced in whatever mode is active."""
     if force_enable_grad:  # differentiating: torch_xla's custom ops need their formulas
         register_missing()
-    with _data_dependence_as_scan_error():
+    with _data_dependence_as_scan_error(), _in_place_sharding_as_scan_error():
         return _compat.trace_aten_graph(fn, args, force_enable_grad=force_enable_grad)
+
+
+@contextlib.contextmanager
+def _in_place_sharding_as_scan_error():
+    """torch_xla's ``xs.mark_sharding`` annotates a tensor in place, on its
+    device data: a traced body has none (torch_xla says "Expected XLA tensor")."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not _compat.xla.raised_by_in_place_sharding(e):
+            raise
+        raise ScanError(
+            "scan: the body calls torch_xla's in-place xs.mark_sharding(t, mesh, spec), which annotates a "
+            "tensor's device data and cannot be traced into the scan's graph. Use "
+            "t = xs.mark_sharding_with_gradients(t, mesh, spec) in the body instead (the same annotation, "
+            "also on t's gradient), and shard the inputs with xs.mark_sharding outside the scan. "
+            f"(torch_xla: {str(e).splitlines()[0] if str(e) else ''})") from e
 
 
 @contextlib.contextmanager

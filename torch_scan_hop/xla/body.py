@@ -102,16 +102,27 @@ def check_runs_on_xla(body):
             raise ScanError(f"scan on XLA: the body's {node.target} ({node.name}) {problem}.")
 
 
+def _sharding(node):
+    """An ``xla::aot_mark_sharding`` node (``mark_sharding_with_gradients`` and its gradient)."""
+    return node.op == "call_function" and _compat.is_op_overload(node.target) \
+        and _compat.op_schema(node.target).name == "xla::aot_mark_sharding"
+
+
 def keep_on_device(body):
-    """``body`` with its moves to the CPU and its host-side checks dropped (a
-    copy; body is not changed).
+    """``body`` ready to run on placeholders (a copy; body is not changed):
+    its moves to the CPU and its host-side checks dropped, its sharding
+    annotations staged out as custom calls.
 
     Inside the While every value lives on the device, and a copy keeps the
     value. Graphs have such moves where a 0-dim CPU tensor meets XLA ones, as
     in the gradient of a CPU scalar closure (autograd moves it back after).
+    ``xla::aot_mark_sharding`` of a body input (a carry whose annotation is
+    the first op, the carry's gradient when no y feeds it) would make
+    torch_xla read the placeholder's value: ``_compat.xla.annotate_sharding``
+    stages out the same annotation without reading it.
     """
     if not isinstance(body, torch.fx.GraphModule) or \
-            not any(_to_host(n) or _host_check(n) for n in body.graph.nodes):
+            not any(_to_host(n) or _host_check(n) or _sharding(n) for n in body.graph.nodes):
         return body
     gm = torch.fx.GraphModule(body, copy.deepcopy(body.graph))
     for node in list(gm.graph.nodes):
@@ -119,6 +130,8 @@ def keep_on_device(body):
             node.kwargs = {k: v for k, v in node.kwargs.items() if k != "device"}
         elif _host_check(node) and not node.users:
             gm.graph.erase_node(node)
+        elif _sharding(node):
+            node.target = _compat.xla.annotate_sharding
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
