@@ -69,7 +69,7 @@ def stack_extras(per_layer, layers):
     for i, d in enumerate(defs[1:], 1):
         if d != defs[0]:
             raise ScanError(
-                f"scan_layers: {layer_name(layers, i)} returns extras {_shown(d)} where layer 0 "
+                f"scan_layers: {layer_name(layers, i)} returns {_shown(d)} where layer 0 "
                 f"returns {_shown(defs[0])}; every layer must return the same form.")
     if defs[0] is None:
         return None
@@ -94,4 +94,4 @@ def describe(tree):
 
 
 def _shown(treedef):
-    return "no extras (the hidden state alone)" if treedef is None else repr(treedef).replace("'*'", "Tensor")
+    return "the hidden state alone" if treedef is None else "extras " + repr(treedef).replace("'*'", "Tensor")
