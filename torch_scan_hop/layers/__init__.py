@@ -2,6 +2,8 @@
 ``stack_layers`` (their parameters stored stacked), floor by floor:
 
 - ``scan_layers``: the front end (imports ``api``, the eager loop and everything below);
+- ``outputs``: what a layer returns (the hidden state, or a tuple of it and extras such as
+  attention weights) and what ``scan_layers`` returns for it (the extras stacked);
 - ``storage``: the stacked containers ``stack_layers`` returns;
 - ``checks``: what a scanned stack asks of its layers (no hooks, no running-stat updates);
 - ``grads``: where stacked storage's gradients go (per layer or on the stacks);

@@ -39,6 +39,7 @@ from .layer_state import (
     layer_states,
     same_value,
 )
+from .outputs import join_output, layer_name, split_output, stack_extras
 from .ownership import container_of, container_token, owner_of
 from .stack_weights import stack_weights
 from .storage import stacked_storage
@@ -184,15 +185,14 @@ def _as_output(inputs):
 
 
 def _eager_loop(layers, inputs, remat, kwargs):
-    """The loop over the real layers (hooks and all), remat per layer."""
-    single = len(inputs) == 1
-    h = _as_output(inputs)
-    for layer in layers:
-        call = remat_step(lambda h, layer=layer: layer(*((h,) if single else h), **kwargs), remat)
-        h = call(h)
-        if not single and isinstance(h, list):
-            h = tuple(h)
-    return h
+    """The loop over the real layers (hooks and all), remat per layer; extras stacked."""
+    n = len(inputs)
+    h, extras = _as_output(inputs), []
+    for i, layer in enumerate(layers):
+        call = remat_step(lambda h, layer=layer: layer(*((h,) if n == 1 else h), **kwargs), remat)
+        h, extra = split_output(call(h), h, n, layer_name(layers, i))
+        extras.append(extra)
+    return join_output(h, stack_extras(extras, layers), n)
 
 
 _PER_LAYER_STATE = ("_parameters", "_buffers", "_modules")  # compared by layer_states / recursion
@@ -230,6 +230,16 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=1, **broadcast_kwargs)
     the same structure. Returns what the last layer returns (the inputs for
     an empty stack). Gradients land on each layer's own parameters (on the stacks
     under ``stack_layers(layers, grads="stacked")``).
+
+    A layer may also return a tuple whose first element (first ``n`` for ``n`` inputs) is
+    the hidden state, followed by extras, as Hugging Face layers do (GPT2Block, BertLayer:
+    ``(hidden_states, attn_weights, ...)``). The hidden state is carried to the next layer,
+    and ``scan_layers`` returns the last layer's tuple with every extra stacked over the
+    layers: ``None`` stays ``None``, a tensor (attention weights, router logits, an auxiliary
+    loss) of shape ``S`` becomes one of shape ``(len(layers), *S)``. So
+    ``h, attn = scan_layers(model.h, h, output_attentions=True)[:2]``; ``(h,) =
+    scan_layers(model.h, h)`` for a layer returning ``(hidden_states,)``. Any other tuple
+    is a ScanError naming the layer, what it returned and what it was given.
     """
     container, layers = layers, list(layers)
     if not all(isinstance(m, torch.nn.Module) for m in layers):
@@ -269,9 +279,7 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=1, **broadcast_kwargs)
                 check_flags_traced(container, token)
         args = (h,) if single else tuple(h)
         out = view_of(template, params, peers=peers)(*args, **broadcast_kwargs)  # kwargs: closed over
-        if not single and isinstance(out, list):
-            out = tuple(out)
-        return out, None
+        return split_output(out, h, len(inputs), layer_name(layers, 0))  # extras: the scan's ys
 
-    out, _ = scan(step, _as_output(inputs), xs, remat=remat, unroll=unroll)
-    return out
+    out, extras = scan(step, _as_output(inputs), xs, remat=remat, unroll=unroll)
+    return join_output(out, extras, len(inputs))
