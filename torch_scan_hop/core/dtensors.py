@@ -1,0 +1,91 @@
+"""DTensors (``torch.distributed.tensor``, public API only) as the op sees them: a local
+tensor plus a layout (mesh, placements, global shape and stride).
+
+``layout_of`` / ``wrap`` take a DTensor apart and put it back together (``to_local`` /
+``from_local``, both differentiable); ``sliced`` / ``stacked`` give the layout of one
+step's slice along dim 0 and of the steps' values stacked along a new dim 0. Used by
+the DTensor rule (``op.dtensor``), the examples a body is traced on, and the stacked
+weights of ``scan_layers``.
+"""
+import dataclasses
+
+import torch
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # torch built without distributed
+    DTensor = Replicate = Shard = None
+
+
+def is_dtensor(t):
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def layout_of(t):
+    """``(mesh, placements, global shape, global stride)`` of a DTensor."""
+    return (t.device_mesh, tuple(t.placements), tuple(t.shape), tuple(t.stride()))
+
+
+def wrap(local, layout):
+    """The DTensor with this local tensor and layout (no communication)."""
+    mesh, placements, shape, stride = layout
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def local(t):
+    """A DTensor's local tensor (differentiable); anything else unchanged."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def _shard_dim(p):
+    return p.dim if isinstance(p, Shard) else None
+
+
+def _shift(p, k):
+    if type(p) is Shard:
+        return Shard(p.dim + k)
+    return dataclasses.replace(p, dim=p.dim + k)  # _StridedShard and other Shard kinds
+
+
+def contiguous_stride(shape):
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc = acc * size
+    return tuple(reversed(stride))
+
+
+def sliced(layout):
+    """The layout of one slice along dim 0; a placement sharding dim 0 becomes Replicate
+    (``unsharded_along_scan`` gathers it first)."""
+    mesh, placements, shape, _ = layout
+    placements = tuple(Replicate() if _shard_dim(p) == 0 else _shift(p, -1) if isinstance(p, Shard) else p
+                       for p in placements)
+    return (mesh, placements, shape[1:], contiguous_stride(shape[1:]))
+
+
+def stacked(layout, length):
+    """The layout of ``length`` values of this layout stacked along a new dim 0."""
+    mesh, placements, shape, _ = layout
+    shape = (length, *shape)
+    return (mesh, tuple(_shift(p, 1) if isinstance(p, Shard) else p for p in placements), shape,
+            contiguous_stride(shape))
+
+
+def unsharded_along_scan(x):
+    """``x`` with dim 0 (the scanned one) whole on every rank: each rank runs every step."""
+    if not any(_shard_dim(p) == 0 for p in x.placements):
+        return x
+    return x.redistribute(x.device_mesh, [Replicate() if _shard_dim(p) == 0 else p for p in x.placements])
+
+
+def zero_slice(x):
+    """A DTensor of zeros laid out as one slice of ``x`` along dim 0 (exists for length 0 too)."""
+    loc = x.to_local()  # slicing dim 0 leaves the other dims' local sizes as they are
+    return wrap(torch.zeros(loc.shape[1:], dtype=x.dtype, device=loc.device), sliced(layout_of(x)))
+
+
+def describe(t):
+    if is_dtensor(t):
+        return f"a DTensor with placements {tuple(t.placements)} on {t.device_mesh}"
+    return "a torch.Tensor" if isinstance(t, torch.Tensor) else repr(t)
