@@ -12,9 +12,9 @@ import dataclasses
 import torch
 
 try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 except ImportError:  # torch built without distributed
-    DTensor = Replicate = Shard = None
+    DTensor = Partial = Replicate = Shard = None
 
 
 def is_dtensor(t):
@@ -83,6 +83,14 @@ def zero_slice(x):
     """A DTensor of zeros laid out as one slice of ``x`` along dim 0 (exists for length 0 too)."""
     loc = x.to_local()  # slicing dim 0 leaves the other dims' local sizes as they are
     return wrap(torch.zeros(loc.shape[1:], dtype=x.dtype, device=loc.device), sliced(layout_of(x)))
+
+
+def gathered(t):
+    """A DTensor's full value as a plain tensor, gathered on every rank, whose gradient is
+    averaged over the mesh and handed back in ``t``'s layout (reduce-scattered along a
+    sharded mesh dim): FSDP2's unshard of a parameter and the reduction of its gradient."""
+    n = t.device_mesh.ndim
+    return t.redistribute(t.device_mesh, [Replicate()] * n).to_local(grad_placements=[Partial("avg")] * n)
 
 
 def describe(t):
