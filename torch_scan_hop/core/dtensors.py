@@ -37,6 +37,13 @@ def local(t):
     return t.to_local() if is_dtensor(t) else t
 
 
+def unbind(x):
+    """``x.unbind(0)``; a DTensor's rows one ``select`` each (DTensor has no unbind rule)."""
+    if is_dtensor(x):
+        return [x.select(0, i) for i in range(x.shape[0])]
+    return x.unbind(0)
+
+
 def _shard_dim(p):
     return p.dim if isinstance(p, Shard) else None
 
