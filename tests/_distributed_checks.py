@@ -239,9 +239,9 @@ def sharded(model, per_layer=True, **kwargs):
     return fully_shard(model, **kwargs)
 
 
-def _train_like_loop(compiled, per_layer, steps=3):
+def _train_like_loop(compiled, per_layer, steps=3, d=8):
     torch.manual_seed(0)
-    base = Model(scanned=False)
+    base = Model(d, scanned=False)
     ref = sharded(copy.deepcopy(base), per_layer)
     model = copy.deepcopy(base)
     model.scanned = True
@@ -251,7 +251,7 @@ def _train_like_loop(compiled, per_layer, steps=3):
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
     torch.manual_seed(10 + dist.get_rank())  # each rank its own data, as in data parallel
     for step in range(steps):
-        x = torch.randn(4, 8)
+        x = torch.randn(4, d)
         want, got = ref(x), run(x)
         want.backward()
         got.backward()
@@ -293,6 +293,11 @@ def fsdp_scan_layers_compiled():
 @check
 def fsdp_root_only_compiled():
     _train_like_loop(True, per_layer=False, steps=2)
+
+
+@check
+def fsdp_uneven_shards_compiled():
+    _train_like_loop(True, per_layer=True, steps=2, d=5)  # fc2's 5 rows: 3 on rank 0, 2 on rank 1
 
 
 @check
