@@ -7,8 +7,6 @@ step's slice along dim 0 and of the steps' values stacked along a new dim 0. Use
 the DTensor rule (``op.dtensor``), the examples a body is traced on, and the stacked
 weights of ``scan_layers``.
 """
-import dataclasses
-
 import torch
 
 try:
@@ -49,9 +47,8 @@ def _shard_dim(p):
 
 
 def _shift(p, k):
-    if type(p) is Shard:
-        return Shard(p.dim + k)
-    return dataclasses.replace(p, dim=p.dim + k)  # _StridedShard and other Shard kinds
+    split = getattr(p, "split_factor", None)  # _StridedShard (FSDP + TP); not type(p): Dynamo
+    return Shard(p.dim + k) if split is None else type(p)(p.dim + k, split_factor=split)
 
 
 def contiguous_stride(shape):
@@ -64,19 +61,23 @@ def contiguous_stride(shape):
 
 def sliced(layout):
     """The layout of one slice along dim 0; a placement sharding dim 0 becomes Replicate
-    (``unsharded_along_scan`` gathers it first)."""
+    (``unsharded_along_scan`` gathers it first). (Loops, not generator expressions:
+    Dynamo inlines these.)"""
     mesh, placements, shape, _ = layout
-    placements = tuple(Replicate() if _shard_dim(p) == 0 else _shift(p, -1) if isinstance(p, Shard) else p
-                       for p in placements)
-    return (mesh, placements, shape[1:], contiguous_stride(shape[1:]))
+    out = []
+    for p in placements:
+        out.append(Replicate() if _shard_dim(p) == 0 else _shift(p, -1) if isinstance(p, Shard) else p)
+    return (mesh, tuple(out), shape[1:], contiguous_stride(shape[1:]))
 
 
 def stacked(layout, length):
     """The layout of ``length`` values of this layout stacked along a new dim 0."""
     mesh, placements, shape, _ = layout
     shape = (length, *shape)
-    return (mesh, tuple(_shift(p, 1) if isinstance(p, Shard) else p for p in placements), shape,
-            contiguous_stride(shape))
+    out = []
+    for p in placements:
+        out.append(_shift(p, 1) if isinstance(p, Shard) else p)
+    return (mesh, tuple(out), shape, contiguous_stride(shape))
 
 
 def unsharded_along_scan(x):

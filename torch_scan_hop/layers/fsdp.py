@@ -40,7 +40,7 @@ def check_fsdp(layer):
             raise ScanError(f"scan_layers: the layers are sharded by fully_shard with {why}; a traced "
                             "scan_layers gathers each layer's parameters in its step as FSDP2 does with its "
                             "default policies only. Use those, or loop over the layers.")
-    return bool(modules)
+    return len(modules) > 0  # not bool(): Dynamo cannot take the truth of a list of modules
 
 
 def gathered_state(params):
