@@ -17,10 +17,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
 
-from torch_scan_hop import ScanError, scan, scan_layers
+from torch_scan_hop import ScanError, scan, scan_layers, stack_layers
 
 CHECKS = {}
 MESH = []
@@ -69,8 +79,12 @@ def scan_nodes(gm):
 
 
 def body_ops(gm, node):
+    return {str(t) for t in body_targets(gm, node)}
+
+
+def body_targets(gm, node):
     body = getattr(gm, node.args[0].target)
-    return {str(n.target) for n in body.graph.nodes if n.op == "call_function"}
+    return [n.target for n in body.graph.nodes if n.op == "call_function"]
 
 
 # ---------------------------------------------------------------- DTensor bodies
@@ -286,8 +300,10 @@ def fsdp_scan_layers_compiled():
     assert "_c10d_functional.all_gather_into_tensor.default" in ops  # re-gathered, not saved
     saved = [n.meta["val"] for n in fw[0].graph.nodes if n.op == "call_function"
              and n.target.__name__ == "getitem" and n.args[0] is node][1:]  # after the final carry
-    gathered_shapes = {(3, 16, 8), (3, 8, 16)}  # fc1/fc2 weights of every layer, in full
-    assert not [tuple(v.shape) for v in saved if tuple(v.shape) in gathered_shapes], [v.shape for v in saved]
+    # per step: activations (4x8, 4x16) only, no gathered weight (fc1's 16x8 and up; shards are 8x8)
+    assert all(v.numel() // v.shape[0] < 16 * 8 for v in saved), [tuple(v.shape) for v in saved]
+    gathers = [t for t in body_targets(fw[0], node) if str(t).endswith("all_gather_into_tensor.default")]
+    assert len(gathers) == 1, gathers  # the layer's 4 parameters in one all-gather, as FSDP2 does
 
 
 @check
@@ -308,6 +324,17 @@ def fsdp_mixed_precision_is_a_scan_error():
         torch.compile(model, backend="aot_eager")(torch.randn(2, 8))
     except Exception as e:  # noqa: BLE001
         assert "MixedPrecisionPolicy" in str(e), str(e)[:2000]
+    else:
+        raise AssertionError("no ScanError")
+
+
+@check
+def stack_layers_of_sharded_layers_is_a_scan_error():
+    model = sharded(Model())
+    try:
+        stack_layers(model.layers)
+    except ScanError as e:
+        assert "DTensor" in str(e), str(e)
     else:
         raise AssertionError("no ScanError")
 

@@ -5,7 +5,6 @@ live in ``torch.distributed.fsdp._fully_shard`` (their functions' ``__module__``
 and an FSDP module's parameter group (``FSDPModule._get_fsdp_state()._fsdp_param_group``)
 holds its ``mp_policy``, ``offload_policy``, ``gradient_divide_factor`` and ``mesh_info``.
 """
-import torch
 
 try:
     from torch.distributed.fsdp import FSDPModule

@@ -101,6 +101,51 @@ def gathered(t):
     return t.redistribute(t.device_mesh, [Replicate()] * n).to_local(grad_placements=[Partial("avg")] * n)
 
 
+def _one_shard_dim(t):
+    """The mesh dim along which ``t`` shards its dim 0, when that is its only sharding
+    (the rest Replicate: FSDP2's ``Shard(0)``, HSDP's ``(Replicate, Shard(0))``), else None."""
+    shards = [i for i, p in enumerate(t.placements) if isinstance(p, Shard)]
+    others = [p for p in t.placements if not isinstance(p, (Shard, Replicate))]
+    if len(shards) != 1 or others or t.placements[shards[0]].dim != 0 or getattr(
+            t.placements[shards[0]], "split_factor", None) is not None:
+        return None
+    return shards[0]
+
+
+def gathered_together(ts):
+    """``[gathered(t) for t in ts]`` with ONE all-gather (and one reduce-scatter of the
+    gradients), as FSDP2 gathers a layer's parameters: the local shards, each padded to
+    its even chunk of dim 0 and flattened, are concatenated into one buffer sharded along
+    dim 0 like them. Falls back to one gather per tensor unless every tensor shards its
+    dim 0 along the same single mesh dim of one mesh (the rest Replicate)."""
+    mesh, placements = ts[0].device_mesh, tuple(ts[0].placements)
+    mesh_dim = _one_shard_dim(ts[0])
+    if mesh_dim is None or any(t.device_mesh != mesh or tuple(t.placements) != placements for t in ts):
+        return [gathered(t) for t in ts]
+    k = mesh.size(mesh_dim)
+    pieces, metas = [], []
+    for t in ts:
+        rows, rest = t.shape[0], tuple(t.shape[1:])
+        chunk, width = -(-rows // k), 1
+        for size in rest:
+            width *= size
+        loc = t.to_local()
+        flat = loc.reshape(loc.shape[0], width)
+        if loc.shape[0] < chunk:  # torch.chunk's uneven last shards, padded as FSDP2 pads them
+            flat = torch.nn.functional.pad(flat, (0, 0, 0, chunk - loc.shape[0]))
+        pieces.append(flat.reshape(chunk * width))
+        metas.append((rows, chunk, width, rest))
+    buf = torch.cat(pieces)
+    size = buf.shape[0]
+    whole = DTensor.from_local(buf, mesh, placements, run_check=False, shape=torch.Size((k * size,)), stride=(1,))
+    full = gathered(whole).view(k, size)
+    out = []  # one split (its backward one cat), not a slice per tensor (a zero-filled buffer each)
+    for (rows, chunk, width, rest), part in zip(metas, full.split([chunk * width for _, chunk, width, _ in metas], 1)):
+        part = part.reshape(k * chunk, *rest)
+        out.append(part if rows == k * chunk else part[:rows])
+    return out
+
+
 def describe(t):
     if is_dtensor(t):
         return f"a DTensor with placements {tuple(t.placements)} on {t.device_mesh}"

@@ -6,8 +6,9 @@ layer is done in the body instead, per step and for that step's layer only:
 
 * the layers' sharded parameters (DTensors, ``Shard(0)``) are stacked locally into one
   DTensor per name (``Shard(1)``, no communication; ``stack_weights``);
-* the step's slice is gathered in full inside the step (``dtensors.gathered``: an
-  all-gather in the forward body and again in the backward body: the partitioner
+* the step's slice is gathered in full inside the step (``dtensors.gathered_together``:
+  one all-gather of all the layer's shards, in the forward body and again in the
+  backward body: the partitioner
   recomputes a gathered slice rather than saving it, as FSDP2 reshards after forward);
 * its gradient is averaged over the mesh and reduce-scattered back to the slice's
   layout inside the backward step, so each layer's ``.grad`` is sharded like its
@@ -44,5 +45,11 @@ def check_fsdp(layer):
 
 
 def gathered_state(params):
-    """One step's layer state with its FSDP2-sharded parameters gathered in full."""
-    return {name: dt.gathered(t) if dt.is_dtensor(t) else t for name, t in params.items()}
+    """One step's layer state with its FSDP2-sharded parameters gathered in full, all with
+    one all-gather (their gradients with one reduce-scatter), as FSDP2 does per layer."""
+    names = [name for name, t in params.items() if dt.is_dtensor(t)]
+    if not names:
+        return params
+    state = dict(params)
+    state.update(zip(names, dt.gathered_together([params[name] for name in names])))
+    return state

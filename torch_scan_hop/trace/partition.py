@@ -106,8 +106,9 @@ def _gather_ops():
         if c10d is not None and hasattr(c10d, name):
             ops.add(getattr(c10d, name).default)
     aten = torch.ops.aten
-    return ops, ops | {aten.cat.default, aten.constant_pad_nd.default, aten.clone.default,
-                       aten._to_copy.default, aten.split_with_sizes_copy.default}
+    return ops, ops | {aten.cat.default, aten.constant_pad_nd.default, aten.clone.default, aten._to_copy.default,
+                       aten.split.Tensor, aten.split_with_sizes.default, aten.split_with_sizes_copy.default,
+                       operator.getitem}
 
 
 def _recompute_roots(node, invariant, per_step):
