@@ -32,17 +32,43 @@ def only_fsdp_hooks(module):
                for h in hooks.values())
 
 
+def _param_groups(state):
+    """torch 2.9-2.14: ``state._fsdp_param_group`` (one group or None); newer torch keeps a
+    list, ``state._fsdp_param_groups``."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
+
+
+def _mp_policies(group):
+    """The group's MixedPrecisionPolicy (torch 2.9), or its parameters' (newer torch)."""
+    mp = getattr(group, "mp_policy", None)
+    if mp is not None:
+        return [mp]
+    return [p.mp_policy for p in group.fsdp_params if getattr(p, "mp_policy", None) is not None]
+
+
 def fsdp_unsupported(module):
     """Why a traced scan_layers cannot stand in for FSDP2's hooks on ``module``
     (a message), or None: it gathers each parameter in full and averages its
     gradient over the mesh, which is FSDP2 with its default policies on its own
     mesh (1-D FSDP or 2-D HSDP, no tensor parallel dims)."""
-    group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
-    if group is None:
-        return None
-    mp = group.mp_policy
-    if mp.param_dtype is not None or mp.reduce_dtype is not None or mp.output_dtype is not None:
-        return f"a MixedPrecisionPolicy ({mp})"
+    try:
+        for group in _param_groups(module._get_fsdp_state()):
+            why = _group_unsupported(group)
+            if why is not None:
+                return why
+    except AttributeError as e:  # FSDP2's internals moved in this torch: say so rather than guess
+        return f"FSDP2 state this torch's version lays out differently than scan_layers reads it ({e})"
+    return None
+
+
+def _group_unsupported(group):
+    for mp in _mp_policies(group):
+        if mp.param_dtype is not None or mp.reduce_dtype is not None or mp.output_dtype is not None:
+            return f"a MixedPrecisionPolicy ({mp})"
     if type(group.offload_policy).__name__ != "OffloadPolicy":
         return f"an offload policy ({type(group.offload_policy).__name__})"
     if group.gradient_divide_factor is not None:
