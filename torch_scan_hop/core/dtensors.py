@@ -3,9 +3,11 @@ tensor plus a layout (mesh, placements, global shape and stride).
 
 ``layout_of`` / ``wrap`` take a DTensor apart and put it back together (``to_local`` /
 ``from_local``, both differentiable); ``sliced`` / ``stacked`` give the layout of one
-step's slice along dim 0 and of the steps' values stacked along a new dim 0. Used by
-the DTensor rule (``op.dtensor``), the examples a body is traced on, and the stacked
-weights of ``scan_layers``.
+step's slice along dim 0 and of the steps' values stacked along a new dim 0;
+``gathered`` / ``gathered_together`` are FSDP2's unshard of one or all of a layer's
+parameters (their gradients averaged and reduce-scattered back). Used by the DTensor
+rule (``op.dtensor``), the examples a body is traced on, the eager loop's slices and
+stacked ys, and ``scan_layers``' stacked weights over FSDP2 layers.
 """
 import torch
 
