@@ -14,6 +14,7 @@ Nothing else in torch_scan_hop imports a private torch name
 - ``inductor``: post-grad scan pass, pattern matcher, subgraph lowering;
 - ``defects``: the mechanics of the torch 2.9 workarounds (an inductor IR patch, a fake rule);
 - ``nn``: ``nn.Module`` internals (state dicts, hooks);
+- ``distributed``: FSDP2's hooks and policies (scan_layers over ``fully_shard`` layers);
 - ``xla``: ``torch_xla._XLAC`` and torch_xla's private ops.
 
 - ``dynamo``: the Dynamo internals of op.dynamo's VariableTracker.
@@ -26,6 +27,7 @@ from . import (  # noqa: F401
     autograd,
     defects,
     dispatch,
+    distributed,
     dynamo,
     functorch,
     hop,

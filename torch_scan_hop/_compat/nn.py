@@ -18,9 +18,10 @@ def global_module_hooks_registered():
 
 def module_has_hooks(module):
     """``module`` itself has forward, forward-pre, backward or backward-pre
-    hooks. torch 2.9-2.14: the ``_forward_hooks``... dicts (no public query)."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks)
+    hooks. torch 2.9-2.14: the ``_forward_hooks``... dicts (no public query). ``len``, not
+    ``bool``: Dynamo cannot take the truth of a non-empty hooks dict (a graph break)."""
+    return (len(module._forward_hooks) + len(module._forward_pre_hooks) + len(module._backward_hooks)
+            + len(module._backward_pre_hooks)) > 0
 
 
 def own_parameters(module):

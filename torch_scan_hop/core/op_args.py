@@ -6,6 +6,8 @@ examples a body is traced on once, and the split of its flat outputs.
 """
 import torch
 
+from .dtensors import is_dtensor, zero_slice
+
 
 def split_out(flat_out, num_carry):
     return list(flat_out[:num_carry]), list(flat_out[num_carry:])
@@ -13,6 +15,8 @@ def split_out(flat_out, num_carry):
 
 def slice_example(x):
     """A stand-in for one slice of ``x`` that also exists when ``x`` has length 0."""
+    if is_dtensor(x):
+        return zero_slice(x)
     return torch.zeros(x.shape[1:], dtype=x.dtype, device=x.device)
 
 

@@ -10,6 +10,7 @@ import torch
 
 from .. import _compat
 from .._compat import pytree
+from .dtensors import is_dtensor
 
 
 class TreeDef:
@@ -226,8 +227,18 @@ def _same_shape(a, b):
         return len(a) == len(b) and all(bool(x == y) for x, y in zip(a, b))
 
 
+def _kind(t):
+    return "a DTensor" if is_dtensor(t) else "a torch.Tensor"
+
+
 def check_carry_meta(leaves, inputs: ScanInputs):
     for k, (new, old) in enumerate(zip(leaves, inputs.init_leaves)):
+        if is_dtensor(new) != is_dtensor(old):
+            raise ScanError(
+                f"scan: the carry leaf {inputs.init_paths[k]} is {_kind(old)} in init but fn returned "
+                f"{_kind(new)}; a carry keeps its type across the step (make init a DTensor, or return "
+                ".to_local() / .full_tensor() where init is a torch.Tensor)."
+            )
         if not _same_shape(new.shape, old.shape) or new.dtype != old.dtype:
             path = inputs.init_paths[k]
             what = []

@@ -84,8 +84,8 @@ def _hooked_submodule(module, prefix):
     """The dotted name of the first module in ``module``'s tree with hooks ("" for
     itself), else None. A plain dict walk: Dynamo traces it once per layer, and the
     ``named_modules`` generator cost several times more to trace at depth 64."""
-    if _compat.nn.module_has_hooks(module):
-        return prefix[:-1]
+    if _compat.nn.module_has_hooks(module) and not _compat.distributed.only_fsdp_hooks(module):
+        return prefix[:-1]  # FSDP2's hooks are done in the traced body (``layers.fsdp``)
     for name, sub in _compat.nn.child_modules(module).items():
         if sub is not None:
             found = _hooked_submodule(sub, prefix + name + ".")

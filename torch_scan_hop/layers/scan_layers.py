@@ -31,6 +31,7 @@ from .checks import (
     check_no_running_stat_updates,
     differentiates_stacks,
 )
+from .fsdp import check_fsdp, gathered_state
 from .grads import check_flags_traced, stacks_swapped
 from .layer_state import (
     MISSING,
@@ -270,6 +271,7 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=1, **broadcast_kwargs)
         check_no_hooks(layers)
         check_no_running_stat_updates(template)  # other layers agree with layer 0 or are refused as read
     peers = () if over_rows or (not dynamo and _all_attributes_agree(layers)) else layers[1:]
+    sharded = check_fsdp(template)
 
     def step(h, params):
         if dynamo:  # in the body: under torch.compile only errors raised there stay ScanErrors
@@ -278,6 +280,8 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=1, **broadcast_kwargs)
             if trained_stacks:
                 check_flags_traced(container, token)
         args = (h,) if single else tuple(h)
+        if sharded:  # FSDP2's unshard, for this step's layer (its gradient reduce-scattered back)
+            params = gathered_state(params)
         out = view_of(template, params, peers=peers)(*args, **broadcast_kwargs)  # kwargs: closed over
         return split_output(out, h, len(inputs), layer_name(layers, 0))  # extras: the scan's ys
 

@@ -14,11 +14,16 @@ exported program stays free of our ops).
 import torch
 
 from .. import _compat
+from ..core import dtensors as dt
 from ..xla import sharding
 
 
 def stack_weights(tensors):
-    """``torch.stack(tensors)``, the gradient of the result flowing back to each tensor."""
+    """``torch.stack(tensors)``, the gradient of the result flowing back to each tensor.
+    DTensors (FSDP2's sharded parameters) are stacked locally: the stack is laid out as
+    they are, a sharded dim shifted by the new dim 0 (no communication)."""
+    if dt.is_dtensor(tensors[0]):
+        return dt.wrap(stack_weights([t.to_local() for t in tensors]), dt.stacked(dt.layout_of(tensors[0]), len(tensors)))
     compiling = _compat.is_dynamo_compiling() and not _compat.is_exporting()
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if compiling or (needs_grad and _compat.on_xla(tensors)):

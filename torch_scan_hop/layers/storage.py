@@ -37,6 +37,7 @@ import collections
 import torch
 
 from .. import _compat
+from ..core import dtensors as dt
 from ..core.trees import ScanError
 from . import grads as _grads
 from .intact import layers_intact
@@ -72,6 +73,10 @@ def stack_layers(layers, *, grads="per_layer"):
         devices = {p.device for m in mods for p in m.parameters()}
         if len(devices) > 1:
             raise ScanError(f"stack_layers: the layers' parameters are on several devices {sorted(map(str, devices))}.")
+        if any(dt.is_dtensor(p) for m in mods for p in m.parameters()):
+            raise ScanError("stack_layers: the layers' parameters are DTensors (fully_shard, parallelize_module); "
+                            "their storage is the sharding's. Call scan_layers on the layers without stack_layers "
+                            "(under torch.compile it stacks the local shards and gathers each layer in its step).")
     layers.__class__ = cls
     layers.__dict__["_scan_grads"] = grads
     layers.restack()

@@ -14,6 +14,8 @@ Functionalize                  ``functionalize``   functionalized body, input mu
 functorch (vmap, grad, jvp)    ``functorch``       vmap: one scan over the vmapped body
 XLA                            ``xla``             one XLA While around the body's HLO
 Dynamo (torch.compile)         ``dynamo``          VariableTracker capturing one scan node
+DTensor (traced, pre-dispatch) ``dtensor``         a scan over the local tensors, the body
+                                                   wrapping them back (collectives per step)
 selective checkpoint modes     ``checkpoint``      traced: the scan is one op to the policy
 =============================  ==================  ==============================================
 
@@ -24,6 +26,7 @@ never each other (tests/test_layering.py checks).
 from . import (
     autograd,
     checkpoint,
+    dtensor,
     dynamo,
     eager,
     fake,
@@ -44,6 +47,7 @@ RULES = {
     "XLA": xla,
     "Dynamo": dynamo,
     "selective checkpoint modes": checkpoint,
+    "DTensor": dtensor,
 }
 
 __all__ = ["scan_op", "RULES"]

@@ -31,8 +31,12 @@ class ScanOp(_compat.HigherOrderOperator):
             raise TypeError(f"scan_op: additional_inputs must be a tuple, got {type(additional_inputs)}")
         if not xs:
             raise ValueError("scan_op: xs must have at least one tensor (it carries the length)")
+        flat = [*init, *xs, *additional_inputs]
+        subclass_rule = _subclass_rule(flat)
+        if subclass_rule is not None:
+            return subclass_rule(combine_fn, list(init), list(xs), tuple(additional_inputs),
+                                 reverse=reverse, remat=remat, unroll=unroll)
         if _compat.only_user_modes_active():
-            flat = [*init, *xs, *additional_inputs]
             if _compat.runs_eagerly(flat):
                 return _loop_under_user_modes(combine_fn, init, xs, additional_inputs, reverse, remat)
         kwargs = {}
@@ -59,6 +63,22 @@ class ScanOp(_compat.HigherOrderOperator):
 
 
 scan_op = ScanOp()
+
+# Tensor subclass -> rule run BEFORE dispatch when the scan is traced (``op.dtensor``
+# registers DTensor's). The Autograd key precedes the Python key where a subclass rule
+# is found, and the traced autograd rule traces the body's joint with make_fx, which
+# traces plain tensors only: a subclass must be unwrapped above autograd. In eager
+# the op stays the loop over the subclass tensors themselves.
+SUBCLASS_RULES = {}
+
+
+def _subclass_rule(flat):
+    if not SUBCLASS_RULES:
+        return None
+    for cls, rule in SUBCLASS_RULES.items():
+        if any(isinstance(t, cls) for t in flat):
+            return None if _compat.runs_eagerly(flat) else rule
+    return None
 
 
 def _loop_under_user_modes(combine_fn, init, xs, additional_inputs, reverse, remat):

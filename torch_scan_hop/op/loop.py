@@ -20,6 +20,7 @@ import torch
 from torch.utils import checkpoint as _ckpt
 
 from .. import _compat
+from ..core import dtensors as dt
 from ..core.op_args import example_args, slice_example
 from ..core.schedule import step_order
 from ..core.trees import ScanError, check_carry, check_pair, flatten_y
@@ -55,8 +56,13 @@ def remat_step(step, remat):
 
 
 def stack_column(column, k):
-    """One y leaf's per-step values -> one tensor (a clear error if shapes drift)."""
+    """One y leaf's per-step values -> one tensor (a clear error if shapes drift).
+    DTensors of one layout are stacked locally (torch 2.9's DTensor backward of
+    ``torch.stack`` returns wrongly shaped gradients)."""
     try:
+        if dt.is_dtensor(column[0]) and all(dt.is_dtensor(t) and dt.layout_of(t) == dt.layout_of(column[0])
+                                            for t in column):
+            return dt.wrap(torch.stack([t.to_local() for t in column]), dt.stacked(dt.layout_of(column[0]), len(column)))
         return torch.stack(column)
     except (RuntimeError, TypeError) as e:
         kinds = sorted({(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -83,7 +89,7 @@ def run_flat(combine_fn, init, xs, additional_inputs, reverse=False, remat=None)
     num_carry, length = len(init), xs[0].shape[0]
     if length == 0:
         return [c.clone() for c in init] + empty_flat_ys(combine_fn, init, xs, additional_inputs)
-    columns = [x.unbind(0) for x in xs]
+    columns = [dt.unbind(x) for x in xs]
 
     def step(carry, i):
         out = combine_fn(*carry, *(col[i] for col in columns), *additional_inputs)
@@ -111,7 +117,7 @@ def _x_slices(inputs):
     """The per-step x pytrees, built lazily per step from one unbind per leaf."""
     if inputs.xs_spec is None:
         return lambda i: None
-    columns = [x.unbind(0) for x in inputs.xs_leaves]
+    columns = [dt.unbind(x) for x in inputs.xs_leaves]
     if len(columns) == 1 and inputs.xs_spec.is_leaf():
         return columns[0].__getitem__
     return lambda i: inputs.xs_spec.unflatten([col[i] for col in columns])

@@ -96,15 +96,34 @@ def _is_view(node):
         target.is_view or target is torch.ops.aten._unsafe_view.default)
 
 
+def _gather_ops():
+    """All-gather and wait of functional collectives (what a DTensor's redistribute to
+    Replicate traces to: FSDP2's unshard of a layer's slice), and the data movement
+    that puts gathered shards together."""
+    ops = set()
+    c10d = getattr(torch.ops, "_c10d_functional", None)
+    for name in ("all_gather_into_tensor", "wait_tensor"):
+        if c10d is not None and hasattr(c10d, name):
+            ops.add(getattr(c10d, name).default)
+    aten = torch.ops.aten
+    return ops, ops | {aten.cat.default, aten.constant_pad_nd.default, aten.clone.default, aten._to_copy.default,
+                       aten.split.Tensor, aten.split_with_sizes.default, aten.split_with_sizes_copy.default,
+                       operator.getitem}
+
+
 def _recompute_roots(node, invariant, per_step):
     """The step inputs the backward can recompute ``node`` from, or None.
 
     From lifted (loop-invariant) inputs any deterministic op qualifies; from
-    x slices only views do (``t(W[i])`` in scan_layers), since recomputing real
-    work every backward step would cost more than saving its result. Carries
-    and random ops make a value truly per-step: None.
+    x slices only views do (``t(W[i])`` in scan_layers), and all-gathers (an
+    FSDP2-sharded layer's slice gathered in full: gathered again in the backward,
+    as FSDP2 reshards after forward, instead of a full copy of every layer's
+    weights saved), since recomputing real work every backward step would cost
+    more than saving its result. Carries and random ops make a value truly
+    per-step: None.
     """
-    roots, stack, seen, views_only, uses_x = [], [node], set(), True, False
+    gathers, moves = _gather_ops()
+    roots, stack, seen, views_only, moves_only, gathered, uses_x = [], [node], set(), True, True, False, False
     while stack:
         n = stack.pop()
         if n in seen:
@@ -119,8 +138,10 @@ def _recompute_roots(node, invariant, per_step):
             return None
         else:
             views_only &= _is_view(n)
+            moves_only &= _is_view(n) or n.target in moves
+            gathered |= n.target in gathers
             stack.extend(n.all_input_nodes)
-    return None if uses_x and not views_only else roots
+    return None if uses_x and not (views_only or (gathered and moves_only)) else roots
 
 
 def _hoist_recomputable_saves(joint, fwd, bwd, num_outputs, num_carry, num_x):

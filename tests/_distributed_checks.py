@@ -1,0 +1,364 @@
+"""The checks of tests/test_distributed.py, run in each of 2 gloo processes on 127.0.0.1.
+
+    python tests/_distributed_checks.py RANK WORLD PORT OUT.json
+
+Every check compares scan / scan_layers (eager and torch.compile) with the Python
+loop it stands for, values and gradients, on both ranks; the results (None or the
+error) are written to OUT.json. The process group is made once for all checks.
+"""
+import copy
+import datetime
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from torch_scan_hop import ScanError, scan, scan_layers, stack_layers
+
+CHECKS = {}
+MESH = []
+ATOL = 1e-5
+
+
+def check(fn):
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def assert_close(got, want, what):
+    got, want = full(got), full(want)
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert torch.allclose(got, want, atol=ATOL, rtol=1e-5), f"{what}: max diff {(got - want).abs().max()}"
+
+
+def loop(fn, init, xs, stacked=True):
+    carry, ys = init, []
+    for i in range(xs.shape[0]):  # xs[i]: a DTensor has no unbind
+        carry, y = fn(carry, xs[i])
+        ys.append(y)
+    return carry, torch.stack(ys) if stacked else ys
+
+
+def compiled_scan(backend="aot_eager"):
+    return torch.compile(lambda f, c, xs: scan(f, c, xs), backend=backend, fullgraph=True)
+
+
+def recording_backend():
+    """aot_eager that keeps the forward and backward graphs."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = {"fw": [], "bw": []}
+    backend = aot_autograd(fw_compiler=lambda gm, _: graphs["fw"].append(gm) or gm.forward,
+                           bw_compiler=lambda gm, _: graphs["bw"].append(gm) or gm.forward)
+    return graphs, backend
+
+
+def scan_nodes(gm):
+    return [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.scan]
+
+
+def body_ops(gm, node):
+    return {str(t) for t in body_targets(gm, node)}
+
+
+def body_targets(gm, node):
+    body = getattr(gm, node.args[0].target)
+    return [n.target for n in body.graph.nodes if n.op == "call_function"]
+
+
+# ---------------------------------------------------------------- DTensor bodies
+
+def _tp_mlp():
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    return parallelize_module(mlp, MESH[0], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+def _tp_run(run, mlp, h0, xs):
+    def body(h, x):
+        h = torch.tanh(mlp(h + x))
+        return h, h.sum(-1)
+
+    mlp.zero_grad(set_to_none=True)
+    h0.grad = None
+    c, ys = run(body, h0, xs)
+    (c.sum() + (ys * ys).sum()).backward()
+    return [c, ys, h0.grad, *(p.grad for p in mlp.parameters())]
+
+
+def _check_tp(run):
+    mlp = _tp_mlp()
+    torch.manual_seed(1)
+    xs, h0 = torch.randn(5, 3, 8), torch.randn(3, 8, requires_grad=True)
+    want = _tp_run(loop, mlp, h0, xs)
+    got = _tp_run(run, mlp, h0, xs)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_close(g, w, f"output/gradient {i}")
+    assert all(isinstance(p.grad, DTensor) for p in mlp.parameters())
+
+
+@check
+def tensor_parallel_mlp_eager():
+    _check_tp(scan)
+
+
+@check
+def tensor_parallel_mlp_compiled():
+    graphs, backend = recording_backend()
+    _check_tp(compiled_scan(backend))
+    (fw,), (bw,) = graphs["fw"], graphs["bw"]
+    (node,) = scan_nodes(fw)  # one scan: the loop stays rolled, the collectives are in its body
+    assert "_c10d_functional.all_reduce.default" in body_ops(fw, node), body_ops(fw, node)
+    (bnode,) = scan_nodes(bw)
+    assert any("_c10d_functional" in op for op in body_ops(bw, bnode))
+
+
+def _carry_case(run, body_kind):
+    mesh = MESH[0]
+    torch.manual_seed(2)
+    w = distribute_tensor(torch.randn(4, 6), mesh, [Replicate()]).requires_grad_()
+    xs = distribute_tensor(torch.randn(5, 4, 6), mesh, [Shard(1)]).requires_grad_()
+    c0 = distribute_tensor(torch.randn(4, 6), mesh, [Shard(0)]).requires_grad_()
+
+    def body(c, x):
+        new = torch.tanh(c * w + x)
+        if body_kind == "replicate":  # other placements than init's: the next step sees them redistributed
+            new = new.redistribute(mesh, [Replicate()])
+        return new, new.sum(-1)  # a Shard(0) y per step: Shard(1) stacked
+
+    for t in (w, xs, c0):
+        t.grad = None
+    # torch 2.9's DTensor backward of torch.stack and of .sum() returns wrongly shaped gradients:
+    # the reference loop keeps neither on the tape
+    if run is loop:
+        c, ys = loop(body, c0, xs, stacked=False)
+        (c.full_tensor().sum() * 2 + sum(y.full_tensor().sum() for y in ys)).backward()
+        with torch.no_grad():
+            ys = torch.stack(ys)
+    else:
+        c, ys = run(body, c0, xs)
+        (c.full_tensor().sum() * 2 + ys.full_tensor().sum()).backward()
+    return [c, ys, c0.grad, xs.grad, w.grad]
+
+
+@check
+def dtensor_carry():
+    for kind in ("same", "replicate"):
+        want = _carry_case(loop, kind)
+        for how, run in (("eager", scan), ("compiled", compiled_scan())):
+            got = _carry_case(run, kind)
+            for i, (g, w) in enumerate(zip(got, want)):
+                assert_close(g, w, f"{kind}, {how}: output/gradient {i}")
+        assert got[0].placements == (Shard(0),), got[0].placements  # init's layout
+        y_placements = (Shard(1),) if kind == "same" else (Replicate(),)  # each step's, dim shifted by the stack
+        assert isinstance(got[1], DTensor) and got[1].placements == y_placements, got[1].placements
+    c0, xs = distribute_tensor(torch.randn(4, 6), MESH[0], [Shard(0)]), torch.randn(3, 4, 6)
+
+    def partial_y(c, x):  # forward only: DTensor's own backward of a stack of Partial values fails in the loop
+        return c + 1, c.sum(0)
+
+    want = loop(partial_y, c0, xs)
+    for run in (scan, compiled_scan()):
+        got = run(partial_y, c0, xs)
+        assert got[1].placements == (Partial(),), got[1].placements
+        assert_close(got[0], want[0], "carry")
+        assert_close(got[1], want[1], "Partial ys")
+
+
+@check
+def dtensor_xs_sharded_along_scanned_dim():
+    mesh = MESH[0]
+    xs = distribute_tensor(torch.randn(6, 3), mesh, [Shard(0)])
+    c0 = torch.zeros(3)
+
+    def body(c, x):
+        c = c + x.full_tensor()
+        return c, c * 2
+
+    for run in (scan, compiled_scan()):
+        got, want = run(body, c0, xs), loop(body, c0, xs)
+        assert_close(got[0], want[0], "carry")
+        assert_close(got[1], want[1], "ys")
+
+
+@check
+def dtensor_carry_becoming_a_tensor_is_a_scan_error():
+    c0 = distribute_tensor(torch.zeros(4, 3), MESH[0], [Shard(0)])
+
+    def body(c, x):
+        return c.full_tensor() + x, x  # a DTensor carry comes back a torch.Tensor
+
+    for run in (scan, compiled_scan()):
+        try:
+            run(body, c0, torch.ones(5, 4, 3))
+        except ScanError as e:
+            assert "carry leaf" in str(e) and "DTensor in init" in str(e), str(e)
+        else:
+            raise AssertionError("no ScanError")
+
+
+# ---------------------------------------------------------------- FSDP2 + scan_layers
+
+class Layer(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+
+    def forward(self, h):
+        return h + self.fc2(torch.tanh(self.fc1(h)))
+
+
+class Model(torch.nn.Module):
+    def __init__(self, d=8, depth=3, scanned=True):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([Layer(d) for _ in range(depth)])
+        self.head = torch.nn.Linear(d, 1)
+        self.scanned = scanned
+
+    def forward(self, x):
+        if self.scanned:
+            h = scan_layers(self.layers, x)
+        else:
+            h = x
+            for layer in self.layers:
+                h = layer(h)
+        return self.head(h).square().mean()
+
+
+def sharded(model, per_layer=True, **kwargs):
+    if per_layer:
+        for layer in model.layers:
+            fully_shard(layer, **kwargs)
+    return fully_shard(model, **kwargs)
+
+
+def _train_like_loop(compiled, per_layer, steps=3, d=8):
+    torch.manual_seed(0)
+    base = Model(d, scanned=False)
+    ref = sharded(copy.deepcopy(base), per_layer)
+    model = copy.deepcopy(base)
+    model.scanned = True
+    model = sharded(model, per_layer)
+    graphs, backend = recording_backend()
+    run = torch.compile(model, backend=backend) if compiled else model
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
+    torch.manual_seed(10 + dist.get_rank())  # each rank its own data, as in data parallel
+    for step in range(steps):
+        x = torch.randn(4, d)
+        want, got = ref(x), run(x)
+        want.backward()
+        got.backward()
+        assert_close(got, want, f"step {step} loss")
+        for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+            assert isinstance(q.grad, DTensor) and q.grad.placements == p.grad.placements, (name, q.grad)
+            assert_close(q.grad, p.grad, f"step {step} grad of {name}")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        assert_close(q, p, f"{name} after {steps} steps")
+    return graphs
+
+
+@check
+def fsdp_scan_layers_eager():
+    _train_like_loop(False, per_layer=True)
+
+
+@check
+def fsdp_scan_layers_compiled():
+    graphs = _train_like_loop(True, per_layer=True)
+    fw = [gm for gm in graphs["fw"] if scan_nodes(gm)]
+    bw = [gm for gm in graphs["bw"] if scan_nodes(gm)]
+    assert len(fw) == 1 and len(bw) == 1, (len(graphs["fw"]), len(graphs["bw"]))  # compiled once
+    (node,) = scan_nodes(fw[0])  # one scan over the 3 layers
+    assert "_c10d_functional.all_gather_into_tensor.default" in body_ops(fw[0], node)
+    (bnode,) = scan_nodes(bw[0])
+    ops = body_ops(bw[0], bnode)
+    assert "_c10d_functional.reduce_scatter_tensor.default" in ops  # gradients sharded per step
+    assert "_c10d_functional.all_gather_into_tensor.default" in ops  # re-gathered, not saved
+    saved = [n.meta["val"] for n in fw[0].graph.nodes if n.op == "call_function"
+             and n.target.__name__ == "getitem" and n.args[0] is node][1:]  # after the final carry
+    # per step: activations (4x8, 4x16) only, no gathered weight (fc1's 16x8 and up; shards are 8x8)
+    assert all(v.numel() // v.shape[0] < 16 * 8 for v in saved), [tuple(v.shape) for v in saved]
+    gathers = [t for t in body_targets(fw[0], node) if str(t).endswith("all_gather_into_tensor.default")]
+    assert len(gathers) == 1, gathers  # the layer's 4 parameters in one all-gather, as FSDP2 does
+
+
+@check
+def fsdp_root_only_compiled():
+    _train_like_loop(True, per_layer=False, steps=2)
+
+
+@check
+def fsdp_uneven_shards_compiled():
+    _train_like_loop(True, per_layer=True, steps=2, d=5)  # fc2's 5 rows: 3 on rank 0, 2 on rank 1
+
+
+@check
+def fsdp_mixed_precision_is_a_scan_error():
+    torch.manual_seed(0)
+    model = sharded(Model(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    try:
+        torch.compile(model, backend="aot_eager")(torch.randn(2, 8))
+    except Exception as e:  # noqa: BLE001
+        assert "MixedPrecisionPolicy" in str(e), str(e)[:2000]
+    else:
+        raise AssertionError("no ScanError")
+
+
+@check
+def stack_layers_of_sharded_layers_is_a_scan_error():
+    model = sharded(Model())
+    try:
+        stack_layers(model.layers)
+    except ScanError as e:
+        assert "DTensor" in str(e), str(e)
+    else:
+        raise AssertionError("no ScanError")
+
+
+def main(rank, world, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=90))
+    MESH.append(init_device_mesh("cpu", (world,)))
+    results = {}
+    only = os.environ.get("SCAN_DIST_CHECKS")
+    for name, fn in CHECKS.items():
+        if only and name not in only.split(","):
+            continue
+        torch._dynamo.reset()
+        try:
+            fn()
+            results[name] = None
+        except BaseException as e:  # noqa: BLE001  (reported per check; the process goes on)
+            results[name] = f"{type(e).__name__}: {str(e)[:3000]}\n{traceback.format_exc()[-4000:]}"
+        dist.barrier()  # the ranks stay in step whatever a check did
+    with open(out, "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

@@ -1,0 +1,70 @@
+"""torch.distributed: DTensor (tensor parallel) bodies and FSDP2 + scan_layers, eager and compiled.
+
+One pair of gloo processes on 127.0.0.1 runs every check of ``_distributed_checks.py``
+(one process group for the module); each test reads its check's result on both ranks.
+The processes end by themselves; past the timeout they are killed and the tests fail.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORLD, TIMEOUT_S = 2, 240
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dist")
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "_distributed_checks.py"), str(rank), str(WORLD),
+                               str(port), str(tmp / f"rank{rank}.json")], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for rank in range(WORLD)]
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            logs.append(p.communicate()[0])
+    out = []
+    for rank, p in enumerate(procs):
+        path = tmp / f"rank{rank}.json"
+        out.append(json.loads(path.read_text()) if path.exists() else
+                   {"__crashed__": f"rank {rank} exit code {p.returncode}:\n{logs[rank][-6000:]}"})
+    return out
+
+
+def _checks():
+    sys.path.insert(0, HERE)
+    try:
+        import _distributed_checks
+    except ImportError:  # no distributed in this torch: the module is skipped anyway
+        return []
+    finally:
+        sys.path.pop(0)
+    return list(_distributed_checks.CHECKS)
+
+
+@pytest.mark.parametrize("name", _checks())
+def test_distributed(results, name):
+    for rank, res in enumerate(results):
+        assert "__crashed__" not in res, res["__crashed__"]
+        assert name in res, f"rank {rank} did not run {name}"
+        assert res[name] is None, f"rank {rank}: {res[name]}"

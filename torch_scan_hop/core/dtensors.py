@@ -1,0 +1,154 @@
+"""DTensors (``torch.distributed.tensor``, public API only) as the op sees them: a local
+tensor plus a layout (mesh, placements, global shape and stride).
+
+``layout_of`` / ``wrap`` take a DTensor apart and put it back together (``to_local`` /
+``from_local``, both differentiable); ``sliced`` / ``stacked`` give the layout of one
+step's slice along dim 0 and of the steps' values stacked along a new dim 0;
+``gathered`` / ``gathered_together`` are FSDP2's unshard of one or all of a layer's
+parameters (their gradients averaged and reduce-scattered back). Used by the DTensor
+rule (``op.dtensor``), the examples a body is traced on, the eager loop's slices and
+stacked ys, and ``scan_layers``' stacked weights over FSDP2 layers.
+"""
+import torch
+
+try:
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+except ImportError:  # torch built without distributed
+    DTensor = Partial = Replicate = Shard = None
+
+
+def is_dtensor(t):
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def layout_of(t):
+    """``(mesh, placements, global shape, global stride)`` of a DTensor."""
+    return (t.device_mesh, tuple(t.placements), tuple(t.shape), tuple(t.stride()))
+
+
+def wrap(local, layout):
+    """The DTensor with this local tensor and layout (no communication)."""
+    mesh, placements, shape, stride = layout
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def local(t):
+    """A DTensor's local tensor (differentiable); anything else unchanged."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def unbind(x):
+    """``x.unbind(0)``; a DTensor's rows one ``select`` each (DTensor has no unbind rule)."""
+    if is_dtensor(x):
+        return [x.select(0, i) for i in range(x.shape[0])]
+    return x.unbind(0)
+
+
+def _shard_dim(p):
+    return p.dim if isinstance(p, Shard) else None
+
+
+def _shift(p, k):
+    split = getattr(p, "split_factor", None)  # _StridedShard (FSDP + TP); not type(p): Dynamo
+    return Shard(p.dim + k) if split is None else type(p)(p.dim + k, split_factor=split)
+
+
+def contiguous_stride(shape):
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc = acc * size
+    return tuple(reversed(stride))
+
+
+def sliced(layout):
+    """The layout of one slice along dim 0; a placement sharding dim 0 becomes Replicate
+    (``unsharded_along_scan`` gathers it first). (Loops, not generator expressions:
+    Dynamo inlines these.)"""
+    mesh, placements, shape, _ = layout
+    out = []
+    for p in placements:
+        out.append(Replicate() if _shard_dim(p) == 0 else _shift(p, -1) if isinstance(p, Shard) else p)
+    return (mesh, tuple(out), shape[1:], contiguous_stride(shape[1:]))
+
+
+def stacked(layout, length):
+    """The layout of ``length`` values of this layout stacked along a new dim 0."""
+    mesh, placements, shape, _ = layout
+    shape = (length, *shape)
+    out = []
+    for p in placements:
+        out.append(_shift(p, 1) if isinstance(p, Shard) else p)
+    return (mesh, tuple(out), shape, contiguous_stride(shape))
+
+
+def unsharded_along_scan(x):
+    """``x`` with dim 0 (the scanned one) whole on every rank: each rank runs every step."""
+    if not any(_shard_dim(p) == 0 for p in x.placements):
+        return x
+    return x.redistribute(x.device_mesh, [Replicate() if _shard_dim(p) == 0 else p for p in x.placements])
+
+
+def zero_slice(x):
+    """A DTensor of zeros laid out as one slice of ``x`` along dim 0 (exists for length 0 too)."""
+    loc = x.to_local()  # slicing dim 0 leaves the other dims' local sizes as they are
+    return wrap(torch.zeros(loc.shape[1:], dtype=x.dtype, device=loc.device), sliced(layout_of(x)))
+
+
+def gathered(t):
+    """A DTensor's full value as a plain tensor, gathered on every rank, whose gradient is
+    averaged over the mesh and handed back in ``t``'s layout (reduce-scattered along a
+    sharded mesh dim): FSDP2's unshard of a parameter and the reduction of its gradient."""
+    n = t.device_mesh.ndim
+    return t.redistribute(t.device_mesh, [Replicate()] * n).to_local(grad_placements=[Partial("avg")] * n)
+
+
+def _one_shard_dim(t):
+    """The mesh dim along which ``t`` shards its dim 0, when that is its only sharding
+    (the rest Replicate: FSDP2's ``Shard(0)``, HSDP's ``(Replicate, Shard(0))``), else None."""
+    shards = [i for i, p in enumerate(t.placements) if isinstance(p, Shard)]
+    others = [p for p in t.placements if not isinstance(p, (Shard, Replicate))]
+    if len(shards) != 1 or others or t.placements[shards[0]].dim != 0 or getattr(
+            t.placements[shards[0]], "split_factor", None) is not None:
+        return None
+    return shards[0]
+
+
+def gathered_together(ts):
+    """``[gathered(t) for t in ts]`` with ONE all-gather (and one reduce-scatter of the
+    gradients), as FSDP2 gathers a layer's parameters: the local shards, each padded to
+    its even chunk of dim 0 and flattened, are concatenated into one buffer sharded along
+    dim 0 like them. Falls back to one gather per tensor unless every tensor shards its
+    dim 0 along the same single mesh dim of one mesh (the rest Replicate)."""
+    mesh, placements = ts[0].device_mesh, tuple(ts[0].placements)
+    mesh_dim = _one_shard_dim(ts[0])
+    if mesh_dim is None or any(t.device_mesh != mesh or tuple(t.placements) != placements for t in ts):
+        return [gathered(t) for t in ts]
+    k = mesh.size(mesh_dim)
+    pieces, metas = [], []
+    for t in ts:
+        rows, rest = t.shape[0], tuple(t.shape[1:])
+        chunk, width = -(-rows // k), 1
+        for size in rest:
+            width *= size
+        loc = t.to_local()
+        flat = loc.reshape(loc.shape[0], width)
+        if loc.shape[0] < chunk:  # torch.chunk's uneven last shards, padded as FSDP2 pads them
+            flat = torch.nn.functional.pad(flat, (0, 0, 0, chunk - loc.shape[0]))
+        pieces.append(flat.reshape(chunk * width))
+        metas.append((rows, chunk, width, rest))
+    buf = torch.cat(pieces)
+    size = buf.shape[0]
+    whole = DTensor.from_local(buf, mesh, placements, run_check=False, shape=torch.Size((k * size,)), stride=(1,))
+    full = gathered(whole).view(k, size)
+    out = []  # one split (its backward one cat), not a slice per tensor (a zero-filled buffer each)
+    for (rows, chunk, width, rest), part in zip(metas, full.split([chunk * width for _, chunk, width, _ in metas], 1)):
+        part = part.reshape(k * chunk, *rest)
+        out.append(part if rows == k * chunk else part[:rows])
+    return out
+
+
+def describe(t):
+    if is_dtensor(t):
+        return f"a DTensor with placements {tuple(t.placements)} on {t.device_mesh}"
+    return "a torch.Tensor" if isinstance(t, torch.Tensor) else repr(t)
