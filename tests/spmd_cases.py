@@ -94,6 +94,40 @@ def check_unsharded_inputs_sharded_in_body():
     check_scan(_sharded_weight_body("carry_out", False), [w], init, xseq)
 
 
+def check_annotated_bodies_are_captured_not_retraced():
+    """An eager scan on XLA is captured by Dynamo and reused while its guards hold; a body
+    calling mark_sharding_with_gradients used to fail that capture (torch_xla formats the
+    mesh from a numpy array) and re-trace on every call. From the second call on (the first
+    may meet a mesh made before the capture could read it) no call traces the body again,
+    every call equals the loop, and a mesh of another layout is a new capture, not the old one."""
+    import torch_scan_hop.api as api
+
+    traced = []
+    real = api._traced_body
+    api._traced_body = lambda *a: traced.append(1) or real(*a)
+    try:
+        counts = []
+        for seed in range(4):
+            torch.manual_seed(10 + seed)
+            w, init, xseq = torch.randn(8, 8) * 0.3, torch.randn(4, 8), torch.randn(5, 4, 8)
+            check_scan(_sharded_weight_body("carry_out", True), [w], init, xseq,
+                       specs=[("fsdp", "tensor"), ("fsdp", None), (None, "fsdp", None)])
+            counts.append(len(traced))
+        assert counts[1] == counts[2] == counts[3], counts  # calls 2-4: Dynamo's guards, no trace
+        other = xs.Mesh(np.arange(4), (4, 1), ("fsdp", "tensor"))
+
+        def body(c, x):
+            h = torch.tanh(c + x)
+            return xs.mark_sharding_with_gradients(h, mesh, ("fsdp", None)), None
+
+        for mesh, want in ((MESH, "devices=[2,1,2]"), (other, "devices=[4,1]")):
+            c, _ = scan(body, on_xla(torch.randn(4, 8)), on_xla(torch.randn(3, 4, 8)))
+            torch_xla.sync()
+            assert spec(c).startswith("{" + want), (want, spec(c))
+    finally:
+        api._traced_body = real
+
+
 def check_hlo_keeps_annotations():
     """The While's body computation carries the annotation (a Sharding custom call with sharding=)."""
     w = on_xla(torch.randn(8, 8), ("fsdp", "tensor"))

@@ -39,6 +39,10 @@ def test_body_annotation_of_unsharded_inputs():
     spmd("check_unsharded_inputs_sharded_in_body")
 
 
+def test_annotated_bodies_are_captured_not_retraced():
+    spmd("check_annotated_bodies_are_captured_not_retraced")
+
+
 def test_while_hlo_keeps_the_annotations():
     spmd("check_hlo_keeps_annotations")
 

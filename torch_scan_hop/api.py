@@ -104,9 +104,9 @@ def _scan_on_xla(fn, init, xs, options):
     try:
         return xla_eager.call(_scan_entry, fn, init, xs, options)
     except xla_eager.NotCaptured as e:
-        refused = e.key
+        failure = e
     result = _scan_entry(fn, init, xs, **options)
-    xla_eager.refuse(refused)  # only once the make_fx path succeeded: a user error is not Dynamo's
+    xla_eager.refuse(failure)  # only once the make_fx path succeeded: a user error is not Dynamo's
     return result
 
 

@@ -78,10 +78,12 @@ class NotCaptured(Exception):
     def __init__(self, key):
         super().__init__()
         self.key = key
+        self.mesh_texts = _compat.xla.mesh_texts_made()
 
 
 def call(scan_impl, fn, init, xs, options):
     """``scan_impl(fn, init, xs, **options)`` captured by Dynamo (``scan_impl`` must not route here again)."""
+    _compat.xla.keep_mesh_texts()  # SPMD bodies: see there
     try:
         with _compat.dynamo.recompile_limit_at_least(_RECOMPILES):
             return _entry_for(fn.__code__)(scan_impl, fn, init, xs, options)
@@ -89,10 +91,14 @@ def call(scan_impl, fn, init, xs, options):
         raise NotCaptured(_body_key(fn)) from e
 
 
-def refuse(key):
-    """The make_fx path ran a body Dynamo failed on: do not offer it to Dynamo again."""
+def refuse(failure):
+    """The make_fx path ran a body Dynamo failed on (``failure``, the NotCaptured):
+    do not offer it to Dynamo again, unless that run made the text of an SPMD mesh
+    the capture could not read before (``_compat.xla.keep_mesh_texts``)."""
+    if _compat.xla.mesh_texts_made() != failure.mesh_texts:
+        return
     with _lock:
-        _refused.add(key)
+        _refused.add(failure.key)
 
 
 def clear():
