@@ -28,6 +28,7 @@ _RECOMPILES = 64
 _lock = threading.Lock()
 _entries = {}  # body code -> compiled entry (one per code: Dynamo's recompile limit counts per code)
 _refused = set()  # bodies Dynamo could not capture: (code, closure types)
+_compat.xla.keep_mesh_texts()  # now if torch_xla's SPMD module is loaded, so that meshes made next keep theirs
 
 
 def applies(fn, leaves, remat):
