@@ -197,11 +197,11 @@ class Stacks(torch.nn.Module):
 
 
 def test_inductor():
-    """GPT2 (attention weights stacked) and BART's decoder (two extras; a gradient through the
-    encoder's states every layer cross-attends to) compiled together. Llama's plain-tensor layers
-    compile as before (its eager, export and XLA cases run here)."""
+    """GPT2 (attention weights stacked), BART's decoder (two extras; a gradient through the
+    encoder's states every layer cross-attends to) and Llama (rotary embeddings, a plain-tensor
+    output) compiled together."""
     torch._dynamo.reset()
-    built = [build(name) for name in ("gpt2", "bart")]
+    built = [build(name) for name in ("gpt2", "bart", "llama")]
     model, inputs = Stacks([b[0] for b in built]), tuple(b[1] for b in built)
     got = value_and_grads(model, torch.compile(model, backend="inductor"), inputs)
     assert_trees_close(got, value_and_grads(model, model.loop, fresh(inputs)), **TOL)
