@@ -9,8 +9,10 @@ import contextlib
 
 import torch
 from torch._C import DispatchKey  # noqa: F401  (re-exported for the rules)
+from torch._ops import _len_torch_dispatch_stack_pre_dispatch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from .functorch import _functionalize_transform_active, _is_functorch_wrapped
 
@@ -52,11 +54,10 @@ def tracing_modes_active():
 
     torch 2.9-2.14: ``TorchDispatchMode.is_infra_mode``, the stack getter of
     ``torch.utils._python_dispatch`` and ``torch._ops``' pre-dispatch stack."""
-    from torch._ops import _len_torch_dispatch_stack_pre_dispatch
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
     if _len_torch_dispatch_stack_pre_dispatch() > 0:
         return True
+    if torch._C._len_torch_dispatch_stack() == 0:  # the common case, without building the stack's list
+        return False
     return any(getattr(m, "is_infra_mode", lambda: False)() for m in _get_current_dispatch_mode_stack())
 
 

@@ -44,6 +44,8 @@ def _is_functorch_wrapped(t):
 def _interpreters():
     """The active torch.func transforms, outermost first
     (torch 2.9-2.14: ``retrieve_all_functorch_interpreters``)."""
+    if torch._C._functorch.peek_interpreter_stack() is None:  # the common case, without building a list
+        return []
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
     return retrieve_all_functorch_interpreters()

@@ -35,11 +35,11 @@ def applies(fn, leaves, remat):
     """A plain eager call on XLA tensors, with no tracer, transform or mode active."""
     if callable(remat) or not leaves or getattr(fn, "__code__", None) is None:
         return False
+    if not all(isinstance(t, torch.Tensor) and t.device.type == "xla" and not _compat.is_functional(t)
+               for t in leaves):  # first: off XLA (most calls) this is one device check
+        return False
     if _compat.is_dynamo_compiling() or _compat.dispatch_modes_active() or _compat.under_make_fx() \
             or _compat.functorch_transforms_active():
-        return False
-    if not all(isinstance(t, torch.Tensor) and t.device.type == "xla" and not _compat.is_functional(t)
-               for t in leaves):
         return False
     return _body_key(fn) not in _refused
 
