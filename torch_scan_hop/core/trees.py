@@ -233,6 +233,8 @@ def _kind(t):
 
 def check_carry_meta(leaves, inputs: ScanInputs):
     for k, (new, old) in enumerate(zip(leaves, inputs.init_leaves)):
+        if type(new) is torch.Tensor is type(old) and new.dtype == old.dtype and new.shape == old.shape:
+            continue  # plain eager tensors (int sizes), the common case: nothing else to ask
         if is_dtensor(new) != is_dtensor(old):
             raise ScanError(
                 f"scan: the carry leaf {inputs.init_paths[k]} is {_kind(old)} in init but fn returned "
