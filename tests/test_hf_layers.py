@@ -334,3 +334,14 @@ def test_layers_returning_different_forms_are_a_scan_error():
     layers = torch.nn.ModuleList([Returns(lambda h: (h, h.sum())), Returns(lambda h: h)])
     with pytest.raises(ScanError, match=r"layer 1 \(Returns\) returns the hidden state alone where layer 0 returns"):
         scan_layers(layers, torch.randn(2, 4))
+
+
+def test_data_dependent_routing_is_a_clear_error_when_traced():
+    """Qwen2-MoE routes tokens with nonzero() (data-dependent shapes): eager runs it (above); traced,
+    it is a ScanError that says why, not a failure deep inside torch."""
+    stack, inputs, _ = build("qwen2_moe")
+    with pytest.raises(ScanError, match="data-dependent|value of a tensor"):
+        torch.export.export(stack, pytree.tree_map(torch.Tensor.detach, inputs))
+    torch._dynamo.reset()
+    with pytest.raises(ScanError, match="nonzero"):
+        torch.compile(stack, backend="aot_eager")(*inputs)
