@@ -82,6 +82,14 @@ def stacked(layout, length):
     return (mesh, tuple(out), shape, contiguous_stride(shape))
 
 
+def stack_locals(ts, stack=None):
+    """DTensors of one layout stacked along a new dim 0 from their local tensors (no
+    communication): the result keeps their layout, a sharded dim shifted by the new one.
+    ``stack`` stacks the locals (``torch.stack`` unless given)."""
+    locals_ = [t.to_local() for t in ts]
+    return wrap((stack or torch.stack)(locals_), stacked(layout_of(ts[0]), len(ts)))
+
+
 def unsharded_along_scan(x):
     """``x`` with dim 0 (the scanned one) whole on every rank: each rank runs every step."""
     if not any(_shard_dim(p) == 0 for p in x.placements):

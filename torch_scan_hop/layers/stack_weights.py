@@ -23,7 +23,7 @@ def stack_weights(tensors):
     DTensors (FSDP2's sharded parameters) are stacked locally: the stack is laid out as
     they are, a sharded dim shifted by the new dim 0 (no communication)."""
     if dt.is_dtensor(tensors[0]):
-        return dt.wrap(stack_weights([t.to_local() for t in tensors]), dt.stacked(dt.layout_of(tensors[0]), len(tensors)))
+        return dt.stack_locals(tensors, stack_weights)
     compiling = _compat.is_dynamo_compiling() and not _compat.is_exporting()
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if compiling or (needs_grad and _compat.on_xla(tensors)):

@@ -62,7 +62,7 @@ def stack_column(column, k):
     try:
         if dt.is_dtensor(column[0]) and all(dt.is_dtensor(t) and dt.layout_of(t) == dt.layout_of(column[0])
                                             for t in column):
-            return dt.wrap(torch.stack([t.to_local() for t in column]), dt.stacked(dt.layout_of(column[0]), len(column)))
+            return dt.stack_locals(column)
         return torch.stack(column)
     except (RuntimeError, TypeError) as e:
         kinds = sorted({(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else type(t).__name__

@@ -11,6 +11,7 @@ for a whole model. The result has a documented, stable signature::
 ignored; pass None) and returns one per input (None where an input has no
 gradient: integer inputs, or x/lifted inputs that do not require grad).
 """
+import functools
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -96,6 +97,7 @@ def _is_view(node):
         target.is_view or target is torch.ops.aten._unsafe_view.default)
 
 
+@functools.lru_cache(maxsize=None)
 def _gather_ops():
     """All-gather and wait of functional collectives (what a DTensor's redistribute to
     Replicate traces to: FSDP2's unshard of a layer's slice), and the data movement
@@ -106,9 +108,9 @@ def _gather_ops():
         if c10d is not None and hasattr(c10d, name):
             ops.add(getattr(c10d, name).default)
     aten = torch.ops.aten
-    return ops, ops | {aten.cat.default, aten.constant_pad_nd.default, aten.clone.default, aten._to_copy.default,
-                       aten.split.Tensor, aten.split_with_sizes.default, aten.split_with_sizes_copy.default,
-                       operator.getitem}
+    return frozenset(ops), frozenset(ops) | {
+        aten.cat.default, aten.constant_pad_nd.default, aten.clone.default, aten._to_copy.default,
+        aten.split.Tensor, aten.split_with_sizes.default, aten.split_with_sizes_copy.default, operator.getitem}
 
 
 def _recompute_roots(node, invariant, per_step):
