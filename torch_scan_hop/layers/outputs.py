@@ -33,7 +33,7 @@ def split_output(out, hidden, n, where):
     head = out[0] if n == 1 and out else out[:n]
     if len(out) < n or not _matches(head, hidden, in_def):
         raise ScanError(
-            f"scan_layers: {where} returns {describe(out)}, which does not match its input {describe(hidden)}: "
+            f"scan_layers: {where} returns {_structure(out)}, which does not match its input {_structure(hidden)}: "
             f"a layer must return the hidden state, or a tuple whose first "
             f"{'element is' if n == 1 else f'{n} elements are'} the hidden state (then carried to the next "
             "layer) followed by tensors or None (returned stacked over the layers).")
@@ -41,7 +41,7 @@ def split_output(out, hidden, n, where):
     for k, extra in enumerate(extras):
         if not all(isinstance(leaf, torch.Tensor) for leaf in flatten(extra)[0]):
             raise ScanError(
-                f"scan_layers: {where} returns {describe(out)}; element {n + k} is {describe(extra)}, but what "
+                f"scan_layers: {where} returns {_structure(out)}; element {n + k} is {_structure(extra)}, but what "
                 "follows the hidden state must be tensors or None, to be stacked over the layers "
                 "(a cache object: pass use_cache=False).")
     return head, extras
@@ -81,15 +81,15 @@ def layer_name(layers, i):
     return f"layer {i} ({type(layers[i]).__name__})"
 
 
-def describe(tree):
+def _structure(tree):
     """A structure with its tensors as ``Tensor(2, 5, 16)``: ``(Tensor(2, 5, 16), None)``."""
     if isinstance(tree, torch.Tensor):
         return f"Tensor{tuple(tree.shape)}"
     if isinstance(tree, (tuple, list)):
-        inner = ", ".join(describe(t) for t in tree) + ("," if isinstance(tree, tuple) and len(tree) == 1 else "")
+        inner = ", ".join(_structure(t) for t in tree) + ("," if isinstance(tree, tuple) and len(tree) == 1 else "")
         return f"({inner})" if isinstance(tree, tuple) else f"[{inner}]"
     if isinstance(tree, dict):
-        return "{" + ", ".join(f"{k!r}: {describe(v)}" for k, v in tree.items()) + "}"
+        return "{" + ", ".join(f"{k!r}: {_structure(v)}" for k, v in tree.items()) + "}"
     return "None" if tree is None else type(tree).__name__
 
 
