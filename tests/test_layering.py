@@ -199,3 +199,13 @@ def test_no_two_public_things_share_a_name():
     assert {n: sorted(defs.get(n, ())) for n in torch_scan_hop.__all__ if len(defs.get(n, ())) != 1} == {}
     assert sorted(n for n in ops if defs.get(n, set()) - ops[n]) == []  # the op of a function beside it is fine
     assert ops, "the custom-op scan above found no operator: the test reads nothing"
+
+
+def test_modules_stay_small_and_the_readme_is_a_users_document():
+    """Depth goes to docs/ and big modules are split: a module over 450 lines or a README over
+    16,000 characters is where the house starts to sprawl."""
+    big = [f"{p.relative_to(PACKAGE)} ({n} lines)" for p in sorted(PACKAGE.rglob("*.py"))
+           if (n := len(p.read_text().splitlines())) > 450]
+    assert not big, f"split these modules: {big}"
+    readme = len((PACKAGE.parent / "README.md").read_text())
+    assert readme <= 16000, f"README.md has {readme} characters; move depth into docs/ (limit 16,000)"
