@@ -98,8 +98,9 @@ def is_functional(t):
 
 
 def _is_eager_tensor(t):
-    return not isinstance(t, (FakeTensor, FunctionalTensor)) and not torch._is_functional_tensor(t) \
-        and t.device.type not in ("xla", "lazy")
+    if isinstance(t, (FakeTensor, FunctionalTensor)) or torch._is_functional_tensor(t):
+        return False
+    return t.is_cpu or t.is_cuda or t.device.type not in ("xla", "lazy")  # cheap properties first
 
 
 def runs_eagerly(tensors):

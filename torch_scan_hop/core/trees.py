@@ -38,6 +38,8 @@ class TreeDef:
         return self.spec.is_leaf() and self.none_mask == (False,)
 
     def unflatten(self, leaves):
+        if self is _LEAF:  # a bare tensor, the common case: no pytree walk
+            return leaves[0]
         it = iter(leaves)
         return pytree.tree_unflatten([None if m else next(it) for m in self.none_mask], self.spec)
 
@@ -87,7 +89,10 @@ def _describe(v):
 def require_tensor_leaves(tree, root, what, leaves=None):
     """Paths are computed only on failure: they cost more than the check."""
     leaves = flatten(tree)[0] if leaves is None else leaves
-    if all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+    for leaf in leaves:  # a plain loop: cheaper than all() over a generator for the few leaves of a call
+        if not isinstance(leaf, torch.Tensor):
+            break
+    else:
         return
     for path, leaf in zip(_leaf_paths(tree, root), leaves):
         if not isinstance(leaf, torch.Tensor):
@@ -143,7 +148,7 @@ def _join_xla_device(leaves):
     operand of each op to the device; the scan is one op on XLA, so its
     inputs move once, up front (differentiably: CPU leaves still get grads).
     """
-    xla = next((t.device for t in leaves if t.device.type == "xla"), None)
+    xla = next((t.device for t in leaves if t.is_xla), None)
     if xla is None:
         return leaves
     return [t.to(xla) if t.device.type == "cpu" else t for t in leaves]
@@ -203,7 +208,7 @@ def check_pair(out):
 def check_carry(new_carry, inputs: ScanInputs):
     """The carry fn returns must match init in structure, shape and dtype."""
     leaves, spec = flatten(new_carry)
-    if spec != inputs.init_spec:
+    if spec is not inputs.init_spec and spec != inputs.init_spec:  # identical: a bare tensor carry
         got = _leaf_paths(new_carry, "carry")
         missing = [p for p in inputs.init_paths if p not in got]
         extra = [p for p in got if p not in inputs.init_paths]
