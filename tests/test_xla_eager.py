@@ -1,13 +1,15 @@
-"""Eager scan on XLA through Dynamo's guards: an unchanged body is not traced
-again, and whatever the body reads that changed is seen (values and gradients
-against the Python loop), as it was when every call traced the body."""
+"""Eager scan on XLA: the first call of a body on given shapes is traced with
+make_fx, the next is captured by Dynamo and later ones run on its guards. An
+unchanged body is not traced again, and whatever the body reads that changed
+is seen (values and gradients against the Python loop), as it was when every
+call traced the body."""
 import sys
 
 import pytest
 import torch
 from conftest import assert_trees_close
 
-from torch_scan_hop import ScanError, _compat, scan, scan_layers
+from torch_scan_hop import ScanError, _compat, clear_cache, scan, scan_layers
 from torch_scan_hop.xla import eager as xla_eager
 
 torch_xla = pytest.importorskip("torch_xla", reason="torch_xla is not installed: the XLA tests need the [xla] extra (torch 2.9)")
@@ -56,54 +58,80 @@ def _problem(seed):
     return (torch.randn(4, 4, generator=gen), torch.randn(2, 4, generator=gen), torch.randn(5, 2, 4, generator=gen))
 
 
-def test_a_second_call_is_not_traced_again_and_matches_the_loop(traces):
-    w, init, xs = _problem(0)
-    first = _run_and_grads(_cell, w, init, xs, DEV)
-    assert traces[0] > 0
-    traces[0] = 0
-    w2, init2, xs2 = _problem(1)  # new values, same shapes: the same graph
-    got = _run_and_grads(_cell, w2, init2, xs2, DEV)
-    assert traces[0] == 0
-    assert_trees_close(first, _run_and_grads(_cell, w, init, xs, "cpu"), atol=1e-4, rtol=1e-4)
-    assert_trees_close(got, _run_and_grads(_cell, w2, init2, xs2, "cpu"), atol=1e-4, rtol=1e-4)
+def test_the_first_call_is_traced_the_second_captured_and_later_ones_not_traced(traces):
+    clear_cache()
+    problems = [_problem(seed) for seed in range(3)]  # new values, same shapes: the same graph
+    got = []
+    for i, (w, init, xs) in enumerate(problems):
+        traces[0] = 0
+        got.append(_run_and_grads(_cell, w, init, xs, DEV))
+        assert len(xla_eager._entries) == (i > 0)  # the first call does not go through Dynamo
+        assert (traces[0] > 0) == (i < 2), (i, traces[0])  # make_fx, then Dynamo's capture, then guards
+    for (w, init, xs), g in zip(problems, got):
+        assert_trees_close(g, _run_and_grads(_cell, w, init, xs, "cpu"), atol=1e-4, rtol=1e-4)
 
 
 def test_a_changed_global_a_closure_and_an_in_place_write_are_seen(monkeypatch):
     w, init, xs = _problem(2)
-    _run_and_grads(_cell, w, init, xs, DEV)
+    for _ in range(3):  # the first call is traced, the second captured: the third runs on the guards
+        _run_and_grads(_cell, w, init, xs, DEV)
     monkeypatch.setattr(sys.modules[__name__], "SCALE", 2.0)
-    assert_trees_close(_run_and_grads(_cell, w, init, xs, DEV), _run_and_grads(_cell, w, init, xs, "cpu"),
-                       atol=1e-4, rtol=1e-4)
+    for _ in range(2):  # the changed global fails the guard (a new capture), then holds it
+        assert_trees_close(_run_and_grads(_cell, w, init, xs, DEV), _run_and_grads(_cell, w, init, xs, "cpu"),
+                           atol=1e-4, rtol=1e-4)
+
+    def add(b):
+        return lambda c, x: (c + x * b, None)
 
     bias = torch.ones(4, device=DEV)
-    cells = []
-    for b in (bias, torch.full((4,), 3.0, device=DEV)):  # a closure rebound to another tensor
-        cells.append(scan(lambda c, x, b=b: (c + x * b, None), torch.zeros(4, device=DEV), torch.ones(3, 4, device=DEV))[0])
+    cells = [scan(add(b), torch.zeros(4, device=DEV), torch.ones(3, 4, device=DEV))[0]
+             for b in (bias, bias, bias, torch.full((4,), 3.0, device=DEV))]  # a closure rebound to another tensor
     bias.mul_(5)  # an in-place write to a closed-over tensor
-    cells.append(scan(lambda c, x: (c + x * bias, None), torch.zeros(4, device=DEV), torch.ones(3, 4, device=DEV))[0])
-    assert [c.cpu().tolist() for c in cells] == [[3.0] * 4, [9.0] * 4, [15.0] * 4]
+    cells.append(scan(add(bias), torch.zeros(4, device=DEV), torch.ones(3, 4, device=DEV))[0])
+    assert [c.cpu().tolist() for c in cells] == [[3.0] * 4] * 3 + [[9.0] * 4, [15.0] * 4]
 
 
-def test_a_body_dynamo_cannot_capture_runs_traced_and_is_not_offered_again(traces, capsys):
-    def body(c, x):
-        print("tracing")  # a graph break: Dynamo cannot capture it whole
-        return c * 0.9 + x, c.sum()
+@pytest.mark.parametrize("change", ["closure value", "closure tensor", "global", "shape", "dtype", "grad mode"])
+def test_a_change_after_the_first_call_or_the_capture_is_seen(change, monkeypatch):
+    """Calls 0-4 of one body code, changed before calls 1 and 3: whichever path
+    meets the change (make_fx on a first sight, Dynamo's capture, a failed guard)
+    gives the loop's values and gradients."""
+    clear_cache()
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(4, 4, generator=gen, dtype=torch.float64)
+    state = {"scale": 0.5, "dtype": torch.float64, "rows": 2, "grad": True}
 
-    init, xs = torch.ones(3), torch.randn(4, 3)
-    for _ in range(2):
-        got = scan(body, init.to(DEV), xs.to(DEV))
-        assert_trees_close([t.cpu() for t in got], list(_loop(body, init, xs)), atol=1e-6, rtol=1e-6)
-    assert xla_eager._body_key(body) in xla_eager._refused
-    assert capsys.readouterr().out.count("tracing") == 2 * (1 + 4)  # per round: one trace on XLA, the loop's 4
+    def body(c, x, w_):
+        return _cell(c * state["scale"], x, w_)
 
+    def run(device, init, xs):
+        grad = state["grad"]
+        w_, init, xs = (t.detach().to(device).requires_grad_(grad) for t in (w.to(state["dtype"]), init, xs))
+        with torch.set_grad_enabled(grad):
+            c, ys = (scan if device == DEV else _loop)(lambda c, x: body(c, x, w_), init, xs)
+        assert c.requires_grad == grad
+        grads = torch.autograd.grad(c.pow(2).sum() + ys.sin().sum(), [w_, init, xs]) if grad else []
+        return [t.detach().cpu() for t in (c, ys, *grads)]
 
-def test_a_user_error_is_the_same_scan_error_and_does_not_refuse_the_body():
-    def body(c, x):
-        return c.sum(), None  # the carry changes shape
-
-    with pytest.raises(Exception, match=r"carry.*shape"):
-        scan(body, torch.ones(3, device=DEV), torch.ones(2, 3, device=DEV))
-    assert xla_eager._body_key(body) not in xla_eager._refused
+    for call in range(5):
+        if call in (1, 3):
+            if change == "closure value":
+                state["scale"] *= 3
+            elif change == "closure tensor":
+                w = w * 2
+            elif change == "global":
+                monkeypatch.setattr(sys.modules[__name__], "SCALE", SCALE * 2)
+            elif change == "shape":
+                state["rows"] += 1
+            elif change == "dtype":
+                state["dtype"] = torch.float32 if state["dtype"] == torch.float64 else torch.float64
+            else:
+                state["grad"] = not state["grad"]
+        init = torch.randn(state["rows"], 4, generator=gen, dtype=torch.float64).to(state["dtype"])
+        xs = torch.randn(5, state["rows"], 4, generator=gen, dtype=torch.float64).to(state["dtype"])
+        tol = 1e-4 if state["dtype"] == torch.float32 else 1e-9
+        assert_trees_close(run(DEV, init, xs), run("cpu", init, xs), atol=tol, rtol=tol)
+    assert len(xla_eager._entries) == 1  # the later calls ran through Dynamo
 
 
 class _Block(torch.nn.Module):
@@ -132,7 +160,8 @@ def test_scan_layers_sees_a_changed_attribute_and_parameter(traces):
         want = torch.autograd.grad(h.sum(), list(ref.parameters()))
         assert_trees_close([got.cpu(), *(g.cpu() for g in grads)], [h, *want], atol=1e-4, rtol=1e-4)
 
-    check()
+    check()  # traced
+    check()  # captured
     traces[0] = 0
     check()
     assert traces[0] == 0
@@ -166,8 +195,9 @@ def test_more_shapes_than_dynamos_default_recompile_limit_stay_cached(traces):
     w = torch.randn(4, 4)
     body = lambda c, x: _cell(c, x, w.to(DEV))  # noqa: E731
     problems = [(torch.randn(2, 4), torch.randn(n, 2, 4)) for n in range(1, 11)]
-    for init, xs in problems:
-        scan(body, init.to(DEV), xs.to(DEV))
+    for _ in range(2):  # each shape traced, then captured
+        for init, xs in problems:
+            scan(body, init.to(DEV), xs.to(DEV))
     traces[0] = 0
     for init, xs in problems:
         got = scan(body, init.to(DEV), xs.to(DEV))

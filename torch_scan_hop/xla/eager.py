@@ -13,7 +13,17 @@ finds its plan and While by graph. A call whose guards hold costs a guard check.
 A body Dynamo cannot capture whole (a print, an unsupported construct) takes
 the make_fx path, as before, and is not offered to Dynamo again; so do calls
 past the recompile limit of a body code (``_RECOMPILES``).
+
+The first call of a body code on given input shapes takes the make_fx path
+too (``first_sight``): it must trace the body and compile a While anyway, and
+Dynamo's capture (its trace of the call, its guards, a fake run of the op)
+costs more than the make_fx trace it would save, two to three times the call's
+own work. A scan run once per shape (an evaluation, a shape sweep) never pays
+it; a call that comes back with the same shapes is captured then, and every
+call after it costs a guard check. Which path runs never changes a result:
+make_fx traces the body afresh, Dynamo's guards check what it read.
 """
+import collections
 import threading
 import types
 
@@ -28,6 +38,8 @@ _RECOMPILES = 64
 _lock = threading.Lock()
 _entries = {}  # body code -> compiled entry (one per code: Dynamo's recompile limit counts per code)
 _refused = set()  # bodies Dynamo could not capture: (code, closure types)
+_MAX_SEEN = 4096
+_seen = collections.OrderedDict()  # (code, input signature) of calls made on the make_fx path
 _compat.xla.keep_mesh_texts()  # now if torch_xla's SPMD module is loaded, so that meshes made next keep theirs
 
 
@@ -55,6 +67,21 @@ def _cell_contents(cell):
         return cell.cell_contents
     except ValueError:  # an empty cell
         return None
+
+
+def first_sight(fn, leaves, options):
+    """Is this the first call of ``fn``'s code with these inputs' shapes, dtypes,
+    requires_grad, grad mode and options? Records it: the next such call is not."""
+    key = (fn.__code__, torch.is_grad_enabled(), tuple(sorted(options.items())),
+           tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in leaves))
+    with _lock:
+        if key in _seen:
+            _seen.move_to_end(key)
+            return False
+        _seen[key] = None
+        if len(_seen) > _MAX_SEEN:
+            _seen.popitem(last=False)
+    return True
 
 
 def _run(scan_impl, fn, init, xs, options):
@@ -106,3 +133,4 @@ def clear():
     with _lock:
         _entries.clear()
         _refused.clear()
+        _seen.clear()
