@@ -71,9 +71,13 @@ def _cell_contents(cell):
 
 def first_sight(fn, leaves, options):
     """Is this the first call of ``fn``'s code with these inputs' shapes, dtypes,
-    requires_grad, grad mode and options? Records it: the next such call is not."""
-    key = (fn.__code__, torch.is_grad_enabled(), tuple(sorted(options.items())),
-           tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in leaves))
+    requires_grad, grad mode, options and closed-over tensors' metadata? Records
+    it: the next such call is not. Only the route depends on it, never a result:
+    a key that misses a change (a tensor held deeper in the closure) merely
+    sends a call to Dynamo's capture, which sees the change itself."""
+    cells = tuple(_meta(_cell_contents(c)) for c in getattr(fn, "__closure__", None) or ())
+    key = (fn.__code__, torch.is_grad_enabled(), tuple(sorted(options.items())), cells,
+           tuple(_meta(t) for t in leaves))
     with _lock:
         if key in _seen:
             _seen.move_to_end(key)
@@ -82,6 +86,12 @@ def first_sight(fn, leaves, options):
         if len(_seen) > _MAX_SEEN:
             _seen.popitem(last=False)
     return True
+
+
+def _meta(v):
+    if isinstance(v, torch.Tensor):
+        return tuple(v.shape), v.dtype, v.device.type, v.requires_grad
+    return type(v)
 
 
 def _run(scan_impl, fn, init, xs, options):
