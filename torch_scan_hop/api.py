@@ -71,7 +71,7 @@ def scan(fn, init, xs=None, *, length=None, reverse=False, dim=0, remat="save_al
     if not callable(remat) and _compat.runs_eagerly(leaves):
         return run_tree(fn, init, inputs, reverse, remat)  # plain eager, the common case: the loop
     if xla_eager.applies(fn, leaves, remat):
-        options = dict(length=length, reverse=reverse, dim=dim, remat=remat, unroll=unroll)
+        options = {"length": length, "reverse": reverse, "dim": dim, "remat": remat, "unroll": unroll}
         if xla_eager.first_sight(fn, leaves, options):  # traced once with make_fx: cheaper than a capture
             return _scan(fn, init, inputs, reverse, remat, unroll or 1)
         return _scan_on_xla(fn, init, xs, options)
