@@ -276,3 +276,32 @@ def test_symbolic_trace_where_min_cut_saves_views_of_one_matmul():
     for b, n in ((3, 5), (2, 7)):
         args = example(b, n)
         assert_trees_close(gm(*args), want(*args))
+
+
+@pytest.mark.parametrize("where", ["compile", "xla"])
+@pytest.mark.parametrize("chain", [0, 1, 2])
+def test_a_carry_reached_by_the_weight_steps_later_gets_the_loops_gradients(where, chain):
+    """Carry i depends on the weight only through carry i-1: it requires grad from step i+1 on.
+    The joint is first traced at the flags one step gives (trace.joint.flags_and_joint); with
+    chain >= 1 that guess is short of the fixed point and the joint is traced again there."""
+    if where == "xla":
+        torch_xla = pytest.importorskip("torch_xla", reason="torch_xla is not installed: the XLA case needs the [xla] extra")
+        device = torch_xla.device()
+    gen = torch.Generator().manual_seed(chain)
+    w0 = torch.randn(3, generator=gen, dtype=torch.float64)
+    xs0 = torch.randn(4, 3, generator=gen, dtype=torch.float64)
+
+    def run(device, scan_fn):
+        w = w0.to(device).requires_grad_()
+
+        def body(c, x):
+            new = [c[0] * w + x] + [c[i] + c[i - 1] for i in range(1, chain + 1)]
+            return new, new[-1].sum()
+
+        init = [torch.zeros(3, dtype=torch.float64, device=device) for _ in range(chain + 1)]
+        c, ys = scan_fn(body, init, xs0.to(device))
+        loss = ys.pow(2).sum() + sum(t.sin().sum() for t in c)
+        return [t.detach().cpu() for t in (*c, ys, *torch.autograd.grad(loss, [w]))]
+
+    got = run("cpu", torch.compile(scan, backend="aot_eager")) if where == "compile" else run(device, scan)
+    assert_trees_close(got, run("cpu", reference_scan), atol=1e-9, rtol=1e-9)

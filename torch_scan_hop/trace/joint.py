@@ -102,7 +102,7 @@ class FlagOrbit:
         return [*self.steps[k][:nc], *ys]
 
 
-def requires_grad_flags(combine_fn, examples, flags, num_carry):
+def requires_grad_flags(combine_fn, examples, flags, num_carry, known=None):
     """(input flags with the carries' fixed point, output flags there, the loop's ``FlagOrbit`` or None).
 
     ``flags``: does each input (*init, *x, *lifted) require grad. A carry is
@@ -110,9 +110,10 @@ def requires_grad_flags(combine_fn, examples, flags, num_carry):
     mask or a counter carried along never asks for a gradient it cannot have.
     That fixed point decides what the backward computes; the orbit says which
     outputs require grad after a given number of steps, as in the loop.
+    ``known``: carry flags -> output flags already found (by another trace).
     """
     flags = [bool(f) and _differentiable(e) for f, e in zip(flags, examples)]
-    rest, seen_outputs = flags[num_carry:], {}
+    rest, seen_outputs = flags[num_carry:], dict(known or {})
 
     def outputs(carry_flags):  # one trace per distinct carry-flag state
         if carry_flags not in seen_outputs:
@@ -126,6 +127,37 @@ def requires_grad_flags(combine_fn, examples, flags, num_carry):
     while (grown := tuple(f or c for f, c in zip(fixed, carried(outputs(fixed))))) != fixed:
         fixed = grown  # flags only grow: this ends
     return [*fixed, *rest], outputs(fixed), _flag_orbit(tuple(flags[:num_carry]), outputs, carried, num_carry)
+
+
+def flags_and_joint(combine_fn, examples, flags, num_carry, tangents):
+    """``requires_grad_flags`` and the joint traced at their fixed point:
+    (input flags, output flags, orbit, primals, joint).
+
+    When one step makes a carry require grad (init does not, a weight does:
+    a training scan from a fresh carry), the fixed point is guessed from that
+    step and the joint is traced there first: its outputs' flags are what a
+    flags trace of that state would find, so the guess is checked without
+    one (one body trace fewer of the four a first call makes). A guess that
+    does not hold costs the joint's trace again, at the real fixed point.
+    """
+    flags = [bool(f) and _differentiable(e) for f, e in zip(flags, examples)]
+    start, rest = tuple(flags[:num_carry]), flags[num_carry:]
+    known = {start: _outputs_require_grad(combine_fn, examples, flags)}
+    guess = tuple(f or (bool(o) and _differentiable(e)) for f, o, e in zip(start, known[start], examples))
+    tried = None
+    if guess != start:
+        stash = {}
+        primals = with_flags(examples, [*guess, *rest])
+        try:
+            tried = primals, trace_joint(combine_fn, primals, tangents, [*guess, *rest], stash)
+            known[guess] = stash["out_flags"]
+        except Exception:  # noqa: BLE001  (a failure only the guess met: the exact path below decides)
+            tried = None
+    grad_mask, out_grad, orbit = requires_grad_flags(combine_fn, examples, flags, num_carry, known)
+    if tried is None or tuple(grad_mask[:num_carry]) != guess:
+        primals = with_flags(examples, grad_mask)
+        tried = primals, trace_joint(combine_fn, primals, tangents, grad_mask)
+    return (grad_mask, out_grad, orbit, *tried)
 
 
 def _flag_orbit(state, outputs, carried, num_carry):
@@ -149,6 +181,7 @@ def _joint_fn(combine_fn, grad_mask, stash):
         primals, tangents = args[:num_primals], args[num_primals:]
         with stepping(combine_fn, primals) as (outs, wrt, stash["outer"]):
             pass  # the backward below runs outside the stand-ins: its ops must not move devices
+        stash["out_flags"] = [isinstance(o, torch.Tensor) and o.requires_grad for o in outs]
         _compat.tag_forward_nodes(num_primals)
         pairs = [(o, t) for o, t in zip(outs, tangents) if isinstance(o, torch.Tensor) and o.requires_grad]
         wanted = [reach for reach, m in zip(wrt, grad_mask) if m]
@@ -175,10 +208,11 @@ def _sum(parts):
     return total
 
 
-def trace_joint(combine_fn, primals, tangents, grad_mask):
+def trace_joint(combine_fn, primals, tangents, grad_mask, stash=None):
     """The joint GraphModule over (*primals, *tangents); closures read by the
-    user's body are rebound to the lifted primals."""
-    stash = {}
+    user's body are rebound to the lifted primals. ``stash["out_flags"]``:
+    which of the step's outputs required grad in the trace."""
+    stash = {} if stash is None else stash
     with _compat.eager_autograd_engine(), functions_as_ops(), _missing_derivative_is_an_error():
         joint = trace_graph(_joint_fn(combine_fn, grad_mask, stash), [*primals, *tangents],
                                     force_enable_grad=True)

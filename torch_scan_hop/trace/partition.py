@@ -21,7 +21,7 @@ import torch
 from .. import _compat
 from ..core.trees import ScanError
 from .graph import trace_graph
-from .joint import requires_grad_flags, trace_joint, with_flags
+from .joint import flags_and_joint
 from .peephole import drop_aliases, save_dense_layouts, simplify
 
 REMAT = ("save_all", "min_cut", "recompute_all")
@@ -332,12 +332,11 @@ def trace_step(body: Callable, carry, x, lifted, requires_grad) -> JointStep:
     init's flags; the carries' fixed point is computed here).
     """
     examples = _compat.detached_examples([*carry, *x, *lifted])
-    grad_mask, out_grad, flag_orbit = requires_grad_flags(body, examples, requires_grad, len(carry))
     out_vals = _output_metas(body, examples) or _output_metas(trace_graph(body, examples), examples)
-    primals = with_flags(examples, grad_mask)
     with _compat.disable_proxy_modes_tracing():
         tangents = [torch.zeros(v.shape, dtype=v.dtype, device=v.device) for v in out_vals]
-    joint = trace_joint(body, primals, tangents, grad_mask)
+    grad_mask, out_grad, flag_orbit, primals, joint = flags_and_joint(body, examples, requires_grad, len(carry),
+                                                                      tangents)
     return JointStep(joint, primals, tangents, list(grad_mask), list(out_grad), out_vals,
                      len(carry), len(x), len(lifted), flag_orbit)
 
