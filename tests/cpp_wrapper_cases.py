@@ -14,8 +14,8 @@ import torch
 from conftest import assert_trees_close, reference_scan
 from decoder import make_stack, run_loop
 
-import torch_scan_hop.inductor.buffer_pool as buffer_pool
 from torch_scan_hop import scan, scan_layers, stack_layers
+from torch_scan_hop.inductor import buffer_pool
 
 
 @contextlib.contextmanager
@@ -101,7 +101,7 @@ def check_training(how, remat, reverse, shapes, lengths):
     with _cpp_wrapper(how) as compile_:
         compiled = compile_(lambda *a: scanned(scan, *a), fullgraph=True, **({"dynamic": True} if shapes == "dynamic" else {}))
         for n in lengths:
-            rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+            rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)
             c, xs, s, w = rand(3, 4), rand(n, 3, 4), rand(n, 3), rand(4, 4)
             if shapes == "mark_dynamic":
                 torch._dynamo.mark_dynamic(xs, 0)
@@ -173,7 +173,7 @@ def check_aot_inductor(tmp_dir):
         assert_trees_close(tuple(runner(c, xs)), tuple(model(c, xs)))
 
     model = Bptt()
-    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)
     length = torch.export.Dim("length", min=3, max=64)  # 2 would specialize: hs[:-1] of length 1
     ep = torch.export.export(model, (rand(3, 4), rand(5, 3, 4)), dynamic_shapes=({}, {0: length}))
     runner = torch._inductor.aoti_load_package(torch._inductor.aoti_compile_and_package(ep, package_path=f"{tmp_dir}/bptt.pt2"))

@@ -9,9 +9,8 @@ global ``torch._inductor.config.cpp_wrapper = True`` our pass put the pool's Pyt
 the C++ wrapper and torch 2.9 segfaulted (issue 40). Each case compiles once per graph; the
 parameters spread the remat policies, reverse, pytrees and both kinds of dynamic length over
 the two ways of asking for the C++ wrapper instead of crossing them (CI's time budget)."""
-import pytest
-
 import _isolated
+import pytest
 
 
 def _run(func, *args):
