@@ -12,6 +12,7 @@ Nothing else in torch_scan_hop imports a private torch name
 - ``autograd``: partitioners, joint tags, compiled autograd, SAC storage, custom-op formulas;
 - ``functorch``: vmap levels and batched tensors;
 - ``inductor``: post-grad scan pass, pattern matcher, subgraph lowering;
+- ``cpp_wrapper``: inductor's C++ wrapper (AOTInductor): whether a graph gets one, its while_loop defects;
 - ``defects``: the mechanics of the torch 2.9 workarounds (an inductor IR patch, a fake rule);
 - ``nn``: ``nn.Module`` internals (state dicts, hooks);
 - ``distributed``: FSDP2's hooks and policies (scan_layers over ``fully_shard`` layers);
@@ -25,6 +26,7 @@ here, so ``_compat.X`` keeps working; subsystem-only adapters are reached as
 """
 from . import (  # noqa: F401
     autograd,
+    cpp_wrapper,
     defects,
     dispatch,
     distributed,

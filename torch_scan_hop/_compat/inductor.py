@@ -5,9 +5,8 @@ Checked against torch 2.14's ``torch/_inductor``: ``post_grad`` still looks
 ``decompose_scan_to_while_loop`` up by name when its passes run, still has
 ``resolve_shape_to_proxy(shape, bound_symbols)``; ``PatternMatcherPass`` adds
 an optional ``subsystem``; ``SubgraphLowering.__init__`` still inherits the
-parent's ``bw_donated_idxs`` (the fix in ``inductor.workarounds`` is still needed);
-its C++ wrapper pairs mutated while_loop carries itself
-(``_get_while_loop_carried_output_names``), so that fix is skipped there.
+parent's ``bw_donated_idxs`` (the fix in ``inductor.workarounds`` is still needed).
+The C++ wrapper's adapters are in ``cpp_wrapper``.
 """
 import functools
 
@@ -125,71 +124,6 @@ def reuse_no_aliasing_buffers():
 
     reuse_unless_view._scan_skips_views = True
     PythonWrapperCodegen.can_reuse = reuse_unless_view
-
-
-def cpp_wrapper_active():
-    """Whether the graph being compiled gets a C++ wrapper (``cpp_wrapper=True``,
-    AOTInductor): code that must not call back into Python. torch 2.9-2.14:
-    ``torch._inductor.config.cpp_wrapper`` (AOTInductor patches it on)."""
-    from torch._inductor import config
-
-    return bool(config.cpp_wrapper)
-
-
-def name_mutated_carries_in_cpp_while_loops():
-    """torch 2.9's C++ wrapper pairs a while_loop's carried inputs with its
-    ``outputs``, which leave out the carries the body mutates in place (a
-    scan's ys buffers): the loop's subgraphs got one input too few and codegen
-    asserted (``torch.compile(cpp_wrapper=True)``, AOTInductor). Pair them
-    with their ``MutationOutput`` instead, as torch 2.14's
-    ``CppWrapperCpu._get_while_loop_carried_output_names`` does. A no-op where
-    that method exists. Idempotent."""
-    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
-
-    codegen = CppWrapperCpu.codegen_while_loop
-    if hasattr(CppWrapperCpu, "_get_while_loop_carried_output_names") or getattr(codegen, "_scan_fixed", False):
-        return
-
-    def codegen_while_loop(self, while_loop, stack_output=False):
-        outputs = while_loop.outputs
-        if outputs is None or len(outputs) == len(while_loop.carried_inputs):
-            return codegen(self, while_loop, stack_output)
-        mutated = {name: m for m in while_loop.mutation_outputs for name in m.get_mutation_names()}
-        rest = iter(outputs)
-        while_loop.outputs = [mutated[c.get_name()] if c.get_name() in mutated else next(rest)
-                              for c in while_loop.carried_inputs]
-        try:
-            return codegen(self, while_loop, stack_output)
-        finally:
-            while_loop.outputs = outputs
-
-    codegen_while_loop._scan_fixed = True
-    CppWrapperCpu.codegen_while_loop = codegen_while_loop
-
-
-def plan_cpp_subgraph_reuse_without_peak_estimate():
-    """torch 2.9's C++ wrapper inlines a while_loop's subgraphs into the outer
-    graph's lines, and its memory planner then looks a subgraph line's
-    scheduler-node index up in the OUTER graph's peak-memory tree: out of range
-    (``ValueError: Start index 22 out of bounds``) for a scan_layers training
-    step. The estimate only decides whether a freed buffer's storage is worth
-    reusing; where it cannot be made, do not reuse (costs memory, never
-    correctness). torch 2.9-2.14: ``codegen.wrapper.AllocateLine.should_reuse_buffer``.
-    Idempotent."""
-    from torch._inductor.codegen.wrapper import AllocateLine
-
-    should_reuse = getattr(AllocateLine, "should_reuse_buffer", None)
-    if should_reuse is None or getattr(should_reuse, "_scan_fixed", False):
-        return
-
-    def should_reuse_buffer(self, free_line, size):
-        try:
-            return should_reuse(self, free_line, size)
-        except ValueError:  # a line of another graph than the estimate's
-            return False
-
-    should_reuse_buffer._scan_fixed = True
-    AllocateLine.should_reuse_buffer = should_reuse_buffer
 
 
 def write_extern_outputs_into_rows(in_scan_body):

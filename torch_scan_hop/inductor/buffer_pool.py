@@ -246,7 +246,7 @@ def stacked_buffers(shapes, dtype, device):
     without it: plain ``empty_strided`` there."""
     if not shapes:
         return []
-    if _compat.inductor.cpp_wrapper_active():
+    if _compat.cpp_wrapper.cpp_wrapper_active():
         return [torch.empty_strided(size, stride, dtype=dtype, device=device) for size, stride in shapes]
     symbols = []
 

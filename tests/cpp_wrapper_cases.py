@@ -1,0 +1,187 @@
+"""Checks that tests/test_cpp_wrapper.py runs in a child interpreter (tests/_isolated.py): a
+C++ wrapper that crashes (torch 2.9 segfaulted on a compiled scan with the global
+``torch._inductor.config.cpp_wrapper = True``) then fails one test instead of killing pytest.
+
+``how`` is ``"global"`` (the config set as a user sets it, restored afterwards) or ``"option"``
+(``torch.compile(options={"cpp_wrapper": True})``): inductor routes the two differently, and only
+the option used to reach our pass with ``config.cpp_wrapper`` on. Every check also asserts that
+a C++ wrapper was built and that it never called the buffer pool's Python operator.
+"""
+import contextlib
+import copy
+
+import torch
+from conftest import assert_trees_close, reference_scan
+from decoder import make_stack, run_loop
+
+from torch_scan_hop import scan, scan_layers, stack_layers
+from torch_scan_hop.inductor import buffer_pool
+
+
+@contextlib.contextmanager
+def _cpp_wrapper(how):
+    """Compiles in the block get a C++ wrapper, set ``how``; yields ``compile(fn, **kw)``.
+    Afterwards: at least one C++ wrapper was loaded, and no pooled buffer was asked for."""
+    from torch._inductor import codecache, config
+
+    loads, pool_calls = [], []
+    load, take = codecache.CppWrapperCodeCache.load_pybinding.__func__, buffer_pool._buffers
+
+    def counted_load(cls, *args, **kwargs):
+        loads.append(1)
+        return load(cls, *args, **kwargs)
+
+    def counted_take(*args, **kwargs):
+        pool_calls.append(1)
+        return take(*args, **kwargs)
+
+    def compile_(fn, **kw):
+        return torch.compile(fn, options={"cpp_wrapper": True}, **kw) if how == "option" else torch.compile(fn, **kw)
+
+    torch._dynamo.reset()
+    saved = config.cpp_wrapper
+    codecache.CppWrapperCodeCache.load_pybinding = classmethod(counted_load)
+    buffer_pool._buffers = counted_take
+    config.cpp_wrapper = how == "global"
+    try:
+        yield compile_
+    finally:
+        config.cpp_wrapper = saved
+        codecache.CppWrapperCodeCache.load_pybinding = classmethod(load)
+        buffer_pool._buffers = take
+        torch._dynamo.reset()
+    assert loads, "no C++ wrapper was compiled"
+    assert not pool_calls, "a C++ wrapper called the buffer pool's Python operator"
+
+
+def _grads(loss, inputs):
+    return [loss.detach(), *torch.autograd.grad(loss, inputs)]
+
+
+def check_issue_rnn(how):
+    """Issue 40's tanh RNN (H=64, B=8, float32) at T=16 and 256: forward, then a training step."""
+    def run(scan_fn, c0, xs, w):
+        return scan_fn(lambda c, x: (torch.tanh(c @ w + x), c.sum(-1)), c0, xs)
+
+    gen = torch.Generator().manual_seed(0)
+    with _cpp_wrapper(how) as compile_:
+        compiled = compile_(lambda c0, xs, w: run(scan, c0, xs, w))
+        for t in (16, 256):
+            w = torch.randn(64, 64, generator=gen) * 0.1
+            c0, xs = torch.randn(8, 64, generator=gen), torch.randn(t, 8, 64, generator=gen)
+            assert_trees_close(compiled(c0, xs, w), run(reference_scan, c0, xs, w))
+            inputs = [a.requires_grad_() for a in (c0, xs, w)]
+            got = _grads(sum(v.sum() for v in compiled(*inputs)), inputs)
+            want = _grads(sum(v.sum() for v in run(reference_scan, *inputs)), inputs)
+            assert_trees_close(got, want, atol=2e-4, rtol=1e-4)  # float32 sums of 256 steps
+
+
+def _body(w):
+    """Pytree carry {"h", "a"}, xs (x, s), ys (y, {"s"}): dict, tuple and a 1-D leaf."""
+    def body(carry, x):
+        h = torch.tanh(carry["h"] @ w + x[0])
+        return {"h": h, "a": carry["a"] + h.sum(-1) * x[1]}, (h * w.sum(), {"s": carry["a"]})
+    return body
+
+
+def _loss(out):
+    carry, (y, rest) = out
+    return carry["h"].sum() + carry["a"].pow(2).sum() + y.pow(2).sum() + (rest["s"] * rest["s"].detach()).sum()
+
+
+def check_training(how, remat, reverse, shapes, lengths):
+    """Values and gradients of a compiled pytree scan against the loop. ``shapes``: "static",
+    "dynamic" (``dynamic=True``) or "mark_dynamic" (the length marked dynamic)."""
+    gen = torch.Generator().manual_seed(len(lengths))
+
+    def scanned(scan_fn, c, xs, s, w):
+        kw = {"remat": remat} if scan_fn is scan else {}
+        return scan_fn(_body(w), {"h": c, "a": c.sum(-1)}, (xs, s), reverse=reverse, **kw)
+
+    with _cpp_wrapper(how) as compile_:
+        compiled = compile_(lambda *a: scanned(scan, *a), fullgraph=True, **({"dynamic": True} if shapes == "dynamic" else {}))
+        for n in lengths:
+            rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)
+            c, xs, s, w = rand(3, 4), rand(n, 3, 4), rand(n, 3), rand(4, 4)
+            if shapes == "mark_dynamic":
+                torch._dynamo.mark_dynamic(xs, 0)
+                torch._dynamo.mark_dynamic(s, 0)
+            inputs = [a.requires_grad_() for a in (c, xs, s, w)]
+            got, want = compiled(*inputs), scanned(reference_scan, *inputs)
+            assert_trees_close(got, want)
+            assert_trees_close(_grads(_loss(got), inputs), _grads(_loss(want), inputs))
+
+
+def check_scan_layers(how, stacked):
+    """A scan_layers training step (decoder blocks) against the loop of layers."""
+    base = make_stack(3, 32, 4)
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
+    layers = stack_layers(copy.deepcopy(base)) if stacked else copy.deepcopy(base)
+    with _cpp_wrapper(how) as compile_:
+        out = compile_(lambda l, x: scan_layers(l, x))(layers, x)
+        out.pow(2).mean().backward()
+    ref = run_loop(base, x)
+    ref.pow(2).mean().backward()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for (name, p), q in zip(layers.named_parameters(), base.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+class Rnn(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, c, xs):
+        return scan(lambda c, x: (torch.tanh(c @ self.w + x), c.sum(-1)), c, xs, reverse=True)
+
+
+class Bptt(torch.nn.Module):
+    """A training step written out with two scans, for an exported program (which cannot
+    hold autograd): the tanh RNN forward, then its backward as a reverse scan carrying
+    ``{"dh", "dw"}`` over the pytree ``(hs, previous hs)``. Returns the loss
+    ``hT.sum() + hs.pow(2).sum()`` and its gradients for (w, c, xs)."""
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float64) * 0.5)
+
+    def forward(self, c, xs):
+        w = self.w
+        h_last, hs = scan(lambda h, x: (torch.tanh(h @ w + x),) * 2, c, xs)
+        before = torch.cat([c[None], hs[:-1]])
+
+        def backward_step(grads, step):
+            h, h_before = step
+            da = (grads["dh"] + 2 * h) * (1 - h * h)
+            return {"dh": da @ w.T, "dw": grads["dw"] + h_before.T @ da}, da
+
+        init = {"dh": torch.ones_like(h_last), "dw": torch.zeros_like(w)}
+        grads, dxs = scan(backward_step, init, (hs, before), reverse=True)
+        return h_last.sum() + hs.pow(2).sum(), grads["dw"], grads["dh"], dxs
+
+
+def check_aot_inductor(tmp_dir):
+    """``aoti_compile_and_package`` of exported scans, loaded and run twice (the second call
+    reuses the runner's buffers) against eager: a reverse scan, and a training step written
+    as two scans with pytrees, its length a ``Dim``, checked against autograd of the loop."""
+    gen = torch.Generator().manual_seed(2)
+    model = Rnn()
+    ep = torch.export.export(model, (torch.randn(3, 4), torch.randn(5, 3, 4)))
+    runner = torch._inductor.aoti_load_package(torch._inductor.aoti_compile_and_package(ep, package_path=f"{tmp_dir}/rnn.pt2"))
+    for _ in range(2):
+        c, xs = torch.randn(3, 4, generator=gen), torch.randn(5, 3, 4, generator=gen)
+        assert_trees_close(tuple(runner(c, xs)), tuple(model(c, xs)))
+
+    model = Bptt()
+    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)
+    length = torch.export.Dim("length", min=3, max=64)  # 2 would specialize: hs[:-1] of length 1
+    ep = torch.export.export(model, (rand(3, 4), rand(5, 3, 4)), dynamic_shapes=({}, {0: length}))
+    runner = torch._inductor.aoti_load_package(torch._inductor.aoti_compile_and_package(ep, package_path=f"{tmp_dir}/bptt.pt2"))
+    for n in (5, 9):
+        c, xs = rand(3, 4).requires_grad_(), rand(n, 3, 4).requires_grad_()
+        h, hs = reference_scan(lambda h, x: (torch.tanh(h @ model.w + x),) * 2, c, xs)
+        want = _grads(h.sum() + hs.pow(2).sum(), (model.w, c, xs))
+        with torch.no_grad():
+            got = list(runner(c, xs))
+            assert_trees_close(got, [t.detach() for t in model(c, xs)])
+        assert_trees_close(got, want)
