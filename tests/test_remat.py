@@ -170,7 +170,7 @@ def test_sqrt_keeps_about_sqrt_length_carries(engines):
     got = loss_and_grads(lambda: scan(body, init, xs, remat="sqrt"), [init, w])
     (engine,) = engines
     assert engine.block == 10 and sorted(engine.carries) == list(range(0, 100, 10))
-    assert len(engine.block_carries) <= 10
+    assert engine.cached == {}  # every re-run value was handed out to the backward
     assert_trees_close(got, loss_and_grads(lambda: reference_scan(body, init, xs), [init, w]))
 
 

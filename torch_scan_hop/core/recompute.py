@@ -19,8 +19,9 @@ selective checkpointing runs torch's Python caching modes on top. Here ONE
   the ops the policy saves (on ``policy.offload``'s device if set), in the
   re-run it hands those back instead of computing them again;
 - ``sqrt``: only every k-th carry (k = ceil(sqrt(T))) is kept; the first
-  step of a block needed in the backward re-runs the block without grad to
-  get its carries back, so memory is ~2 sqrt(T) carries for ~one extra forward.
+  step of a block the backward needs re-runs the whole block on the tape from
+  its kept carry, each step's saved values handed out as the backward reaches
+  them: T/k carries plus one block's activations, for one extra forward.
 
 With ``create_graph=True`` (double backward) a step is re-run on its original
 inputs, so the second-order graph reaches the forward's graph.
@@ -91,12 +92,12 @@ class StepReplay:
     def __init__(self, step, policy, length, sqrt=False):
         self.step, self.policy = step, policy
         self.selective = policy.save is not policies.nothing_saveable.save
+        self.by_ops = self.selective and policy.reads_ops  # else names only: no dispatch mode
         self.offload = policy.offload
         self.block = max(1, math.ceil(math.sqrt(length))) if sqrt else 1
         self.rest, self.carries, self.counts, self.kept, self.flags = [], {}, [], [], []
         self.rng = []  # (position, cpu state, (devices, device states)) at step 0 and where it changed
-        self.cached = None  # (position, values, still to hand out)
-        self.block_carries = {}
+        self.cached = {}  # position -> [values of the re-run, how many still to hand out]
         self.decisions = {}
         self.replaying, self.rpos, self.pos, self.n = None, 0, 0, 0
         self.device_of = None
@@ -125,7 +126,7 @@ class StepReplay:
             if not self.selective:
                 yield
                 return
-            with _Replay(self), policies.naming(self):
+            with (_Replay(self) if self.by_ops else contextlib.nullcontext()), policies.naming(self):
                 yield
 
     def _pack(self, t):
@@ -191,31 +192,31 @@ class StepReplay:
 
     def _unpack(self, handle):
         pos, k = handle
-        if self.cached is None or self.cached[0] != pos:
-            self.cached = [pos, self._rerun(pos), self.counts[pos]]
-        cached = self.cached
-        value = cached[1][k]
-        cached[2] -= 1
-        if cached[2] == 0:
-            self.cached = None
+        cached = self.cached.get(pos)
+        if cached is None:
+            self._rerun_for(pos)
+            cached = self.cached[pos]
+        value = cached[0][k]
+        cached[1] -= 1
+        if cached[1] == 0:
+            del self.cached[pos]
         return value
 
-    def _carry_at(self, pos):
-        if pos in self.carries:
-            return self.carries[pos]
-        if pos not in self.block_carries:  # sqrt: re-run the block's forward for its carries, in the
-            start = pos - pos % self.block  # backward's grad mode (no grad unless create_graph=True)
-            carry, self.block_carries = self.carries[start], {}
-            for p in range(start, min(start + self.block, len(self.rest))):
-                self.block_carries[p] = carry
-                with self._rng_at(p):
-                    carry = self._run(p, carry)[0]
-        return self.block_carries[pos]
+    def _rerun_for(self, pos):
+        """Re-run what the backward needs for step ``pos``: that step (``sqrt``: its whole
+        block, from the block's kept carry, each step's saved values kept until handed out)."""
+        start = pos - pos % self.block
+        carry, self.cached = self.carries[start], {}
+        for p in range(start, min(start + self.block, len(self.rest))):
+            values, carry = self._rerun(p, carry)
+            self.cached[p] = [values, self.counts[p]]
+            if p == pos and self.block == 1:
+                break
 
     def _run(self, pos, carry):
         self.replaying, self.rpos = (self.kept[pos] if self.selective else None), 0
         try:
-            with (_Replay(self) if self.selective else contextlib.nullcontext()), \
+            with (_Replay(self) if self.by_ops else contextlib.nullcontext()), \
                     (policies.naming(self) if self.selective else contextlib.nullcontext()):
                 return self.step(carry, *self.rest[pos])
         finally:
@@ -238,27 +239,29 @@ class StepReplay:
                 torch.utils.checkpoint.set_device_states(devices, device_states)
             yield
 
-    def _rerun(self, pos):
-        carry, rest = self._carry_at(pos), self.rest[pos]
-        if not torch.is_grad_enabled():  # a plain backward: the re-run builds a graph of its own
+    def _rerun(self, pos, carry):
+        """Step ``pos`` again on the tape: (what it saves, in order; its new carry)."""
+        rest = self.rest[pos]
+        detach = not torch.is_grad_enabled()  # a plain backward: the re-run builds a graph of its own
+        if detach:
             carry, self.rest[pos] = _detached((carry, rest), iter(self.flags[pos]))
         values = []
 
-        def pack(t):
-            values.append(t)
+        def pack(t):  # detached: the re-run's graph must not live on through what it saved
+            values.append(t.detach() if detach else t)
             return len(values) - 1
 
         try:
             with torch.enable_grad(), self._rng_at(pos), \
                     torch.autograd.graph.saved_tensors_hooks(pack, values.__getitem__):
-                self._run(pos, carry)
+                new_carry = self._run(pos, carry)[0]
         finally:
             self.rest[pos] = rest
         if len(values) != self.counts[pos]:
             raise ScanError(f"scan: remat: step {pos} saved {len(values)} tensors for the backward when re-run, "
                             f"{self.counts[pos]} in the forward; the body must run the same ops when it is "
                             "re-run (use remat='save_all' for a body that does not).")
-        return values
+        return values, new_carry
 
 
 def _first_device(args):

@@ -113,6 +113,11 @@ class RematPolicy:
     def saves(self, op, name=None):
         return bool(self.save(op, name))
 
+    @property
+    def reads_ops(self):
+        """False for a policy that only looks at names: eager then needs no dispatch mode."""
+        return not isinstance(self.save, _Names)
+
 
 @functools.lru_cache(maxsize=None)
 def dot_ops():
