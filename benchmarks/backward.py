@@ -125,7 +125,7 @@ def rnn_sweep(lengths, hidden=32, batch=8):
     for length in lengths:
         c0, xs = torch.zeros(batch, hidden), torch.randn(length, batch, hidden)
 
-        def step(remat):
+        def step(remat, c0=c0, xs=xs):
             c, ys = scan(body, c0, xs, remat=remat)
             (c.sum() + ys.sum()).backward()
 

@@ -14,7 +14,12 @@ The folders are the architecture, each importing only the ones below it:
 """
 from . import _compat
 from .api import clear_cache, scan
-from .core.remat import RematPolicy, checkpoint_name, dots_saveable, save_only_these_names
+from .core.remat import (
+    RematPolicy,
+    checkpoint_name,
+    dots_saveable,
+    save_only_these_names,
+)
 from .core.trees import ScanError
 from .fwd_bwd import fwd_bwd
 from .inductor import workarounds

@@ -35,6 +35,7 @@ from .. import _compat
 from . import remat as policies
 from .trees import ScanError
 
+
 def _map_tensors(fn, value):
     if isinstance(value, torch.Tensor):
         return fn(value)

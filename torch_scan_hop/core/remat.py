@@ -21,8 +21,8 @@ k-th carry, k ~ sqrt(T), each block recomputed once in the backward; traced as
 import contextlib
 import functools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
@@ -97,7 +97,7 @@ class RematPolicy:
     where they are."""
 
     save: Callable
-    offload: Optional[str] = None
+    offload: str | None = None
     label: str = "custom"
 
     def __post_init__(self):

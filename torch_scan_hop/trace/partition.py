@@ -26,7 +26,6 @@ from .joint import requires_grad_flags, trace_joint, with_flags
 from .peephole import drop_aliases, save_dense_layouts, simplify
 
 
-
 def _differentiable(t):
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
 
