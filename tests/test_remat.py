@@ -354,3 +354,21 @@ def test_xla_grads_match_the_loop():
     for policy in (save_only_these_names("a", "b"), dots_saveable, "sqrt"):
         got = loss_and_grads(lambda policy=policy: scan(body_x, ix, xx, remat=policy), [ix, xx, wx, vx])
         assert_trees_close([t.cpu() for t in got], want)
+
+
+def test_scan_layers_takes_policies_and_refuses_unknown_ones():
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+    h = torch.randn(2, 4, requires_grad=True)
+
+    def grads(out):
+        return torch.autograd.grad(out.sum(), [h, *layers.parameters()])
+
+    want_h = h
+    for layer in layers:
+        want_h = layer(want_h)
+    want = grads(want_h)
+    for remat in ("recompute_all", "sqrt", dots_saveable, save_only_these_names("a")):
+        assert_trees_close(grads(torch_scan_hop.scan_layers(layers, h, remat=remat)), want)
+    with pytest.raises(ScanError, match="is not a policy"):
+        torch_scan_hop.scan_layers(layers, h, remat="everything")

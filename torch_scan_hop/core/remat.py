@@ -199,10 +199,11 @@ def resolve(remat):
 def as_policy(remat):
     """The policy object a string stands for in eager ("save_all" -> None: the plain tape)."""
     remat = resolve(remat)
-    if isinstance(remat, RematPolicy):
+    if isinstance(remat, RematPolicy) or remat is None:
         return remat
+    check_remat(remat)
     return {"save_all": None, "recompute_all": nothing_saveable, "min_cut": dots_saveable,
-            "sqrt": nothing_saveable, None: None}[remat]
+            "sqrt": nothing_saveable}[remat]
 
 
 def is_policy(remat):
