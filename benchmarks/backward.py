@@ -122,6 +122,7 @@ def rnn_sweep(lengths, hidden=32, batch=8):
         return c, c.sum(-1)
 
     rows = []
+    print(f"\nlength sweep, RNN c = tanh(c @ W + x), H={hidden} batch {batch}, 1 thread", flush=True)
     for length in lengths:
         c0, xs = torch.zeros(batch, hidden), torch.randn(length, batch, hidden)
 
@@ -138,7 +139,7 @@ def rnn_sweep(lengths, hidden=32, batch=8):
             rows.append([length, k, f"{times[k] * 1e3:.0f}", f"{times[k] / times['save_all']:.2f}x",
                          f"{peaks[k] / 2**20:.2f}", f"{peaks[k] / peaks['save_all']:.3f}",
                          f"{peaks[k] / peaks['recompute_all']:.3f}"])
-    print(f"\nlength sweep, RNN c = tanh(c @ W + x), H={hidden} batch {batch}, 1 thread")
+            print(*rows[-1], flush=True)  # long runs: each row as it comes
     print_table(["T", "policy", "ms", "vs save_all", "peak MiB", "peak/save_all", "peak/recompute_all"], rows)
 
 
@@ -147,9 +148,11 @@ def main():
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--lengths", default="256,1024,4096,16384")
     parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--skip-mlp", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    mlp_table(args.repeat)
+    if not args.skip_mlp:
+        mlp_table(args.repeat)
     if args.sweep:
         rnn_sweep([int(n) for n in args.lengths.split(",")])
 

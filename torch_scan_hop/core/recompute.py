@@ -56,23 +56,17 @@ def _leaves(value, out):
     return out
 
 
-def _grad_flags(value):
-    return [t.requires_grad for t in _leaves(value, [])]
-
-
-def _detached(value, flags):
-    """The step inputs as fresh leaves with the forward's requires_grad flags
-    (``flags``, an iterator), so a re-run builds a graph of its own and saves
-    what the forward saved (a carry re-made without grad by ``sqrt`` included)."""
+def _detached(value):
+    """The step inputs as fresh leaves with their requires_grad flags, so a re-run
+    builds a graph of its own and saves what the forward saved."""
     if isinstance(value, torch.Tensor):
-        flag = next(flags)
-        return value.detach().requires_grad_(flag) if flag else value.detach()
+        return value.detach().requires_grad_(value.requires_grad) if value.requires_grad else value.detach()
     if isinstance(value, dict):
-        return type(value)((k, _detached(v, flags)) for k, v in value.items())
+        return type(value)((k, _detached(v)) for k, v in value.items())
     if hasattr(value, "_fields"):
-        return type(value)(*(_detached(v, flags) for v in value))
+        return type(value)(*(_detached(v) for v in value))
     if isinstance(value, (tuple, list)):
-        return type(value)(_detached(v, flags) for v in value)
+        return type(value)(_detached(v) for v in value)
     return value
 
 
@@ -96,7 +90,8 @@ class StepReplay:
         self.by_ops = self.selective and policy.reads_ops  # else names only: no dispatch mode
         self.offload = policy.offload
         self.block = max(1, math.ceil(math.sqrt(length))) if sqrt else 1
-        self.rest, self.carries, self.counts, self.kept, self.flags = [], {}, [], [], []
+        self.rest, self.carries, self.counts, self.kept = [], {}, [], []
+        self.devices = None  # the carry's CUDA tensors (RNG states to keep), found at step 0
         self.rng = []  # (position, cpu state, (devices, device states)) at step 0 and where it changed
         self.cached = {}  # position -> [values of the re-run, how many still to hand out]
         self.decisions = {}
@@ -108,7 +103,6 @@ class StepReplay:
     def __call__(self, carry, *rest):
         pos = len(self.rest)
         self.rest.append(rest)
-        self.flags.append(_grad_flags((carry, rest)))
         if pos % self.block == 0:
             self.carries[pos] = carry
         if pos == 0:
@@ -137,7 +131,9 @@ class StepReplay:
 
     def _note_rng(self, pos, carry):
         state = torch.get_rng_state()
-        devices = [t for t in _leaves(carry, []) if t.device.type == "cuda"]
+        if self.devices is None:
+            self.devices = [t for t in _leaves(carry, []) if t.device.type == "cuda"]
+        devices = self.devices
         device_states = torch.utils.checkpoint.get_device_states(*devices) if devices else ([], [])
         if self.rng:
             _, last, (_, last_dev) = self.rng[-1]
@@ -215,6 +211,8 @@ class StepReplay:
                 break
 
     def _run(self, pos, carry):
+        if not self.selective:
+            return self.step(carry, *self.rest[pos])
         self.replaying, self.rpos = (self.kept[pos] if self.selective else None), 0
         try:
             with (_Replay(self) if self.by_ops else contextlib.nullcontext()), \
@@ -224,10 +222,7 @@ class StepReplay:
             self.replaying = None
 
     @contextlib.contextmanager
-    def _rng_at(self, pos):
-        if len(self.rng) == 1:  # no step drew a random number: nothing to restore
-            yield
-            return
+    def _rng_at(self, pos):  # (with one state kept no step drew a random number: nothing to restore)
         entry = None
         for e in self.rng:
             if e[0] > pos:
@@ -245,7 +240,7 @@ class StepReplay:
         rest = self.rest[pos]
         detach = not torch.is_grad_enabled()  # a plain backward: the re-run builds a graph of its own
         if detach:
-            carry, self.rest[pos] = _detached((carry, rest), iter(self.flags[pos]))
+            carry, self.rest[pos] = _detached((carry, rest))
         values = []
 
         def pack(t):  # detached: the re-run's graph must not live on through what it saved
@@ -253,7 +248,7 @@ class StepReplay:
             return len(values) - 1
 
         try:
-            with torch.enable_grad(), self._rng_at(pos), \
+            with torch.enable_grad(), (self._rng_at(pos) if len(self.rng) > 1 else contextlib.nullcontext()), \
                     torch.autograd.graph.saved_tensors_hooks(pack, values.__getitem__):
                 new_carry = self._run(pos, carry)[0]
         finally:
