@@ -7,8 +7,8 @@ of the process (best of interleaved rounds): on a shared box wall time mostly me
 Targets: recompute_all <= 1.4x the loop, peak <= 1/3 of save_all.
 
 ``--sweep`` adds the length sweep: a small RNN (H=32, batch 8), T = 256 .. 16384, peak memory and time
-per policy (``--lengths`` to choose).
-Run: python benchmarks/backward.py [--sweep] [--lengths 256,1024,4096,16384]
+per policy (``--lengths`` to choose; 16384 works but its memory profile is slow).
+Run: python benchmarks/backward.py [--sweep] [--lengths 256,1024,4096]
 """
 import argparse
 import os
@@ -66,9 +66,13 @@ def peak_bytes(fn):
     Replays the profiler's allocation record in time order, counting each op's
     SELF allocations only (an op's total includes its children's, which would
     count nested allocations twice) plus the frees reported outside any op.
+    Collected first: garbage of an earlier run freed in the window would lower it.
     """
+    import gc
+
     from torch.profiler import ProfilerActivity, profile
 
+    gc.collect()  # garbage of an earlier run freed inside the window would count as negative
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     live, peak = 0, 0
@@ -146,7 +150,7 @@ def rnn_sweep(lengths, hidden=32, batch=8):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--lengths", default="256,1024,4096,16384")
+    parser.add_argument("--lengths", default="256,1024,4096")  # 16384: the profiler record takes >25 min
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--skip-mlp", action="store_true")
     args = parser.parse_args()
