@@ -23,19 +23,20 @@ def print_table(headers, rows):
         print("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
 
 
-def interleaved_times(fns, repeat=5):
+def interleaved_times(fns, repeat=5, clock=time.perf_counter):
     """Every round's time per call of each fn in a dict (``{name: [seconds per round]}``),
     running them round-robin, in alternating order, so that a burst of load on the
-    machine hits every variant alike."""
+    machine hits every variant alike. ``clock=time.process_time`` measures CPU time
+    (one-thread runs on a shared box)."""
     for fn in fns.values():
         fn()  # warm up (and fill caches)
     times = {name: [] for name in fns}
     order = list(fns)
     for _ in range(repeat):
         for name in order:
-            t0 = time.perf_counter()
+            t0 = clock()
             fns[name]()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
         order.reverse()
     return times
 

@@ -1,18 +1,26 @@
-"""Training step through scan vs a Python loop with autograd, and peak memory per remat policy.
+"""Training step through scan vs a Python loop with autograd: time and peak memory per remat policy.
 
-Body: a 4-layer MLP (H=256, batch 64) applied to the carry each step, T=64 steps.
-Targets: scan fwd+bwd <= 1.3x the loop; recompute_all peak memory <= 1/3 of save_all.
-Run: python benchmarks/backward.py
+Body: a 4-layer MLP (H=256, batch 64) applied to the carry each step, T=64 steps, one thread.
+Rows: the loop, the loop plus one more forward (the floor of any policy that recomputes a step),
+the loop with a torch.utils.checkpoint per step, and scan with every policy. Times are CPU time
+of the process (best of interleaved rounds): on a shared box wall time mostly measures the neighbours.
+Targets: recompute_all <= 1.4x the loop, peak <= 1/3 of save_all.
+
+``--sweep`` adds the length sweep: a small RNN (H=32, batch 8), T = 256 .. 16384, peak memory and time
+per policy (``--lengths`` to choose; 16384 works but its memory profile is slow).
+Run: python benchmarks/backward.py [--sweep] [--lengths 256,1024,4096]
 """
+import argparse
 import os
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import interleaved_best_times, print_table  # noqa: E402
+from _timing import interleaved_times, print_table  # noqa: E402
 
-from torch_scan_hop import scan  # noqa: E402
+from torch_scan_hop import checkpoint_name, dots_saveable, save_only_these_names, scan  # noqa: E402
 
 H, B, T, LAYERS = 256, 64, 64, 4
 
@@ -25,19 +33,26 @@ def make_model():
 def body_for(mlp):
     def body(c, x):
         h = c + x
-        for lin in mlp:
-            h = torch.tanh(lin(h))
+        for k, lin in enumerate(mlp):
+            h = checkpoint_name(torch.tanh(lin(h)), f"layer{k}")
         return h, h.mean(-1)
     return body
 
 
-def loop_step(mlp, c, xs):
+def loop_step(mlp, c, xs, step=None):
     body = body_for(mlp)
+    step = step or body
     ys = []
     for x in xs:
-        c, y = body(c, x)
+        c, y = step(c, x)
         ys.append(y)
     (c.sum() + torch.stack(ys).sum()).backward()
+
+
+def forward_only(mlp, c, xs):
+    body = body_for(mlp)
+    for x in xs:
+        c, _ = body(c, x)
 
 
 def scan_step(mlp, c, xs, remat):
@@ -51,9 +66,13 @@ def peak_bytes(fn):
     Replays the profiler's allocation record in time order, counting each op's
     SELF allocations only (an op's total includes its children's, which would
     count nested allocations twice) plus the frees reported outside any op.
+    Collected first: garbage of an earlier run freed in the window would lower it.
     """
+    import gc
+
     from torch.profiler import ProfilerActivity, profile
 
+    gc.collect()  # garbage of an earlier run freed inside the window would count as negative
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     live, peak = 0, 0
@@ -63,23 +82,83 @@ def peak_bytes(fn):
     return peak
 
 
-def main():
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+POLICIES = {
+    "save_all": "save_all",
+    "recompute_all": "recompute_all",
+    "sqrt": "sqrt",
+    "min_cut": "min_cut",
+    "dots_saveable": dots_saveable,
+    "names(layer1, layer3)": save_only_these_names("layer1", "layer3"),
+}
+
+
+def mlp_table(repeat):
+    from torch.utils.checkpoint import checkpoint
+
     mlp = make_model()
     c0, xs = torch.zeros(B, H), torch.randn(T, B, H)
-    variants = {"python loop": lambda: loop_step(mlp, c0, xs)}
-    for remat in ("save_all", "min_cut", "recompute_all"):
-        variants[f"scan {remat}"] = lambda remat=remat: scan_step(mlp, c0, xs, remat)
-    times = interleaved_best_times(variants, repeat=7)
-    rows, base_t, base_m = [], times["python loop"], None
+    variants = {
+        "python loop": lambda: loop_step(mlp, c0, xs),
+        "loop + one more forward": lambda: (loop_step(mlp, c0, xs), forward_only(mlp, c0, xs)),
+        "loop + checkpoint per step": lambda: loop_step(
+            mlp, c0, xs, lambda c, x: checkpoint(body_for(mlp), c, x, use_reentrant=False)),
+    }
+    for name, remat in POLICIES.items():
+        variants[f"scan {name}"] = lambda remat=remat: scan_step(mlp, c0, xs, remat)
+    times = {k: min(v) for k, v in interleaved_times(variants, repeat=repeat, clock=time.process_time).items()}
+    base_t, base_m = times["python loop"], peak_bytes(lambda: scan_step(mlp, c0, xs, "save_all"))
+    rows = []
     for name, fn in variants.items():
-        m = peak_bytes(fn)
-        if name == "scan save_all":
-            base_m = m
-        rows.append([name, f"{times[name] * 1e3:.1f}", f"{times[name] / base_t:.2f}x", f"{m / 2**20:.1f}",
-                     f"{m / base_m:.2f}" if base_m else "-"])
-    print(f"training step, 4-layer MLP body, H={H} B={B} T={T}; peak = bytes allocated during the step")
+        m = peak_bytes(fn) if name.startswith("scan") or name == "python loop" else None
+        rows.append([name, f"{times[name] * 1e3:.1f}", f"{times[name] / base_t:.2f}x",
+                     "-" if m is None else f"{m / 2**20:.1f}", "-" if m is None else f"{m / base_m:.2f}"])
+    print(f"training step, 4-layer MLP body, H={H} B={B} T={T}, 1 thread; ms = best CPU time; "
+          "peak = bytes allocated during the step")
     print_table(["variant", "ms", "vs loop", "peak MiB", "vs save_all"], rows)
+
+
+def rnn_sweep(lengths, hidden=32, batch=8):
+    torch.manual_seed(0)
+    w = (torch.randn(hidden, hidden) / hidden ** 0.5).requires_grad_()
+
+    def body(c, x):
+        c = torch.tanh(c @ w + x)
+        return c, c.sum(-1)
+
+    rows = []
+    print(f"\nlength sweep, RNN c = tanh(c @ W + x), H={hidden} batch {batch}, 1 thread", flush=True)
+    for length in lengths:
+        c0, xs = torch.zeros(batch, hidden), torch.randn(length, batch, hidden)
+
+        def step(remat, c0=c0, xs=xs):
+            c, ys = scan(body, c0, xs, remat=remat)
+            (c.sum() + ys.sum()).backward()
+
+        variants = {name: (lambda r=r: step(r)) for name, r in
+                    [("save_all", "save_all"), ("recompute_all", "recompute_all"), ("sqrt", "sqrt")]}
+        times = {k: min(v) for k, v in interleaved_times(variants, repeat=3 if length <= 4096 else 1,
+                                                          clock=time.process_time).items()}
+        peaks = {k: peak_bytes(fn) for k, fn in variants.items()}
+        for k in variants:
+            rows.append([length, k, f"{times[k] * 1e3:.0f}", f"{times[k] / times['save_all']:.2f}x",
+                         f"{peaks[k] / 2**20:.2f}", f"{peaks[k] / peaks['save_all']:.3f}",
+                         f"{peaks[k] / peaks['recompute_all']:.3f}"])
+            print(*rows[-1], flush=True)  # long runs: each row as it comes
+    print_table(["T", "policy", "ms", "vs save_all", "peak MiB", "peak/save_all", "peak/recompute_all"], rows)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--lengths", default="256,1024,4096")  # 16384: the profiler record takes >25 min
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--skip-mlp", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if not args.skip_mlp:
+        mlp_table(args.repeat)
+    if args.sweep:
+        rnn_sweep([int(n) for n in args.lengths.split(",")])
 
 
 if __name__ == "__main__":

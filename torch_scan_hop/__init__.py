@@ -14,6 +14,12 @@ The folders are the architecture, each importing only the ones below it:
 """
 from . import _compat
 from .api import clear_cache, scan
+from .core.remat import (
+    RematPolicy,
+    checkpoint_name,
+    dots_saveable,
+    save_only_these_names,
+)
 from .core.trees import ScanError
 from .fwd_bwd import fwd_bwd
 from .inductor import workarounds
@@ -30,4 +36,5 @@ _dynamo_rule.install()
 intact.install()
 workarounds.fake_float64_attention_logsumexp_as_float64()
 
-__all__ = ["scan", "scan_layers", "stack_layers", "scan_op", "fwd_bwd", "ScanError", "FwdBwd", "clear_cache", "empty_cache"]
+__all__ = ["scan", "scan_layers", "stack_layers", "scan_op", "fwd_bwd", "ScanError", "FwdBwd", "clear_cache", "empty_cache",
+           "RematPolicy", "checkpoint_name", "dots_saveable", "save_only_these_names"]

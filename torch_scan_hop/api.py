@@ -1,6 +1,7 @@
 """The user-facing ``scan``: pytrees, validation, the eager loop or the traced op."""
 from . import _compat
 from .core.op_args import example_args
+from .core.remat import as_token, check_remat
 from .core.trees import (
     ScanError,
     ScanInputs,
@@ -15,7 +16,6 @@ from .trace import cache
 from .trace.body_checks import mark_checked
 from .trace.flat_body import AUTO_UNROLL, dynamo_body
 from .trace.lift import trace_and_lift
-from .trace.partition import REMAT
 from .xla import eager as xla_eager
 
 
@@ -45,8 +45,7 @@ def _check_options(fn, reverse, remat, unroll):
         raise ScanError(f"scan: fn must be callable as fn(carry, x) -> (new_carry, y), got {type(fn).__name__}.")
     if not isinstance(reverse, bool):
         raise ScanError(f"scan: reverse must be a bool, got {reverse!r}.")
-    if not (callable(remat) or remat in REMAT):
-        raise ScanError(f"scan: remat={remat!r} is not a policy; use one of {REMAT} or a partition function.")
+    check_remat(remat)
     if unroll is not None and (not isinstance(unroll, int) or isinstance(unroll, bool) or unroll < 1):
         raise ScanError(f"scan: unroll must be None or an int >= 1, got {unroll!r}.")
 
@@ -86,7 +85,7 @@ def _scan(fn, init, inputs, reverse, remat, unroll):
     if not callable(remat) and (_compat.runs_eagerly([*inputs.init_leaves, *inputs.xs_leaves])
                                 or _under_grad_while_tracing()):
         return run_tree(fn, init, inputs, reverse, remat)
-    flat_out, y_spec = _call_op(fn, inputs, reverse=reverse, remat=remat, unroll=unroll or 1)
+    flat_out, y_spec = _call_op(fn, inputs, reverse=reverse, remat=as_token(remat), unroll=unroll or 1)
     nc = inputs.num_carry
     carry = inputs.init_spec.unflatten(flat_out[:nc])
     return carry, y_spec.unflatten(flat_out[nc:])

@@ -53,6 +53,7 @@ from .autograd import (  # noqa: F401
 from .dispatch import (  # noqa: F401
     AutoDispatchBelowAutograd,
     DispatchKey,
+    TorchDispatchMode,
     alias_storage,
     dispatch_modes_active,
     empty_strided,

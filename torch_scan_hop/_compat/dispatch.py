@@ -3,7 +3,8 @@ the operator / tensor internals the rules and caches inspect.
 
 Names re-exported as they are (torch 2.9-2.14, same API on both):
 ``DispatchKey`` (``torch._C``), ``AutoDispatchBelowAutograd``
-(``torch._C._AutoDispatchBelowAutograd``).
+(``torch._C._AutoDispatchBelowAutograd``), ``TorchDispatchMode``
+(``torch.utils._python_dispatch``; the eager remat replay's mode subclasses it).
 """
 import contextlib
 
@@ -12,6 +13,7 @@ from torch._C import DispatchKey  # noqa: F401  (re-exported for the rules)
 from torch._ops import _len_torch_dispatch_stack_pre_dispatch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from .functorch import _functionalize_transform_active, _is_functorch_wrapped

@@ -19,6 +19,7 @@ import torch
 
 from .. import _compat
 from ..core.op_args import slice_example
+from ..core.remat import RematPolicy, as_token
 from ..core.trees import ScanError
 from ..trace.flat_body import _ERROR, AUTO_UNROLL
 
@@ -202,10 +203,15 @@ def _option_value(tx, name, var):
 
     if is_symbolic_int(var):
         return var.evaluate_expr(tx.output)
+    if name == "remat" and isinstance(getattr(var, "value", None), RematPolicy):
+        if not hasattr(var.value, "save"):  # Dynamo's stand-in for an object built while tracing
+            raise compile_error("scan: a RematPolicy built inside the compiled function cannot be read by "
+                                "torch.compile; build it outside (policy = RematPolicy(...)) and pass it in.")
+        return as_token(var.value)  # a policy stands in the graph as its token (a remat never changes values)
     if name == "remat" and not is_constant(var):
         raise compile_error(
             "scan: remat=<callable> is not supported under torch.compile (the compiled graph cannot hold a "
-            "function); pass 'save_all', 'min_cut' or 'recompute_all', or call scan outside torch.compile.")
+            "function); pass a policy name or RematPolicy, or call scan outside torch.compile.")
     return var.as_python_constant()
 
 

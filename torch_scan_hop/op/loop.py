@@ -4,15 +4,16 @@ Nothing is traced or cached in eager mode, so whatever the loop supports the
 scan supports, with the loop's values, gradients and side effects:
 ``no_grad`` regions, custom ``autograd.Function``s, hooks, RNG draws, grad-mode
 branches, double backward and ``torch.func`` transforms. ``remat`` is realised
-per step with ``torch.utils.checkpoint``:
+by one replay engine per scan (``core/recompute.py``):
 
 * ``"save_all"``: the plain tape.
-* ``"recompute_all"``: each step is a (non-reentrant) checkpoint; its inputs
-  are saved and the step is re-run in the backward (RNG state restored, so
-  dropout masks match; the body's Python side effects run again there).
-* ``"min_cut"``: a selective checkpoint that saves the outputs of matmuls,
-  convolutions and attention and recomputes the cheap ops around them, which
-  is where functorch's min-cut partitioner lands for typical bodies.
+* ``"recompute_all"``: each step's inputs are kept and the step is re-run in
+  the backward (RNG state restored, so dropout masks match; the body's Python
+  side effects run again there).
+* ``"min_cut"`` (= ``dots_saveable``) and any ``RematPolicy``: the outputs of
+  the ops (and ``checkpoint_name``d values) the policy saves are kept, the
+  rest is recomputed by the re-run.
+* ``"sqrt"``: every ~sqrt(T)-th carry is kept; blocks are re-run in the backward.
 """
 import functools
 
@@ -22,37 +23,34 @@ from torch.utils import checkpoint as _ckpt
 from .. import _compat
 from ..core import dtensors as dt
 from ..core.op_args import example_args, slice_example
+from ..core.recompute import StepReplay
+from ..core.remat import as_policy, nothing_saveable
 from ..core.schedule import step_order
 from ..core.trees import ScanError, check_carry, check_pair, flatten_y
 
 
-@functools.lru_cache(maxsize=None)
-def _compute_ops():
-    """The ops whose outputs a "min_cut" step saves (the expensive ones)."""
-    aten = torch.ops.aten
-    names = ["mm", "addmm", "bmm", "baddbmm", "matmul", "convolution", "_convolution",
-             "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention"]
-    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
+def _sac_policy(policy):
+    def decide(ctx, op, *args, **kwargs):
+        saves = policy.saves(op, None)
+        return _ckpt.CheckpointPolicy.MUST_SAVE if saves else _ckpt.CheckpointPolicy.PREFER_RECOMPUTE
+    return decide
 
 
-def _save_compute_policy(ctx, op, *args, **kwargs):
-    if op in _compute_ops():
-        return _ckpt.CheckpointPolicy.MUST_SAVE
-    return _ckpt.CheckpointPolicy.PREFER_RECOMPUTE
+def remat_step(step, remat, length=None):
+    """``step`` with the remat policy applied (see the module docstring).
 
-
-def remat_step(step, remat):
-    """``step`` with the remat policy applied per call (see the module docstring)."""
-    if remat in (None, "save_all"):
+    With ``length`` (a scan's loop) one ``StepReplay`` serves all steps; without
+    (one call per layer, ``scan_layers``) each call is a torch.utils.checkpoint.
+    Under torch.func transforms (which refuse saved-tensor hooks) the tape saves all."""
+    policy = as_policy(remat)
+    if policy is None or _compat.functorch_transforms_active():
         return step
-    if remat == "recompute_all":
+    if length is not None:
+        return StepReplay(step, policy, length, sqrt=remat == "sqrt")
+    if policy.save is nothing_saveable.save:
         return functools.partial(_ckpt.checkpoint, step, use_reentrant=False)
-    if remat == "min_cut":
-        contexts = functools.partial(_compat.replayable_selective_checkpoint_contexts, _save_compute_policy)
-        return functools.partial(_ckpt.checkpoint, step, use_reentrant=False, context_fn=contexts)
-    raise ScanError(f"scan: remat={remat!r} has no eager per-step form; use 'save_all', 'min_cut' or "
-                    "'recompute_all' (a partition function runs the traced body).")
+    contexts = functools.partial(_compat.replayable_selective_checkpoint_contexts, _sac_policy(policy))
+    return functools.partial(_ckpt.checkpoint, step, use_reentrant=False, context_fn=contexts)
 
 
 def stack_column(column, k):
@@ -95,7 +93,7 @@ def run_flat(combine_fn, init, xs, additional_inputs, reverse=False, remat=None)
         out = combine_fn(*carry, *(col[i] for col in columns), *additional_inputs)
         return list(out[:num_carry]), list(out[num_carry:])
 
-    step = remat_step(step, remat)
+    step = remat_step(step, remat, length)
     carry, ys = list(init), [None] * length
     for i in step_order(length, reverse):
         carry, ys[i] = step(carry, i)
@@ -137,7 +135,7 @@ def run_tree(fn, init, inputs, reverse=False, remat="save_all"):
         return init, empty_tree_ys(fn, inputs)
     slices = _x_slices(inputs)
     xs_in_order = iter(reversed(slices) if reverse else slices)
-    step = remat_step(fn, remat)
+    step = remat_step(fn, remat, inputs.length)
     carry, y = check_pair(step(init, next(xs_in_order)))
     check_carry(carry, inputs)
     y_leaves, y_spec = flatten_y(y)

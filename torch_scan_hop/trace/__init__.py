@@ -5,7 +5,8 @@
 - ``flat_body``: the front end's body as the op sees it under Dynamo;
 - ``body_checks``: the checks every traced body passes (carry types, no input mutation);
 - ``joint``: one step's joint forward/backward graph, traced from the user's own function;
-- ``partition``: the joint split into ``fwd`` / ``bwd`` (``FwdBwd``), remat policies;
+- ``partition``: the joint split into ``fwd`` / ``bwd`` (``FwdBwd``);
+- ``remat``: remat policies as partition functions (``policy_partition`` for a ``RematPolicy``);
 - ``peephole``: clean-ups of the partitioned graphs;
 - ``cache``: reuse of partitions and lowerings, keyed by graphs (never by functions);
 - ``xla_formulas``: autograd formulas for torch_xla ops a joint meets.

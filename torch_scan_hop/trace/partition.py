@@ -19,12 +19,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import _compat
-from ..core.trees import ScanError
 from .graph import trace_graph
 from .joint import flags_and_joint
 from .peephole import drop_aliases, save_dense_layouts, simplify
-
-REMAT = ("save_all", "min_cut", "recompute_all")
+from .remat import drop_names, partition_fn
 
 
 def _differentiable(t):
@@ -38,30 +36,6 @@ def _name_joint_placeholders(joint, num_primals):
         node.target = new
         _compat.rename_node(node, new)
     joint.recompile()
-
-
-def _recompute_all_partition(joint, _inputs, *, num_fwd_outputs):
-    """Save only the step's inputs (and random values, which must not be redrawn)."""
-    saved = [n for n in joint.graph.find_nodes(op="placeholder") if "tangents" not in n.target]
-    for n in joint.graph.nodes:
-        if n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
-            # multi-output ops (SDPA's CPU kernel, say) are saved through their getitems
-            saved.extend([u for u in n.users if u.target is operator.getitem]
-                         if isinstance(n.meta.get("val"), (tuple, list)) else [n])
-    return _compat.extract_fwd_bwd(joint, saved, num_fwd_outputs)
-
-
-def _partition_fn(remat):
-    if callable(remat):
-        return remat
-    if remat == "recompute_all":
-        return _recompute_all_partition
-    if remat in REMAT:
-        return _compat.partitioner(remat)
-    raise ScanError(
-        f"scan: remat={remat!r} is not a policy; use one of {REMAT} or an AOTAutograd partition "
-        "function (joint_module, joint_inputs, *, num_fwd_outputs) -> (fwd, bwd)."
-    )
 
 
 @dataclass
@@ -355,12 +329,12 @@ def partition_step(step: JointStep, remat="save_all") -> FwdBwd:
     drop_aliases(joint)
     _compat.drop_checkpoint_tags(joint)
     _name_joint_placeholders(joint, len(primals))
-    fwd, bwd = _partition_fn(remat)(joint, [*primals, *tangents], num_fwd_outputs=num_out)
+    fwd, bwd = partition_fn(remat)(joint, [*primals, *tangents], num_fwd_outputs=num_out)
     fwd, bwd = _hoist_recomputable_saves(joint, fwd, bwd, num_out, num_carry, num_x)
     fwd, bwd = _save_view_bases(joint, fwd, bwd, num_out)
     fwd, bwd = _align_saves(fwd, bwd, num_out)
     fwd, bwd = _inline_constant_saves(fwd, bwd, num_out)
-    fwd, bwd = simplify(fwd, keep_detach=True), simplify(bwd)
+    fwd, bwd = simplify(drop_names(fwd), keep_detach=True), simplify(drop_names(bwd))
     fwd, bwd = save_dense_layouts(fwd, bwd, num_out)
     return FwdBwd(
         fwd=fwd, bwd=bwd, num_carry=num_carry, num_x=num_x, num_lifted=step.num_lifted,

@@ -1,0 +1,374 @@
+"""Remat policies (strings and RematPolicy objects, checkpoint_name, offload, sqrt) against the loop.
+
+Every policy must give the loop's values and gradients in every mode; what it
+changes is what a step keeps for the backward, checked here by what the
+backward recomputes (FLOPs, saved graph values) and what the eager engine keeps.
+"""
+import random
+
+import pytest
+import torch
+from conftest import assert_trees_close, reference_scan
+
+import torch_scan_hop
+from torch_scan_hop import (
+    RematPolicy,
+    ScanError,
+    checkpoint_name,
+    dots_saveable,
+    save_only_these_names,
+    scan,
+)
+from torch_scan_hop.core import recompute
+
+D = torch.float64
+
+
+def _policies():
+    return {
+        "recompute_all": "recompute_all",
+        "min_cut": "min_cut",
+        "sqrt": "sqrt",
+        "dots_saveable": dots_saveable,
+        "names": save_only_these_names("a", "b"),
+        "user": RematPolicy(lambda op, name: name == "a" or op is torch.ops.aten.sin.default),
+        "offload": dots_saveable.with_offload("cpu"),
+    }
+
+
+POLICIES = list(_policies())
+
+
+def random_body(seed, w, v):
+    """A random step over a vocabulary of matmuls, pointwise ops, named values and x."""
+    rng = random.Random(seed)
+    ops = [rng.choice(["mm", "tanh", "sin", "mulx", "name_a", "name_b", "sigmoid", "mmv"]) for _ in range(6)]
+
+    def body(c, x):
+        h = c + x
+        for op in ops:
+            if op == "mm":
+                h = h @ w
+            elif op == "mmv":
+                h = torch.tanh(h @ v) * h
+            elif op == "mulx":
+                h = h * x
+            elif op.startswith("name"):
+                h = checkpoint_name(torch.cos(h), op[-1])
+            else:
+                h = getattr(torch, op)(h)
+        return torch.tanh(h), (h * h).sum(-1)
+
+    return body
+
+
+def loss_and_grads(run, inputs):
+    carry, ys = run()
+    loss = carry.sum() + ys.sum()
+    return [loss, *torch.autograd.grad(loss, inputs, allow_unused=True, materialize_grads=True)]
+
+
+def _problem(seed, length=5):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(4, 4, dtype=D, generator=g, requires_grad=True)
+    v = (torch.randn(4, 4, dtype=D, generator=g) / 2).requires_grad_()
+    init = torch.randn(3, 4, dtype=D, generator=g, requires_grad=True)
+    xs = torch.randn(length, 3, 4, dtype=D, generator=g, requires_grad=True)
+    return random_body(seed, w, v), init, xs, [init, xs, w, v]
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("seed", range(4))
+def test_eager_random_bodies_match_the_loop(seed, policy, reverse):
+    body, init, xs, inputs = _problem(seed)
+    want = loss_and_grads(lambda: reference_scan(body, init, xs, reverse=reverse), inputs)
+    got = loss_and_grads(lambda: scan(body, init, xs, reverse=reverse, remat=_policies()[policy]), inputs)
+    assert_trees_close(got, want)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_gradcheck_float64(policy):
+    body, init, xs, _ = _problem(7, length=4)
+    w = torch.randn(4, 4, dtype=D, requires_grad=True)
+
+    def f(init, xs, w):
+        def step(c, x):
+            c, y = body(c, x)
+            return c @ w, y
+        c, ys = scan(step, init, xs, remat=_policies()[policy])
+        return c, ys
+
+    assert torch.autograd.gradcheck(f, (init, xs, w))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_dropout_masks_and_double_backward_match_the_loop(policy):
+    w = torch.randn(4, 4, dtype=D, requires_grad=True)
+    init, xs = torch.randn(2, 4, dtype=D), torch.randn(6, 2, 4, dtype=D)
+
+    def body(c, x):
+        h = torch.nn.functional.dropout(torch.sin(c @ w + x), 0.5)
+        return checkpoint_name(h, "a"), h.sum()
+
+    def run(scan_fn):
+        torch.manual_seed(3)
+        c, ys = scan_fn(body, init, xs)
+        (g,) = torch.autograd.grad(c.sum() + ys.sum(), w, create_graph=True)
+        return c, ys, g, torch.autograd.grad(g.sum(), w)[0]
+
+    want = run(reference_scan)
+    assert_trees_close(run(lambda *a: scan(*a, remat=_policies()[policy])), want)
+
+
+def _backward_mm_flops(remat):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    w = torch.randn(16, 16, requires_grad=True)
+    c, _ = scan(lambda c, x: (torch.tanh(torch.tanh(c @ w) @ w + x), None), torch.randn(8, 16),
+                 torch.randn(10, 8, 16), remat=remat)
+    with FlopCounterMode(display=False) as counter:
+        c.sum().backward()
+    return counter.get_total_flops()
+
+
+def test_eager_policies_recompute_what_they_do_not_save():
+    plain = _backward_mm_flops("save_all")
+    assert _backward_mm_flops(dots_saveable) == plain  # matmul outputs kept: only pointwise ops re-run
+    assert _backward_mm_flops("min_cut") == plain
+    rerun = 10 * 2 * (2 * 8 * 16 * 16)  # both forward matmuls of each of the 10 steps re-run
+    assert _backward_mm_flops("recompute_all") == plain + rerun
+    assert _backward_mm_flops(save_only_these_names("nothing named so")) == plain + rerun
+
+
+@pytest.fixture
+def engines(monkeypatch):
+    made = []
+    init = recompute.StepReplay.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(recompute.StepReplay, "__init__", spy)
+    return made
+
+
+def test_named_values_are_what_save_only_these_names_keeps(engines):
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def body(c, x):
+        a = checkpoint_name(torch.sin(c @ w), "a")
+        b = checkpoint_name(torch.cos(a), "b")
+        return torch.tanh(b + x), None
+
+    c, _ = scan(body, torch.randn(2, 4), torch.randn(5, 2, 4), remat=save_only_these_names("b"))
+    (engine,) = engines
+    assert [[k for k, _ in kept] for kept in engine.kept] == [[("checkpoint_name", "b")]] * 5
+    c.sum().backward()
+    assert checkpoint_name(w, "a") is w  # outside a scan: the identity
+
+
+def test_sqrt_keeps_about_sqrt_length_carries(engines):
+    w = torch.randn(4, 4, dtype=D, requires_grad=True)
+    body = lambda c, x: (torch.tanh(c @ w + x), c.sum())  # noqa: E731
+    init, xs = torch.randn(2, 4, dtype=D, requires_grad=True), torch.randn(100, 2, 4, dtype=D)
+    got = loss_and_grads(lambda: scan(body, init, xs, remat="sqrt"), [init, w])
+    (engine,) = engines
+    assert engine.block == 10 and sorted(engine.carries) == list(range(0, 100, 10))
+    assert engine.cached == {}  # every re-run value was handed out to the backward
+    assert_trees_close(got, loss_and_grads(lambda: reference_scan(body, init, xs), [init, w]))
+
+
+def test_offload_moves_saved_values_and_back(engines, monkeypatch):
+    moves = []
+    real_to = torch.Tensor.to
+
+    def to(t, *args, **kwargs):
+        moves.append(args[0] if args else kwargs.get("device"))
+        return real_to(t, *args, **kwargs)
+
+    w = torch.randn(4, 4, dtype=D, requires_grad=True)
+    body = lambda c, x: (torch.tanh(c @ w + x), None)  # noqa: E731
+    init, xs = torch.randn(2, 4, dtype=D), torch.randn(3, 2, 4, dtype=D)
+    c, _ = scan(body, init, xs, remat=dots_saveable.with_offload("cpu"))
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    (g,) = torch.autograd.grad(c.sum(), w)
+    monkeypatch.undo()
+    assert moves == [torch.device("cpu")] * 3  # each step's kept matmul goes back to its device
+    (engine,) = engines
+    assert all(v.device.type == "cpu" for kept in engine.kept for _, v in kept)
+    torch.testing.assert_close(g, torch.autograd.grad(reference_scan(body, init, xs)[0].sum(), w)[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="offload to host memory needs a CUDA device")
+def test_offload_from_cuda_keeps_saved_values_in_host_memory(engines):
+    w = torch.randn(64, 64, device="cuda", requires_grad=True)
+    body = lambda c, x: (torch.tanh(c @ w + x), None)  # noqa: E731
+    init, xs = torch.randn(8, 64, device="cuda"), torch.randn(6, 8, 64, device="cuda")
+    c, _ = scan(body, init, xs, remat=dots_saveable.with_offload("cpu"))
+    (engine,) = engines
+    assert all(v.device.type == "cpu" for kept in engine.kept for _, v in kept) and engine.kept[0]
+    (g,) = torch.autograd.grad(c.sum(), w)
+    torch.testing.assert_close(g, torch.autograd.grad(reference_scan(body, init, xs)[0].sum(), w)[0])
+
+
+def test_bad_policies_are_scan_errors():
+    init, xs = torch.zeros(2), torch.zeros(3, 2)
+    with pytest.raises(ScanError, match="remat='everything' is not a policy"):
+        scan(lambda c, x: (c, x), init, xs, remat="everything")
+    with pytest.raises(ScanError, match="one or more str names"):
+        save_only_these_names()
+    with pytest.raises(ScanError, match="name must be a str"):
+        checkpoint_name(init, 3)
+    with pytest.raises(ScanError, match="save must be a function"):
+        RematPolicy("mm")
+
+
+def test_a_body_that_runs_other_ops_when_re_run_is_a_scan_error():
+    w = torch.randn(3, requires_grad=True)
+    calls = []
+
+    def body(c, x):
+        calls.append(1)
+        return (c * w if len(calls) <= 4 else torch.sin(c) * w * w), None
+
+    c, _ = scan(body, torch.ones(3), torch.zeros(4, 3), remat="recompute_all")
+    with pytest.raises(ScanError, match="must run the same ops when it is re-run"):
+        c.sum().backward()
+
+
+# ---------------------------------------------------------------- traced paths
+
+
+def _mm_count(gm):
+    return sum(n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) for n in gm.graph.nodes)
+
+
+def test_traced_policies_partition_the_step_as_they_say():
+    w = torch.randn(8, 8)
+
+    def cell(c, x):
+        a = checkpoint_name(c @ w, "a")
+        b = checkpoint_name(torch.sin(a) @ w, "b")
+        return torch.tanh(b + x), a.sum()
+
+    c, x = torch.randn(2, 8), torch.randn(2, 8)
+    mms = {name: _mm_count(torch_scan_hop.fwd_bwd(cell, c, x, remat=r).bwd)
+           for name, r in [("save_all", "save_all"), ("dots", dots_saveable), ("none", "recompute_all"),
+                           ("a", save_only_these_names("a")), ("ab", save_only_these_names("a", "b"))]}
+    plain = mms["save_all"]
+    assert (mms["dots"], mms["ab"], mms["a"], mms["none"]) == (plain, plain, plain + 1, plain + 2)
+    fb = torch_scan_hop.fwd_bwd(cell, c, x, remat=save_only_these_names("a"))
+    assert not any(n.target is torch.ops.torch_scan_hop.named_value.default
+                   for g in (fb.fwd, fb.bwd) for n in g.graph.nodes)
+
+
+def _traced_problem():
+    body, init, xs, inputs = _problem(11)
+    return body, init, xs, inputs
+
+
+@pytest.mark.parametrize("policy", ["dots_saveable", "names", "user", "sqrt"])
+def test_make_fx_matches_the_loop(policy):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    body, init, xs, inputs = _traced_problem()
+    w, v = inputs[2], inputs[3]
+
+    def f(init, xs, w, v):
+        c, ys = scan(body, init, xs, remat=_policies()[policy])
+        return c.sum() + ys.sum()
+
+    def grads(init, xs, w, v):
+        return torch.autograd.grad(f(init, xs, w, v), [init, xs])
+
+    gm = make_fx(grads)(init, xs, w, v)
+    want = loss_and_grads(lambda: reference_scan(body, init, xs), [init, xs])[1:]
+    assert_trees_close(list(gm(init, xs, w, v)), want)
+
+
+@pytest.mark.parametrize("policy", ["dots_saveable", "names", "user", "sqrt"])
+def test_torch_compile_matches_the_loop(policy):
+    torch._dynamo.reset()
+    body, init, xs, inputs = _traced_problem()
+    remat = _policies()[policy]
+
+    def f(init, xs):  # save_only_these_names may also be called in it (a constant to Dynamo)
+        return scan(body, init, xs, remat=save_only_these_names("a", "b") if policy == "names" else remat)
+
+    got = loss_and_grads(lambda: torch.compile(f, backend="aot_eager", fullgraph=True)(init, xs), inputs)
+    assert_trees_close(got, loss_and_grads(lambda: reference_scan(body, init, xs), inputs))
+
+
+def test_a_policy_object_built_while_compiling_is_a_clear_error():
+    torch._dynamo.reset()
+
+    def f(init, xs):
+        return scan(lambda c, x: (torch.sin(c + x), None), init, xs, remat=RematPolicy(lambda op, name: False))
+
+    with pytest.raises(ScanError, match="build it outside"):
+        torch.compile(f, backend="eager", fullgraph=True)(torch.ones(3), torch.zeros(4, 3))
+
+
+def test_offload_on_a_traced_path_is_a_scan_error():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    w = torch.randn(3, requires_grad=True)
+
+    def f(init, xs):
+        c, _ = scan(lambda c, x: (torch.sin(c * w + x), None), init, xs, remat=dots_saveable.with_offload())
+        return torch.autograd.grad(c.sum(), w)
+
+    with pytest.raises(ScanError, match="implemented for eager scans only"):
+        make_fx(f)(torch.ones(3), torch.zeros(4, 3))
+
+
+def test_export_keeps_named_values_out_of_the_way():
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, h, xs):
+            return scan(lambda c, x: (checkpoint_name(torch.tanh(self.lin(c) + x), "a"), c.sum()), h, xs,
+                        remat=save_only_these_names("a"))
+
+    m, h, xs = M(), torch.randn(2, 4), torch.randn(5, 2, 4)
+    ep = torch.export.export(m, (h, xs))
+    want = reference_scan(lambda c, x: (torch.tanh(m.lin(c) + x), c.sum()), h, xs)
+    assert_trees_close(ep.module()(h, xs), want)
+
+
+def test_xla_grads_match_the_loop():
+    pytest.importorskip("torch_xla", reason="torch_xla is not installed: the XLA tests need the [xla] extra")
+    import torch_xla.core.xla_model as xm
+
+    dev = xm.xla_device()
+    body, init, xs, inputs = _problem(5)
+    w, v = inputs[2], inputs[3]
+    want = loss_and_grads(lambda: reference_scan(body, init, xs), inputs)
+    wx, vx = w.detach().to(dev).requires_grad_(), v.detach().to(dev).requires_grad_()
+    ix, xx = init.detach().to(dev).requires_grad_(), xs.detach().to(dev).requires_grad_()
+    body_x = random_body(5, wx, vx)
+    for policy in (save_only_these_names("a", "b"), dots_saveable, "sqrt"):
+        got = loss_and_grads(lambda policy=policy: scan(body_x, ix, xx, remat=policy), [ix, xx, wx, vx])
+        assert_trees_close([t.cpu() for t in got], want)
+
+
+def test_scan_layers_takes_policies_and_refuses_unknown_ones():
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+    h = torch.randn(2, 4, requires_grad=True)
+
+    def grads(out):
+        return torch.autograd.grad(out.sum(), [h, *layers.parameters()])
+
+    want_h = h
+    for layer in layers:
+        want_h = layer(want_h)
+    want = grads(want_h)
+    for remat in ("recompute_all", "sqrt", dots_saveable, save_only_these_names("a")):
+        assert_trees_close(grads(torch_scan_hop.scan_layers(layers, h, remat=remat)), want)
+    with pytest.raises(ScanError, match="is not a policy"):
+        torch_scan_hop.scan_layers(layers, h, remat="everything")

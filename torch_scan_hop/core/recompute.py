@@ -1,0 +1,271 @@
+"""Eager remat: one replay engine per scan instead of a torch.utils.checkpoint per step.
+
+A per-step ``torch.utils.checkpoint`` costs what the issue measured (1.7-2.1x
+the loop for ``recompute_all``, against ~1.33x for one more forward): each
+call builds its own frame, hook objects, device and RNG bookkeeping, and
+selective checkpointing runs torch's Python caching modes on top. Here ONE
+``StepReplay`` serves every step of a scan:
+
+- forward: each step runs on the tape under saved-tensor hooks whose pack
+  keeps a small handle (step, k) instead of the tensor; the step's inputs
+  are kept (for ``sqrt`` only every k-th carry), and the CPU (and CUDA) RNG
+  state only where it changed since the last kept one;
+- backward: the first unpack of a step re-runs that step (RNG restored) and
+  collects what it saves, in order; each unpack hands out its tensor, and
+  the step's values are dropped once all are handed out (or when another step
+  is re-run), so at most one step's activations are alive at a time;
+- selective policies (``dots_saveable``, ``save_only_these_names``, a user's
+  ``RematPolicy``) add a dispatch mode: in the forward it keeps the outputs of
+  the ops the policy saves (on ``policy.offload``'s device if set), in the
+  re-run it hands those back instead of computing them again;
+- ``sqrt``: only every k-th carry (k = ceil(sqrt(T))) is kept; the first
+  step of a block the backward needs re-runs the whole block on the tape from
+  its kept carry, each step's saved values handed out as the backward reaches
+  them: T/k carries plus one block's activations, for one extra forward.
+
+With ``create_graph=True`` (double backward) a step is re-run on its original
+inputs, so the second-order graph reaches the forward's graph.
+"""
+import contextlib
+import math
+
+import torch
+
+from .. import _compat
+from . import remat as policies
+from .trees import ScanError
+
+
+def _map_tensors(fn, value):
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map_tensors(fn, v) for v in value)
+    return value
+
+
+def _leaves(value, out):
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _leaves(v, out)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _leaves(v, out)
+    return out
+
+
+def _detached(value):
+    """The step inputs as fresh leaves with their requires_grad flags, so a re-run
+    builds a graph of its own and saves what the forward saved."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.requires_grad) if value.requires_grad else value.detach()
+    if isinstance(value, dict):
+        return type(value)((k, _detached(v)) for k, v in value.items())
+    if hasattr(value, "_fields"):
+        return type(value)(*(_detached(v) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detached(v) for v in value)
+    return value
+
+
+class _Replay(_compat.TorchDispatchMode):
+    """Keeps (forward) or hands back (re-run) the outputs of the ops the policy saves."""
+
+    def __init__(self, engine):
+        super().__init__()
+        self.engine = engine
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.engine.dispatch(func, args, kwargs or {})
+
+
+class StepReplay:
+    """A scan's remat in eager (see the module docstring). ``step(carry, *rest) -> (carry, y)``."""
+
+    def __init__(self, step, policy, length, sqrt=False):
+        self.step, self.policy = step, policy
+        self.selective = policy.save is not policies.nothing_saveable.save
+        self.by_ops = self.selective and policy.reads_ops  # else names only: no dispatch mode
+        self.offload = policy.offload
+        self.block = max(1, math.ceil(math.sqrt(length))) if sqrt else 1
+        self.rest, self.carries, self.counts, self.kept = [], {}, [], []
+        self.devices = None  # the carry's CUDA tensors (RNG states to keep), found at step 0
+        self.rng = []  # (position, cpu state, (devices, device states)) at step 0 and where it changed
+        self.cached = {}  # position -> [values of the re-run, how many still to hand out]
+        self.decisions = {}
+        self.replaying, self.rpos, self.pos, self.n = None, 0, 0, 0
+        self.device_of = None
+
+    # ---------------------------------------------------------------- forward
+
+    def __call__(self, carry, *rest):
+        pos = len(self.rest)
+        self.rest.append(rest)
+        if pos % self.block == 0:
+            self.carries[pos] = carry
+        if pos == 0:
+            self._note_rng(0, carry)
+        self.pos, self.n = pos, 0
+        self.kept.append([])
+        with self._hooks(self._pack, self._unpack):
+            out = self.step(carry, *rest)
+        self.counts.append(self.n)
+        self._note_rng(pos + 1, carry)  # the state the next step starts from
+        return out
+
+    @contextlib.contextmanager
+    def _hooks(self, pack, unpack):
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            if not self.selective:
+                yield
+                return
+            with (_Replay(self) if self.by_ops else contextlib.nullcontext()), policies.naming(self):
+                yield
+
+    def _pack(self, t):
+        k = self.n
+        self.n += 1
+        return self.pos, k
+
+    def _note_rng(self, pos, carry):
+        state = torch.get_rng_state()
+        if self.devices is None:
+            self.devices = [t for t in _leaves(carry, []) if t.device.type == "cuda"]
+        devices = self.devices
+        device_states = torch.utils.checkpoint.get_device_states(*devices) if devices else ([], [])
+        if self.rng:
+            _, last, (_, last_dev) = self.rng[-1]
+            if torch.equal(last, state) and all(torch.equal(a, b) for a, b in zip(last_dev, device_states[1])):
+                return
+        self.rng.append((pos, state, device_states))
+
+    # ---------------------------------------------------------------- selective replay
+
+    def _saves(self, func):
+        saves = self.decisions.get(func)
+        if saves is None:
+            schema = _compat.op_schema(func) if _compat.is_op_overload(func) else None
+            saves = schema is not None and not func.is_view and not schema.is_mutable \
+                and self.policy.saves(func, None)
+            self.decisions[func] = saves
+        return saves
+
+    def _keep(self, value):
+        device = self.offload
+        return _map_tensors(lambda t: t.detach() if device is None else t.detach().to(device, non_blocking=True),
+                            value)
+
+    def _take(self, key, like_device):
+        stored_key, value = self.replaying[self.rpos]
+        self.rpos += 1
+        if stored_key != key:
+            raise ScanError(f"scan: remat: a re-run step computed {key} where the forward saved {stored_key}; "
+                            "the body must run the same ops when it is re-run in the backward.")
+        return _map_tensors(lambda t: t.detach() if self.offload is None else t.to(like_device, non_blocking=True),
+                            value)
+
+    def dispatch(self, func, args, kwargs):
+        saves = self._saves(func)
+        if self.replaying is not None and saves:
+            return self._take(func, None if self.offload is None else _first_device(args))
+        out = func(*args, **kwargs)
+        if saves:
+            self.kept[self.pos].append((func, self._keep(out)))
+        return out
+
+    def named(self, x, name):
+        """``checkpoint_name`` inside a step: keep (forward) or hand back (re-run) ``x``."""
+        if not self.policy.saves(policies.NAMED_VALUE, name):
+            return x
+        key = ("checkpoint_name", name)
+        if self.replaying is not None:
+            return self._take(key, x.device).requires_grad_(x.requires_grad)
+        self.kept[self.pos].append((key, self._keep(x)))
+        return x
+
+    # ---------------------------------------------------------------- backward
+
+    def _unpack(self, handle):
+        pos, k = handle
+        cached = self.cached.get(pos)
+        if cached is None:
+            self._rerun_for(pos)
+            cached = self.cached[pos]
+        value = cached[0][k]
+        cached[1] -= 1
+        if cached[1] == 0:
+            del self.cached[pos]
+        return value
+
+    def _rerun_for(self, pos):
+        """Re-run what the backward needs for step ``pos``: that step (``sqrt``: its whole
+        block, from the block's kept carry, each step's saved values kept until handed out)."""
+        start = pos - pos % self.block
+        carry, self.cached = self.carries[start], {}
+        for p in range(start, min(start + self.block, len(self.rest))):
+            values, carry = self._rerun(p, carry)
+            self.cached[p] = [values, self.counts[p]]
+            if p == pos and self.block == 1:
+                break
+
+    def _run(self, pos, carry):
+        if not self.selective:
+            return self.step(carry, *self.rest[pos])
+        self.replaying, self.rpos = (self.kept[pos] if self.selective else None), 0
+        try:
+            with (_Replay(self) if self.by_ops else contextlib.nullcontext()), \
+                    (policies.naming(self) if self.selective else contextlib.nullcontext()):
+                return self.step(carry, *self.rest[pos])
+        finally:
+            self.replaying = None
+
+    @contextlib.contextmanager
+    def _rng_at(self, pos):  # (with one state kept no step drew a random number: nothing to restore)
+        entry = None
+        for e in self.rng:
+            if e[0] > pos:
+                break
+            entry = e
+        _, state, (devices, device_states) = entry
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(state)
+            if devices:
+                torch.utils.checkpoint.set_device_states(devices, device_states)
+            yield
+
+    def _rerun(self, pos, carry):
+        """Step ``pos`` again on the tape: (what it saves, in order; its new carry)."""
+        rest = self.rest[pos]
+        detach = not torch.is_grad_enabled()  # a plain backward: the re-run builds a graph of its own
+        if detach:
+            carry, self.rest[pos] = _detached((carry, rest))
+        values = []
+
+        def pack(t):  # detached: the re-run's graph must not live on through what it saved
+            values.append(t.detach() if detach else t)
+            return len(values) - 1
+
+        try:
+            with torch.enable_grad(), (self._rng_at(pos) if len(self.rng) > 1 else contextlib.nullcontext()), \
+                    torch.autograd.graph.saved_tensors_hooks(pack, values.__getitem__):
+                new_carry = self._run(pos, carry)[0]
+        finally:
+            self.rest[pos] = rest
+        if len(values) != self.counts[pos]:
+            raise ScanError(f"scan: remat: step {pos} saved {len(values)} tensors for the backward when re-run, "
+                            f"{self.counts[pos]} in the forward; the body must run the same ops when it is "
+                            "re-run (use remat='save_all' for a body that does not).")
+        return values, new_carry
+
+
+def _first_device(args):
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device
+        if isinstance(a, (list, tuple)):
+            for t in a:
+                if isinstance(t, torch.Tensor):
+                    return t.device
+    return None
