@@ -45,7 +45,7 @@ def install():
     _compat.inductor.name_mutated_carries_in_cpp_while_loops()
     _compat.inductor.plan_cpp_subgraph_reuse_without_peak_estimate()
     _compat.inductor.write_extern_outputs_into_rows(lambda name: name.startswith(_LOOP_PREFIX) and "_body_" in name)
-    _compat.inductor.run_counted_loops_as_for_loops(lambda name: name.startswith(_LOOP_PREFIX))
+    _compat.inductor_loop.run_counted_loops_as_for_loops(lambda name: name.startswith(_LOOP_PREFIX))
     _compat.inductor.skip_output_asserts_of(torch.ops.torch_scan_hop.stacked_buffers.default)
     _installed = True
 
@@ -161,7 +161,8 @@ def _while_loop(body, ys_vals, counts, reverse):
             for y, buf in zip(out[nc:], bufs):
                 buf.select(0, i).copy_(y)
             new_carry = [_in_layout_of(new, old) for new, old in zip(out[:nc], carry)]
-            return (counter + 1, *bufs, *new_carry)
+            counter.add_(1)  # in place: no new 0-dim tensor per step
+            return (counter, *bufs, *new_carry)
 
         counter = torch.zeros([], dtype=torch.int64, device="cpu")
         # xs are read only: loop inputs, not carried (fewer values passed per step)
