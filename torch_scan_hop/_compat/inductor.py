@@ -196,13 +196,14 @@ def write_extern_outputs_into_rows(in_scan_body):
     """In a graph that ``in_scan_body(name)`` accepts, lower ``row.copy_(y)``
     (``row`` a view of an input buffer: a scan's ys buffer) by letting ``y``'s
     extern kernel (``extern_kernels.mm``/``addmm``/``bmm``: every weight
-    gradient of a training backward, saved matmul outputs) write the row
-    itself, as inductor does for the inputs of a ``cat``: the kernel's output
-    buffer becomes a non-owning view of the row. Anywhere else, and where
+    gradient of a training backward, saved matmul outputs) or reduction
+    kernel write the row itself, as inductor does for the inputs of a ``cat``:
+    the output buffer becomes a non-owning view of the row. Anywhere else, and where
     that is not exactly a copy (``_extern_output_into``), inductor's own
     ``copy_`` lowering runs unchanged. Not idempotent: call once.
-    torch 2.9-2.14: ``lowering.lowerings``, ``ir.NonOwningLayout``,
-    ``ir.ExternKernelOut``, ``V.graph.never_reuse_buffers``."""
+    torch 2.9-2.15: ``lowering.lowerings``, ``ir.NonOwningLayout``,
+    ``ir.ExternKernelOut``, ``ir.Reduction``, ``ir.ComputedBuffer``,
+    ``V.graph.never_reuse_buffers``."""
     import torch
     from torch._inductor.lowering import lowerings
     from torch._inductor.virtualized import V

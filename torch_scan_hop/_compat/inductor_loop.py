@@ -61,6 +61,9 @@ def run_counted_loops_as_for_loops(is_counted):
         try:
             with config.patch("graph_partition", False):
                 self.codegen_subgraph_by_inlining(body, inputs, inputs[:len(carried)])
+            # the body's lines are planned with the outer graph's: a buffer the body's kernels
+            # fused away must not be allocated there (a y's temporary, every step)
+            V.graph.removed_buffers |= body.graph.removed_buffers
         finally:
             del _steps[counter]
             _step_symbols.clear()

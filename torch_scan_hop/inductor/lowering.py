@@ -136,7 +136,9 @@ def _preallocate(ys_vals, symbols):
 def _while_loop(body, ys_vals, counts, reverse):
     """The traced replacement: preallocated ys (pooled storage), a CPU counter, and a loop body that
     runs ``body`` on the views ``x[i]`` and copies each y into ``ys[i]``, with
-    ``i = step_index(counter)`` (``L-1-counter`` when reverse)."""
+    ``i = step_index(counter)`` (``L-1-counter`` when reverse). The counter starts at 0 and
+    the body adds 1 to it in place (no new tensor per step): ``_compat.inductor_loop`` relies
+    on exactly that to read it as the Python loop variable of a static-length loop."""
 
     nc, nx, nl = counts
 
@@ -161,7 +163,7 @@ def _while_loop(body, ys_vals, counts, reverse):
             for y, buf in zip(out[nc:], bufs):
                 buf.select(0, i).copy_(y)
             new_carry = [_in_layout_of(new, old) for new, old in zip(out[:nc], carry)]
-            counter.add_(1)  # in place: no new 0-dim tensor per step
+            counter.add_(1)
             return (counter, *bufs, *new_carry)
 
         counter = torch.zeros([], dtype=torch.int64, device="cpu")
