@@ -116,7 +116,9 @@ def test_static_lengths_loop_with_no_cond_call(dynamic):
         counted = code.count(f"_step in range({n}):") == 2 and "while " not in code and "cond_result" not in code
         looped = code.count("while ") == 2 and "_step in range(" not in code
         if codes:  # the pool's outputs are made as its fake kernel says: not asserted after each call
-            assert "stacked_buffers.default(" in code and "stacked_buffers.default')" not in code
+            assert "stacked_buffers.default')" not in code
+        if n == 3:  # small ys of a static length are plain empty_strided (the pool would keep none)
+            assert ("stacked_buffers.default(" in code) == dynamic
         if counted:  # the body inlined, its index the loop variable: no function call or .item() per step
             assert ".item()" not in code and "_body_graph_0_0(" not in code, code[-3000:]
         if n == 3:  # compiled now: forward and backward loop
