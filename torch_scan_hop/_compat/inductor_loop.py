@@ -57,6 +57,7 @@ def run_counted_loops_as_for_loops(is_counted):
         self.writeline(f"for {name}_step in range({n}):")
         self.writeline(EnterSubgraphLine(self, body.graph))
         counter = next(iter(body.graph.graph_inputs))
+        outer_symbols = set(_step_symbols)  # an enclosing loop's (a scan in a scan's body)
         _steps[counter] = (f"{name}_step", n)
         try:
             with config.patch("graph_partition", False):
@@ -66,7 +67,8 @@ def run_counted_loops_as_for_loops(is_counted):
             V.graph.removed_buffers |= body.graph.removed_buffers
         finally:
             del _steps[counter]
-            _step_symbols.clear()
+            for symbol in set(_step_symbols) - outer_symbols:
+                del _step_symbols[symbol]
         self.writeline(ExitSubgraphLine(self))
         return None
 

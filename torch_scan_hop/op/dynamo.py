@@ -22,7 +22,6 @@ from ..core.op_args import slice_example
 from ..core.trees import ScanError
 from ..trace.flat_body import _ERROR
 
-
 _GRAPH_BREAK = ("torch_scan_hop.scan: the body fn must be captured whole by torch.compile "
                 "(no graph breaks inside the scanned function)")
 
