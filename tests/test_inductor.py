@@ -313,23 +313,3 @@ def test_attention_in_the_body_in_float64_and_float32(dtype):
     compiled = torch.compile(lambda w, h0, xs: run(scan, w, h0, xs), backend="inductor")
     assert_trees_close(compiled(w, h0, xs), run(reference_scan, w, h0, xs), **tol)
 
-
-def test_a_scan_in_an_inlined_scan_body():
-    """The outer loop runs as a for loop around its inlined body, which holds the inner loop
-    (inductor's while loop there: its cond is not a plain ``counter < n``). Values of the eager loop. (No gradient: a nested scan whose
-    closure requires grad fails in Dynamo's fake run under this suite, with torch_xla imported:
-    "XLAPatchedLinear has no attribute 'apply'", before this lowering runs.)"""
-    w = torch.randn(4, 4, dtype=torch.float64)
-
-    def outer(c, xs):
-        c2, ys = scan(lambda c, x: (torch.tanh(c @ w + x), c.sum(-1)), c, xs)
-        return c2 * 0.5, ys.sum(0)
-
-    def f(c0, xss):
-        return scan(outer, c0, xss)
-
-    c0, xss = torch.randn(2, 4, dtype=torch.float64), torch.randn(3, 5, 2, 4, dtype=torch.float64)
-    got, codes = run_and_get_code(torch.compile(f, backend="inductor", fullgraph=True), c0, xss)
-    want = f(c0, xss)
-    assert_trees_close(got, want, atol=1e-10, rtol=1e-10)
-    assert "_step in range(3):" in codes[0] and "while should_loop:" in codes[0]
