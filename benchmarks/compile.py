@@ -1,14 +1,17 @@
 """torch.compile(backend="inductor"): compile time and steady runtime vs scan length.
 
-tanh RNN cell H=64 B=8, forward, for T=16, 256, 1024: our scan, upstream torch's
-scan front end (measured in a child process that never imports torch_scan_hop,
-since after our import its front end would emit our op), and the unrolled
-Python loop. Ours runs with its default (under torch.compile, blocks of 8
-steps per loop iteration for T >= 16: inductor's while_loop pays a fixed cost
-per iteration) and with unroll=1 (one body call per iteration).
-Targets: compile time flat in T; steady runtime at T=1024
-<= 1.5x the compiled loop.
-Run: python benchmarks/compile.py [--lengths 16,256,1024]
+tanh RNN cell H=64 B=8, one thread, for T=16, 256, 1024, forward (or with --train a
+training step: loss = c.sum() + ys.sum(), backward to W): our scan with
+unroll=1 (the default) and with unroll=8 (blocks of 8 steps per loop iteration), the unrolled Python
+loop, upstream torch's scan front end (measured in a child process that never
+imports torch_scan_hop, since after our import its front end would emit our op), and
+the floor: one compiled body step, called T times. The variants are timed round by
+round in alternating order (``_timing.interleaved_times``), so a burst of load on a
+shared machine hits them alike; "/loop" is the median of the rounds' ratios to the
+compiled loop with its 95% bootstrap interval.
+Targets: compile time flat in T and <= the compiled loop's at T=16; steady runtime
+<= 1.05x the compiled loop at every T.
+Run: python benchmarks/compile.py [--lengths 16,256,1024] [--train] [--rounds 30]
 """
 import json
 import os
@@ -17,33 +20,59 @@ import sys
 import time
 
 os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # compile times, not cache hits
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _rnn import cell, run_loop  # noqa: E402
-from _timing import best_time, print_table  # noqa: E402
+from _rnn import cell, run_loop
+from _timing import best_time, interleaved_times, paired_ratio, print_table
 
 H, B = 64, 8
-UNROLL = 1
+TRAIN = "--train" in sys.argv
+ROUNDS = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 30
 
 
+def loss_of(fn):
+    """``fn`` itself (forward), or a training step: loss and backward inside the compiled region."""
+    if not TRAIN:
+        return fn
 
-def make_fns(scan_impl, **options):
-    def scanned(w, c0, xs):
-        return scan_impl(cell(w), c0, xs, **options)
+    def step(w, c0, xs):
+        c, ys = fn(w, c0, xs)
+        return c.sum() + ys.sum()
 
-    return scanned, run_loop
+    return step
 
 
-def measure(fn, t):
-    torch._dynamo.reset()
+def inputs(t):
     g = torch.Generator().manual_seed(t)
-    args = (torch.randn(H, H, generator=g) * 0.1, torch.zeros(B, H), torch.randn(t, B, H, generator=g))
-    compiled = torch.compile(fn, backend="inductor", fullgraph=True)
+    w = (torch.randn(H, H, generator=g) * 0.1).requires_grad_(TRAIN)
+    return w, torch.zeros(B, H), torch.randn(t, B, H, generator=g)
+
+
+def compiled(fn, t):
+    """``(call, first call in s)``: a zero-argument steady call of ``fn`` compiled for length ``t``."""
+    torch._dynamo.reset()
+    args = inputs(t)
+    fn = torch.compile(loss_of(fn), backend="inductor", fullgraph=True)
+    run = (lambda: fn(*args).backward()) if TRAIN else (lambda: fn(*args))
     t0 = time.perf_counter()
-    compiled(*args)
-    first = time.perf_counter() - t0
-    return first, best_time(lambda: compiled(*args), repeat=5, number=3)
+    run()
+    return run, time.perf_counter() - t0
+
+
+def body_floor(t):
+    """One compiled step of the body (forward, or forward and backward), times ``t``."""
+    torch._dynamo.reset()
+    w, c, xs = inputs(1)
+    x = xs[0]
+
+    def step(w, c, x):
+        c, y = cell(w)(c, x)
+        return (c.sum() + y.sum()) if TRAIN else (c, y)
+
+    fn = torch.compile(step, backend="inductor", fullgraph=True)
+    one = (lambda: fn(w, c, x).backward()) if TRAIN else (lambda: fn(w, c, x))
+    return best_time(one, repeat=20, number=20) * t
 
 
 def warm_up():
@@ -51,47 +80,64 @@ def warm_up():
     torch.compile(lambda a: torch.tanh(a) + 1, backend="inductor")(torch.ones(3))
 
 
-def collect(which, lengths):
-    warm_up()
-    if which == "upstream":
-        from torch._higher_order_ops.scan import scan as impl
+def collect_upstream(lengths):
+    from torch._higher_order_ops.scan import scan
 
-        torch._dynamo.config.capture_scalar_outputs = True  # upstream needs it (pytorch 153437)
-    else:
-        from torch_scan_hop import scan as impl
-    scanned, loop = make_fns(impl)
-    results = {f"{which}|{t}": measure(scanned, t) for t in lengths}
-    if which == "ours":
-        results.update({f"loop|{t}": measure(loop, t) for t in lengths})
-        unrolled, _ = make_fns(impl, unroll=UNROLL)
-        results.update({f"ours_unroll|{t}": measure(unrolled, t) for t in lengths})
-    return results
+    torch._dynamo.config.capture_scalar_outputs = True  # upstream needs it (pytorch 153437)
+    warm_up()
+    out = {}
+    for t in lengths:
+        run, first = compiled(lambda w, c0, xs: scan(cell(w), c0, xs), t)
+        out[t] = (first, best_time(run, repeat=5, number=3))
+    return out
+
+
+def collect_ours(t):
+    """First calls, and every round's time per call, of ours (unroll=1 and 8) and the loop."""
+    from torch_scan_hop import scan
+
+    variants = {"unroll1": lambda w, c0, xs: scan(cell(w), c0, xs, unroll=1),
+                "unroll8": lambda w, c0, xs: scan(cell(w), c0, xs, unroll=8),
+                "loop": run_loop}
+    runs, first = {}, {}
+    for name, fn in variants.items():
+        runs[name], first[name] = compiled(fn, t)
+    return first, interleaved_times(runs, repeat=ROUNDS)
+
+
+def ratio_cell(times, name):
+    med, lo, hi = paired_ratio(times[name], times["loop"])
+    return f"{med:.2f}x [{lo:.2f},{hi:.2f}]"
 
 
 def main():
     lengths = [16, 256, 1024]
     if "--lengths" in sys.argv:
         lengths = [int(v) for v in sys.argv[sys.argv.index("--lengths") + 1].split(",")]
-    if "--child" in sys.argv:
-        print(json.dumps(collect("upstream", lengths)))
-        return
     torch.set_num_threads(1)
-    results = collect("ours", lengths)
-    child = subprocess.run([sys.executable, __file__, "--child", "--lengths", ",".join(map(str, lengths))],
-                           capture_output=True, text=True)
-    if child.returncode:
-        sys.exit(f"upstream child failed:\n{child.stderr[-3000:]}")
-    results.update(json.loads(child.stdout.strip().splitlines()[-1]))
+    if "--child" in sys.argv:
+        print(json.dumps(collect_upstream(lengths)))
+        return
+    warm_up()
     rows = []
+    child = subprocess.run([sys.executable, __file__, "--child", "--lengths", ",".join(map(str, lengths)),
+                            *(["--train"] if TRAIN else [])], check=False, capture_output=True, text=True)
+    upstream = json.loads(child.stdout.strip().splitlines()[-1]) if child.returncode == 0 else {}
     for t in lengths:
-        (o1, o), (k1, k), (u1, u), (l1, loop) = (results[f"{n}|{t}"] for n in (
-            "ours", "ours_unroll", "upstream", "loop"))
-        rows.append([t, f"{o1:.1f}", f"{o * 1e3:.2f}", f"{o / loop:.2f}x", f"{k1:.1f}", f"{k * 1e3:.2f}",
-                     f"{k / loop:.2f}x", f"{u1:.1f}", f"{u * 1e3:.2f}", f"{u / loop:.2f}x", f"{l1:.1f}",
-                     f"{loop * 1e3:.2f}"])
-    print(f"inductor, tanh RNN H={H} B={B}, forward; compile = first call (s), run = steady per call (ms)")
-    print_table(["T", "ours compile", "ours run", "ours/loop", f"ours unroll={UNROLL} compile", "run", "/loop",
-                 "upstream compile", "upstream run", "upstream/loop", "loop compile", "loop run"], rows)
+        first, times = collect_ours(t)
+        best = {k: min(v) for k, v in times.items()}
+        up = upstream.get(str(t))
+        rows.append([t, f"{first['unroll1']:.1f}", f"{best['unroll1'] * 1e3:.3f}", ratio_cell(times, "unroll1"),
+                     f"{first['unroll8']:.1f}", f"{best['unroll8'] * 1e3:.3f}", ratio_cell(times, "unroll8"),
+                     f"{first['loop']:.1f}", f"{best['loop'] * 1e3:.3f}", f"{body_floor(t) * 1e3:.3f}",
+                     f"{up[0]:.1f}" if up else "-", f"{up[1] / best['loop']:.2f}x" if up else "-"])
+    if child.returncode:
+        print(f"upstream child failed:\n{child.stderr[-2000:]}")
+    what = "training step (fwd+bwd)" if TRAIN else "forward"
+    print(f"inductor, tanh RNN H={H} B={B}, {what}, one thread; compile = first call (s), run = best steady call"
+          f" (ms), /loop = median of {ROUNDS} interleaved rounds' ratios [95% interval]")
+    print_table(["T", "unroll=1 compile", "run", "/loop", "unroll=8 compile", "run", "/loop",
+                 "loop compile", "loop run", "body x T", "upstream compile", "upstream/loop"], rows)
 
 
 if __name__ == "__main__":

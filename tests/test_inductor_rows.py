@@ -1,8 +1,8 @@
-"""Inductor writes a step's matmul outputs straight into their rows of the stacked buffers.
+"""Inductor writes a step's matmul and reduction outputs straight into their rows of the stacked buffers.
 
 A scan's ys (in training: every saved activation and every stacked weight gradient) are rows of
-preallocated buffers. A y made by an extern kernel (mm/addmm/bmm) is written by that kernel into
-its row, not into a temporary copied there; a partition saves the base of several views of one
+preallocated buffers. A y made by an extern kernel (mm/addmm/bmm) or a reduction is written by
+that kernel into its row, not into a temporary copied there; a partition saves the base of several views of one
 value (q, k, v split from one matmul) once, so that matmul too writes its row directly. Values
 and float64 gradients against the Python loop, for every kind of y the direct write must leave
 alone (a y that is also the carry, one y returned twice, a transposed y)."""
@@ -38,6 +38,10 @@ def bodies(W, b, W3):
         "transposed y": lambda c, x: (torch.tanh(c @ W + x), (c @ W).t()),
         "y read later": lambda c, x: (lambda m: (torch.tanh(m + x), m * 2))(c @ W),
         "outer product y": lambda c, x: (c + x, c.t() @ x),
+        "sum y": lambda c, x: (torch.tanh(c @ W + x), c.sum(-1)),
+        "sum y read later": lambda c, x: (lambda s: (torch.tanh(c + x) * s.unsqueeze(-1), s))(c.sum(-1)),
+        "sum y is the carry": lambda c, x: (lambda s: (s, s))((c.unsqueeze(-1) * x.unsqueeze(-2)).sum(-1)),
+        "max and sum ys": lambda c, x: (c * 0.5 + x, (c.amax(0), (c * x).sum())),
     }
 
 
@@ -66,7 +70,7 @@ def test_matmul_ys_match_the_loop(name, reverse, unroll, n):
 
 
 def _written_into_rows(code):
-    """Names of extern-kernel outputs that are views of a loop body's input (a row of a ys buffer)."""
+    """Names of kernel outputs that are views of a loop body's input (a row of a ys buffer)."""
     return re.findall(r"(\w*buf\d+) = reinterpret_tensor\(\w*arg\d+_1, .*# alias", code)
 
 
@@ -87,6 +91,18 @@ def test_weight_gradients_are_written_into_their_rows():
         c = torch.tanh(c @ Ws[i])
     got = torch.autograd.grad(compiled(c0, Ws), (c0, Ws))
     assert_trees_close(got, torch.autograd.grad(c.sum(), (c0, Ws)), rtol=1e-5, atol=1e-6)
+
+
+def test_reduction_ys_are_computed_into_their_rows():
+    """A y that is a reduction (``c.sum(-1)``) is computed by its kernel straight into its row
+    of the stacked ys: no buffer of its own per step, no copy after it."""
+    W = torch.randn(16, 16, dtype=D)  # rows of 16: a reduction loop (8 or fewer are unrolled into a pointwise)
+    body = bodies(W, None, None)["sum y"]
+    c0, xs = torch.randn(3, 16, dtype=D), torch.randn(7, 3, 16, dtype=D)
+    compiled = torch.compile(lambda c, xs: scan(body, c, xs), backend="inductor", fullgraph=True)
+    got, (code,) = run_and_get_code(compiled, c0, xs)
+    assert len(_written_into_rows(code)) == 1, code
+    assert_trees_close(got, loop(body, c0, xs, False), rtol=1e-7, atol=1e-9)
 
 
 def test_views_of_one_value_are_saved_once():

@@ -14,7 +14,7 @@ from .op.hop import scan_op
 from .op.loop import run_tree
 from .trace import cache
 from .trace.body_checks import mark_checked
-from .trace.flat_body import AUTO_UNROLL, dynamo_body
+from .trace.flat_body import dynamo_body
 from .trace.lift import trace_and_lift
 from .xla import eager as xla_eager
 
@@ -80,7 +80,7 @@ def scan(fn, init, xs=None, *, length=None, reverse=False, dim=0, remat="save_al
 def _scan(fn, init, inputs, reverse, remat, unroll):
     if _compat.is_dynamo_compiling():  # op.dynamo captures fn as a subgraph, closures lifted
         out = scan_op(dynamo_body(fn, inputs), inputs.init_leaves, inputs.xs_leaves, (),
-                      reverse=reverse, remat=remat, unroll=AUTO_UNROLL if unroll is None else unroll)
+                      reverse=reverse, remat=remat, unroll=1 if unroll is None else unroll)
         return inputs.init_spec.unflatten(out[:inputs.num_carry]), out[inputs.num_carry]
     if not callable(remat) and (_compat.runs_eagerly([*inputs.init_leaves, *inputs.xs_leaves])
                                 or _under_grad_while_tracing()):

@@ -13,6 +13,7 @@ Nothing else in torch_scan_hop imports a private torch name
 - ``functorch``: vmap levels and batched tensors;
 - ``inductor``: post-grad scan pass, pattern matcher, subgraph lowering;
 - ``cpp_wrapper``: inductor's C++ wrapper (AOTInductor): whether a graph gets one, its while_loop defects;
+- ``inductor_loop``: the Python wrapper's code for scan's counted loops;
 - ``defects``: the mechanics of the torch 2.9 workarounds (an inductor IR patch, a fake rule);
 - ``nn``: ``nn.Module`` internals (state dicts, hooks);
 - ``distributed``: FSDP2's hooks and policies (scan_layers over ``fully_shard`` layers);
@@ -34,6 +35,7 @@ from . import (  # noqa: F401
     functorch,
     hop,
     inductor,
+    inductor_loop,
     nn,
     tracing,
     xla,

@@ -130,13 +130,14 @@ def write_extern_outputs_into_rows(in_scan_body):
     """In a graph that ``in_scan_body(name)`` accepts, lower ``row.copy_(y)``
     (``row`` a view of an input buffer: a scan's ys buffer) by letting ``y``'s
     extern kernel (``extern_kernels.mm``/``addmm``/``bmm``: every weight
-    gradient of a training backward, saved matmul outputs) write the row
-    itself, as inductor does for the inputs of a ``cat``: the kernel's output
-    buffer becomes a non-owning view of the row. Anywhere else, and where
+    gradient of a training backward, saved matmul outputs) or reduction
+    kernel write the row itself, as inductor does for the inputs of a ``cat``:
+    the output buffer becomes a non-owning view of the row. Anywhere else, and where
     that is not exactly a copy (``_extern_output_into``), inductor's own
     ``copy_`` lowering runs unchanged. Not idempotent: call once.
-    torch 2.9-2.14: ``lowering.lowerings``, ``ir.NonOwningLayout``,
-    ``ir.ExternKernelOut``, ``V.graph.never_reuse_buffers``."""
+    torch 2.9-2.15: ``lowering.lowerings``, ``ir.NonOwningLayout``,
+    ``ir.ExternKernelOut``, ``ir.Reduction``, ``ir.ComputedBuffer``,
+    ``V.graph.never_reuse_buffers``."""
     import torch
     from torch._inductor.lowering import lowerings
     from torch._inductor.virtualized import V
@@ -204,15 +205,24 @@ def _row_view(dst):
 
 
 def _extern_kernel_of(src):
-    """The plain extern kernel call whose whole output ``src`` is, its layout
-    still its own (not yet aliased elsewhere), or None."""
+    """The buffer that is the whole of ``src``, its layout still its own (not yet
+    aliased elsewhere): a plain extern kernel call, or a reduction (realized here:
+    a ``y = c.sum(-1)`` was computed into a buffer of its own and copied into the
+    row, an allocation and a copy per step), else None. An unrealized pointwise
+    ``src`` needs none of this: inductor's ``copy_`` computes it into the row."""
     from torch._inductor import ir
 
     box = getattr(src, "data", None)
-    kernel = box.data if isinstance(box, ir.StorageBox) else None
-    if type(kernel) is not ir.ExternKernelOut or type(kernel.layout) not in (ir.FixedLayout, ir.FlexibleLayout):
+    if not isinstance(box, ir.StorageBox):
         return None
-    return kernel
+    if isinstance(box.data, ir.Reduction):
+        box.realize()
+    kernel = box.data
+    if type(kernel) is ir.ExternKernelOut and type(kernel.layout) in (ir.FixedLayout, ir.FlexibleLayout):
+        return kernel
+    if type(kernel) is ir.ComputedBuffer and type(kernel.layout) is ir.FlexibleLayout:
+        return kernel
+    return None
 
 
 def _also_uses_symbols_of(kernel, offset):
@@ -250,69 +260,6 @@ def _allocate_no_input_buffers():
 
     codegen_allocation._scan_skips_inputs = True
     PythonWrapperCodegen.codegen_allocation = codegen_allocation
-
-
-def run_counted_loops_as_for_loops(is_counted):
-    """Generate ``for <loop>_step in range(n):`` around the body of a while_loop whose
-    cond graph is ``counter < n`` (``n`` an int), when ``is_counted(name)``
-    accepts its cond subgraph's name (loops whose counter starts at 0 and that
-    run at least once). Inductor's own codegen calls the cond subgraph
-    before every iteration: an argument list, a function call, a bool buffer,
-    a C++ kernel and a tensor-to-bool conversion, ~5-15 us each time, twice per
-    layer of a training step. Python wrapper only (a C++ wrapper has its own
-    ``codegen_while_loop``); other loops go to inductor's codegen. Not
-    idempotent: call once. torch 2.9-2.14:
-    ``PythonWrapperCodegen.codegen_while_loop(while_loop, stack_output)``,
-    ``codegen_subgraph_with_flattened_outputs``, ``EnterSubgraphLine``."""
-    from torch._inductor.codegen.wrapper import (
-        EnterSubgraphLine,
-        ExitSubgraphLine,
-        PythonWrapperCodegen,
-    )
-    from torch._inductor.virtualized import V
-
-    codegen = PythonWrapperCodegen.codegen_while_loop
-
-    def codegen_while_loop(self, while_loop, stack_output=False):
-        cond = while_loop.cond_subgraph
-        n = None
-        if not stack_output and not V.graph.aot_mode and is_counted(cond.name):
-            n = _static_trip_count(cond.graph_module)
-        if n is None or n < 1:
-            return codegen(self, while_loop, stack_output)
-        name = while_loop.get_name()
-        carried = [buf.codegen_reference() for buf in while_loop.carried_inputs]
-        inputs = [f"{name}[{i}]" for i in range(len(carried))]
-        inputs += [buf.codegen_reference() for buf in while_loop.additional_inputs]
-        self.writeline(f"{name} = [{', '.join(carried)}]")
-        self.writeline(f"for {name}_step in range({n}):")
-        self.writeline(EnterSubgraphLine(self, while_loop.body_subgraph.graph))
-        self.codegen_subgraph_with_flattened_outputs(while_loop.body_subgraph, inputs, inputs[:len(carried)])
-        self.writeline(ExitSubgraphLine(self))
-        return None
-
-    PythonWrapperCodegen.codegen_while_loop = codegen_while_loop
-
-
-def _static_trip_count(cond_gm):
-    """``n`` when ``cond_gm`` computes exactly ``arg0 < n`` for an int ``n``, else None."""
-    import torch
-
-    nodes = [n for n in cond_gm.graph.nodes if n.op not in ("placeholder", "output")]
-    if len(nodes) != 1:
-        return None
-    (lt,) = nodes
-    first = next(iter(cond_gm.graph.find_nodes(op="placeholder")), None)
-    if (lt.op != "call_function" or lt.target is not torch.ops.aten.lt.Scalar or len(lt.args) != 2
-            or lt.args[0] is not first or type(lt.args[1]) is not int):
-        return None
-    (out,) = cond_gm.graph.find_nodes(op="output")
-    results = out.args[0]
-    if isinstance(results, (tuple, list)) and len(results) == 1:
-        results = results[0]
-    if results is not lt:
-        return None
-    return lt.args[1]
 
 
 def skip_output_asserts_of(op):

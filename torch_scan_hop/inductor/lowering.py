@@ -46,7 +46,7 @@ def install():
     _compat.cpp_wrapper.name_mutated_carries_in_cpp_while_loops()
     _compat.cpp_wrapper.plan_cpp_subgraph_reuse_without_peak_estimate()
     _compat.inductor.write_extern_outputs_into_rows(lambda name: name.startswith(_LOOP_PREFIX) and "_body_" in name)
-    _compat.inductor.run_counted_loops_as_for_loops(lambda name: name.startswith(_LOOP_PREFIX))
+    _compat.inductor_loop.run_counted_loops_as_for_loops(lambda name: name.startswith(_LOOP_PREFIX))
     _compat.inductor.skip_output_asserts_of(torch.ops.torch_scan_hop.stacked_buffers.default)
     _installed = True
 
@@ -137,7 +137,9 @@ def _preallocate(ys_vals, symbols):
 def _while_loop(body, ys_vals, counts, reverse):
     """The traced replacement: preallocated ys (pooled storage), a CPU counter, and a loop body that
     runs ``body`` on the views ``x[i]`` and copies each y into ``ys[i]``, with
-    ``i = step_index(counter)`` (``L-1-counter`` when reverse)."""
+    ``i = step_index(counter)`` (``L-1-counter`` when reverse). The counter starts at 0 and
+    the body adds 1 to it in place (no new tensor per step): ``_compat.inductor_loop`` relies
+    on exactly that to read it as the Python loop variable of a static-length loop."""
 
     nc, nx, nl = counts
 
@@ -162,7 +164,8 @@ def _while_loop(body, ys_vals, counts, reverse):
             for y, buf in zip(out[nc:], bufs):
                 buf.select(0, i).copy_(y)
             new_carry = [_in_layout_of(new, old) for new, old in zip(out[:nc], carry)]
-            return (counter + 1, *bufs, *new_carry)
+            counter.add_(1)
+            return (counter, *bufs, *new_carry)
 
         counter = torch.zeros([], dtype=torch.int64, device="cpu")
         # xs are read only: loop inputs, not carried (fewer values passed per step)

@@ -21,10 +21,7 @@ from .. import _compat
 from ..core.op_args import slice_example
 from ..core.remat import RematPolicy, as_token
 from ..core.trees import ScanError
-from ..trace.flat_body import _ERROR, AUTO_UNROLL
-
-_AUTO_MIN_LENGTH, _AUTO_BLOCK = 16, 8
-
+from ..trace.flat_body import _ERROR
 
 _GRAPH_BREAK = ("torch_scan_hop.scan: the body fn must be captured whole by torch.compile "
                 "(no graph breaks inside the scanned function)")
@@ -60,7 +57,6 @@ def _make_tracker_class():
             combine_fn, init, xs, additional = args
             _materialize_lazy_graph(combine_fn)
             options = {k: _option_value(tx, k, v) for k, v in kwargs.items()}
-            options["unroll"] = _resolve_unroll(tx, options.get("unroll", 1), xs.unpack_var_sequence(tx))
             options = _non_default_options(options)
             init_vars, xs_vars = init.unpack_var_sequence(tx), xs.unpack_var_sequence(tx)
             add_vars = additional.unpack_var_sequence(tx)
@@ -158,21 +154,6 @@ def _allow_scalar_outputs(tx):
     ``aten._local_scalar_dense`` (pytorch 153437); that needs this frame's
     ShapeEnv to accept scalar outputs, which users should not have to set up."""
     _compat.allow_scalar_outputs(tx.output.shape_env)
-
-
-def _resolve_unroll(tx, unroll, xs_vars):
-    """``unroll=None`` under torch.compile: blocks of 8 steps per loop iteration
-    for a static length >= 16 (inductor's while_loop pays a fixed cost per
-    iteration, ~as much as a small RNN step), else 1. Export keeps the plain
-    one-node form."""
-    if unroll != AUTO_UNROLL:
-        return unroll
-    from .._compat.dynamo import fake_value, is_exporting
-
-    length = fake_value(xs_vars[0].as_proxy().node, tx).shape[0] if xs_vars else None
-    if is_exporting(tx) or not isinstance(length, int) or length < _AUTO_MIN_LENGTH:
-        return 1
-    return _AUTO_BLOCK
 
 
 def _non_default_options(options):

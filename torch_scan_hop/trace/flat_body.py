@@ -7,7 +7,6 @@ import functools
 from ..core.trees import ScanError, ScanInputs, check_carry, check_pair
 
 _ERROR = "__torch_scan_hop_error__"
-AUTO_UNROLL = "auto"  # scan(unroll=None) under torch.compile: the tracker picks
 
 
 def pytree_step(*flat, fn, inputs):
