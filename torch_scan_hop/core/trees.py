@@ -148,7 +148,7 @@ def _join_xla_device(leaves):
     operand of each op to the device; the scan is one op on XLA, so its
     inputs move once, up front (differentiably: CPU leaves still get grads).
     """
-    xla = next((t.device for t in leaves if t.is_xla), None)
+    xla = next((t.device for t in leaves if t.device.type == "xla"), None)
     if xla is None:
         return leaves
     return [t.to(xla) if t.device.type == "cpu" else t for t in leaves]
