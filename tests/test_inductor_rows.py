@@ -95,10 +95,11 @@ def test_weight_gradients_are_written_into_their_rows():
 
 def test_reduction_ys_are_computed_into_their_rows():
     """A y that is a reduction (``c.sum(-1)``) is computed by its kernel straight into its row
-    of the stacked ys: no buffer of its own per step, no copy after it."""
+    of the stacked ys: no buffer of its own per step, no copy after it. (Where each row starts
+    16-byte aligned, as here: a batch of 4 float64 sums; otherwise the reduction keeps its buffer.)"""
     W = torch.randn(16, 16, dtype=D)  # rows of 16: a reduction loop (8 or fewer are unrolled into a pointwise)
     body = bodies(W, None, None)["sum y"]
-    c0, xs = torch.randn(3, 16, dtype=D), torch.randn(7, 3, 16, dtype=D)
+    c0, xs = torch.randn(4, 16, dtype=D), torch.randn(7, 4, 16, dtype=D)
     compiled = torch.compile(lambda c, xs: scan(body, c, xs), backend="inductor", fullgraph=True)
     got, (code,) = run_and_get_code(compiled, c0, xs)
     assert len(_written_into_rows(code)) == 1, code

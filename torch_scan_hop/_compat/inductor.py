@@ -10,6 +10,8 @@ The C++ wrapper's adapters are in ``cpp_wrapper``.
 """
 import functools
 
+import sympy
+
 
 def post_grad_module():
     """``torch._inductor.fx_passes.post_grad`` (torch 2.9-2.14), whose
@@ -180,6 +182,8 @@ def _extern_output_into(dst, src):
             and equal(rlay.stride, dense) and sv.statically_known_equals(lay.offset, 0)
             and (isinstance(lay, ir.FlexibleLayout) or equal(lay.stride, rlay.stride))):
         return False  # not the whole output, or not dense in the row's layout
+    if type(kernel) is ir.ComputedBuffer and sympy.Mod(rlay.offset * rlay.dtype.itemsize, 16) != 0:
+        return False  # a kernel's output must start 16-byte aligned (torch 2.15's while_loop checks it)
     kernel.layout = ir.NonOwningLayout(row)
     V.graph.never_reuse_buffers.add(kernel.get_name())  # its storage is the row: never handed on
     V.graph.mark_buffer_mutated(base.get_name())
