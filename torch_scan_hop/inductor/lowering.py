@@ -64,6 +64,7 @@ def _lower_scans(gm):
         flat = [*init, *xs, *lifted]
         counts = (len(init), len(xs), len(lifted))
         reverse = bool(node.kwargs.get("reverse", False))
+        _allow_loop_index(node)
         match.replace_by_example(_as_multi_output(_while_loop(body, ys_vals, counts, reverse)), flat,
                                  run_functional_passes=False)
 
@@ -72,6 +73,17 @@ def _lower_scans(gm):
     _name_our_loops(gm, theirs)
     gm.graph.lint()
     gm.recompile()
+
+
+def _allow_loop_index(node):
+    """Let the graph's ShapeEnv make the loop index an unbacked int (``counter.item()``).
+    Our Dynamo tracker allows that when it captures a scan; a scan captured by
+    upstream's tracker (upstream's front end ``torch._higher_order_ops.scan.scan``,
+    whose graphs call this op), by make_fx or by export did not, and the lowering
+    failed with ``DataDependentOutputException`` (a graph break, then eager, the whole
+    inductor compile spent for nothing)."""
+    mode = _compat.detect_fake_mode([v for v in node.meta["val"] if isinstance(v, torch.Tensor)])
+    _compat.allow_scalar_outputs(getattr(mode, "shape_env", None))
 
 
 def _as_multi_output(lowered):
