@@ -20,7 +20,7 @@ import torch
 from .. import _compat
 from ..core.schedule import segments, step_index
 from ..core.trees import split_counts
-from . import buffer_pool, workarounds
+from . import buffer_pool, host_rows, workarounds
 
 _installed = False
 _LOOP_PREFIX = "scan_loop_"  # our while_loops' cond/body subgraphs: no per-iteration input asserts
@@ -154,6 +154,7 @@ def _while_loop(body, ys_vals, counts, reverse):
     on exactly that to read it as the Python loop variable of a static-length loop."""
 
     nc, nx, nl = counts
+    on_host = host_rows.host_written_ys(body, nc)
 
     def lowered(*flat):
         init, xs, lifted = split_counts(flat, nc, nx, nl)
@@ -173,8 +174,11 @@ def _while_loop(body, ys_vals, counts, reverse):
             torch.ops.aten._assert_scalar.default(i >= 0, "scan: index below 0")
             torch.ops.aten._assert_scalar.default(i < length, "scan: index past the end")
             out = body(*carry, *(x.select(0, i) for x in xs_), *lifted_)
-            for y, buf in zip(out[nc:], bufs):
-                buf.select(0, i).copy_(y)
+            for k, (y, buf) in enumerate(zip(out[nc:], bufs)):
+                if k in on_host:  # a value whose device only the run knows (``host_rows``)
+                    host_rows.copy_row(buf, i, y)
+                else:
+                    buf.select(0, i).copy_(y)
             new_carry = [_in_layout_of(new, old) for new, old in zip(out[:nc], carry)]
             counter.add_(1)
             return (counter, *bufs, *new_carry)
