@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+from conftest import reference_scan
 from torch import nn
 
 from torch_scan_hop import scan, scan_layers, stack_layers
@@ -83,14 +84,6 @@ def _cell_over_time(kind, device):
     return cell, lambda run, xs: run(step, init, xs)[1]
 
 
-def _loop_scan(fn, init, xs):
-    carry, ys = init, []
-    for x in xs:
-        carry, y = fn(carry, x)
-        ys.append(y)
-    return carry, torch.stack(ys)
-
-
 def _loss_and_grads(fn, module, h):
     loss = fn(h).square().mean()
     return [loss.detach(), *torch.autograd.grad(loss, [h, *module.parameters()])]
@@ -121,20 +114,14 @@ def test_layer_trains_under_inductor_as_the_loop(kind, device, fresh_dynamo):
         h = torch.randn(S, B, D, device=device, requires_grad=True)
         compiled = torch.compile(lambda xs: run(scan, xs), backend="inductor")
         got = _loss_and_grads(compiled, module, h)
-        want = _loss_and_grads(lambda xs: run(_loop_scan, xs), module, h)
+        want = _loss_and_grads(lambda xs: run(reference_scan, xs), module, h)
     else:
         module = _stack(kind, device)
         h = torch.randn(B * S, D, device=device) if kind == "grucell_stack" else torch.randn(B, S, D, device=device)
         h.requires_grad_(True)
         compiled = torch.compile(lambda x: scan_layers(module, x), backend="inductor")
         got = _loss_and_grads(compiled, module, h)
-
-        def loop(x):
-            for layer in module:
-                x = layer(x)
-            return x
-
-        want = _loss_and_grads(loop, module, h)
+        want = _loss_and_grads(lambda x: _loop_layers(module, x), module, h)
     _assert_close(got, want)
 
 
@@ -208,5 +195,5 @@ def test_rows_written_by_aten_give_the_loops_values_and_grads(monkeypatch, fresh
         return [loss.detach(), *torch.autograd.grad(loss, [c0, xs, w])]
 
     got, codes = run_and_get_code(lambda: grads(torch.compile(scan, backend="inductor")))
-    _assert_close(got, grads(_loop_scan))
+    _assert_close(got, grads(reference_scan))
     assert any("host_row_copy" in code for code in codes)
