@@ -62,12 +62,19 @@ struct Signature {
 // leaves them pending; after each While the entry writes the last block. The
 // first iteration's pending block is what the buffer already holds where its
 // own rows will go, so writing it back changes nothing.
+// The delay costs two copies of a row per step. Where rows are big and few
+// (layer stacks: a [1024, 256] row, 64 steps) the fused write costs less: its
+// loop skips each other row with one test, so a y whose row has at least
+// 4 * length elements is written at once, in its [length, ...] buffer.
 int64_t per_step(const Shape& y) {
   int64_t n = 1;
   for (size_t i = 1; i < y.dims.size(); ++i) n *= y.dims[i];
   return n;
 }
 Shape flat(const Shape& y, int64_t rows) { return Shape{y.etype, {rows * per_step(y)}, {}}; }
+bool delayed(const Signature& sig, size_t k) { return per_step(sig.ys[k]) < 4 * sig.length; }
+// How ys[k] lives in the loop state.
+Shape stacked(const Signature& sig, size_t k) { return delayed(sig, k) ? flat(sig.ys[k], sig.length) : sig.ys[k]; }
 
 // The first buffer row of the block iteration `counter` (a value) of seg writes.
 int64_t block_row(Computation& c, const Signature& sig, const Segment& seg, int64_t counter, const std::string& p) {
@@ -76,14 +83,17 @@ int64_t block_row(Computation& c, const Signature& sig, const Segment& seg, int6
 }
 
 // ---------------------------------------------------------------- loop state
-// (counter, carry..., xs..., ys (flat)..., pass..., pending blocks..., their offsets...)
+// (counter, carry..., xs..., ys..., pass..., pending blocks..., their offsets...): a block and
+// an offset for each delayed y (a y written at once has -1 in State's blocks and offsets).
 std::vector<Shape> state_parts(const Signature& sig, int64_t unroll) {
   std::vector<Shape> parts{scalar(kS64)};
   for (auto* group : {&sig.carry, &sig.xs}) parts.insert(parts.end(), group->begin(), group->end());
-  for (const Shape& y : sig.ys) parts.push_back(flat(y, sig.length));
+  for (size_t k = 0; k < sig.ys.size(); ++k) parts.push_back(stacked(sig, k));
   parts.insert(parts.end(), sig.pass.begin(), sig.pass.end());
-  for (const Shape& y : sig.ys) parts.push_back(flat(y, unroll));
-  parts.insert(parts.end(), sig.ys.size(), scalar(kS64));
+  for (size_t k = 0; k < sig.ys.size(); ++k)
+    if (delayed(sig, k)) parts.push_back(flat(sig.ys[k], unroll));
+  for (size_t k = 0; k < sig.ys.size(); ++k)
+    if (delayed(sig, k)) parts.push_back(scalar(kS64));
   return parts;
 }
 
@@ -102,9 +112,15 @@ State unpack(Computation& c, int64_t tuple, const Signature& sig, int64_t unroll
   State s;
   std::vector<Shape> parts = state_parts(sig, unroll);
   int index = 0;
-  auto group = [&](const char* name, size_t n, std::vector<int64_t>& out, bool wanted) {
-    for (size_t i = 0; i < n; ++i, ++index)
+  auto group = [&](const char* name, size_t n, std::vector<int64_t>& out, bool wanted, bool per_y = false) {
+    for (size_t i = 0; i < n; ++i) {
+      if (per_y && !delayed(sig, i)) {
+        out.push_back(-1);
+        continue;
+      }
       out.push_back(wanted ? c.gte(p + name + std::to_string(i), tuple, parts[index], index) : int64_t(-1));
+      ++index;
+    }
   };
   s.counter = reads == kAll ? c.gte(p + "counter", tuple, parts[0], 0) : int64_t(-1);
   index = 1;
@@ -112,23 +128,25 @@ State unpack(Computation& c, int64_t tuple, const Signature& sig, int64_t unroll
   group("xs", sig.xs.size(), s.xs, reads != kResults);
   group("ys", sig.ys.size(), s.ys, true);
   group("pass", sig.pass.size(), s.pass, reads != kResults);
-  group("block", sig.ys.size(), s.blocks, true);
-  group("offset", sig.ys.size(), s.offsets, true);
+  group("block", sig.ys.size(), s.blocks, true, true);
+  group("offset", sig.ys.size(), s.offsets, true, true);
   return s;
 }
 
 int64_t pack(Computation& c, const std::string& label, const State& s, const Signature& sig, int64_t unroll) {
   std::vector<int64_t> parts{s.counter};
   for (auto* group : {&s.carry, &s.xs, &s.ys, &s.pass, &s.blocks, &s.offsets})
-    parts.insert(parts.end(), group->begin(), group->end());
+    for (int64_t v : *group)
+      if (v != -1) parts.push_back(v);  // -1: the block and offset of a y written at once
   return c.emit(label, "tuple", tuple_of(state_parts(sig, unroll)), parts);
 }
 
 // Writes each pending block into its flat ys buffer.
 void write_blocks(Computation& c, const Signature& sig, State& s, const std::string& p) {
   for (size_t k = 0; k < s.ys.size(); ++k)
-    s.ys[k] = c.emit(p + "ys" + std::to_string(k), "dynamic-update-slice", flat(sig.ys[k], sig.length),
-                     {s.ys[k], s.blocks[k], s.offsets[k]});
+    if (delayed(sig, k))
+      s.ys[k] = c.emit(p + "ys" + std::to_string(k), "dynamic-update-slice", stacked(sig, k),
+                       {s.ys[k], s.blocks[k], s.offsets[k]});
 }
 
 // The call's result: our shapes with the element types the body declares.
@@ -192,7 +210,13 @@ void emit_step(Computation& c, const Signature& sig, const Segment& seg, int64_t
     std::string name = p + "y" + std::to_string(k);
     const Shape& part = result.tuple[s.carry.size() + k];
     int64_t y = as_type(c, c.gte(name, out, part, int(s.carry.size() + k)), part, sig.ys[k].etype, name);
-    rows[k].push_back(c.emit(name + "_flat", "reshape", flat(sig.ys[k], 1), {y}));
+    if (delayed(sig, k)) {
+      rows[k].push_back(c.emit(name + "_flat", "reshape", flat(sig.ys[k], 1), {y}));
+      continue;
+    }
+    std::vector<int64_t> at{s.ys[k], c.emit(name + "_row", "reshape", with_lead_one(drop_lead(sig.ys[k])), {y}), idx};
+    at.insert(at.end(), sig.ys[k].dims.size() - 1, zero);
+    s.ys[k] = c.emit(p + "ys" + std::to_string(k), "dynamic-update-slice", sig.ys[k], at);
   }
 }
 
@@ -217,6 +241,7 @@ int64_t build_loop_body(Module& mod, const Signature& sig, const Segment& seg, i
   for (int64_t j = 0; j < seg.unroll; ++j) emit_step(c, sig, seg, j, s, rows);
   int64_t first_row = block_row(c, sig, seg, counter, "");
   for (size_t k = 0; k < sig.ys.size(); ++k) {
+    if (!delayed(sig, k)) continue;
     std::string name = "block" + std::to_string(k);
     if (sig.reverse) std::reverse(rows[k].begin(), rows[k].end());  // call j writes row stop - 1 - (counter + j)
     s.blocks[k] = rows[k].size() == 1 ? rows[k][0] : c.emit(name, "concatenate", flat(sig.ys[k], seg.unroll), rows[k],
@@ -293,19 +318,20 @@ std::string build_module(const std::string& body, Signature sig) {
   params("ys", sig.ys, s.ys);
   params("pass", sig.pass, s.pass);
   for (size_t k = 0; k < sig.ys.size(); ++k)
-    s.ys[k] = e.emit("ys" + std::to_string(k) + "_flat", "reshape", flat(sig.ys[k], sig.length), {s.ys[k]});
+    if (delayed(sig, k)) s.ys[k] = e.emit("ys" + std::to_string(k) + "_flat", "reshape", stacked(sig, k), {s.ys[k]});
   for (size_t n = 0; n < loops.size(); ++n) {
     const Segment& seg = sig.segments[n];
     std::string p = "seg" + std::to_string(n) + "_";
     s.counter = e.constant_s64(p + "counter", 0);
     int64_t first_row = block_row(e, sig, seg, s.counter, p);
-    s.blocks.clear(), s.offsets.clear();
+    s.blocks.assign(sig.ys.size(), -1), s.offsets.assign(sig.ys.size(), -1);
     for (size_t k = 0; k < sig.ys.size(); ++k) {  // what the buffer holds where the first block goes
+      if (!delayed(sig, k)) continue;
       std::string name = p + "block" + std::to_string(k);
       Shape block = flat(sig.ys[k], seg.unroll);
-      s.offsets.push_back(e.multiply(name + "_offset", first_row, e.constant_s64(name + "_row_size", per_step(sig.ys[k]))));
-      s.blocks.push_back(e.emit(name, "dynamic-slice", block, {s.ys[k], s.offsets[k]},
-                                [&](Msg& m) { m.packed(kHloInstructionDynamicSliceSizes, block.dims); }));
+      s.offsets[k] = e.multiply(name + "_offset", first_row, e.constant_s64(name + "_row_size", per_step(sig.ys[k])));
+      s.blocks[k] = e.emit(name, "dynamic-slice", block, {s.ys[k], s.offsets[k]},
+                           [&](Msg& m) { m.packed(kHloInstructionDynamicSliceSizes, block.dims); });
     }
     int64_t init = pack(e, p + "init", s, sig, seg.unroll);
     int64_t done = e.emit(p + "while", "while", tuple_of(state_parts(sig, seg.unroll)), {init}, [&](Msg& m) {
@@ -315,7 +341,8 @@ std::string build_module(const std::string& body, Signature sig) {
     write_blocks(e, sig, s, p + "last_");
   }
   std::vector<int64_t> outs(s.carry);
-  for (size_t k = 0; k < sig.ys.size(); ++k) outs.push_back(e.emit("ys" + std::to_string(k), "reshape", sig.ys[k], {s.ys[k]}));
+  for (size_t k = 0; k < sig.ys.size(); ++k)
+    outs.push_back(delayed(sig, k) ? e.emit("ys" + std::to_string(k), "reshape", sig.ys[k], {s.ys[k]}) : s.ys[k]);
   std::vector<Shape> out_shapes(sig.carry);
   out_shapes.insert(out_shapes.end(), sig.ys.begin(), sig.ys.end());
   Shape result = tuple_of(out_shapes);

@@ -12,6 +12,10 @@ result has at least ``LENGTH`` elements other than a lone dynamic-update-slice
 and the free ones (parameter, get-tuple-element, tuple, bitcast). Every
 per-step value here is smaller than ``LENGTH``, so only stacked buffers can be
 that big. Values are checked against the Python loop too.
+
+A y whose row has at least 4 * length elements (a layer stack's activations)
+is written at once by a fused update instead (csrc/hlo_scan.cc, "stacked ys"):
+``test_rows_written_at_once_and_delayed_together`` checks its values.
 """
 import glob
 import os
@@ -145,3 +149,22 @@ def test_no_stacked_buffer_written_whole_inside_the_loop(case, reverse):
 def test_no_stacked_buffer_written_whole_with_unroll(reverse):
     """unroll=2 over 37 steps: a block of two rows per iteration, then a remainder While."""
     _isolated.call("test_xla_stacking", "check_stacking", "train", reverse, 2, env=_ENV)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("unroll", [1, 2])
+def test_rows_written_at_once_and_delayed_together(reverse, unroll):
+    """Length 3: a 12-element row (written at once) beside a 2-element one (delayed), values and grads."""
+    import torch
+    from xla_util import assert_matches_loop
+
+    g = torch.Generator().manual_seed(3 + unroll + 5 * reverse)
+    w, xs = torch.randn(6, 6, generator=g) * 0.5, torch.randn(3, 2, 6, generator=g)
+
+    def make_body(w):
+        def body(c, x):
+            c = torch.tanh(c @ w + x)
+            return c, (c, c.sum(-1))
+        return body
+
+    assert_matches_loop(make_body, [w], torch.zeros(2, 6), xs, grad=True, reverse=reverse, unroll=unroll)
