@@ -33,6 +33,14 @@ _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "dynamic-update-s
 _DUMP = os.path.join(tempfile.gettempdir(), f"scan_stacking_dump_{os.getpid()}")
 _ENV = {"XLA_FLAGS": f"--xla_dump_to={_DUMP} --xla_dump_hlo_as_text"}
 
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_dump():
+    yield
+    shutil.rmtree(_DUMP, ignore_errors=True)
+
+
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.-]+) .*\{$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.-]+) = (\S+?)(?:\{[^}]*\})? ([\w-]+)\(")
 _WHILE_BODY = re.compile(r"\bwhile\(.*\bbody=%([\w.-]+)")
