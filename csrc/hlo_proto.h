@@ -42,6 +42,7 @@ constexpr int kHloInstructionShape = 3;                  // xla.ShapeProto shape
 constexpr int kHloInstructionLiteral = 8;                // xla.LiteralProto literal = 8;
 constexpr int kHloInstructionParameterNumber = 9;        // int64 parameter_number = 9;
 constexpr int kHloInstructionTupleIndex = 13;            // int64 tuple_index = 13;
+constexpr int kHloInstructionDimensions = 14;            // repeated int64 dimensions = 14;
 constexpr int kHloInstructionDynamicSliceSizes = 20;     // repeated int64 dynamic_slice_sizes = 20;
 constexpr int kHloInstructionId = 35;                    // int64 id = 35;
 constexpr int kHloInstructionOperandIds = 36;            // repeated int64 operand_ids = 36;
@@ -233,6 +234,9 @@ struct Computation {
   int64_t add(const std::string& label, int64_t a, int64_t b) { return emit(label, "add", scalar(kS64), {a, b}); }
   int64_t subtract(const std::string& label, int64_t a, int64_t b) {
     return emit(label, "subtract", scalar(kS64), {a, b});
+  }
+  int64_t multiply(const std::string& label, int64_t a, int64_t b) {
+    return emit(label, "multiply", scalar(kS64), {a, b});
   }
   int64_t gte(const std::string& label, int64_t tuple, const Shape& shape, int index) {
     return emit(label, "get-tuple-element", shape, {tuple}, [&](Msg& m) { m.i64(kHloInstructionTupleIndex, index); });

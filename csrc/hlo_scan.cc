@@ -5,17 +5,20 @@
 // [start, stop) run as iterations of `unroll` body calls). We return
 //
 //   entry(carry..., xs..., ys..., pass...):
-//     state = (counter=0, carry..., xs..., ys..., pass...)
+//     state = (counter=0, carry..., xs..., ys (flat)..., pass..., pending blocks, offsets)
 //     for each segment:                    one While per segment
-//       state = while counter < stop - start: `unroll` body calls, counter += unroll
-//       counter = 0
+//       state = while counter < stop - start:
+//                 write the pending blocks; `unroll` body calls; their ys are the new pending blocks
+//       write the pending blocks; counter = 0
 //     return (carry..., ys...)
 //
 // Body call j of an iteration reads step index start + (counter + j), or
-// stop - 1 - (counter + j) when reversed: it dynamic-slices each x there,
-// calls the body computation and dynamic-update-slices each y back. Where
-// the body's HLO declares another element type than the torch dtype of a
-// value, the call converts on the way in and out.
+// stop - 1 - (counter + j) when reversed: it dynamic-slices each x there and
+// calls the body computation. Its ys reach the stacked buffers one iteration
+// late, so that each write is a lone, in-place dynamic-update-slice whatever
+// the length ("stacked ys" below). Where the body's HLO declares another
+// element type than the torch dtype of a value, the call converts on the way
+// in and out.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -24,38 +27,64 @@
 #include <vector>
 
 #include "hlo_proto.h"
+#include "hlo_py.h"
+#include "hlo_signature.h"
 
 namespace {
 
 using namespace hlo;
 
-enum Kind { kCarry = 0, kX = 1, kPass = 2 };  // what feeds a body parameter
+// ---------------------------------------------------------------- stacked ys
+// XLA CPU (torch_xla 2.9) emits a FUSED dynamic-update-slice with its loop
+// fusion emitter, which writes every element of the output: a y row written
+// into the [length, ...] buffer by a dus fused with the row's producer costs
+// O(length) per step, O(length^2) per scan. A dus whose operands are all
+// get-tuple-elements of the loop state stays unfused and is emitted in place.
+// So each y lives flat ([length * n], n elements per step) in the loop state,
+// with a pending block: the rows the previous iteration made (unroll * n
+// elements, in buffer order) and the flat offset where they go. An iteration
+// first writes the pending block, from the state, then makes its own rows and
+// leaves them pending; after each While the entry writes the last block. The
+// first iteration's pending block is what the buffer already holds where its
+// own rows will go, so writing it back changes nothing.
+// The delay costs two copies of a row per step. Where rows are big and few
+// (layer stacks: a [1024, 256] row, 64 steps) the fused write costs less: its
+// loop skips each other row with one test, so a y whose row has at least
+// 4 * length elements is written at once, in its [length, ...] buffer.
+int64_t per_step(const Shape& y) {
+  int64_t n = 1;
+  for (size_t i = 1; i < y.dims.size(); ++i) n *= y.dims[i];
+  return n;
+}
+Shape flat(const Shape& y, int64_t rows) { return Shape{y.etype, {rows * per_step(y)}, {}}; }
+bool delayed(const Signature& sig, size_t k) { return per_step(sig.ys[k]) < 4 * sig.length; }
+// How ys[k] lives in the loop state.
+Shape stacked(const Signature& sig, size_t k) { return delayed(sig, k) ? flat(sig.ys[k], sig.length) : sig.ys[k]; }
 
-struct Segment {
-  int64_t start, stop, unroll;
-};
-
-struct Signature {
-  int64_t length = 0;
-  bool reverse = false;
-  std::vector<Segment> segments;
-  std::vector<Shape> carry, xs, ys, pass;
-  std::vector<std::pair<int, int>> body_params;  // body parameter i <- (kind, index)
-  int64_t body_id = -1;
-  std::vector<int> body_param_types, body_result_types;  // as the body's HLO declares them
-};
+// The first buffer row of the block iteration `counter` (a value) of seg writes.
+int64_t block_row(Computation& c, const Signature& sig, const Segment& seg, int64_t counter, const std::string& p) {
+  if (sig.reverse) return c.subtract(p + "block_row", c.constant_s64(p + "block_last", seg.stop - seg.unroll), counter);
+  return c.add(p + "block_row", c.constant_s64(p + "block_first", seg.start), counter);
+}
 
 // ---------------------------------------------------------------- loop state
-// (counter, carry..., xs..., ys..., pass...)
-std::vector<Shape> state_parts(const Signature& sig) {
+// (counter, carry..., xs..., ys..., pass..., pending blocks..., their offsets...): a block and
+// an offset for each delayed y (a y written at once has -1 in State's blocks and offsets).
+std::vector<Shape> state_parts(const Signature& sig, int64_t unroll) {
   std::vector<Shape> parts{scalar(kS64)};
-  for (auto* group : {&sig.carry, &sig.xs, &sig.ys, &sig.pass}) parts.insert(parts.end(), group->begin(), group->end());
+  for (auto* group : {&sig.carry, &sig.xs}) parts.insert(parts.end(), group->begin(), group->end());
+  for (size_t k = 0; k < sig.ys.size(); ++k) parts.push_back(stacked(sig, k));
+  parts.insert(parts.end(), sig.pass.begin(), sig.pass.end());
+  for (size_t k = 0; k < sig.ys.size(); ++k)
+    if (delayed(sig, k)) parts.push_back(flat(sig.ys[k], unroll));
+  for (size_t k = 0; k < sig.ys.size(); ++k)
+    if (delayed(sig, k)) parts.push_back(scalar(kS64));
   return parts;
 }
 
 struct State {
   int64_t counter = -1;
-  std::vector<int64_t> carry, xs, ys, pass;
+  std::vector<int64_t> carry, xs, ys, pass, blocks, offsets;
 };
 
 // What to read back from a loop state: all of it (inside a loop), all but the
@@ -63,28 +92,46 @@ struct State {
 // results (after the last While). Unread parts get no dead instruction.
 enum Reads { kAll, kNoCounter, kResults };
 
-State unpack(Computation& c, int64_t tuple, const Signature& sig, Reads reads = kAll, const std::string& p = "") {
+State unpack(Computation& c, int64_t tuple, const Signature& sig, int64_t unroll, Reads reads = kAll,
+             const std::string& p = "") {
   State s;
+  std::vector<Shape> parts = state_parts(sig, unroll);
   int index = 0;
-  auto read = [&](const std::string& name, const Shape& shape, bool wanted) {
-    int i = index++;
-    return wanted ? c.gte(p + name, tuple, shape, i) : int64_t(-1);
+  auto group = [&](const char* name, size_t n, std::vector<int64_t>& out, bool wanted, bool per_y = false) {
+    for (size_t i = 0; i < n; ++i) {
+      if (per_y && !delayed(sig, i)) {
+        out.push_back(-1);
+        continue;
+      }
+      out.push_back(wanted ? c.gte(p + name + std::to_string(i), tuple, parts[index], index) : int64_t(-1));
+      ++index;
+    }
   };
-  auto group = [&](const char* name, const std::vector<Shape>& shapes, std::vector<int64_t>& out, bool wanted) {
-    for (size_t i = 0; i < shapes.size(); ++i) out.push_back(read(name + std::to_string(i), shapes[i], wanted));
-  };
-  s.counter = read("counter", scalar(kS64), reads == kAll);
-  group("carry", sig.carry, s.carry, true);
-  group("xs", sig.xs, s.xs, reads != kResults);
-  group("ys", sig.ys, s.ys, true);
-  group("pass", sig.pass, s.pass, reads != kResults);
+  s.counter = reads == kAll ? c.gte(p + "counter", tuple, parts[0], 0) : int64_t(-1);
+  index = 1;
+  group("carry", sig.carry.size(), s.carry, true);
+  group("xs", sig.xs.size(), s.xs, reads != kResults);
+  group("ys", sig.ys.size(), s.ys, true);
+  group("pass", sig.pass.size(), s.pass, reads != kResults);
+  group("block", sig.ys.size(), s.blocks, true, true);
+  group("offset", sig.ys.size(), s.offsets, true, true);
   return s;
 }
 
-int64_t pack(Computation& c, const std::string& label, const State& s, const Signature& sig) {
+int64_t pack(Computation& c, const std::string& label, const State& s, const Signature& sig, int64_t unroll) {
   std::vector<int64_t> parts{s.counter};
-  for (auto* group : {&s.carry, &s.xs, &s.ys, &s.pass}) parts.insert(parts.end(), group->begin(), group->end());
-  return c.emit(label, "tuple", tuple_of(state_parts(sig)), parts);
+  for (auto* group : {&s.carry, &s.xs, &s.ys, &s.pass, &s.blocks, &s.offsets})
+    for (int64_t v : *group)
+      if (v != -1) parts.push_back(v);  // -1: the block and offset of a y written at once
+  return c.emit(label, "tuple", tuple_of(state_parts(sig, unroll)), parts);
+}
+
+// Writes each pending block into its flat ys buffer.
+void write_blocks(Computation& c, const Signature& sig, State& s, const std::string& p) {
+  for (size_t k = 0; k < s.ys.size(); ++k)
+    if (delayed(sig, k))
+      s.ys[k] = c.emit(p + "ys" + std::to_string(k), "dynamic-update-slice", stacked(sig, k),
+                       {s.ys[k], s.blocks[k], s.offsets[k]});
 }
 
 // The call's result: our shapes with the element types the body declares.
@@ -121,17 +168,9 @@ int64_t slice_x(Computation& c, const Shape& full, int64_t xs, int64_t idx, int6
   return c.emit(label, "reshape", drop_lead(full), {sl});
 }
 
-int64_t update_y(Computation& c, const Shape& full, int64_t ys, int64_t y, int64_t idx, int64_t zero,
-                 const std::string& label) {
-  Shape slice = drop_lead(full);
-  int64_t row = c.emit(label + "_row", "reshape", with_lead_one(slice), {y});
-  std::vector<int64_t> ops{ys, row, idx};
-  ops.insert(ops.end(), slice.dims.size(), zero);
-  return c.emit(label, "dynamic-update-slice", full, ops);
-}
-
-// Body call j of the current iteration; updates s.carry and s.ys.
-void emit_step(Computation& c, const Signature& sig, const Segment& seg, int64_t j, State& s) {
+// Body call j of the current iteration; updates s.carry and appends each y, flat, to rows[k].
+void emit_step(Computation& c, const Signature& sig, const Segment& seg, int64_t j, State& s,
+               std::vector<std::vector<int64_t>>& rows) {
   std::string p = "s" + std::to_string(j) + "_";
   int64_t idx = step_index(c, sig, seg, s.counter, j, p);
   int64_t zero = c.constant_s64(p + "zero", 0);
@@ -156,14 +195,20 @@ void emit_step(Computation& c, const Signature& sig, const Segment& seg, int64_t
     std::string name = p + "y" + std::to_string(k);
     const Shape& part = result.tuple[s.carry.size() + k];
     int64_t y = as_type(c, c.gte(name, out, part, int(s.carry.size() + k)), part, sig.ys[k].etype, name);
-    s.ys[k] = update_y(c, sig.ys[k], s.ys[k], y, idx, zero, p + "ys" + std::to_string(k));
+    if (delayed(sig, k)) {
+      rows[k].push_back(c.emit(name + "_flat", "reshape", flat(sig.ys[k], 1), {y}));
+      continue;
+    }
+    std::vector<int64_t> at{s.ys[k], c.emit(name + "_row", "reshape", with_lead_one(drop_lead(sig.ys[k])), {y}), idx};
+    at.insert(at.end(), sig.ys[k].dims.size() - 1, zero);
+    s.ys[k] = c.emit(p + "ys" + std::to_string(k), "dynamic-update-slice", sig.ys[k], at);
   }
 }
 
 // ---------------------------------------------------------------- one segment
 int64_t build_cond(Module& mod, const Signature& sig, const Segment& seg, int n) {
   Computation c(&mod, "scan_cond" + std::to_string(n));
-  int64_t state = c.param("state", tuple_of(state_parts(sig)));
+  int64_t state = c.param("state", tuple_of(state_parts(sig, seg.unroll)));
   int64_t counter = c.gte("counter", state, scalar(kS64), 0);
   int64_t steps = c.constant_s64("steps", seg.stop - seg.start);
   int64_t more = c.emit("more", "compare", scalar(kPred), {counter, steps},
@@ -173,12 +218,23 @@ int64_t build_cond(Module& mod, const Signature& sig, const Segment& seg, int n)
 
 int64_t build_loop_body(Module& mod, const Signature& sig, const Segment& seg, int n) {
   Computation c(&mod, "scan_loop" + std::to_string(n));
-  Shape state = tuple_of(state_parts(sig));
-  State s = unpack(c, c.param("state", state), sig);
+  Shape state = tuple_of(state_parts(sig, seg.unroll));
+  State s = unpack(c, c.param("state", state), sig, seg.unroll);
+  write_blocks(c, sig, s, "pending_");
   int64_t counter = s.counter;
-  for (int64_t j = 0; j < seg.unroll; ++j) emit_step(c, sig, seg, j, s);
+  std::vector<std::vector<int64_t>> rows(sig.ys.size());
+  for (int64_t j = 0; j < seg.unroll; ++j) emit_step(c, sig, seg, j, s, rows);
+  int64_t first_row = block_row(c, sig, seg, counter, "");
+  for (size_t k = 0; k < sig.ys.size(); ++k) {
+    if (!delayed(sig, k)) continue;
+    std::string name = "block" + std::to_string(k);
+    if (sig.reverse) std::reverse(rows[k].begin(), rows[k].end());  // call j writes row stop - 1 - (counter + j)
+    s.blocks[k] = rows[k].size() == 1 ? rows[k][0] : c.emit(name, "concatenate", flat(sig.ys[k], seg.unroll), rows[k],
+                                                            [](Msg& m) { m.packed(kHloInstructionDimensions, {0}); });
+    s.offsets[k] = c.multiply(name + "_offset", first_row, c.constant_s64(name + "_row_size", per_step(sig.ys[k])));
+  }
   s.counter = c.add("next_counter", counter, c.constant_s64("unroll", seg.unroll));
-  return c.finish(pack(c, "next_state", s, sig), state);
+  return c.finish(pack(c, "next_state", s, sig, seg.unroll), state);
 }
 
 // ---------------------------------------------------------------- the module
@@ -238,7 +294,6 @@ std::string build_module(const std::string& body, Signature sig) {
     loops.emplace_back(build_loop_body(mod, sig, sig.segments[n], int(n)), build_cond(mod, sig, sig.segments[n], int(n)));
 
   Computation e(&mod, "scan_entry");
-  Shape state_shape = tuple_of(state_parts(sig));
   State s;
   auto params = [&](const char* name, const std::vector<Shape>& shapes, std::vector<int64_t>& out) {
     for (size_t i = 0; i < shapes.size(); ++i) out.push_back(e.param(name + std::to_string(i), shapes[i]));
@@ -247,17 +302,32 @@ std::string build_module(const std::string& body, Signature sig) {
   params("xs", sig.xs, s.xs);
   params("ys", sig.ys, s.ys);
   params("pass", sig.pass, s.pass);
+  for (size_t k = 0; k < sig.ys.size(); ++k)
+    if (delayed(sig, k)) s.ys[k] = e.emit("ys" + std::to_string(k) + "_flat", "reshape", stacked(sig, k), {s.ys[k]});
   for (size_t n = 0; n < loops.size(); ++n) {
+    const Segment& seg = sig.segments[n];
     std::string p = "seg" + std::to_string(n) + "_";
     s.counter = e.constant_s64(p + "counter", 0);
-    int64_t init = pack(e, p + "init", s, sig);
-    int64_t done = e.emit(p + "while", "while", state_shape, {init}, [&](Msg& m) {
+    int64_t first_row = block_row(e, sig, seg, s.counter, p);
+    s.blocks.assign(sig.ys.size(), -1), s.offsets.assign(sig.ys.size(), -1);
+    for (size_t k = 0; k < sig.ys.size(); ++k) {  // what the buffer holds where the first block goes
+      if (!delayed(sig, k)) continue;
+      std::string name = p + "block" + std::to_string(k);
+      Shape block = flat(sig.ys[k], seg.unroll);
+      s.offsets[k] = e.multiply(name + "_offset", first_row, e.constant_s64(name + "_row_size", per_step(sig.ys[k])));
+      s.blocks[k] = e.emit(name, "dynamic-slice", block, {s.ys[k], s.offsets[k]},
+                           [&](Msg& m) { m.packed(kHloInstructionDynamicSliceSizes, block.dims); });
+    }
+    int64_t init = pack(e, p + "init", s, sig, seg.unroll);
+    int64_t done = e.emit(p + "while", "while", tuple_of(state_parts(sig, seg.unroll)), {init}, [&](Msg& m) {
       m.packed(kHloInstructionCalledComputationIds, {loops[n].first, loops[n].second});  // (body, condition)
     });
-    s = unpack(e, done, sig, n + 1 == loops.size() ? kResults : kNoCounter, p);
+    s = unpack(e, done, sig, seg.unroll, n + 1 == loops.size() ? kResults : kNoCounter, p);
+    write_blocks(e, sig, s, p + "last_");
   }
   std::vector<int64_t> outs(s.carry);
-  outs.insert(outs.end(), s.ys.begin(), s.ys.end());
+  for (size_t k = 0; k < sig.ys.size(); ++k)
+    outs.push_back(delayed(sig, k) ? e.emit("ys" + std::to_string(k), "reshape", sig.ys[k], {s.ys[k]}) : s.ys[k]);
   std::vector<Shape> out_shapes(sig.carry);
   out_shapes.insert(out_shapes.end(), sig.ys.begin(), sig.ys.end());
   Shape result = tuple_of(out_shapes);
@@ -273,37 +343,7 @@ std::string build_module(const std::string& body, Signature sig) {
   return m.b;
 }
 
-// ---------------------------------------------------------------- validation
-void check_signature(const Signature& sig) {
-  auto fail = [](const std::string& what) { throw std::invalid_argument("build_scan_module: " + what); };
-  for (const Shape& x : sig.xs)
-    if (x.dims.empty() || x.dims[0] != sig.length) fail("every xs shape needs the leading length dim");
-  for (const Shape& y : sig.ys)
-    if (y.dims.empty() || y.dims[0] != sig.length) fail("every ys shape needs the leading length dim");
-  for (const Segment& seg : sig.segments) {
-    if (seg.start < 0 || seg.stop > sig.length || seg.start >= seg.stop) fail("segment outside [0, length)");
-    if (seg.unroll < 1 || (seg.stop - seg.start) % seg.unroll) fail("segment length is not a multiple of its unroll");
-  }
-  for (auto [kind, i] : sig.body_params) {
-    size_t n = kind == kCarry ? sig.carry.size() : kind == kX ? sig.xs.size() : kind == kPass ? sig.pass.size() : 0;
-    if (i < 0 || size_t(i) >= n) fail("body parameter source (" + std::to_string(kind) + ", " + std::to_string(i) + ") out of range");
-  }
-}
-
 // ---------------------------------------------------------------- Python glue
-Shape shape_from_py(PyObject* obj) {
-  int etype;
-  PyObject* dims;
-  if (!PyArg_ParseTuple(obj, "iO", &etype, &dims)) throw std::invalid_argument("shape must be (element_type, dims)");
-  Shape s{etype, {}, {}};
-  PyObject* seq = PySequence_Fast(dims, "dims must be a sequence");
-  if (!seq) throw std::invalid_argument("dims must be a sequence");
-  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i)
-    s.dims.push_back(PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i)));
-  Py_DECREF(seq);
-  return s;
-}
-
 Segment segment_from_py(PyObject* obj) {
   Segment s;
   if (!PyArg_ParseTuple(obj, "LLL", &s.start, &s.stop, &s.unroll))
@@ -315,20 +355,6 @@ std::pair<int, int> source_from_py(PyObject* obj) {
   int kind, index;
   if (!PyArg_ParseTuple(obj, "ii", &kind, &index)) throw std::invalid_argument("body param must be (kind, index)");
   return {kind, index};
-}
-
-template <class T, class F> std::vector<T> list_from_py(PyObject* obj, F convert) {
-  std::vector<T> out;
-  PyObject* seq = PySequence_Fast(obj, "expected a sequence");
-  if (!seq) throw std::invalid_argument("expected a sequence");
-  try {
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) out.push_back(convert(PySequence_Fast_GET_ITEM(seq, i)));
-  } catch (...) {
-    Py_DECREF(seq);
-    throw;
-  }
-  Py_DECREF(seq);
-  return out;
 }
 
 PyObject* py_build_scan_module(PyObject*, PyObject* args) {

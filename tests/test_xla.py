@@ -203,7 +203,7 @@ def _emitted_structure(computation):
     ours = text[text.index("%scan_loop"):]
     ours = re.sub(r"([A-Za-z_][\w-]*)\.\d+", r"\1", ours)  # ids
     ours = re.sub(r"(?<=\])\{[\d,]*\}", "", ours)  # layouts
-    ours = re.sub(r"\(s64\[\](?:, \w+\[[\d,]*\])*\)", "State", ours)
+    ours = re.sub(r"\(s64\[\](?:, (?:/\*index=\d+\*/)?\w+\[[\d,]*\])*\)", "State", ours)
     ours = re.sub(r"(?:\w+\[[\d,]*\]|State|\([^()]*\)) (?=%)", "", ours)  # operand types
     return "\n".join(line.rstrip() for line in ours.strip().splitlines())
 
@@ -245,13 +245,19 @@ class TestEmittedModule(expecttest.TestCase):
   %s1_body = (f32[2], f32[]) call(%s1_x0, %pass0, %s0_carry0), to_apply=%scan_body
   %s1_carry0 = f32[2] get-tuple-element(%s1_body), index=0
   %ys0 = f32[3] get-tuple-element(%state), index=3
-  %s0_y0 = f32[] get-tuple-element(%s0_body), index=1
-  %s0_ys0_row = f32[1] reshape(%s0_y0)
-  %s0_ys0 = f32[3] dynamic-update-slice(%ys0, %s0_ys0_row, %s0_idx)
+  %block0 = f32[2] get-tuple-element(%state), index=5
+  %offset0 = s64[] get-tuple-element(%state), index=6
+  %pending_ys0 = f32[3] dynamic-update-slice(%ys0, %block0, %offset0)
   %s1_y0 = f32[] get-tuple-element(%s1_body), index=1
-  %s1_ys0_row = f32[1] reshape(%s1_y0)
-  %s1_ys0 = f32[3] dynamic-update-slice(%s0_ys0, %s1_ys0_row, %s1_idx)
-  ROOT %next_state = State tuple(%next_counter, %s1_carry0, %xs0, %s1_ys0, %pass0)
+  %s1_y0_flat = f32[1] reshape(%s1_y0)
+  %s0_y0 = f32[] get-tuple-element(%s0_body), index=1
+  %s0_y0_flat = f32[1] reshape(%s0_y0)
+  %block0 = f32[2] concatenate(%s1_y0_flat, %s0_y0_flat), dimensions={0}
+  %block_last = s64[] constant(1)
+  %block_row = s64[] subtract(%block_last, %counter)
+  %block0_row_size = s64[] constant(1)
+  %block0_offset = s64[] multiply(%block_row, %block0_row_size)
+  ROOT %next_state = State tuple(%next_counter, %s1_carry0, %xs0, %pending_ys0, %pass0, /*index=5*/%block0, %block0_offset)
 }
 
 %scan_cond0 (state: State) -> pred[] {
@@ -277,10 +283,16 @@ class TestEmittedModule(expecttest.TestCase):
   %s0_body = (f32[2], f32[]) call(%s0_x0, %pass0, %carry0), to_apply=%scan_body
   %s0_carry0 = f32[2] get-tuple-element(%s0_body), index=0
   %ys0 = f32[3] get-tuple-element(%state), index=3
+  %block0 = f32[1] get-tuple-element(%state), index=5
+  %offset0 = s64[] get-tuple-element(%state), index=6
+  %pending_ys0 = f32[3] dynamic-update-slice(%ys0, %block0, %offset0)
   %s0_y0 = f32[] get-tuple-element(%s0_body), index=1
-  %s0_ys0_row = f32[1] reshape(%s0_y0)
-  %s0_ys0 = f32[3] dynamic-update-slice(%ys0, %s0_ys0_row, %s0_idx)
-  ROOT %next_state = State tuple(%next_counter, %s0_carry0, %xs0, %s0_ys0, %pass0)
+  %s0_y0_flat = f32[1] reshape(%s0_y0)
+  %block_last = s64[] constant(0)
+  %block_row = s64[] subtract(%block_last, %counter)
+  %block0_row_size = s64[] constant(1)
+  %block0_offset = s64[] multiply(%block_row, %block0_row_size)
+  ROOT %next_state = State tuple(%next_counter, %s0_carry0, %xs0, %pending_ys0, %pass0, /*index=5*/%s0_y0_flat, %block0_offset)
 }
 
 %scan_cond1 (state: State) -> pred[] {
@@ -296,18 +308,36 @@ ENTRY %scan_entry (carry0: f32[2], xs0: f32[3,2], ys0: f32[3], pass0: f32[2]) ->
   %carry0 = f32[2] parameter(0)
   %xs0 = f32[3,2] parameter(1)
   %ys0 = f32[3] parameter(2)
+  %ys0_flat = f32[3] reshape(%ys0)
   %pass0 = f32[2] parameter(3)
-  %seg0_init = State tuple(%seg0_counter, %carry0, %xs0, %ys0, %pass0)
+  %seg0_block_last = s64[] constant(1)
+  %seg0_block_row = s64[] subtract(%seg0_block_last, %seg0_counter)
+  %seg0_block0_row_size = s64[] constant(1)
+  %seg0_block0_offset = s64[] multiply(%seg0_block_row, %seg0_block0_row_size)
+  %seg0_block0 = f32[2] dynamic-slice(%ys0_flat, %seg0_block0_offset), dynamic_slice_sizes={2}
+  %seg0_init = State tuple(%seg0_counter, %carry0, %xs0, %ys0_flat, %pass0, /*index=5*/%seg0_block0, %seg0_block0_offset)
   %seg0_while = State while(%seg0_init), condition=%scan_cond0, body=%scan_loop0
   %seg0_carry0 = f32[2] get-tuple-element(%seg0_while), index=1
   %seg0_xs0 = f32[3,2] get-tuple-element(%seg0_while), index=2
   %seg0_ys0 = f32[3] get-tuple-element(%seg0_while), index=3
+  %seg0_block0 = f32[2] get-tuple-element(%seg0_while), index=5
+  %seg0_offset0 = s64[] get-tuple-element(%seg0_while), index=6
+  %seg0_last_ys0 = f32[3] dynamic-update-slice(%seg0_ys0, %seg0_block0, %seg0_offset0)
   %seg0_pass0 = f32[2] get-tuple-element(%seg0_while), index=4
-  %seg1_init = State tuple(%seg1_counter, %seg0_carry0, %seg0_xs0, %seg0_ys0, %seg0_pass0)
+  %seg1_block_last = s64[] constant(0)
+  %seg1_block_row = s64[] subtract(%seg1_block_last, %seg1_counter)
+  %seg1_block0_row_size = s64[] constant(1)
+  %seg1_block0_offset = s64[] multiply(%seg1_block_row, %seg1_block0_row_size)
+  %seg1_block0 = f32[1] dynamic-slice(%seg0_last_ys0, %seg1_block0_offset), dynamic_slice_sizes={1}
+  %seg1_init = State tuple(%seg1_counter, %seg0_carry0, %seg0_xs0, %seg0_last_ys0, %seg0_pass0, /*index=5*/%seg1_block0, %seg1_block0_offset)
   %seg1_while = State while(%seg1_init), condition=%scan_cond1, body=%scan_loop1
   %seg1_carry0 = f32[2] get-tuple-element(%seg1_while), index=1
   %seg1_ys0 = f32[3] get-tuple-element(%seg1_while), index=3
-  ROOT %result = (f32[2], f32[3]) tuple(%seg1_carry0, %seg1_ys0)
+  %seg1_block0 = f32[1] get-tuple-element(%seg1_while), index=5
+  %seg1_offset0 = s64[] get-tuple-element(%seg1_while), index=6
+  %seg1_last_ys0 = f32[3] dynamic-update-slice(%seg1_ys0, %seg1_block0, %seg1_offset0)
+  %ys0 = f32[3] reshape(%seg1_last_ys0)
+  ROOT %result = (f32[2], f32[3]) tuple(%seg1_carry0, %ys0)
 }""")
 
 

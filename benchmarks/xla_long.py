@@ -1,0 +1,152 @@
+"""Steady time per step on XLA (CPU) at long lengths: is a step's cost flat in T?
+
+Body: c = tanh(c @ W + x), H=16, batch 4 (small, so the step is cheap and any
+cost that grows with T shows). Rows: forward with ys (y = c.sum(-1), stacked),
+forward without ys, a training step without ys (grads of W and xs: the forward
+stacks residuals, the backward stacks the xs grads) and one with ys. Each T gets
+the best of a few steady calls (same W and xs, as in a training loop) and the
+ratio of its per-step time to T=1k's. Target: every ratio <= 1.2x up to T=100k.
+
+Times are the process's CPU time (all its threads: the work is single-threaded,
+so on a quiet box it is the wall time; on a shared one it leaves out the waits
+for a core, which made wall-time runs 2x noisy here).
+One thread: torch.set_num_threads(1) and XLA_FLAGS=--xla_cpu_multi_thread_eigen=false
+(set here unless XLA_FLAGS is set; XLA drops a whole XLA_FLAGS value with a
+bare token in it, e.g. "intra_op_parallelism_threads=1").
+The second table is the same question for a layer stack: scan_layers' steady
+training step (grads of every parameter) against the Python loop over the
+layers, Linear(256, 256) + GELU on 1024 rows, 8 / 32 / 64 deep, per layer;
+rounds interleave the two (target: <= 1.0x the loop at every depth).
+Run: python benchmarks/xla_long.py [--max-len N] [--modes fwd_ys,train] [--depths 8,32,64 | --depths 0]
+"""
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
+import torch  # noqa: E402
+import torch_xla  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _timing import print_table  # noqa: E402
+
+H, B = 16, 4
+LENGTHS = (1_000, 3_000, 10_000, 30_000, 100_000)
+MODES = {  # name: (ys stacked, training)
+    "fwd_ys": (True, False), "fwd": (False, False), "train": (False, True), "train_ys": (True, True),
+}
+DEV = torch_xla.device()
+WIDTH, ROWS = 256, 1024
+
+
+def body(w, with_ys):
+    def step(c, x):
+        c = torch.tanh(c @ w + x)
+        return c, (c.sum(-1) if with_ys else None)
+    return step
+
+
+def make_call(n, with_ys, train):
+    from torch_scan_hop import scan
+
+    g = torch.Generator().manual_seed(n)
+    w = (torch.randn(H, H, generator=g) * 0.1).to(DEV).requires_grad_(train)
+    xs = torch.randn(n, B, H, generator=g).to(DEV).requires_grad_(train)
+    c0 = torch.zeros(B, H).to(DEV)
+
+    def call():
+        w.grad = xs.grad = None
+        c, ys = scan(body(w, with_ys), c0, xs)
+        if train:
+            loss = c.sum() + (ys.sum() if with_ys else 0)
+            loss.backward()
+            outs = [w.grad, xs.grad]
+        else:
+            outs = [c] + ([ys] if with_ys else [])
+        torch_xla.sync()
+        for o in outs:
+            o.cpu()
+    return call
+
+
+def per_step(n, with_ys, train, repeat):
+    call = make_call(n, with_ys, train)
+    for _ in range(2):  # first call compiles, second is Dynamo's capture (docs/design.md)
+        call()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.process_time()
+        call()
+        best = min(best, time.process_time() - t0)
+    return best / n
+
+
+def layer_step(layers, x, stacked):
+    from torch_scan_hop import scan_layers
+
+    def run():
+        layers.zero_grad(set_to_none=True)
+        h = x
+        if stacked:
+            h = scan_layers(layers, h)
+        else:
+            for layer in layers:
+                h = layer(h)
+        h.pow(2).mean().backward()
+        grads = [p.grad for p in layers.parameters()]
+        torch_xla.sync()
+        torch_xla._XLAC._xla_wait_device_ops([])  # noqa: SLF001  (the step's device work, not only its launch)
+        return grads
+    return run
+
+
+def layers_table(depths, repeat):
+    from _timing import interleaved_times
+
+    rows = []
+    for depth in depths:
+        torch.manual_seed(depth)
+        make = lambda: torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU())  # noqa: E731
+        layers = torch.nn.ModuleList(make() for _ in range(depth)).to(DEV)
+        x = torch.randn(ROWS, WIDTH).to(DEV)
+        fns = {"loop": layer_step(layers, x, False), "scan_layers": layer_step(layers, x, True)}
+        for fn in fns.values():
+            fn()  # first call compiles; the scan's second is Dynamo's capture
+        times = {k: min(v) for k, v in interleaved_times(fns, repeat, clock=time.process_time).items()}
+        loop, ours = times["loop"], times["scan_layers"]
+        rows.append([depth, f"{loop / depth * 1e3:.3f}", f"{ours / depth * 1e3:.3f}", f"{ours / loop:.2f}x"])
+        print(*rows[-1], flush=True)
+    print(f"XLA, one thread: training step of Linear({WIDTH}, {WIDTH}) + GELU stacks on {ROWS} rows, best of {repeat}")
+    print_table(["depth", "loop ms/layer", "scan_layers ms/layer", "scan_layers/loop"], rows)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--max-len", type=int, default=LENGTHS[-1])
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--depths", default="8,32,64")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    import torch_scan_hop  # noqa: F401
+
+    depths = [int(d) for d in args.depths.split(",") if int(d)]
+    lengths = [n for n in LENGTHS if n <= args.max_len]
+    rows = []
+    for mode in filter(None, args.modes.split(",")):
+        with_ys, train = MODES[mode]
+        times = [per_step(n, with_ys, train, args.repeat) for n in lengths]
+        for n, t in zip(lengths, times):
+            rows.append([mode, n, f"{t * n * 1e3:.1f}", f"{t * 1e6:.2f}", f"{t / times[0]:.2f}x"])
+            print(*rows[-1], flush=True)
+    print(f"XLA on {os.environ['PJRT_DEVICE']}, one thread: tanh RNN H={H} B={B}, steady call, best of {args.repeat}")
+    if rows:
+        print_table(["mode", "T", "ms/call", "us/step", "vs T=1k"], rows)
+    if depths:
+        layers_table(depths, args.repeat)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+// The loop signature Python gives build_scan_module (see hlo_scan.cc) and its
+// validation: what the module is built from, checked before anything is built
+// so that a wrong call is a Python ValueError, not a malformed module.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "hlo_proto.h"
+
+namespace hlo {
+
+enum Kind { kCarry = 0, kX = 1, kPass = 2 };  // what feeds a body parameter
+
+struct Segment {
+  int64_t start, stop, unroll;
+};
+
+struct Signature {
+  int64_t length = 0;
+  bool reverse = false;
+  std::vector<Segment> segments;
+  std::vector<Shape> carry, xs, ys, pass;
+  std::vector<std::pair<int, int>> body_params;  // body parameter i <- (kind, index)
+  int64_t body_id = -1;
+  std::vector<int> body_param_types, body_result_types;  // as the body's HLO declares them
+};
+
+inline void check_signature(const Signature& sig) {
+  auto fail = [](const std::string& what) { throw std::invalid_argument("build_scan_module: " + what); };
+  for (const Shape& x : sig.xs)
+    if (x.dims.empty() || x.dims[0] != sig.length) fail("every xs shape needs the leading length dim");
+  for (const Shape& y : sig.ys)
+    if (y.dims.empty() || y.dims[0] != sig.length) fail("every ys shape needs the leading length dim");
+  for (const Segment& seg : sig.segments) {
+    if (seg.start < 0 || seg.stop > sig.length || seg.start >= seg.stop) fail("segment outside [0, length)");
+    if (seg.unroll < 1 || (seg.stop - seg.start) % seg.unroll) fail("segment length is not a multiple of its unroll");
+  }
+  for (auto [kind, i] : sig.body_params) {
+    size_t n = kind == kCarry ? sig.carry.size() : kind == kX ? sig.xs.size() : kind == kPass ? sig.pass.size() : 0;
+    if (i < 0 || size_t(i) >= n) fail("body parameter source (" + std::to_string(kind) + ", " + std::to_string(i) + ") out of range");
+  }
+}
+
+}  // namespace hlo
