@@ -29,6 +29,7 @@ def _policies():
         "recompute_all": "recompute_all",
         "min_cut": "min_cut",
         "sqrt": "sqrt",
+        "binomial": ("binomial", 2),
         "dots_saveable": dots_saveable,
         "names": save_only_these_names("a", "b"),
         "user": RematPolicy(lambda op, name: name == "a" or op is torch.ops.aten.sin.default),
@@ -178,6 +179,78 @@ def test_sqrt_keeps_about_sqrt_length_carries(engines):
     assert engine.block == 10 and sorted(engine.carries) == list(range(0, 100, 10))
     assert engine.cached == {}  # every re-run value was handed out to the backward
     assert_trees_close(got, loss_and_grads(lambda: reference_scan(body, init, xs), [init, w]))
+
+
+@pytest.mark.parametrize("length,slots", [(100, 4), (100, 10), (37, 1), (1, 1), (5, 8)])
+def test_binomial_keeps_at_most_k_carries_for_the_revolve_cost(engines, monkeypatch, length, slots):
+    from math import comb
+
+    w = torch.randn(4, 4, dtype=D, requires_grad=True)
+    calls = []
+
+    def body(c, x):
+        calls.append(1)
+        return torch.tanh(c @ w + x), c.sum()
+
+    init, xs = torch.randn(2, 4, dtype=D, requires_grad=True), torch.randn(length, 2, 4, dtype=D)
+    want = loss_and_grads(lambda: reference_scan(body, init, xs), [init, w])
+    calls.clear()
+    c, ys = scan(body, init, xs, remat=("binomial", slots))
+    (engine,) = engines
+    most, rerun = [len(engine.carries)], engine._rerun
+    monkeypatch.setattr(engine, "_rerun", lambda pos, carry: (most.append(len(engine.carries)), rerun(pos, carry))[1])
+    loss = c.sum() + ys.sum()
+    got = [loss, *torch.autograd.grad(loss, [init, w])]
+    assert_trees_close(got, want)
+    assert max(most) == min(slots, length)
+    sweeps = next(r for r in range(length + 1) if comb(slots + r, slots) >= length)
+    assert len(calls) <= length * (sweeps + 2)  # the forward, r sweeps, the re-run on the tape
+
+
+def test_min_cut_keeps_what_a_matmul_made_and_recomputes_the_rest(engines, monkeypatch):
+    from torch_scan_hop.core import cheap
+
+    w = torch.randn(4, 4, dtype=D, requires_grad=True)
+    init, xs = torch.randn(2, 4, dtype=D, requires_grad=True), torch.randn(6, 2, 4, dtype=D, requires_grad=True)
+
+    def body(c, x):
+        h = torch.sin(c + x)  # cheap: recomputed from c and x in the backward
+        h = torch.tanh(h @ w)  # hot: kept (it is also the next carry)
+        return torch.sigmoid(h @ w), h.sum(-1)
+
+    want = loss_and_grads(lambda: reference_scan(body, init, xs), [init, xs, w])
+    packed, pack = [], cheap.HotValues.pack
+    monkeypatch.setattr(cheap.HotValues, "pack", lambda self, t: packed.append(pack(self, t)) or packed[-1])
+    c, ys = scan(body, init, xs, remat="min_cut")
+    (engine,) = engines
+    assert [len(r) for r in engine.hot.recipes] == [2] * 6  # add, sin: each step's cheap values
+    # per step, in the tape's order: sin's input (c + x) a recipe; the matmul's w kept, its sin(..) a
+    # recipe; tanh's output, the second matmul's inputs (tanh's output, w) and sigmoid's output kept
+    kinds = ["kept" if p is None else "recipe" for p in packed]
+    assert kinds == ["recipe", "kept", "recipe", "kept", "kept", "kept", "kept"] * 6
+    got = loss_and_grads(lambda: (c, ys), [init, xs, w])
+    assert_trees_close(got, want)
+
+
+def test_min_cut_with_in_place_ops_matches_the_loop_or_says_why():
+    w = torch.randn(4, 4, dtype=D, requires_grad=True)
+    init, xs = torch.randn(2, 4, dtype=D, requires_grad=True), torch.randn(5, 2, 4, dtype=D, requires_grad=True)
+
+    def body(c, x):
+        h = c + x
+        h.mul_(2)  # its recipe (c + x) would be stale: h is kept as it is
+        z = torch.sin(h) @ w
+        z.add_(1)  # in place on a hot value: still hot
+        return torch.tanh(z), (h * z).sum()
+
+    want = loss_and_grads(lambda: reference_scan(body, init, xs), [init, xs, w])
+    assert_trees_close(loss_and_grads(lambda: scan(body, init, xs, remat="min_cut"), [init, xs, w]), want)
+
+    buf = torch.ones(2, 4, dtype=D)
+    c, _ = scan(lambda c, x: (torch.sin(c * buf) @ w, None), init, xs, remat="min_cut")
+    buf.add_(1)  # read by a recipe (c * buf): recomputing now would give other values
+    with pytest.raises(ScanError, match="modified by an in-place operation"):
+        c.sum().backward()
 
 
 def test_offload_moves_saved_values_and_back(engines, monkeypatch):

@@ -24,7 +24,7 @@ from .. import _compat
 from ..core import dtensors as dt
 from ..core.op_args import example_args, slice_example
 from ..core.recompute import StepReplay
-from ..core.remat import as_policy, nothing_saveable
+from ..core.remat import as_policy, binomial_slots, nothing_saveable
 from ..core.schedule import step_order
 from ..core.trees import ScanError, check_carry, check_pair, flatten_y
 
@@ -46,7 +46,8 @@ def remat_step(step, remat, length=None):
     if policy is None or _compat.functorch_transforms_active():
         return step
     if length is not None:
-        return StepReplay(step, policy, length, sqrt=remat == "sqrt")
+        return StepReplay(step, policy, length, sqrt=remat == "sqrt", min_cut=remat == "min_cut",
+                          slots=binomial_slots(remat))
     if policy.save is nothing_saveable.save:
         return functools.partial(_ckpt.checkpoint, step, use_reentrant=False)
     contexts = functools.partial(_compat.replayable_selective_checkpoint_contexts, _sac_policy(policy))
