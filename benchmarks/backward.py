@@ -86,6 +86,7 @@ POLICIES = {
     "save_all": "save_all",
     "recompute_all": "recompute_all",
     "sqrt": "sqrt",
+    "binomial(8)": ("binomial", 8),
     "min_cut": "min_cut",
     "dots_saveable": dots_saveable,
     "names(layer1, layer3)": save_only_these_names("layer1", "layer3"),
@@ -135,7 +136,8 @@ def rnn_sweep(lengths, hidden=32, batch=8):
             (c.sum() + ys.sum()).backward()
 
         variants = {name: (lambda r=r: step(r)) for name, r in
-                    [("save_all", "save_all"), ("recompute_all", "recompute_all"), ("sqrt", "sqrt")]}
+                    [("save_all", "save_all"), ("recompute_all", "recompute_all"), ("sqrt", "sqrt"),
+                     ("binomial(16)", ("binomial", 16))]}
         times = {k: min(v) for k, v in interleaved_times(variants, repeat=3 if length <= 4096 else 1,
                                                           clock=time.process_time).items()}
         peaks = {k: peak_bytes(fn) for k, fn in variants.items()}

@@ -72,12 +72,14 @@ class _Ref:
 
 
 class Handle:
-    """What autograd saves for a cheap value: step ``pos``'s recipe ``rid``, output ``i``."""
+    """What autograd saves for a cheap value: step ``pos``'s recipe output ``ref``. A value saved
+    while its op runs (an output, as tanh saves its result) is ``kept`` until the op returns and
+    its recipe exists; one that never gets a recipe (made inside a composite op) stays kept."""
 
-    __slots__ = ("pos", "ref")
+    __slots__ = ("pos", "ref", "kept")
 
-    def __init__(self, pos, ref):
-        self.pos, self.ref = pos, ref
+    def __init__(self, pos, ref, kept=None):
+        self.pos, self.ref, self.kept = pos, ref, kept
 
 
 # Functions whose outputs are cheap to recompute from their inputs (pointwise, views, reductions,
@@ -93,25 +95,44 @@ CHEAP = frozenset("""
 """.split())
 
 
-def _mutates(name, kwargs):
-    return (name.endswith("_") and not name.startswith("__")) or name.startswith("__i") \
-        or name == "__setitem__" or kwargs.get("out") is not None
+# Deterministic functions that are not cheap: recompute_all recomputes them from recipes too (a
+# function outside both lists, a random op say, sends recompute_all back to re-running the body).
+DOTS = frozenset("""
+    linear matmul __matmul__ __rmatmul__ mm bmm addmm baddbmm addmv mv dot einsum conv1d conv2d conv3d
+    bilinear embedding
+""".split())
+DETERMINISTIC = CHEAP | DOTS
 
 
 class HotValues:
-    """Per scan: the hot values of the step running now and every step's recipes."""
+    """Per scan: the hot values of the step running now and every step's recipes.
 
-    def __init__(self):
+    ``recompute=True`` serves ``recompute_all``: every deterministic function gets a recipe
+    (nothing is hot), so the backward recomputes only the saved values, from recipes, without
+    the tape or the body's Python, and none that is the step's new carry (``seeds``: the engine
+    keeps that carry anyway). The first function outside ``DETERMINISTIC`` (or an in-place one)
+    turns recipes off (``usable``): the engine re-runs the body for the values saved after."""
+
+    def __init__(self, recompute=False):
+        self.recompute, self.usable = recompute, True
+        self.seeds = []  # per step: recipe id -> the new carry leaf it made
+        self.kinds = {}  # function -> _kind
         self.recipes = []  # per step: [(func, args, kwargs)] with tensors as Kept / _Ref
         self.hot = {}  # storage key -> tensor: this step's hot values (held: keys stay unique)
         self.cheap = {}  # id -> (_Ref, tensor, storage key): this step's cheap values (held: ids stay unique)
         self.memo_pos, self.memo = None, {}
+        self.pending = []  # (handle, tensor) saved while an op runs, resolved when it returns
 
     def start_step(self):
         self.recipes.append([])
+        self.seeds.append({})
 
-    def end_step(self):
-        self.hot, self.cheap = {}, {}
+    def end_step(self, new_carry=()):
+        for leaf in new_carry:
+            entry = self.cheap.get(id(leaf))
+            if entry is not None and entry[1] is leaf and entry[3]:
+                self.seeds[-1][entry[0].rid] = leaf
+        self.hot, self.cheap, self.pending = {}, {}, None
 
     # ---------------------------------------------------------------- forward
 
@@ -126,42 +147,83 @@ class HotValues:
         return value
 
     def forward(self, func, args, kwargs):
-        out = func(*args, **kwargs)
-        name = getattr(func, "__name__", "")
-        tensors = _flat(args, kwargs)
-        if _mutates(name, kwargs):  # the values it wrote lose their recipes
-            written = {_key(t) for t in tensors}
+        if not self.usable:
+            return func(*args, **kwargs)
+        self.pending = []
+        try:
+            out = func(*args, **kwargs)
+            self._record(func, args, kwargs, out)
+            for handle, t in self.pending:
+                entry = self.cheap.get(id(t))
+                if entry is not None and entry[1] is t:
+                    handle.ref, handle.kept = entry[0], None
+        finally:
+            self.pending = None
+        return out
+
+    def _kind(self, func):
+        """(writes in place, cheap, deterministic) by the function's name, once per function."""
+        kind = self.kinds.get(func)
+        if kind is None:
+            name = getattr(func, "__name__", "")
+            writes = (name.endswith("_") and not name.startswith("__")) or name.startswith("__i") \
+                or name == "__setitem__"
+            kind = self.kinds[func] = (writes, name in CHEAP, name in DETERMINISTIC)
+        return kind
+
+    def _record(self, func, args, kwargs, out):
+        writes, is_cheap, deterministic = self._kind(func)
+        writes = writes or kwargs.get("out") is not None
+        if writes:  # the values it wrote lose their recipes
+            written = {_key(t) for t in _flat(args, kwargs)}
             self.cheap = {i: e for i, e in self.cheap.items() if e[2] not in written}
-        outs = [out] if isinstance(out, torch.Tensor) else \
+        single = isinstance(out, torch.Tensor)
+        outs = [out] if single else \
             [o for o in out if isinstance(o, torch.Tensor)] if isinstance(out, (tuple, list)) else []
         if not outs:
-            return out
-        if name not in CHEAP or _mutates(name, kwargs) or any(_key(t) in self.hot for t in tensors):
+            return
+        if self.recompute:
+            if writes or not deterministic:
+                self.usable = False
+                return
+        elif writes or not is_cheap or (self.hot and any(_key(t) in self.hot for t in _flat(args, kwargs))):
             for o in outs:
                 key = _key(o)
                 if key:
                     self.hot[key] = o
-            return out
+            return
         recipes = self.recipes[-1]
         rid = len(recipes)
-        recipes.append((func, self._template(args), self._template(kwargs)))
-        for i, o in enumerate([out] if isinstance(out, torch.Tensor) else out):
+        recipes.append((func, self._template(args), self._template(kwargs) if kwargs else kwargs))
+        if single:
+            self.cheap[id(out)] = (_Ref(rid, 0), out, _key(out), True)
+            return
+        for i, o in enumerate(out):
             if isinstance(o, torch.Tensor):
-                self.cheap[id(o)] = (_Ref(rid, i), o, _key(o))
-        return out
+                self.cheap[id(o)] = (_Ref(rid, i), o, _key(o), False)
 
     def pack(self, t):
         """A saved value: itself when hot or from outside the step, else a handle to its recipe."""
         entry = self.cheap.get(id(t))
-        if entry is None or entry[1] is not t:
-            return None
-        return Handle(len(self.recipes) - 1, entry[0])
+        if entry is not None and entry[1] is t:
+            return Handle(len(self.recipes) - 1, entry[0])
+        if self.pending is not None and not self.is_hot(t):  # saved inside an op: maybe its output
+            handle = Handle(len(self.recipes) - 1, None, Kept(t))
+            self.pending.append((handle, t))
+            return handle
+        return None
+
+    def is_hot(self, t):
+        key = _key(t)
+        return key != 0 and key in self.hot
 
     # ---------------------------------------------------------------- backward
 
     def value(self, handle):
         """A cheap saved value, recomputed (memoized for the step the backward is in: one step's
         cheap values are alive at a time; recipes stay, for a retained graph's next backward)."""
+        if handle.kept is not None:
+            return handle.kept.get()
         pos = handle.pos
         if torch.is_grad_enabled():  # create_graph: on the tape, from the forward's own tensors
             return self._eval(pos, handle.ref, {})
@@ -171,6 +233,8 @@ class HotValues:
 
     def _eval(self, pos, ref, memo):
         out = memo.get(ref.rid)
+        if out is None:
+            out = self.seeds[pos].get(ref.rid)
         if out is None:
             func, args, kwargs = self.recipes[pos][ref.rid]
             out = memo[ref.rid] = func(*self._fill(pos, args, memo), **self._fill(pos, kwargs, memo))

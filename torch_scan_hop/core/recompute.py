@@ -86,8 +86,10 @@ class StepReplay:
     """A scan's remat in eager (see the module docstring). ``step(carry, *rest) -> (carry, y)``."""
 
     def __init__(self, step, policy, length, sqrt=False, min_cut=False, slots=None):
-        self.hot = cheap.HotValues() if min_cut else None  # min_cut: keep hot values (core/cheap.py)
         policy = policies.nothing_saveable if min_cut else policy
+        # min_cut keeps hot values; recompute_all recomputes from recipes while it can (core/cheap.py)
+        plain = policy.save is policies.nothing_saveable.save and not sqrt and slots is None
+        self.hot = cheap.HotValues(recompute=not min_cut) if min_cut or plain else None
         self.step, self.policy = step, policy
         self.selective = policy.save is not policies.nothing_saveable.save
         self.by_ops = self.selective and policy.reads_ops  # else names only: no dispatch mode
@@ -117,6 +119,7 @@ class StepReplay:
             self._note_rng(0, carry)
         self.pos, self.n = pos, 0
         self.kept.append([])
+        out = None
         if self.hot is not None:
             self.hot.start_step()
         try:
@@ -124,7 +127,7 @@ class StepReplay:
                 out = self.step(carry, *rest)
         finally:
             if self.hot is not None:
-                self.hot.end_step()
+                self.hot.end_step(_leaves(out[0], []) if out is not None else ())
         self.counts.append(self.n)
         self._note_rng(pos + 1, carry)  # the state the next step starts from
         return out
@@ -132,7 +135,7 @@ class StepReplay:
     @contextlib.contextmanager
     def _hooks(self, pack, unpack):
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            if self.hot is not None:
+            if self.hot is not None and self.hot.usable:
                 with cheap.Forward(self.hot):
                     yield
                 return
@@ -145,7 +148,7 @@ class StepReplay:
     def _pack(self, t):
         k = self.n
         self.n += 1
-        if self.hot is not None:  # min_cut: kept as it is, or a recipe (core/cheap.py); no re-run
+        if self.hot is not None and self.hot.usable:  # kept as it is, or a recipe (core/cheap.py)
             return self.hot.pack(t) or cheap.Kept(t)
         return self.pos, k
 

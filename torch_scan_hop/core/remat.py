@@ -81,10 +81,12 @@ def checkpoint_name(x, name):
         raise ScanError(f"checkpoint_name: name must be a str, got {type(name).__name__}.")
     if not isinstance(x, torch.Tensor):
         raise ScanError(f"checkpoint_name: expects a tensor, got {type(x).__name__}.")
+    if torch.compiler.is_compiling():  # first: Dynamo cannot trace the thread-local's creation
+        return NAMED_VALUE(x, name)
     namers = _namers()
     if namers:
         return namers[-1].named(x, name)
-    if torch.compiler.is_compiling() or not _compat.runs_eagerly([x]) or _compat.under_make_fx():
+    if not _compat.runs_eagerly([x]) or _compat.under_make_fx():
         return NAMED_VALUE(x, name)
     return x
 
