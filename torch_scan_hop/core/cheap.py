@@ -65,7 +65,7 @@ class Kept:
 class _Ref:
     """Output ``i`` of recipe ``rid`` of the same step."""
 
-    __slots__ = ("rid", "i")
+    __slots__ = ("i", "rid")
 
     def __init__(self, rid, i):
         self.rid, self.i = rid, i
@@ -76,7 +76,7 @@ class Handle:
     while its op runs (an output, as tanh saves its result) is ``kept`` until the op returns and
     its recipe exists; one that never gets a recipe (made inside a composite op) stays kept."""
 
-    __slots__ = ("pos", "ref", "kept")
+    __slots__ = ("kept", "pos", "ref")
 
     def __init__(self, pos, ref, kept=None):
         self.pos, self.ref, self.kept = pos, ref, kept
@@ -85,22 +85,25 @@ class Handle:
 # Functions whose outputs are cheap to recompute from their inputs (pointwise, views, reductions,
 # norms): anything else is hot, so an op this list misses is kept, never wrongly recomputed (a random
 # op or a matmul hidden in a composite function included).
-CHEAP = frozenset("""
-    __add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ __neg__ __pow__ __rpow__
-    __getitem__ __get__ add sub mul div neg exp exp2 log log1p expm1 tanh sigmoid sin cos relu gelu silu
-    softplus elu leaky_relu hardtanh mish logsigmoid abs sqrt rsqrt square reciprocal sign erf clamp clip
-    where maximum minimum pow reshape view view_as transpose permute t unsqueeze squeeze expand expand_as
-    flatten contiguous cat stack split chunk unbind sum mean softmax log_softmax layer_norm rms_norm to
-    float double half bfloat16 type_as zeros ones full zeros_like ones_like full_like arange
-""".split())
+CHEAP = frozenset((
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+    "__neg__", "__pow__", "__rpow__", "__getitem__", "__get__", "add", "sub", "mul", "div", "neg", "exp",
+    "exp2", "log", "log1p", "expm1", "tanh", "sigmoid", "sin", "cos", "relu", "gelu", "silu", "softplus",
+    "elu", "leaky_relu", "hardtanh", "mish", "logsigmoid", "abs", "sqrt", "rsqrt", "square", "reciprocal",
+    "sign", "erf", "clamp", "clip", "where", "maximum", "minimum", "pow", "reshape", "view", "view_as",
+    "transpose", "permute", "t", "unsqueeze", "squeeze", "expand", "expand_as", "flatten", "contiguous",
+    "cat", "stack", "split", "chunk", "unbind", "sum", "mean", "softmax", "log_softmax", "layer_norm",
+    "rms_norm", "to", "float", "double", "half", "bfloat16", "type_as", "zeros", "ones", "full",
+    "zeros_like", "ones_like", "full_like", "arange",
+))
 
 
 # Deterministic functions that are not cheap: recompute_all recomputes them from recipes too (a
 # function outside both lists, a random op say, sends recompute_all back to re-running the body).
-DOTS = frozenset("""
-    linear matmul __matmul__ __rmatmul__ mm bmm addmm baddbmm addmv mv dot einsum conv1d conv2d conv3d
-    bilinear embedding
-""".split())
+DOTS = frozenset((
+    "linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "baddbmm", "addmv", "mv", "dot",
+    "einsum", "conv1d", "conv2d", "conv3d", "bilinear", "embedding",
+))
 DETERMINISTIC = CHEAP | DOTS
 
 
