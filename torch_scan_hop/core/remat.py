@@ -201,7 +201,9 @@ def resolve(remat):
 
 
 def as_policy(remat):
-    """The policy object a string stands for in eager ("save_all" -> None: the plain tape)."""
+    """The policy object a string stands for in eager ("save_all" -> None: the plain tape; "min_cut"
+    -> dots_saveable where a per-call checkpoint serves it, scan_layers' layers: a scan's own engine
+    runs min_cut by recipes, core/cheap.py)."""
     remat = resolve(remat)
     if isinstance(remat, RematPolicy) or remat is None:
         return remat
