@@ -376,6 +376,35 @@ def test_torch_compile_matches_the_loop(policy):
     assert_trees_close(got, loss_and_grads(lambda: reference_scan(body, init, xs), inputs))
 
 
+def test_another_policy_object_compiles_again():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def body(c, x):
+        return checkpoint_name(torch.tanh(c @ w + x), "a"), None
+
+    # read from a dict: torch 2.15's Dynamo installed no guard on such an object (an argument it did)
+    held = {"policy": save_only_these_names("a")}
+    f = torch.compile(lambda c, xs: scan(body, c, xs, remat=held["policy"])[0], backend=backend, fullgraph=True)
+    init, xs = torch.randn(2, 4), torch.randn(3, 2, 4)
+    f(init, xs)
+    f(init, xs)
+    assert len(graphs) == 1
+    held["policy"] = RematPolicy(lambda op, name: False, label="other")
+    f(init, xs)  # was (2.15): the first graph again, with the first policy's token
+    assert len(graphs) == 2
+
+    def tokens(gm):
+        return [n.kwargs.get("remat") for n in gm.graph.nodes if n.op == "call_function" and "remat" in n.kwargs]
+
+    assert tokens(graphs[0]) != tokens(graphs[1])
+
+
 def test_a_policy_object_built_while_compiling_is_a_clear_error():
     torch._dynamo.reset()
 
