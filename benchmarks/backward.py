@@ -128,8 +128,9 @@ def trace_peak(fn):
     import json
     import tempfile
 
-    import torch_scan_hop
     from torch.profiler import ProfilerActivity, profile
+
+    import torch_scan_hop
 
     torch_scan_hop.empty_cache()
     gc.collect()
