@@ -189,7 +189,10 @@ def _option_value(tx, name, var):
             raise compile_error("scan: a RematPolicy built inside the compiled function cannot be read by "
                                 "torch.compile; build it outside (policy = RematPolicy(...)) and pass it in.")
         if getattr(var, "source", None) is not None:  # another policy object later: compile again
-            guard_identity([var.source])
+            try:
+                guard_identity([var.source])
+            except NotImplementedError:  # save_only_these_names(...) called while compiling: a constant
+                pass
         return as_token(var.value)  # a policy stands in the graph as its token (a remat never changes values)
     if name == "remat" and not is_constant(var):
         raise compile_error(
