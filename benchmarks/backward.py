@@ -8,7 +8,8 @@ Targets: recompute_all <= 1.4x the loop, peak <= 1/3 of save_all.
 
 ``--sweep`` adds the length sweep: a small RNN (H=32, batch 8), T = 256 .. 16384, peak memory and time
 per policy (``--lengths`` to choose; 16384 works but its memory profile is slow).
-Run: python benchmarks/backward.py [--sweep] [--lengths 256,1024,4096]
+``--compiled`` adds inductor's peak per policy against eager's (issue 39 item 6 on the CPU).
+Run: python benchmarks/backward.py [--sweep] [--lengths 256,1024,4096] [--compiled]
 """
 import argparse
 import os
@@ -86,6 +87,7 @@ POLICIES = {
     "save_all": "save_all",
     "recompute_all": "recompute_all",
     "sqrt": "sqrt",
+    "binomial(8)": ("binomial", 8),
     "min_cut": "min_cut",
     "dots_saveable": dots_saveable,
     "names(layer1, layer3)": save_only_these_names("layer1", "layer3"),
@@ -117,6 +119,51 @@ def mlp_table(repeat):
     print_table(["variant", "ms", "vs loop", "peak MiB", "vs save_all"], rows)
 
 
+def trace_peak(fn):
+    """Peak bytes allocated while fn runs, from the profiler's raw allocation record ("Total
+    Allocated" of its [memory] events): unlike ``peak_bytes`` it sees allocations inside a compiled
+    graph's call (an op's self memory is only their net). The compiled loop's buffer pool is emptied
+    first, so the storage it hands out is allocated inside the window."""
+    import gc
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    import torch_scan_hop
+
+    torch_scan_hop.empty_cache()
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as trace:
+            events = [e["args"] for e in json.load(trace)["traceEvents"] if e.get("name") == "[memory]"]
+    start = events[0]["Total Allocated"] - events[0]["Bytes"]
+    return max(e["Total Allocated"] for e in events) - start
+
+
+def compiled_peaks():
+    """Issue 39 item 6 on the CPU: inductor's peak per policy against eager's, same body."""
+    from torch.utils.checkpoint import checkpoint
+
+    mlp = make_model()
+    c0, xs = torch.zeros(B, H), torch.randn(T, B, H)
+    base = trace_peak(lambda: loop_step(mlp, c0, xs))
+    ckpt = trace_peak(lambda: loop_step(mlp, c0, xs, lambda c, x: checkpoint(body_for(mlp), c, x,
+                                                                              use_reentrant=False)))
+    rows = [["python loop", "1.00", "-"], ["loop + checkpoint per step", f"{ckpt / base:.2f}", "-"]]
+    for name in ("save_all", "recompute_all", "min_cut"):
+        def step(name=name):
+            scan_step(mlp, c0, xs, name)
+        compiled = torch.compile(step)
+        compiled()
+        rows.append([f"scan {name}", f"{trace_peak(step) / base:.2f}", f"{trace_peak(compiled) / base:.2f}"])
+    print(f"\npeak vs the loop's ({base / 2**20:.1f} MiB), eager and inductor (profiler allocation record)")
+    print_table(["variant", "eager", "inductor"], rows)
+
+
 def rnn_sweep(lengths, hidden=32, batch=8):
     torch.manual_seed(0)
     w = (torch.randn(hidden, hidden) / hidden ** 0.5).requires_grad_()
@@ -135,7 +182,8 @@ def rnn_sweep(lengths, hidden=32, batch=8):
             (c.sum() + ys.sum()).backward()
 
         variants = {name: (lambda r=r: step(r)) for name, r in
-                    [("save_all", "save_all"), ("recompute_all", "recompute_all"), ("sqrt", "sqrt")]}
+                    [("save_all", "save_all"), ("recompute_all", "recompute_all"), ("sqrt", "sqrt"),
+                     ("binomial(16)", ("binomial", 16))]}
         times = {k: min(v) for k, v in interleaved_times(variants, repeat=3 if length <= 4096 else 1,
                                                           clock=time.process_time).items()}
         peaks = {k: peak_bytes(fn) for k, fn in variants.items()}
@@ -153,10 +201,13 @@ def main():
     parser.add_argument("--lengths", default="256,1024,4096")  # 16384: the profiler record takes >25 min
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--skip-mlp", action="store_true")
+    parser.add_argument("--compiled", action="store_true", help="inductor peaks per policy (issue 39 item 6)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if not args.skip_mlp:
         mlp_table(args.repeat)
+    if args.compiled:
+        compiled_peaks()
     if args.sweep:
         rnn_sweep([int(n) for n in args.lengths.split(",")])
 

@@ -1,7 +1,7 @@
 """The user-facing ``scan``: pytrees, validation, the eager loop or the traced op."""
 from . import _compat
 from .core.op_args import example_args
-from .core.remat import as_token, check_remat
+from .core.remat import as_token, check_remat, normalize
 from .core.trees import (
     ScanError,
     ScanInputs,
@@ -64,6 +64,7 @@ def scan(fn, init, xs=None, *, length=None, reverse=False, dim=0, remat="save_al
     ``remat`` picks what the partitioned backward saves and ``unroll`` how many
     body calls each loop iteration makes.
     """
+    remat = normalize(remat)
     _check_options(fn, reverse, remat, unroll)
     inputs = prepare_inputs(init, xs, length, dim)
     leaves = [*inputs.init_leaves, *inputs.xs_leaves]

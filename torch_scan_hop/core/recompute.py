@@ -32,6 +32,7 @@ import math
 import torch
 
 from .. import _compat
+from . import cheap, revolve
 from . import remat as policies
 from .trees import ScanError
 
@@ -84,12 +85,19 @@ class _Replay(_compat.TorchDispatchMode):
 class StepReplay:
     """A scan's remat in eager (see the module docstring). ``step(carry, *rest) -> (carry, y)``."""
 
-    def __init__(self, step, policy, length, sqrt=False):
+    def __init__(self, step, policy, length, sqrt=False, min_cut=False, slots=None):
+        policy = policies.nothing_saveable if min_cut else policy
+        # min_cut keeps hot values; recompute_all recomputes from recipes while it can (core/cheap.py)
+        plain = policy.save is policies.nothing_saveable.save and not sqrt and slots is None
+        self.hot = cheap.HotValues(recompute=not min_cut) if min_cut or plain else None
         self.step, self.policy = step, policy
         self.selective = policy.save is not policies.nothing_saveable.save
         self.by_ops = self.selective and policy.reads_ops  # else names only: no dispatch mode
         self.offload = policy.offload
         self.block = max(1, math.ceil(math.sqrt(length))) if sqrt else 1
+        self.slots = slots  # binomial: at most this many carries at once (core/revolve.py)
+        self.carry_flags = []  # binomial: each step's carry leaves' requires_grad
+        self.keep_at = None if slots is None else {0, *revolve.descent(0, length, slots - 1)}
         self.rest, self.carries, self.counts, self.kept = [], {}, [], []
         self.devices = None  # the carry's CUDA tensors (RNG states to keep), found at step 0
         self.rng = []  # (position, cpu state, (devices, device states)) at step 0 and where it changed
@@ -103,14 +111,23 @@ class StepReplay:
     def __call__(self, carry, *rest):
         pos = len(self.rest)
         self.rest.append(rest)
-        if pos % self.block == 0:
+        if self.slots is not None:
+            self.carry_flags.append(tuple(t.requires_grad for t in _leaves(carry, [])))
+        if (pos % self.block == 0) if self.keep_at is None else pos in self.keep_at:
             self.carries[pos] = carry
         if pos == 0:
             self._note_rng(0, carry)
         self.pos, self.n = pos, 0
         self.kept.append([])
-        with self._hooks(self._pack, self._unpack):
-            out = self.step(carry, *rest)
+        out = None
+        if self.hot is not None:
+            self.hot.start_step()
+        try:
+            with self._hooks(self._pack, self._unpack):
+                out = self.step(carry, *rest)
+        finally:
+            if self.hot is not None:
+                self.hot.end_step(_leaves(out[0], []) if out is not None else ())
         self.counts.append(self.n)
         self._note_rng(pos + 1, carry)  # the state the next step starts from
         return out
@@ -118,6 +135,10 @@ class StepReplay:
     @contextlib.contextmanager
     def _hooks(self, pack, unpack):
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            if self.hot is not None and self.hot.usable:
+                with cheap.Forward(self.hot):
+                    yield
+                return
             if not self.selective:
                 yield
                 return
@@ -127,6 +148,8 @@ class StepReplay:
     def _pack(self, t):
         k = self.n
         self.n += 1
+        if self.hot is not None and self.hot.usable:  # kept as it is, or a recipe (core/cheap.py)
+            return self.hot.pack(t) or cheap.Kept(t)
         return self.pos, k
 
     def _note_rng(self, pos, carry):
@@ -188,6 +211,10 @@ class StepReplay:
     # ---------------------------------------------------------------- backward
 
     def _unpack(self, handle):
+        if isinstance(handle, cheap.Kept):
+            return handle.get()
+        if isinstance(handle, cheap.Handle):
+            return self.hot.value(handle)
         pos, k = handle
         cached = self.cached.get(pos)
         if cached is None:
@@ -202,6 +229,10 @@ class StepReplay:
     def _rerun_for(self, pos):
         """Re-run what the backward needs for step ``pos``: that step (``sqrt``: its whole
         block, from the block's kept carry, each step's saved values kept until handed out)."""
+        if self.slots is not None:
+            carry = revolve.advance(self, pos)
+            self.cached = {pos: [self._rerun(pos, carry)[0], self.counts[pos]]}
+            return
         start = pos - pos % self.block
         carry, self.cached = self.carries[start], {}
         for p in range(start, min(start + self.block, len(self.rest))):
@@ -210,7 +241,7 @@ class StepReplay:
             if p == pos and self.block == 1:
                 break
 
-    def _run(self, pos, carry):
+    def run_step(self, pos, carry):
         if not self.selective:
             return self.step(carry, *self.rest[pos])
         self.replaying, self.rpos = (self.kept[pos] if self.selective else None), 0
@@ -222,7 +253,7 @@ class StepReplay:
             self.replaying = None
 
     @contextlib.contextmanager
-    def _rng_at(self, pos):  # (with one state kept no step drew a random number: nothing to restore)
+    def rng_at(self, pos):  # (with one state kept no step drew a random number: nothing to restore)
         entry = None
         for e in self.rng:
             if e[0] > pos:
@@ -248,9 +279,9 @@ class StepReplay:
             return len(values) - 1
 
         try:
-            with torch.enable_grad(), (self._rng_at(pos) if len(self.rng) > 1 else contextlib.nullcontext()), \
+            with torch.enable_grad(), (self.rng_at(pos) if len(self.rng) > 1 else contextlib.nullcontext()), \
                     torch.autograd.graph.saved_tensors_hooks(pack, values.__getitem__):
-                new_carry = self._run(pos, carry)[0]
+                new_carry = self.run_step(pos, carry)[0]
         finally:
             self.rest[pos] = rest
         if len(values) != self.counts[pos]:

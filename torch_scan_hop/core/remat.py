@@ -14,9 +14,11 @@ XLA keep the same values.
 live on between the forward and the backward (host memory for a CUDA scan).
 
 The strings stay: "save_all", "recompute_all", "min_cut" (traced: functorch's
-min-cut partitioner; eager: ``dots_saveable``) and "sqrt" (eager: only every
-k-th carry, k ~ sqrt(T), each block recomputed once in the backward; traced as
-"recompute_all").
+min-cut partitioner; eager: keep what a matmul made, recompute the rest,
+``core/cheap.py``), "sqrt" (eager: only every k-th carry, k ~ sqrt(T), each
+block recomputed once in the backward) and ``("binomial", k)`` (eager: at most
+k carries, placed as revolve places them; stands in graphs as "binomial:k").
+Traced, "sqrt" and binomial are "recompute_all".
 """
 import contextlib
 import functools
@@ -79,10 +81,12 @@ def checkpoint_name(x, name):
         raise ScanError(f"checkpoint_name: name must be a str, got {type(name).__name__}.")
     if not isinstance(x, torch.Tensor):
         raise ScanError(f"checkpoint_name: expects a tensor, got {type(x).__name__}.")
+    if torch.compiler.is_compiling():  # first: Dynamo cannot trace the thread-local's creation
+        return NAMED_VALUE(x, name)
     namers = _namers()
     if namers:
         return namers[-1].named(x, name)
-    if torch.compiler.is_compiling() or not _compat.runs_eagerly([x]) or _compat.under_make_fx():
+    if not _compat.runs_eagerly([x]) or _compat.under_make_fx():
         return NAMED_VALUE(x, name)
     return x
 
@@ -197,21 +201,43 @@ def resolve(remat):
 
 
 def as_policy(remat):
-    """The policy object a string stands for in eager ("save_all" -> None: the plain tape)."""
+    """The policy object a string stands for in eager ("save_all" -> None: the plain tape; "min_cut"
+    -> dots_saveable where a per-call checkpoint serves it, scan_layers' layers: a scan's own engine
+    runs min_cut by recipes, core/cheap.py)."""
     remat = resolve(remat)
     if isinstance(remat, RematPolicy) or remat is None:
         return remat
     check_remat(remat)
+    if binomial_slots(remat) is not None:
+        return nothing_saveable
     return {"save_all": None, "recompute_all": nothing_saveable, "min_cut": dots_saveable,
             "sqrt": nothing_saveable}[remat]
 
 
+def normalize(remat):
+    """``("binomial", k)`` as the string ``"binomial:k"`` (a constant graphs and Dynamo can hold)."""
+    if isinstance(remat, tuple) and len(remat) == 2 and remat[0] == "binomial":
+        k = remat[1]
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ScanError(f"scan: remat=('binomial', k) keeps k carries, k an int >= 1; got k={k!r}.")
+        return f"binomial:{k}"
+    return remat
+
+
+def binomial_slots(remat):
+    """k of "binomial:k", else None."""
+    if isinstance(remat, str) and remat.startswith("binomial:"):
+        return int(remat.split(":", 1)[1])
+    return None
+
+
 def is_policy(remat):
-    return isinstance(remat, RematPolicy) or (isinstance(remat, str) and (remat in STRINGS or remat in _POLICIES))
+    return isinstance(remat, RematPolicy) or (isinstance(remat, str) and (
+        remat in STRINGS or remat in _POLICIES or binomial_slots(remat) is not None))
 
 
 def check_remat(remat, where="scan"):
     """Bad ``remat`` values are a ScanError naming what is accepted."""
     if not (callable(remat) or is_policy(remat)):
-        raise ScanError(f"{where}: remat={remat!r} is not a policy; use one of {STRINGS}, a RematPolicy "
+        raise ScanError(f"{where}: remat={remat!r} is not a policy; use one of {STRINGS}, ('binomial', k), a RematPolicy "
                         "(dots_saveable, save_only_these_names(...)) or an AOTAutograd partition function.")

@@ -180,7 +180,7 @@ def _option_value(tx, name, var):
     dynamic=True, say unroll=k) is specialized, with a guard, to its value.
     Anything else must be a constant: a graph node cannot hold a function, so a
     callable ``remat`` works in eager and make_fx only."""
-    from .._compat.dynamo import is_constant, is_symbolic_int
+    from .._compat.dynamo import guard_identity, is_constant, is_symbolic_int
 
     if is_symbolic_int(var):
         return var.evaluate_expr(tx.output)
@@ -188,6 +188,11 @@ def _option_value(tx, name, var):
         if not hasattr(var.value, "save"):  # Dynamo's stand-in for an object built while tracing
             raise compile_error("scan: a RematPolicy built inside the compiled function cannot be read by "
                                 "torch.compile; build it outside (policy = RematPolicy(...)) and pass it in.")
+        if getattr(var, "source", None) is not None:  # another policy object later: compile again
+            try:
+                guard_identity([var.source])
+            except NotImplementedError:  # save_only_these_names(...) called while compiling: a constant
+                pass
         return as_token(var.value)  # a policy stands in the graph as its token (a remat never changes values)
     if name == "remat" and not is_constant(var):
         raise compile_error(

@@ -7,13 +7,17 @@ branches, double backward and ``torch.func`` transforms. ``remat`` is realised
 by one replay engine per scan (``core/recompute.py``):
 
 * ``"save_all"``: the plain tape.
-* ``"recompute_all"``: each step's inputs are kept and the step is re-run in
-  the backward (RNG state restored, so dropout masks match; the body's Python
-  side effects run again there).
-* ``"min_cut"`` (= ``dots_saveable``) and any ``RematPolicy``: the outputs of
-  the ops (and ``checkpoint_name``d values) the policy saves are kept, the
-  rest is recomputed by the re-run.
+* ``"recompute_all"``: each step's inputs are kept; saved values are recomputed
+  in the backward from recipes recorded in the forward (``core/cheap.py``), or,
+  for a body calling a function it does not know (a random op), by re-running
+  the step (RNG state restored, so dropout masks match; the body's Python side
+  effects run again there).
+* ``"min_cut"``: what a matmul (or an unknown function) made is kept, the rest
+  is recomputed from recipes, nothing re-run (``core/cheap.py``).
+* any ``RematPolicy``: the outputs of the ops (and ``checkpoint_name``d values)
+  the policy saves are kept, the rest is recomputed by the re-run.
 * ``"sqrt"``: every ~sqrt(T)-th carry is kept; blocks are re-run in the backward.
+* ``("binomial", k)``: at most k carries, as revolve places them (``core/revolve.py``).
 """
 import functools
 
@@ -24,7 +28,7 @@ from .. import _compat
 from ..core import dtensors as dt
 from ..core.op_args import example_args, slice_example
 from ..core.recompute import StepReplay
-from ..core.remat import as_policy, nothing_saveable
+from ..core.remat import as_policy, binomial_slots, nothing_saveable
 from ..core.schedule import step_order
 from ..core.trees import ScanError, check_carry, check_pair, flatten_y
 
@@ -46,7 +50,8 @@ def remat_step(step, remat, length=None):
     if policy is None or _compat.functorch_transforms_active():
         return step
     if length is not None:
-        return StepReplay(step, policy, length, sqrt=remat == "sqrt")
+        return StepReplay(step, policy, length, sqrt=remat == "sqrt", min_cut=remat == "min_cut",
+                          slots=binomial_slots(remat))
     if policy.save is nothing_saveable.save:
         return functools.partial(_ckpt.checkpoint, step, use_reentrant=False)
     contexts = functools.partial(_compat.replayable_selective_checkpoint_contexts, _sac_policy(policy))

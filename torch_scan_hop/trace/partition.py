@@ -244,6 +244,32 @@ def _inline_constant_saves(fwd, bwd, num_outputs):
     return fwd, bwd
 
 
+def _dedupe_saves(fwd, bwd, num_outputs):
+    """One saved value per forward node. Dropping ``checkpoint_name``'s copies leaves the named
+    value saved twice where both it and its copy were saved (tanh saves its output, the next
+    matmul its input); every saved value is one stacked (T, ...) buffer of the compiled loop, so a
+    duplicate doubles its memory (a named 4-layer MLP saved 8 step values for the eager tape's 5).
+    Expects ``_align_saves``' order (saved i is backward input i)."""
+    fwd_out = fwd.graph.find_nodes(op="output")[0]
+    (outs,) = fwd_out.args
+    saved = list(outs[num_outputs:])
+    bwd_inputs = list(bwd.graph.find_nodes(op="placeholder"))[:len(saved)]
+    first, keep = {}, []
+    for node, ph in zip(saved, bwd_inputs):
+        if node in first:
+            ph.replace_all_uses_with(first[node])
+            bwd.graph.erase_node(ph)
+        else:
+            first[node] = ph
+            keep.append(node)
+    if len(keep) == len(saved):
+        return fwd, bwd
+    fwd_out.args = (tuple(outs[:num_outputs]) + tuple(keep),)
+    for gm in (fwd, bwd):
+        gm.recompile()
+    return fwd, bwd
+
+
 def _classify_saved(fwd, num_outputs, num_carry, num_x):
     placeholders = list(fwd.graph.find_nodes(op="placeholder"))
     (outs,) = fwd.graph.find_nodes(op="output")[0].args
@@ -335,6 +361,7 @@ def partition_step(step: JointStep, remat="save_all") -> FwdBwd:
     fwd, bwd = _align_saves(fwd, bwd, num_out)
     fwd, bwd = _inline_constant_saves(fwd, bwd, num_out)
     fwd, bwd = simplify(drop_names(fwd), keep_detach=True), simplify(drop_names(bwd))
+    fwd, bwd = _dedupe_saves(fwd, bwd, num_out)
     fwd, bwd = save_dense_layouts(fwd, bwd, num_out)
     return FwdBwd(
         fwd=fwd, bwd=bwd, num_carry=num_carry, num_x=num_x, num_lifted=step.num_lifted,

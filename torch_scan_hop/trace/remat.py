@@ -3,7 +3,7 @@
 ``partition_fn`` maps what ``scan``'s ``remat`` may be to a function
 ``(joint, inputs, *, num_fwd_outputs) -> (fwd, bwd)``: functorch's partitioners
 for "save_all" / "min_cut", saving only the step's inputs for "recompute_all"
-(and "sqrt", whose block scheme exists in eager only), and ``policy_partition``
+(and "sqrt" and binomial, whose carry schemes exist in eager only), and ``policy_partition``
 for a ``RematPolicy``; ``drop_names`` removes ``checkpoint_name``'s op after.
 """
 import operator
@@ -88,7 +88,7 @@ def partition_fn(remat):
                             "implemented for eager scans only; traced (make_fx, torch.compile, export, XLA) "
                             "saved values stay on the device: drop offload there.")
         return policy_partition(remat)
-    if remat in ("recompute_all", "sqrt"):
+    if remat in ("recompute_all", "sqrt") or policies.binomial_slots(remat) is not None:
         return _recompute_all_partition
     if remat in ("save_all", "min_cut"):
         return _compat.partitioner(remat)

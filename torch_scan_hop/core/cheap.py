@@ -1,0 +1,278 @@
+"""Eager ``remat="min_cut"``: keep what only a matmul can make, recompute the rest from recipes.
+
+Traced, "min_cut" is functorch's partitioner: it never recomputes a matmul,
+and recomputes pointwise work where that saves memory. Eager has no graph to
+cut, so the same rule is applied per value, as the step runs, under a torch
+function mode:
+
+- a value computed by a function outside ``CHEAP`` (pointwise ops, views,
+  reductions, norms, deterministic factories) -- a matmul, conv, attention, a
+  random op, a composite function we do not know -- or computed from such a
+  value, is "hot": when autograd saves it, it is kept as it is (recomputing it
+  could mean a matmul or a redraw);
+- any other output is "cheap": the mode records its recipe (the function and
+  its arguments: constants, tensors from outside the step such as the carry, x
+  and the weights, or other recipes). When autograd saves a cheap value, a
+  handle to its recipe is saved instead, and the backward evaluates it (once
+  per step, memoized): a few torch calls, no re-run of the body's Python, no
+  tape. Under ``create_graph=True`` the recipe runs on the tape from the
+  forward's own tensors, so double backward reaches the forward.
+
+Nothing computed inside a step is held by a recipe, so a step keeps exactly
+its hot saved values: on a stack of ``tanh(linear(h))`` layers one tensor per
+layer (the last is the next carry) and not ``c + x``, 4 of save_all's 5 on the
+benchmark body, with no matmul re-run. Saving less means recomputing matmuls
+(``"recompute_all"``, ``save_only_these_names``).
+
+In-place ops: a recipe records the value an op produced, so a value modified in
+place afterwards loses its recipe (if saved later it is kept as it is), and a
+tensor from outside the step that a recipe reads is checked, when the recipe
+runs, not to have been modified since (a ScanError otherwise, where the plain
+tape raises its version error).
+"""
+import torch
+
+from .trees import ScanError
+
+
+def _key(t):
+    """Values are told apart by storage for hotness: a view of a hot value is hot (0 for a
+    storage-less or empty tensor, never marked)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+class Kept:
+    """A tensor kept as it is (a hot saved value, or one from outside the step that a recipe
+    reads), with the version it had: reading it checks it was not modified in place since,
+    as the tape does for the values it saves."""
+
+    __slots__ = ("t", "version")
+
+    def __init__(self, t):
+        self.t, self.version = t, t._version
+
+    def get(self):
+        if self.t._version != self.version:
+            raise ScanError("scan: remat='min_cut': a tensor saved for the backward (or read to recompute one) "
+                            f"was modified by an in-place operation (version {self.version} -> "
+                            f"{self.t._version}); as with the plain tape, clone it before modifying it.")
+        return self.t
+
+
+class _Ref:
+    """Output ``i`` of recipe ``rid`` of the same step."""
+
+    __slots__ = ("i", "rid")
+
+    def __init__(self, rid, i):
+        self.rid, self.i = rid, i
+
+
+class Handle:
+    """What autograd saves for a cheap value: step ``pos``'s recipe output ``ref``. A value saved
+    while its op runs (an output, as tanh saves its result) is ``kept`` until the op returns and
+    its recipe exists; one that never gets a recipe (made inside a composite op) stays kept."""
+
+    __slots__ = ("kept", "pos", "ref")
+
+    def __init__(self, pos, ref, kept=None):
+        self.pos, self.ref, self.kept = pos, ref, kept
+
+
+# Functions whose outputs are cheap to recompute from their inputs (pointwise, views, reductions,
+# norms): anything else is hot, so an op this list misses is kept, never wrongly recomputed (a random
+# op or a matmul hidden in a composite function included).
+CHEAP = frozenset((
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+    "__neg__", "__pow__", "__rpow__", "__getitem__", "__get__", "add", "sub", "mul", "div", "neg", "exp",
+    "exp2", "log", "log1p", "expm1", "tanh", "sigmoid", "sin", "cos", "relu", "gelu", "silu", "softplus",
+    "elu", "leaky_relu", "hardtanh", "mish", "logsigmoid", "abs", "sqrt", "rsqrt", "square", "reciprocal",
+    "sign", "erf", "clamp", "clip", "where", "maximum", "minimum", "pow", "reshape", "view", "view_as",
+    "transpose", "permute", "t", "unsqueeze", "squeeze", "expand", "expand_as", "flatten", "contiguous",
+    "cat", "stack", "split", "chunk", "unbind", "sum", "mean", "softmax", "log_softmax", "layer_norm",
+    "rms_norm", "to", "float", "double", "half", "bfloat16", "type_as", "zeros", "ones", "full",
+    "zeros_like", "ones_like", "full_like", "arange",
+))
+
+
+# Deterministic functions that are not cheap: recompute_all recomputes them from recipes too (a
+# function outside both lists, a random op say, sends recompute_all back to re-running the body).
+DOTS = frozenset((
+    "linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "baddbmm", "addmv", "mv", "dot",
+    "einsum", "conv1d", "conv2d", "conv3d", "bilinear", "embedding",
+))
+DETERMINISTIC = CHEAP | DOTS
+
+
+class HotValues:
+    """Per scan: the hot values of the step running now and every step's recipes.
+
+    ``recompute=True`` serves ``recompute_all``: every deterministic function gets a recipe
+    (nothing is hot), so the backward recomputes only the saved values, from recipes, without
+    the tape or the body's Python, and none that is the step's new carry (``seeds``: the engine
+    keeps that carry anyway). The first function outside ``DETERMINISTIC`` (or an in-place one)
+    turns recipes off (``usable``): the engine re-runs the body for the values saved after."""
+
+    def __init__(self, recompute=False):
+        self.recompute, self.usable = recompute, True
+        self.seeds = []  # per step: recipe id -> the new carry leaf it made
+        self.kinds = {}  # function -> _kind
+        self.recipes = []  # per step: [(func, args, kwargs)] with tensors as Kept / _Ref
+        self.hot = {}  # storage key -> tensor: this step's hot values (held: keys stay unique)
+        self.cheap = {}  # id -> (_Ref, tensor, storage key): this step's cheap values (held: ids stay unique)
+        self.memo_pos, self.memo = None, {}
+        self.pending = []  # (handle, tensor) saved while an op runs, resolved when it returns
+
+    def start_step(self):
+        self.recipes.append([])
+        self.seeds.append({})
+
+    def end_step(self, new_carry=()):
+        for leaf in new_carry:
+            entry = self.cheap.get(id(leaf))
+            if entry is not None and entry[1] is leaf and entry[3]:
+                self.seeds[-1][entry[0].rid] = leaf
+        self.hot, self.cheap, self.pending = {}, {}, None
+
+    # ---------------------------------------------------------------- forward
+
+    def _template(self, value):
+        if isinstance(value, torch.Tensor):
+            entry = self.cheap.get(id(value))
+            return entry[0] if entry is not None else Kept(value)
+        if isinstance(value, dict):
+            return {k: self._template(v) for k, v in value.items()}
+        if isinstance(value, (tuple, list)):
+            return type(value)(self._template(v) for v in value)
+        return value
+
+    def forward(self, func, args, kwargs):
+        if not self.usable:
+            return func(*args, **kwargs)
+        self.pending = []
+        try:
+            out = func(*args, **kwargs)
+            self._record(func, args, kwargs, out)
+            for handle, t in self.pending:
+                entry = self.cheap.get(id(t))
+                if entry is not None and entry[1] is t:
+                    handle.ref, handle.kept = entry[0], None
+        finally:
+            self.pending = None
+        return out
+
+    def _kind(self, func):
+        """(writes in place, cheap, deterministic) by the function's name, once per function."""
+        kind = self.kinds.get(func)
+        if kind is None:
+            name = getattr(func, "__name__", "")
+            writes = (name.endswith("_") and not name.startswith("__")) or name.startswith("__i") \
+                or name == "__setitem__"
+            kind = self.kinds[func] = (writes, name in CHEAP, name in DETERMINISTIC)
+        return kind
+
+    def _record(self, func, args, kwargs, out):
+        writes, is_cheap, deterministic = self._kind(func)
+        writes = writes or kwargs.get("out") is not None
+        if writes:  # the values it wrote lose their recipes
+            written = {_key(t) for t in _flat(args, kwargs)}
+            self.cheap = {i: e for i, e in self.cheap.items() if e[2] not in written}
+        single = isinstance(out, torch.Tensor)
+        outs = [out] if single else \
+            [o for o in out if isinstance(o, torch.Tensor)] if isinstance(out, (tuple, list)) else []
+        if not outs:
+            return
+        if self.recompute:
+            if writes or not deterministic:
+                self.usable = False
+                return
+        elif writes or not is_cheap or (self.hot and any(_key(t) in self.hot for t in _flat(args, kwargs))):
+            for o in outs:
+                key = _key(o)
+                if key:
+                    self.hot[key] = o
+            return
+        recipes = self.recipes[-1]
+        rid = len(recipes)
+        recipes.append((func, self._template(args), self._template(kwargs) if kwargs else kwargs))
+        if single:
+            self.cheap[id(out)] = (_Ref(rid, 0), out, _key(out), True)
+            return
+        for i, o in enumerate(out):
+            if isinstance(o, torch.Tensor):
+                self.cheap[id(o)] = (_Ref(rid, i), o, _key(o), False)
+
+    def pack(self, t):
+        """A saved value: itself when hot or from outside the step, else a handle to its recipe."""
+        entry = self.cheap.get(id(t))
+        if entry is not None and entry[1] is t:
+            return Handle(len(self.recipes) - 1, entry[0])
+        if self.pending is not None and not self.is_hot(t):  # saved inside an op: maybe its output
+            handle = Handle(len(self.recipes) - 1, None, Kept(t))
+            self.pending.append((handle, t))
+            return handle
+        return None
+
+    def is_hot(self, t):
+        key = _key(t)
+        return key != 0 and key in self.hot
+
+    # ---------------------------------------------------------------- backward
+
+    def value(self, handle):
+        """A cheap saved value, recomputed (memoized for the step the backward is in: one step's
+        cheap values are alive at a time; recipes stay, for a retained graph's next backward)."""
+        if handle.kept is not None:
+            return handle.kept.get()
+        pos = handle.pos
+        if torch.is_grad_enabled():  # create_graph: on the tape, from the forward's own tensors
+            return self._eval(pos, handle.ref, {})
+        if self.memo_pos != pos:
+            self.memo_pos, self.memo = pos, {}
+        return self._eval(pos, handle.ref, self.memo)
+
+    def _eval(self, pos, ref, memo):
+        out = memo.get(ref.rid)
+        if out is None:
+            out = self.seeds[pos].get(ref.rid)
+        if out is None:
+            func, args, kwargs = self.recipes[pos][ref.rid]
+            out = memo[ref.rid] = func(*self._fill(pos, args, memo), **self._fill(pos, kwargs, memo))
+        return out if isinstance(out, torch.Tensor) else out[ref.i]
+
+    def _fill(self, pos, value, memo):
+        if isinstance(value, Kept):
+            return value.get()
+        if isinstance(value, _Ref):
+            return self._eval(pos, value, memo)
+        if isinstance(value, dict):
+            return {k: self._fill(pos, v, memo) for k, v in value.items()}
+        if isinstance(value, (tuple, list)):
+            return type(value)(self._fill(pos, v, memo) for v in value)
+        return value
+
+
+def _flat(args, kwargs):
+    out = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (tuple, list)):
+            out.extend(t for t in a if isinstance(t, torch.Tensor))
+    return out
+
+
+class Forward(torch.overrides.TorchFunctionMode):
+    """A min_cut step's forward: marks hot values, records cheap ones' recipes. At the level of
+    torch functions (``torch.tanh``, ``F.linear``), not aten ops: a dispatch mode costs ~35 us per
+    op here, three times this one, which made min_cut slower than recompute_all."""
+
+    def __init__(self, hot):
+        super().__init__()
+        self.hot = hot
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self.hot.forward(func, args, kwargs or {})
