@@ -21,10 +21,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import best_time, print_table  # noqa: E402
+from _timing import best_time, print_table
+from torch._higher_order_ops.scan import scan as upstream_scan
 
-import torch_scan_hop  # noqa: E402
-from torch._higher_order_ops.scan import scan as upstream_scan  # noqa: E402
+import torch_scan_hop
 
 H, B = 64, 8
 torch.manual_seed(0)
@@ -92,7 +92,8 @@ def main():
         c0, xs = torch.zeros(B, H), torch.randn(T, B, H)
         ref, got = python_loop(c0, xs), torch_scan_hop.scan(cell, c0, xs)
         assert torch.allclose(ref[1], got[1]) and torch.allclose(ref[0], got[0])
-        loop, ours = (lambda: python_loop(c0, xs)), (lambda: torch_scan_hop.scan(cell, c0, xs))
+        loop = lambda c0=c0, xs=xs: python_loop(c0, xs)
+        ours = lambda c0=c0, xs=xs: torch_scan_hop.scan(cell, c0, xs)
         if args.train:
             loop, ours = train_step(loop), train_step(ours)
         number = max(1, 512 // T)
@@ -101,7 +102,7 @@ def main():
         row = [T, f"{min(times['loop']) * 1e3:.4f}", f"{min(times['scan']) * 1e3:.4f}",
                *ratio_cells(times["scan"], times["loop"])]
         if T <= 256 and not args.train:
-            t_up = best_time(lambda: upstream_scan(upstream_cell, c0, xs), repeat=3)
+            t_up = best_time(lambda c0=c0, xs=xs: upstream_scan(upstream_cell, c0, xs), repeat=3)
             row += [f"{t_up / min(times['loop']):.2f}x"]
         else:
             row += ["-"]

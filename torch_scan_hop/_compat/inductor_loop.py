@@ -201,9 +201,8 @@ def _plan_pools(lines, start, body_indent, name):
                 fresh.add(m.group(1))
                 if _nbytes(m.group(2), m.group(3)) <= _POOL_MAX_BYTES:
                     allocs.append((j, m.group(1), text[len(m.group(1)) + 3:]))
-            elif m := reuse.match(text):
-                if m.group(2) in fresh:
-                    fresh.add(m.group(1))
+            elif (m := reuse.match(text)) and m.group(2) in fresh:
+                fresh.add(m.group(1))
         j += 1
     for position, var in outputs:
         if carried.get(var) != position and var not in fresh:
