@@ -3,6 +3,7 @@ allocation line, allocated once (``_compat.inductor_loop.pool_loop_buffers``): t
 the generated code, and compiled training steps against the Python loop."""
 import pytest
 import torch
+from conftest import reference_scan
 from torch._inductor.utils import run_and_get_code
 
 from torch_scan_hop import scan
@@ -68,14 +69,6 @@ def _swap(w):
     return cell
 
 
-def _loop(cell, init, xs):
-    carry, ys = init, []
-    for x in xs:
-        carry, y = cell(carry, x)
-        ys.append(y)
-    return carry, torch.stack(ys)
-
-
 @pytest.mark.parametrize("body", ["rnn", "swap"])
 def test_compiled_training_step_matches_the_loop(body):
     torch.manual_seed(0)
@@ -96,7 +89,7 @@ def test_compiled_training_step_matches_the_loop(body):
 
     compiled = torch.compile(lambda w, c, xs: loss(scan, w, c, xs), backend="inductor", fullgraph=True)
     got, codes = run_and_get_code(grads, compiled)
-    want = grads(lambda w, c, xs: loss(_loop, w, c, xs))
+    want = grads(lambda w, c, xs: loss(reference_scan, w, c, xs))
     for g, r in zip(got, want):
         torch.testing.assert_close(g, r, atol=1e-10, rtol=1e-10)
     code = "\n".join(codes)
