@@ -17,7 +17,10 @@ lengths and other loops go to inductor's codegen. torch 2.9-2.15:
 ``PythonWrapperCodegen.codegen_while_loop(while_loop, stack_output)``,
 ``codegen_subgraph_by_inlining``, ``codegen_dynamic_scalar(node)`` (``node.inputs``,
 ``node.keypath``, ``node.sym``), ``EnterSubgraphLine``/``ExitSubgraphLine``,
-``ir.AssertScalar.codegen(wrapper)`` (``.scalar``), ``torch.utils._sympy.value_ranges``.
+``ir.AssertScalar.codegen(wrapper)`` (``.scalar``), ``torch.utils._sympy.value_ranges``,
+``PythonWrapperCodegen.generate(is_inference)`` returning the code as a ``ValueWithLineMap``
+dataclass first (its ``value`` is rewritten by ``pool_loop_buffers``; the FX wrapper's
+GraphModule is left alone).
 """
 
 import dataclasses
@@ -90,11 +93,14 @@ def run_counted_loops_as_for_loops(is_counted):
         return assert_scalar(self, wrapper)
 
     def generate(self, is_inference):
-        code, kernels = generate_code(self, is_inference)
+        result = generate_code(self, is_inference)
+        code = result[0]
+        if not isinstance(getattr(code, "value", None), str):  # FX wrapper codegen: a GraphModule
+            return result
         pooled = pool_loop_buffers(code.value)
-        if pooled != code.value:
-            code = dataclasses.replace(code, value=pooled)
-        return code, kernels
+        if pooled == code.value:
+            return result
+        return (dataclasses.replace(code, value=pooled), *result[1:])
 
     generate_code = PythonWrapperCodegen.generate
     PythonWrapperCodegen.generate = generate
