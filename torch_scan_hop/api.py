@@ -1,8 +1,11 @@
 """The user-facing ``scan``: pytrees, validation, the eager loop or the traced op."""
+import torch
+
 from . import _compat
 from .core.op_args import example_args
 from .core.remat import as_token, check_remat, normalize
 from .core.trees import (
+    LEAF,
     ScanError,
     ScanInputs,
     check_carry,
@@ -64,6 +67,12 @@ def scan(fn, init, xs=None, *, length=None, reverse=False, dim=0, remat="save_al
     ``remat`` picks what the partitioned backward saves and ``unroll`` how many
     body calls each loop iteration makes.
     """
+    if (type(init) is type(xs) is torch.Tensor and length is None and unroll is None and type(dim) is int
+            and dim == 0 and type(reverse) is bool and type(remat) is str and remat == "save_all"
+            and callable(fn) and xs.dim() > 0 and _compat.runs_eagerly((init, xs))):
+        # The most common call (one tensor carry and xs, defaults, plain eager): the options
+        # and inputs need no check beyond the condition above, and the loop starts at once.
+        return run_tree(fn, init, ScanInputs([init], LEAF, [xs], LEAF, xs.shape[0]), reverse, remat)
     remat = normalize(remat)
     _check_options(fn, reverse, remat, unroll)
     inputs = prepare_inputs(init, xs, length, dim)

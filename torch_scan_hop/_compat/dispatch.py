@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from .functorch import _functionalize_transform_active, _is_functorch_wrapped
 
 AutoDispatchBelowAutograd = torch._C._AutoDispatchBelowAutograd
+_peek_interpreter = torch._C._functorch.peek_interpreter_stack  # None: no torch.func transform
 
 
 @contextlib.contextmanager
@@ -113,9 +114,13 @@ def runs_eagerly(tensors):
 
     torch 2.9-2.14: the mode stack, fake / functional tensor classes and the
     functorch interpreter stack it reads are the same on both."""
-    if is_dynamo_compiling() or tracing_modes_active() or _functionalize_transform_active():
+    if is_dynamo_compiling() or tracing_modes_active() or (
+            _peek_interpreter() is not None and _functionalize_transform_active()):
         return False
-    return all(_is_eager_tensor(t) for t in tensors if isinstance(t, torch.Tensor))
+    for t in tensors:  # a plain loop: all() over a generator costs more than the few checks
+        if isinstance(t, torch.Tensor) and not _is_eager_tensor(t):
+            return False
+    return True
 
 
 def on_xla(tensors):

@@ -38,13 +38,13 @@ class TreeDef:
         return self.spec.is_leaf() and self.none_mask == (False,)
 
     def unflatten(self, leaves):
-        if self is _LEAF:  # a bare tensor, the common case: no pytree walk
+        if self is LEAF:  # a bare tensor, the common case: no pytree walk
             return leaves[0]
         it = iter(leaves)
         return pytree.tree_unflatten([None if m else next(it) for m in self.none_mask], self.spec)
 
 
-_LEAF = TreeDef(pytree.tree_structure(0), (False,))
+LEAF = TreeDef(pytree.tree_structure(0), (False,))
 
 
 def split_counts(seq, *counts):
@@ -60,7 +60,7 @@ def flatten(tree):
     """(tensor-or-other leaves without the Nones, TreeDef); a bare tensor skips
     pytree, whose node-type lookup alone costs several microseconds."""
     if isinstance(tree, torch.Tensor):
-        return [tree], _LEAF
+        return [tree], LEAF
     leaves, spec = pytree.tree_flatten(tree)
     mask = tuple(leaf is None for leaf in leaves)
     return [leaf for leaf in leaves if leaf is not None], TreeDef(spec, mask)
@@ -207,6 +207,10 @@ def check_pair(out):
 
 def check_carry(new_carry, inputs: ScanInputs):
     """The carry fn returns must match init in structure, shape and dtype."""
+    if type(new_carry) is torch.Tensor and inputs.init_spec is LEAF:  # a bare tensor carry, the common case
+        old = inputs.init_leaves[0]
+        if type(old) is torch.Tensor and new_carry.dtype == old.dtype and new_carry.shape == old.shape:
+            return [new_carry]
     leaves, spec = flatten(new_carry)
     if spec is not inputs.init_spec and spec != inputs.init_spec:  # identical: a bare tensor carry
         got = _leaf_paths(new_carry, "carry")

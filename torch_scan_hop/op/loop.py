@@ -30,7 +30,7 @@ from ..core.op_args import example_args, slice_example
 from ..core.recompute import StepReplay
 from ..core.remat import as_policy, binomial_slots, nothing_saveable
 from ..core.schedule import step_order
-from ..core.trees import ScanError, check_carry, check_pair, flatten_y
+from ..core.trees import LEAF, ScanError, check_carry, check_pair, flatten_y
 
 
 def _sac_policy(policy):
@@ -63,6 +63,8 @@ def stack_column(column, k):
     DTensors of one layout are stacked locally (torch 2.9's DTensor backward of
     ``torch.stack`` returns wrongly shaped gradients)."""
     try:
+        if type(column[0]) is torch.Tensor:  # plain tensors, the common case
+            return torch.stack(column)
         if dt.is_dtensor(column[0]) and all(dt.is_dtensor(t) and dt.layout_of(t) == dt.layout_of(column[0])
                                             for t in column):
             return dt.stack_locals(column)
@@ -121,6 +123,8 @@ def _x_slices(inputs):
     (a plain tensor xs: the unbind's own tuple)."""
     if inputs.xs_spec is None:
         return [None] * inputs.length
+    if inputs.xs_spec is LEAF:  # a bare tensor xs: the unbind's own tuple
+        return dt.unbind(inputs.xs_leaves[0])
     columns = [dt.unbind(x) for x in inputs.xs_leaves]
     if len(columns) == 1 and inputs.xs_spec.is_leaf():
         return columns[0]
@@ -140,11 +144,13 @@ def run_tree(fn, init, inputs, reverse=False, remat="save_all"):
         return init, empty_tree_ys(fn, inputs)
     slices = _x_slices(inputs)
     xs_in_order = iter(reversed(slices) if reverse else slices)
-    step = remat_step(fn, remat, inputs.length)
-    carry, y = check_pair(step(init, next(xs_in_order)))
+    step = fn if remat == "save_all" else remat_step(fn, remat, inputs.length)
+    out = step(init, next(xs_in_order))
+    if type(out) is not tuple or len(out) != 2:
+        check_pair(out)
+    carry, y = out
     check_carry(carry, inputs)
-    y_leaves, y_spec = flatten_y(y)
-    if y_spec.is_leaf():  # one tensor y: stacked as a flat list
+    if isinstance(y, torch.Tensor):  # one tensor y: stacked as a flat list
         ys = [y]
         for x in xs_in_order:
             out = step(carry, x)
@@ -152,15 +158,15 @@ def run_tree(fn, init, inputs, reverse=False, remat="save_all"):
                 check_pair(out)
             carry, y = out
             ys.append(y)
-        stack = lambda: [stack_column(ys[::-1] if reverse else ys, 0)]  # noqa: E731
-    else:
-        ys = [y_leaves]
-        for x in xs_in_order:
-            carry, y = check_pair(step(carry, x))
-            ys.append(_same_structure_y(y, y_spec))
-        stack = lambda: stack_ys(ys[::-1] if reverse else ys)  # noqa: E731
+        check_carry(carry, inputs)
+        return carry, stack_column(ys[::-1] if reverse else ys, 0)
+    y_leaves, y_spec = flatten_y(y)
+    ys = [y_leaves]
+    for x in xs_in_order:
+        carry, y = check_pair(step(carry, x))
+        ys.append(_same_structure_y(y, y_spec))
     check_carry(carry, inputs)
-    return carry, y_spec.unflatten(stack())
+    return carry, y_spec.unflatten(stack_ys(ys[::-1] if reverse else ys))
 
 
 def empty_tree_ys(fn, inputs):
