@@ -58,6 +58,11 @@ _MAX_OUR_SOURCES = 512
 _our_sources = collections.deque()
 
 
+def inside_our_trace():
+    """True inside one of this package's own traces on this thread (a scan body's)."""
+    return _local_depth() > 0
+
+
 def _local_depth():
     return getattr(_LOCAL, "depth", 0)
 
