@@ -221,7 +221,14 @@ class _BodyWriter:
                # and inductor rounds it differently from eager by up to ~3e-3 (seen without a scan)
                "torch.nn.functional.layer_norm({a} + torch.arange(3, dtype=%s, device={a}.device), (3,)) * {b}"
                % self.dt(), "{a}.max(-1, keepdim=True).values * {b}",
-               "{a}.sort(-1).values * {b}", "{a}.cumsum(-1) * 0.3", "torch.logsumexp({a}, -1, keepdim=True) - {b}"]
+               "{a}.sort(-1).values * {b}", "{a}.cumsum(-1) * 0.3", "torch.logsumexp({a}, -1, keepdim=True) - {b}",
+               # reductions over every dim (torch_xla alone reads amax()'s dim=() as no dim)
+               "{a} / (1 + {a}.abs().amax())", "{a} * {b}.amin(keepdim=True)", "{a} - {b}.sum(()) * 0.1",
+               "torch.nn.functional.normalize({a} + 1.5, dim=-1)", "{a}.var(-1, keepdim=True) + {b}",
+               "torch.nn.functional.gelu({a}).clamp(-0.3, 0.4)", "{a}.masked_fill({b} > 0.3, 0.25)",
+               "{a}.reshape(3, 2).t() * {b}", "{a}.diagonal().sum() * {b}",
+               # a scan in the body: an inner loop over the two rows
+               "inner_scan(lambda c, r: (torch.tanh(c * 0.5 + r), c * {b}[0]), {c}[1], {a})[1] + 0.1"]
         if self.ints:
             i = r.choice(self.ints)
             ops += ["{a} * (%s %% 3).to(%s)" % (i, self.dt()), "{a}.gather(1, (%s %% 3).expand(2, 3))" % i]
@@ -322,7 +329,9 @@ class Instance:
 def compile_source(p, device="cpu"):
     filename = f"<fuzz body seed {p.seed}>"
     linecache.cache[filename] = (len(p.source), None, p.source.splitlines(True), filename)
-    ns = {"torch": torch, "Pair": Pair, "DEVICE": torch.device(device)}
+    from torch_scan_hop import scan as inner_scan
+
+    ns = {"torch": torch, "Pair": Pair, "DEVICE": torch.device(device), "inner_scan": inner_scan}
     exec(compile(p.source, filename, "exec"), ns)
     return ns["make_body"]
 

@@ -313,3 +313,45 @@ def test_attention_in_the_body_in_float64_and_float32(dtype):
     compiled = torch.compile(lambda w, h0, xs: run(scan, w, h0, xs), backend="inductor")
     assert_trees_close(compiled(w, h0, xs), run(reference_scan, w, h0, xs), **tol)
 
+
+def test_a_scan_in_an_inlined_scan_body():
+    """The outer loop runs as a for loop around its inlined body, which holds the inner loop
+    (inductor's while loop there: its cond is not a plain ``counter < n``). Values of the eager loop."""
+    w = torch.randn(4, 4, dtype=torch.float64)
+
+    def outer(c, xs):
+        c2, ys = scan(lambda c, x: (torch.tanh(c @ w + x), c.sum(-1)), c, xs)
+        return c2 * 0.5, ys.sum(0)
+
+    def f(c0, xss):
+        return scan(outer, c0, xss)
+
+    c0, xss = torch.randn(2, 4, dtype=torch.float64), torch.randn(3, 5, 2, 4, dtype=torch.float64)
+    got, codes = run_and_get_code(torch.compile(f, backend="inductor", fullgraph=True), c0, xss)
+    want = f(c0, xss)
+    assert_trees_close(got, want, atol=1e-10, rtol=1e-10)
+    assert "_step in range(3):" in codes[0] and "while should_loop:" in codes[0]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_gradients_through_a_scan_in_a_scan_body(backend):
+    """A nested scan whose inner body reads a closure that requires grad: the
+    compiled gradients of the closure and the init are the nested loops'."""
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+
+    def inner(c, x):
+        return torch.tanh(c @ w + x), c.sum(-1)
+
+    def outer(c, xs):
+        c2, ys = scan(inner, c, xs)
+        return c2 * 0.5, ys.sum(0)
+
+    def loss(scan_fn, c0, xss):
+        c, ys = scan_fn(outer, c0, xss)
+        return c.square().sum() + ys.sin().sum()
+
+    c0 = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    xss = torch.randn(3, 5, 2, 4, dtype=torch.float64)
+    got = torch.autograd.grad(torch.compile(lambda c0, xss: loss(scan, c0, xss), backend=backend)(c0, xss), (c0, w))
+    want = torch.autograd.grad(loss(reference_scan, c0, xss), (c0, w))
+    assert_trees_close(got, want, atol=1e-10, rtol=1e-10)

@@ -224,3 +224,38 @@ def test_layers_calling_super_run_on_xla_and_match_the_loop():
     for _ in range(2):
         assert_trees_close(scan_layers(layers, x.to(DEV)).cpu(), want.detach(), atol=1e-5, rtol=1e-5)
     assert any(code.co_name == "step" for code, _ in xla_eager._refused)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_scan_in_a_scan_body_on_each_path(reverse):
+    """A scan nested in the body (its inner body reading a closure that requires
+    grad): the first call traces it inline into the outer step, the second is
+    captured by Dynamo with it, the third runs on the guards. Values and gradients
+    of the nested loops every time, with and without grad (the first call once
+    returned a fake tensor)."""
+    w, init, xss = (t.double() for t in _problem(7))
+    xss = xss.reshape(5, 1, 2, 4).expand(5, 3, 2, 4).contiguous() + torch.arange(3.0).reshape(1, 3, 1, 1)
+
+    def outer_body(c, xs, w, nested):
+        inner = lambda c, x: (torch.tanh(c @ w + x), c.sum(-1))  # noqa: E731
+        c2, ys = nested(inner, c, xs)
+        return c2 * 0.5, ys.sum(0)
+
+    def run(device, grad):
+        wd, cd, xd = (t.detach().to(device).requires_grad_(grad) for t in (w, init, xss))
+        if device == DEV:
+            c, ys = scan(lambda c, xs: outer_body(c, xs, wd, lambda f, c, xs: scan(f, c, xs, reverse=reverse)), cd, xd)
+        else:
+            nested = lambda f, c, xs: _loop(f, c, xs.flip(0)) if reverse else _loop(f, c, xs)  # noqa: E731
+            c, ys = _loop(lambda c, xs: outer_body(c, xs, wd, nested), cd, xd)  # ys.sum(0): order-free
+        if not grad:
+            return [t.cpu() for t in (c, ys)]
+        loss = c.pow(2).sum() + ys.sin().sum()
+        return [t.cpu() for t in (c, ys, *torch.autograd.grad(loss, [wd, cd, xd]))]
+
+    for grad in (False, True):
+        want = run("cpu", grad)
+        for _ in range(3):
+            got = run(DEV, grad)
+            assert all(type(t) is torch.Tensor for t in got)
+            assert_trees_close(got, want, atol=1e-10, rtol=1e-10)

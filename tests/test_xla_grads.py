@@ -139,3 +139,29 @@ def test_dropout_under_openxla_compile_backward_uses_the_forward_mask():
     While converts between the body's element types and the torch dtypes."""
     torch._dynamo.reset()
     _check_dropout_grads(torch.compile(_dropout_scan(), backend="openxla"))
+
+
+REDUCTIONS_OVER_EMPTY_DIM = {  # torch reads dim=() as every dim; torch_xla 2.9 alone as none
+    "amax": lambda h: h.abs().amax(),
+    "amin_keepdim": lambda h: h.amin(keepdim=True),
+    "sum": lambda h: h.sum(()),
+    "mean": lambda h: h.mean(()),
+    "vector_norm": lambda h: torch.linalg.vector_norm(h, dim=()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REDUCTIONS_OVER_EMPTY_DIM))
+def test_reductions_over_an_empty_dim_reduce_every_dim(name):
+    """``h / (1 + h.abs().amax())`` in a body: on XLA the While gives the loop's
+    values and gradients (torch_xla's own eager ops return the input unreduced)."""
+    reduce = REDUCTIONS_OVER_EMPTY_DIM[name]
+
+    def make_body(w):
+        def body(h, x):
+            h = torch.tanh(h @ w + x)
+            h = h / (1 + reduce(h).abs())
+            return h, reduce(h).sum()
+        return body
+
+    w, h, xs = torch.randn(4, 4) * 0.5, torch.randn(3, 4), torch.randn(5, 3, 4)
+    assert_matches_loop(make_body, [w], h, xs, grad=True)

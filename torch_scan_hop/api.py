@@ -92,8 +92,9 @@ def _scan(fn, init, inputs, reverse, remat, unroll):
         out = scan_op(dynamo_body(fn, inputs), inputs.init_leaves, inputs.xs_leaves, (),
                       reverse=reverse, remat=remat, unroll=1 if unroll is None else unroll)
         return inputs.init_spec.unflatten(out[:inputs.num_carry]), out[inputs.num_carry]
-    if not callable(remat) and (_compat.runs_eagerly([*inputs.init_leaves, *inputs.xs_leaves])
-                                or _under_grad_while_tracing()):
+    leaves = [*inputs.init_leaves, *inputs.xs_leaves]
+    if not callable(remat) and (_compat.runs_eagerly(leaves) or _under_grad_while_tracing()
+                                or _nested_on_xla(leaves)):
         return run_tree(fn, init, inputs, reverse, remat)
     flat_out, y_spec = _call_op(fn, inputs, reverse=reverse, remat=as_token(remat), unroll=unroll or 1)
     nc = inputs.num_carry
@@ -106,6 +107,14 @@ def _under_grad_while_tracing():
     transform's wrapped tensors, whose values then entered it as constants (a zero gradient).
     The loop is traced instead, each step's ops differentiated by the transform as they run."""
     return _compat.dispatch_modes_active() and _compat.differentiating_transform_active()
+
+
+def _nested_on_xla(leaves):
+    """A scan in the body of a scan on XLA, met while the outer body is traced:
+    its steps are traced inline into the outer step (the inner loop unrolled in
+    the outer While's body). Its own scan node there would carry the outer
+    trace's fake stand-ins of the closures it lifted as if they were inputs."""
+    return _compat.inside_our_trace() and _compat.on_xla(leaves)
 
 
 def _scan_entry(fn, init, xs, *, length, reverse, dim, remat, unroll):

@@ -111,6 +111,7 @@ from .tracing import (  # noqa: F401
     disable_functional_mode,
     disable_proxy_modes_tracing,
     fresh_fake_mode,
+    inside_our_trace,
     make_fx,
     pytree,
     recording_functional_closures,

@@ -90,7 +90,12 @@ def _effectful(op):
 
 
 class _DropEffectfulChecks(torch.utils._python_dispatch.TorchDispatchMode):
-    """Runs every op but the host-side checks torch 2.14 made effectful."""
+    """Runs every op but the host-side checks torch 2.14 made effectful.
+
+    A scan nested in the body reaches this mode as a higher-order operator:
+    it runs as is (its own body is traced under a mode of its own)."""
+
+    supports_higher_order_operators = True
 
     def __init__(self, ops):
         super().__init__()

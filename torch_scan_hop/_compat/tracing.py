@@ -58,6 +58,11 @@ _MAX_OUR_SOURCES = 512
 _our_sources = collections.deque()
 
 
+def inside_our_trace():
+    """True inside one of this package's own traces on this thread (a scan body's)."""
+    return _local_depth() > 0
+
+
 def _local_depth():
     return getattr(_LOCAL, "depth", 0)
 
@@ -195,9 +200,13 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.autograd.grad:  # differentiates w.r.t. the tensors named, stand-ins or not
             return func(*args, **(kwargs or {}))
+        tree_map = torch.utils._pytree.tree_map
         if func in _METADATA_READS and args:
             args = (self._traced_view(args[0]), *args[1:])
-        tree_map = torch.utils._pytree.tree_map
+        elif getattr(func, "__name__", None) != "__get__":  # not an attribute read (t.layout in FX's codegen)
+            # an op on an outer trace's value (``v[0]`` in a nested scan's body) reads its sizes too
+            args, kwargs = tree_map(lambda t: self._traced_view(t) if isinstance(t, FakeTensor) else t,
+                                    (args, kwargs or {}))
         args, kwargs = tree_map(self._stand_in, (args, kwargs or {}))
         leaves = torch.utils._pytree.tree_leaves((args, kwargs))
         xla = next((t.device for t in leaves if isinstance(t, torch.Tensor) and t.device.type == "xla"), None)

@@ -80,10 +80,15 @@ def functions_as_ops():
         return
     register_missing()
     patched = [(getattr(module, name), op) for name, op in _FUNCTIONS.items() if hasattr(module, name)]
+    # A scan in the body re-enters this context: each exit restores what its entry found.
+    before = [(cls, cls.__dict__.get("apply")) for cls, _ in patched]
     try:
         for cls, op in patched:
             cls.apply = staticmethod(op)
         yield
     finally:
-        for cls, _ in patched:
-            del cls.apply  # back to autograd.Function.apply
+        for cls, previous in before:
+            if previous is None:
+                del cls.apply  # back to autograd.Function.apply
+            else:
+                cls.apply = previous

@@ -57,6 +57,29 @@ def _to_host(node):
     return node.target is _aten._to_copy.default and device is not None and torch.device(device).type != "xla"
 
 
+def _empty_dim_reduction(node):
+    """(dim argument index or name, ndim) of a reduction over ``dim=()``, which torch
+    reads as every dim and torch_xla 2.9 as none (``t.amax(())``, ``t.sum(())``,
+    ``t.mean(())``, ``vector_norm(t, dim=())``: the input comes back unreduced, a
+    silently wrong value); else None."""
+    if node.op != "call_function" or not _compat.is_op_overload(node.target):
+        return None
+    arguments = _compat.op_schema(node.target).arguments
+    names = [a.name for a in arguments]
+    if "dim" not in names or "keepdim" not in names or "List[int]" not in str(arguments[names.index("dim")].type):
+        return None
+    index = names.index("dim")
+    if len(node.args) > index:
+        where, value = index, node.args[index]
+    else:  # left at its default: amax's and amin's is ()
+        where, value = "dim", node.kwargs.get("dim", arguments[index].default_value)
+    source = node.args[0] if node.args else None
+    val = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+    if value is None or len(value) or not isinstance(val, torch.Tensor) or val.dim() == 0:
+        return None
+    return where, val.dim()
+
+
 def _has_kernel(qualified_name, keys=_KERNEL_KEYS):
     return any(_compat.has_kernel_for(qualified_name, k) for k in keys)
 
@@ -111,7 +134,8 @@ def _sharding(node):
 def keep_on_device(body):
     """``body`` ready to run on placeholders (a copy; body is not changed):
     its moves to the CPU and its host-side checks dropped, its sharding
-    annotations staged out as custom calls.
+    annotations staged out as custom calls, its reductions over ``dim=()``
+    given every dim (``_empty_dim_reduction``).
 
     Inside the While every value lives on the device, and a copy keeps the
     value. Graphs have such moves where a 0-dim CPU tensor meets XLA ones, as
@@ -121,8 +145,8 @@ def keep_on_device(body):
     torch_xla read the placeholder's value: ``_compat.xla.annotate_sharding``
     stages out the same annotation without reading it.
     """
-    if not isinstance(body, torch.fx.GraphModule) or \
-            not any(_to_host(n) or _host_check(n) or _sharding(n) for n in body.graph.nodes):
+    if not isinstance(body, torch.fx.GraphModule) or not any(
+            _to_host(n) or _host_check(n) or _sharding(n) or _empty_dim_reduction(n) for n in body.graph.nodes):
         return body
     gm = torch.fx.GraphModule(body, copy.deepcopy(body.graph))
     for node in list(gm.graph.nodes):
@@ -132,6 +156,12 @@ def keep_on_device(body):
             gm.graph.erase_node(node)
         elif _sharding(node):
             node.target = _compat.xla.annotate_sharding
+        elif _empty_dim_reduction(node):
+            where, ndim = _empty_dim_reduction(node)
+            if where == "dim":
+                node.kwargs = {**node.kwargs, "dim": list(range(ndim))}
+            else:
+                node.args = (*node.args[:where], list(range(ndim)), *node.args[where + 1:])
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm

@@ -45,12 +45,12 @@ _compat.xla.keep_mesh_texts()  # now if torch_xla's SPMD module is loaded, so th
 
 def applies(fn, leaves, remat):
     """A plain eager call on XLA tensors, with no tracer, transform or mode active."""
-    if callable(remat) or not leaves or getattr(fn, "__code__", None) is None:
-        return False
+    if callable(remat) or not leaves or getattr(fn, "__code__", None) is None or _compat.is_dynamo_compiling():
+        return False  # under Dynamo: a scan in a captured body, which Dynamo captures with it
     if not all(isinstance(t, torch.Tensor) and t.device.type == "xla" and not _compat.is_functional(t)
                for t in leaves):  # first: off XLA (most calls) this is one device check
         return False
-    if _compat.is_dynamo_compiling() or _compat.dispatch_modes_active() or _compat.under_make_fx() \
+    if _compat.dispatch_modes_active() or _compat.under_make_fx() \
             or _compat.functorch_transforms_active():
         return False
     return _body_key(fn) not in _refused
