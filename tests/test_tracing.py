@@ -305,3 +305,27 @@ def test_a_carry_reached_by_the_weight_steps_later_gets_the_loops_gradients(wher
 
     got = run("cpu", torch.compile(scan, backend="aot_eager")) if where == "compile" else run(device, scan)
     assert_trees_close(got, run("cpu", reference_scan), atol=1e-9, rtol=1e-9)
+
+
+@pytest.mark.parametrize("tracing_mode", ["real", "symbolic"])
+def test_traced_graph_runs_when_the_new_carry_changes_layout(tracing_mode):
+    """``tanh(c.reshape(3, 2).t() * b)`` returns the transpose's strides; the body
+    graph was traced on a contiguous carry, where its reshape became a view. Run
+    eagerly, the graph's scan node gets each new carry in init's layout: values
+    and gradients of the loop (the view failed on the second step)."""
+    def body(c, x):
+        return torch.tanh(c.reshape(3, 2).t() * x), c.sum()
+
+    def f(c, xs):
+        return scan(body, c, xs)
+
+    c, xs = torch.randn(2, 3, dtype=torch.float64), torch.randn(4, 2, 3, dtype=torch.float64)
+    gm = make_fx(f, tracing_mode=tracing_mode)(c, xs)
+    cg, xg = c.clone().requires_grad_(), xs.clone().requires_grad_()
+    got = gm(cg, xg)
+    cr, xr = c.clone().requires_grad_(), xs.clone().requires_grad_()
+    want = reference_scan(body, cr, xr)
+    assert_trees_close(got, want, atol=1e-12, rtol=1e-12)
+    loss = lambda out: out[0].sin().sum() + out[1].sum()  # noqa: E731
+    assert_trees_close(torch.autograd.grad(loss(got), (cg, xg)), torch.autograd.grad(loss(want), (cr, xr)),
+                       atol=1e-12, rtol=1e-12)

@@ -150,10 +150,12 @@ REDUCTIONS_OVER_EMPTY_DIM = {  # torch reads dim=() as every dim; torch_xla 2.9 
 }
 
 
+@pytest.mark.parametrize("remat", ["save_all", "recompute_all"])
 @pytest.mark.parametrize("name", sorted(REDUCTIONS_OVER_EMPTY_DIM))
-def test_reductions_over_an_empty_dim_reduce_every_dim(name):
+def test_reductions_over_an_empty_dim_reduce_every_dim(name, remat):
     """``h / (1 + h.abs().amax())`` in a body: on XLA the While gives the loop's
-    values and gradients (torch_xla's own eager ops return the input unreduced)."""
+    values and gradients (torch_xla's own eager ops return the input unreduced),
+    also where the backward recomputes the reduction."""
     reduce = REDUCTIONS_OVER_EMPTY_DIM[name]
 
     def make_body(w):
@@ -164,4 +166,4 @@ def test_reductions_over_an_empty_dim_reduce_every_dim(name):
         return body
 
     w, h, xs = torch.randn(4, 4) * 0.5, torch.randn(3, 4), torch.randn(5, 3, 4)
-    assert_matches_loop(make_body, [w], h, xs, grad=True)
+    assert_matches_loop(make_body, [w], h, xs, grad=True, remat=remat)

@@ -102,9 +102,28 @@ def run_flat(combine_fn, init, xs, additional_inputs, reverse=False, remat=None)
 
     step = remat_step(step, remat, length)
     carry, ys = list(init), [None] * length
+    layouts = traced_layouts(init) if isinstance(combine_fn, torch.fx.GraphModule) else None
     for i in step_order(length, reverse):
         carry, ys[i] = step(carry, i)
+        if layouts is not None:
+            carry = in_traced_layout(carry, layouts)
     return [*carry, *stack_ys(ys)]
+
+
+def traced_layouts(init):
+    """The layouts a traced body saw its carries in: ``example_args`` clones init,
+    so an expanded or overlapping init was traced as a dense tensor."""
+    return [torch.empty_like(c) if type(c) is torch.Tensor else None for c in init]
+
+
+def in_traced_layout(carry, layouts):
+    """A traced body's ``reshape`` may be a ``view`` that only the layout it was
+    traced on allows. A new carry in another layout (``tanh(a.t() * b)`` keeps the
+    transpose's strides) is copied into that layout before the next step, as the
+    compiled loop does."""
+    return [c if ref is None or type(c) is not torch.Tensor or c.shape != ref.shape or c.stride() == ref.stride()
+            else torch.empty_like(ref, dtype=c.dtype).copy_(c)
+            for c, ref in zip(carry, layouts)]
 
 
 def empty_flat_ys(combine_fn, init, xs, additional_inputs):

@@ -58,10 +58,10 @@ def _to_host(node):
 
 
 def _empty_dim_reduction(node):
-    """(dim argument index or name, ndim) of a reduction over ``dim=()``, which torch
-    reads as every dim and torch_xla 2.9 as none (``t.amax(())``, ``t.sum(())``,
-    ``t.mean(())``, ``vector_norm(t, dim=())``: the input comes back unreduced, a
-    silently wrong value); else None."""
+    """Where the ``dim`` argument of a reduction over ``dim=()`` is (its index, or
+    "dim"), which torch reads as every dim and torch_xla 2.9 as none (``t.amax()``,
+    ``t.sum(())``, ``t.mean(())``, ``vector_norm(t, dim=())``: the input comes back
+    unreduced, a silently wrong value); else None."""
     if node.op != "call_function" or not _compat.is_op_overload(node.target):
         return None
     arguments = _compat.op_schema(node.target).arguments
@@ -73,11 +73,24 @@ def _empty_dim_reduction(node):
         where, value = index, node.args[index]
     else:  # left at its default: amax's and amin's is ()
         where, value = "dim", node.kwargs.get("dim", arguments[index].default_value)
-    source = node.args[0] if node.args else None
-    val = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
-    if value is None or len(value) or not isinstance(val, torch.Tensor) or val.dim() == 0:
-        return None
-    return where, val.dim()
+    return None if value is None or len(value) else where
+
+
+class _OverEveryDim:
+    """``op`` with its empty ``dim`` given every dim of the input it meets (a
+    backward graph's inputs carry no metadata to read the rank from)."""
+
+    def __init__(self, op, where):
+        self.op, self.where = op, where
+        self.__name__ = f"{op.__name__}_over_every_dim"
+
+    def __call__(self, *args, **kwargs):
+        every = list(range(args[0].dim()))
+        if self.where == "dim":
+            kwargs = {**kwargs, "dim": every}
+        else:
+            args = (*args[:self.where], every, *args[self.where + 1:])
+        return self.op(*args, **kwargs)
 
 
 def _has_kernel(qualified_name, keys=_KERNEL_KEYS):
@@ -146,7 +159,7 @@ def keep_on_device(body):
     stages out the same annotation without reading it.
     """
     if not isinstance(body, torch.fx.GraphModule) or not any(
-            _to_host(n) or _host_check(n) or _sharding(n) or _empty_dim_reduction(n) for n in body.graph.nodes):
+            _to_host(n) or _host_check(n) or _sharding(n) or _empty_dim_reduction(n) is not None for n in body.graph.nodes):
         return body
     gm = torch.fx.GraphModule(body, copy.deepcopy(body.graph))
     for node in list(gm.graph.nodes):
@@ -156,12 +169,8 @@ def keep_on_device(body):
             gm.graph.erase_node(node)
         elif _sharding(node):
             node.target = _compat.xla.annotate_sharding
-        elif _empty_dim_reduction(node):
-            where, ndim = _empty_dim_reduction(node)
-            if where == "dim":
-                node.kwargs = {**node.kwargs, "dim": list(range(ndim))}
-            else:
-                node.args = (*node.args[:where], list(range(ndim)), *node.args[where + 1:])
+        elif _empty_dim_reduction(node) is not None:
+            node.target = _OverEveryDim(node.target, _empty_dim_reduction(node))
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
