@@ -203,17 +203,21 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
         tree_map = torch.utils._pytree.tree_map
         if func in _METADATA_READS and args:
             args = (self._traced_view(args[0]), *args[1:])
-        elif getattr(func, "__name__", None) != "__get__":  # not an attribute read (t.layout in FX's codegen)
-            # an op on an outer trace's value (``v[0]`` in a nested scan's body) reads its sizes too
-            args, kwargs = tree_map(lambda t: self._traced_view(t) if isinstance(t, FakeTensor) else t,
-                                    (args, kwargs or {}))
-        args, kwargs = tree_map(self._stand_in, (args, kwargs or {}))
+            args, kwargs = tree_map(self._stand_in, (args, kwargs or {}))
+        elif getattr(func, "__name__", None) == "__get__":  # an attribute read (t.layout in FX's codegen)
+            args, kwargs = tree_map(self._stand_in, (args, kwargs or {}))
+        else:  # an op on an outer trace's value (``v[0]`` in a nested scan's body) reads its sizes too
+            args, kwargs = tree_map(self._traced_or_stood_in, (args, kwargs or {}))
         leaves = torch.utils._pytree.tree_leaves((args, kwargs))
         xla = next((t.device for t in leaves if isinstance(t, torch.Tensor) and t.device.type == "xla"), None)
         self.xla = self.xla or xla
         if self.xla is not None and any(_cpu_array(t) for t in leaves):  # also ops on CPU tensors alone
             args, kwargs = tree_map(self._onto(self.xla), (args, kwargs))
         return func(*args, **kwargs)
+
+    def _traced_or_stood_in(self, t):
+        """A fake value (never stood in for) as the current trace can read it; anything else stood in for."""
+        return self._traced_view(t) if isinstance(t, FakeTensor) else self._stand_in(t)
 
     def _traced_view(self, t):
         """What a size read of ``t`` reads: ``t``, or an alias the current trace knows.
