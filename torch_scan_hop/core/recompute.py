@@ -34,7 +34,7 @@ import torch
 from .. import _compat
 from . import cheap, revolve
 from . import remat as policies
-from .trees import ScanError
+from .trees import ScanError, map_tensors
 
 
 def _map_tensors(fn, value):
@@ -60,15 +60,7 @@ def _leaves(value, out):
 def _detached(value):
     """The step inputs as fresh leaves with their requires_grad flags, so a re-run
     builds a graph of its own and saves what the forward saved."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().requires_grad_(value.requires_grad) if value.requires_grad else value.detach()
-    if isinstance(value, dict):
-        return type(value)((k, _detached(v)) for k, v in value.items())
-    if hasattr(value, "_fields"):
-        return type(value)(*(_detached(v) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_detached(v) for v in value)
-    return value
+    return map_tensors(lambda t: t.detach().requires_grad_(True) if t.requires_grad else t.detach(), value)
 
 
 class _Replay(_compat.TorchDispatchMode):

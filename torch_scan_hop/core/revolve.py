@@ -19,6 +19,8 @@ from math import comb
 
 import torch
 
+from .trees import map_tensors
+
 
 def descent(start, n, free):
     """Where revolve keeps carries (after ``start``) to reverse steps ``start .. start + n - 1``
@@ -56,12 +58,5 @@ def advance(engine, pos):
 
 
 def _requiring_grad(value, flags):
-    if isinstance(value, torch.Tensor):
-        return value.requires_grad_(True) if next(flags) else value
-    if isinstance(value, dict):
-        return type(value)((k, _requiring_grad(v, flags)) for k, v in value.items())
-    if hasattr(value, "_fields"):
-        return type(value)(*(_requiring_grad(v, flags) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_requiring_grad(v, flags) for v in value)
-    return value
+    """``value`` with the tensors ``flags`` marks (one flag per tensor, in order) requiring grad."""
+    return map_tensors(lambda t: t.requires_grad_(True) if next(flags) else t, value)

@@ -47,6 +47,20 @@ class TreeDef:
 LEAF = TreeDef(pytree.tree_structure(0), (False,))
 
 
+def map_tensors(fn, value):
+    """``value`` with ``fn`` applied to its tensors through the containers a carry is
+    made of (dicts, namedtuples, tuples, lists), in their order; other leaves as they are."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return type(value)((k, map_tensors(fn, v)) for k, v in value.items())
+    if hasattr(value, "_fields"):
+        return type(value)(*(map_tensors(fn, v) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_tensors(fn, v) for v in value)
+    return value
+
+
 def split_counts(seq, *counts):
     """``seq`` cut into consecutive lists of ``counts[0]``, ``counts[1]``, ... items."""
     out, start = [], 0
