@@ -169,8 +169,8 @@ def keep_on_device(body):
             gm.graph.erase_node(node)
         elif _sharding(node):
             node.target = _compat.xla.annotate_sharding
-        elif _empty_dim_reduction(node) is not None:
-            node.target = _OverEveryDim(node.target, _empty_dim_reduction(node))
+        elif (where := _empty_dim_reduction(node)) is not None:
+            node.target = _OverEveryDim(node.target, where)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
