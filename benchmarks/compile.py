@@ -102,6 +102,20 @@ def collect_upstream(lengths):
     return out
 
 
+PHASES = {"Dynamo (bytecode tracing)": "bytecode_tracing", "AOT joint trace": "aot_trace_joint_graph",
+          "partition": "min_cut_rematerialization_partition", "inductor lowering": "GraphLowering.run",
+          "inductor codegen": "GraphLowering.codegen", "waiting for C++ kernels": "async_compile.wait"}
+
+
+def print_breakdown():
+    """Where a first call's time went (forward and backward compiles summed), from Dynamo's
+    own phase timers (``--first VARIANT --breakdown``)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    for label, key in PHASES.items():
+        print(f"{label:28s} {sum(compilation_time_metrics.get(key, [])):7.2f} s")
+
+
 def variants():
     from torch_scan_hop import scan
 
@@ -144,7 +158,11 @@ def main():
         return
     if "--first" in sys.argv:
         warm_up()
-        print(compiled(variants()[sys.argv[sys.argv.index("--first") + 1]], lengths[0])[1])
+        torch._dynamo.utils.reset_frame_count()
+        first = compiled(variants()[sys.argv[sys.argv.index("--first") + 1]], lengths[0])[1]
+        if "--breakdown" in sys.argv:
+            print_breakdown()
+        print(first)
         return
     warm_up()
     rows = []
