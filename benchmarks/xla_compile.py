@@ -78,29 +78,41 @@ def one_call(runner, inputs, train):
     return time.perf_counter() - t0
 
 
-def measure(runner, n, train, steady_reps=3):
-    """(first call, second call, best steady call); the same W is reused, as in a training loop.
+FIRST_SAMPLES = 5
 
-    A first call happens once per shape, so it is repeated on batch sizes
-    B+1..B+3 (each a fresh trace and compile) and the best is kept: one sample
-    on a busy 2-core box is mostly noise. The second call at a shape is where
-    ours is captured by Dynamo (the first is traced with make_fx), so it is
-    reported too. Training uses other batch sizes than the forward rows: at a shape the
-    forward rows compiled, a training call finds part of its work (its forward
-    computation) in XLA's compilation cache, and would not be a first call.
-    """
-    firsts = []
-    for batch in ((B + 4, B + 5, B + 6) if train else (B + 1, B + 2, B + 3)):
-        fresh = make_inputs(n, batch)
-        fresh[0].requires_grad_(train)
-        firsts.append(one_call(runner, fresh, train))
-    first = min(firsts)
+
+def first_call_batches(train):
+    """Batch sizes of the first-call samples: each a fresh trace and compile. Training uses
+    other sizes than the forward rows: at a shape the forward rows compiled, a training
+    call finds part of its work (its forward computation) in XLA's compilation cache, and
+    would not be a first call."""
+    start = B + 1 + (FIRST_SAMPLES if train else 0)
+    return range(start, start + FIRST_SAMPLES)
+
+
+def steady(runner, n, train, reps=3):
+    """(second call, best steady call) at the benchmark's shape; the same W is reused, as in
+    a training loop. The second call at a shape is where ours is captured by Dynamo (the
+    first is traced with make_fx), so it is reported too."""
     inputs = make_inputs(n)
     inputs[0].requires_grad_(train)
     one_call(runner, inputs, train)
     second = one_call(runner, inputs, train)
-    steady = min(one_call(runner, inputs, train) for _ in range(steady_reps))
-    return first, second, steady
+    return second, min(one_call(runner, inputs, train) for _ in range(reps))
+
+
+def measure_all(names, n, train):
+    """``{name: (first call, second call, best steady call)}``. A first call happens once
+    per shape, so it is sampled on ``FIRST_SAMPLES`` batch sizes, the runners taking turns
+    (order alternating) so that a burst of load on a shared box hits them alike, and the
+    best sample is kept."""
+    firsts = {name: [] for name in names}
+    for k, batch in enumerate(first_call_batches(train)):
+        for name in (names if k % 2 == 0 else names[::-1]):
+            fresh = make_inputs(n, batch)
+            fresh[0].requires_grad_(train)
+            firsts[name].append(one_call(RUNNERS[name], fresh, train))
+    return {name: (min(firsts[name]), *steady(RUNNERS[name], n, train)) for name in names}
 
 
 RUNNERS = {"ours": run_ours, "torch_xla scan": run_torch_xla, "upstream scan": run_upstream,
@@ -111,10 +123,9 @@ def collect(names):
     results = {}
     for train in (False, True):
         for n in LENGTHS:
-            for name in names:
-                if name in ("upstream scan", "python loop") and n > UNROLLED_MAX:
-                    continue
-                results[f"{name}|{n}|{int(train)}"] = measure(RUNNERS[name], n, train)
+            here = [name for name in names if name not in ("upstream scan", "python loop") or n <= UNROLLED_MAX]
+            for name, r in measure_all(here, n, train).items():
+                results[f"{name}|{n}|{int(train)}"] = r
     return results
 
 
