@@ -167,3 +167,31 @@ def test_reductions_over_an_empty_dim_reduce_every_dim(name, remat):
 
     w, h, xs = torch.randn(4, 4) * 0.5, torch.randn(3, 4), torch.randn(5, 3, 4)
     assert_matches_loop(make_body, [w], h, xs, grad=True, remat=remat)
+
+
+def _two_layers(scan_fn, w1, w2, init, xs, remat):
+    """A two-layer RNN: layer 2 starts from layer 1's final carry and reads its ys."""
+    def layer(w):
+        return lambda c, x: (torch.tanh(c @ w + x), torch.tanh(c @ w + x) * 0.5)
+    c1, y1 = scan_fn(layer(w1), init, xs, remat=remat)
+    c2, y2 = scan_fn(layer(w2), c1, y1[1:], remat=remat)
+    return c1, c2, y2
+
+
+@pytest.mark.parametrize("remat", ["save_all", "recompute_all"])
+def test_chained_scans_values_and_grads(remat):
+    """A scan whose init and xs are another scan's outputs, with gradients (the XLA output of
+    the first carries a functionalization wrapper; the second's body was once run untraced,
+    its results HLO constants that XLA refused). Three calls: the make_fx route, Dynamo's
+    capture, its guards."""
+    g = torch.Generator().manual_seed(7)
+    w1, w2 = torch.randn(4, 4, generator=g) * 0.5, torch.randn(4, 4, generator=g) * 0.5
+    init, xs = torch.randn(2, 4, generator=g), torch.randn(5, 2, 4, generator=g)
+    leaves = [w.clone().requires_grad_() for w in (w1, w2)]
+    want_out = _two_layers(lambda f, c, x, remat: reference_scan(f, c, x), *leaves, init, xs, remat)
+    want = torch.autograd.grad(weighted_sum(want_out), leaves)
+    for _ in range(3):
+        dev_leaves = [w.to(DEV).requires_grad_() for w in (w1, w2)]
+        out = _two_layers(scan, *dev_leaves, init.to(DEV), xs.to(DEV), remat)
+        got = torch.autograd.grad(weighted_sum(out), dev_leaves)
+        assert_trees_close(to_cpu((out, got)), (want_out, want), atol=1e-5, rtol=1e-5)

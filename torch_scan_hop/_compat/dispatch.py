@@ -16,7 +16,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from .functorch import _functionalize_transform_active, _is_functorch_wrapped
+from .functorch import _functionalize_transform_active, _is_functorch_wrapped, _is_transform_wrapped
 
 AutoDispatchBelowAutograd = torch._C._AutoDispatchBelowAutograd
 _peek_interpreter = torch._C._functorch.peek_interpreter_stack  # None: no torch.func transform
@@ -91,12 +91,15 @@ def is_exporting():
 def is_functional(t):
     """Wrapped by a functionalization pass (torch.func.functionalize, a
     FunctionalTensorMode). XLA tensors are functional wrappers by construction
-    (torch_xla's own functionalization); they are not counted here.
+    (torch_xla's own functionalization); they are not counted here, nor is the
+    level-0 wrapper an op's Functionalize rule puts on its XLA outputs (counted,
+    a scan whose init was another scan's final carry ran its body untraced under
+    grad: constants in the HLO, and XLA refused them).
 
     torch 2.9-2.14: ``torch._is_functional_tensor`` and functorch's wrapper
     test are unchanged."""
     if t.device.type == "xla":
-        return isinstance(t, FunctionalTensor) or _is_functorch_wrapped(t)
+        return isinstance(t, FunctionalTensor) or _is_transform_wrapped(t)
     return isinstance(t, FunctionalTensor) or torch._is_functional_tensor(t) or _is_functorch_wrapped(t)
 
 

@@ -41,6 +41,16 @@ def _is_functorch_wrapped(t):
     return torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
+def _is_transform_wrapped(t):
+    """Wrapped by a live torch.func transform (grad, vmap, jvp, functionalize): a
+    functorch wrapper with a level. A higher-order op's Functionalize rule wraps its
+    outputs at level 0 (``CppFunctionalizeAPI.wrap_tensors``), which is no transform:
+    on XLA, whose tensors are functional wrappers anyway, such an output (a scan's
+    final carry) is an ordinary tensor for the next op. torch 2.9-2.15: ``maybe_get_level``
+    is -1 for no wrapper, 0 for that level-0 wrapper, >= 1 inside a transform."""
+    return _is_functorch_wrapped(t) and torch._C._functorch.maybe_get_level(t) > 0
+
+
 def _interpreters():
     """The active torch.func transforms, outermost first
     (torch 2.9-2.14: ``retrieve_all_functorch_interpreters``)."""
