@@ -6,10 +6,11 @@
 * On XLA the backward gathers each layer's gradient row instead of slicing
   it: XLA's CPU compiler spends ~5 ms per slice output, 4 s at depth 64
   (``rows_of``; stacked storage on XLA hands out its gradient rows the same way).
-  A row is an ``aten.index`` by a 0-d index, not ``index_select`` + ``squeeze``:
-  the squeezed row was a view whose base the graph also returned, so XLA
-  wrote every layer's gradient twice. Under SPMD each row gets the sharding
-  of the weight it is the gradient of.
+  A row is ``squeeze_copy`` of the gathered ``[1, ...]`` row, not ``squeeze``:
+  the squeezed row was a view whose base the sync also returned, so XLA
+  wrote every layer's gradient twice (``aten.index`` by a 0-d index, the
+  other copy-free form, adds five IR nodes per row to normalize the index).
+  Under SPMD each row gets the sharding of the weight it is the gradient of.
 * Eager on XLA (a plain ``scan_layers`` call, outside torch.compile) the stack
   is a plain ``autograd.Function`` with the same backward: the custom op's
   Python autograd wrapper cost ~0.3 ms per stack at depth 64, on every call.
@@ -71,7 +72,7 @@ def _setup_context(ctx, inputs, output):
 def rows_of(t):
     """``t``'s rows along dim 0: views, or on XLA gathered rows (see above)."""
     if _compat.on_xla([t]):
-        return [torch.ops.aten.index.Tensor(t, [row]) for row in _row_indices(t.device, t.shape[0])]
+        return [torch.squeeze_copy(t.index_select(0, row), 0) for row in _row_indices(t.device, t.shape[0])]
     return list(t.unbind(0))
 
 
@@ -85,8 +86,8 @@ _ROWS = {}
 
 
 def _row_indices(device, n):
-    """0-d index tensors 0..n-1, made once per device (device data, not per-step uploads)."""
+    """One-element index tensors 0..n-1, made once per device (device data, not per-step uploads)."""
     key = (str(device), n)
     if key not in _ROWS:
-        _ROWS[key] = [torch.tensor(i, device=device) for i in range(n)]
+        _ROWS[key] = [torch.tensor([i], device=device) for i in range(n)]
     return _ROWS[key]
