@@ -12,8 +12,9 @@
   other copy-free form, adds five IR nodes per row to normalize the index).
   Under SPMD each row gets the sharding of the weight it is the gradient of.
 * Eager on XLA (a plain ``scan_layers`` call, outside torch.compile) the stack
-  is a plain ``autograd.Function`` with the same backward: the custom op's
-  Python autograd wrapper cost ~0.3 ms per stack at depth 64, on every call.
+  is a plain ``autograd.Function`` with the same backward: through the custom
+  op's Python autograd wrapper a stack of 64 weights cost 0.34 ms per call,
+  0.21 ms this way (torch.stack itself: 0.04).
 
 Eager CPU/GPU and ``torch.export`` keep plain ``aten.stack`` (fastest, and the
 exported program stays free of our ops).
