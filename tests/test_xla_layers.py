@@ -117,3 +117,36 @@ def test_an_attribute_changed_after_steady_steps_is_still_seen(change):
         return
     got, want = both(layers, x)
     assert_trees_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_torch_func_grad_of_functional_call_matches_the_loop():
+    """The eager stack on XLA is an autograd.Function with setup_context, which torch.func
+    accepts: grad of functional_call through scan_layers works (through the custom op it
+    raised) and equals the loop's."""
+    layers, x = make(3), torch.randn(6, 8).to(torch_xla.device())
+    params = {k: v.detach().clone() for k, v in layers.named_parameters()}
+
+    def scanned(p):
+        return torch.func.functional_call(_Stack(layers), {"layers." + k: v for k, v in p.items()}, (x,))
+
+    def looped(p):
+        h = x
+        for i, layer in enumerate(layers):
+            h = torch.func.functional_call(layer, {k[len(f"{i}."):]: v for k, v in p.items()
+                                                   if k.startswith(f"{i}.")}, (h,))
+        return h
+
+    got = torch.func.grad(lambda p: scanned(p).pow(2).sum())(params)
+    want = torch.func.grad(lambda p: looped(p).pow(2).sum())(params)
+    torch_xla.sync()
+    assert_trees_close({k: v.cpu() for k, v in got.items()}, {k: v.cpu() for k, v in want.items()},
+                       atol=1e-6, rtol=1e-5)
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, x):
+        return scan_layers(self.layers, x)

@@ -46,9 +46,12 @@ class _StackOnXla(torch.autograd.Function):
     without the custom op's per-call wrapping (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, *tensors):
-        ctx.shardings = sharding.of(tensors)
+    def forward(*tensors):
         return torch.stack(tensors)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # this form, not forward(ctx, ...): torch.func accepts it
+        ctx.shardings = sharding.of(inputs)
 
     @staticmethod
     def backward(ctx, grad):
