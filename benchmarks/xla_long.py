@@ -103,7 +103,7 @@ def layer_step(layers, x, stacked):
 
 
 def layers_table(depths, repeat):
-    from _timing import interleaved_times
+    from _timing import interleaved_times, paired_ratio
 
     rows = []
     for depth in depths:
@@ -114,12 +114,17 @@ def layers_table(depths, repeat):
         fns = {"loop": layer_step(layers, x, False), "scan_layers": layer_step(layers, x, True)}
         for fn in fns.values():
             fn()  # first call compiles; the scan's second is Dynamo's capture
-        times = {k: min(v) for k, v in interleaved_times(fns, repeat, clock=time.process_time).items()}
-        loop, ours = times["loop"], times["scan_layers"]
-        rows.append([depth, f"{loop / depth * 1e3:.3f}", f"{ours / depth * 1e3:.3f}", f"{ours / loop:.2f}x"])
+        rounds = interleaved_times(fns, repeat, clock=time.process_time)
+        loop, ours = min(rounds["loop"]), min(rounds["scan_layers"])
+        ratios = sorted(a / b for a, b in zip(rounds["scan_layers"], rounds["loop"]))
+        med, lo, hi = paired_ratio(rounds["scan_layers"], rounds["loop"])
+        rows.append([depth, f"{loop / depth * 1e3:.3f}", f"{ours / depth * 1e3:.3f}", f"{ours / loop:.2f}x",
+                     f"{med:.2f}x [{lo:.2f}, {hi:.2f}]", f"{ratios[0]:.2f}-{ratios[-1]:.2f}"])
         print(*rows[-1], flush=True)
-    print(f"XLA, one thread: training step of Linear({WIDTH}, {WIDTH}) + GELU stacks on {ROWS} rows, best of {repeat}")
-    print_table(["depth", "loop ms/layer", "scan_layers ms/layer", "scan_layers/loop"], rows)
+    print(f"XLA, one thread: training step of Linear({WIDTH}, {WIDTH}) + GELU stacks on {ROWS} rows, best of {repeat}; "
+          "per-round ratios: median [95% interval], min-max")
+    print_table(["depth", "loop ms/layer", "scan_layers ms/layer", "best/best", "round ratio median", "round ratios"],
+                rows)
 
 
 def main():

@@ -11,7 +11,8 @@
   Dynamo when tracing;
 - ``layer_state``: each layer's parameters and buffers, checked to agree with layer 0's;
 - ``fsdp``: FSDP2 (``fully_shard``) layers in a traced scan_layers: each step gathers its layer;
-- ``stack_weights``: ``torch.stack`` of the weights, as a custom op under compile/XLA;
+- ``stack_weights``: ``torch.stack`` of the weights, as a custom op under compile (an
+  autograd.Function in eager calls on XLA);
 - ``ownership``: which container a parameter belongs to (imports no sibling).
 
 May import: ``api``, ``op``, ``core``, ``_compat``.

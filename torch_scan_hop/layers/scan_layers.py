@@ -16,6 +16,7 @@ parameter and buffer names, shapes and dtypes, and the same plain attributes
 0's attributes. Broadcast keyword inputs (attention masks, positions) reach
 every layer unchanged; tensor ones are closed over (constants of the call).
 """
+import collections
 import functools
 import types
 
@@ -197,6 +198,8 @@ def _eager_loop(layers, inputs, remat, kwargs):
 
 
 _PER_LAYER_STATE = ("_parameters", "_buffers", "_modules")  # compared by layer_states / recursion
+_PLAIN_TYPES = (bool, int, float, str, type(None))  # == is value equality (a NaN falls to same_value)
+_CONTAINERS = (dict, collections.OrderedDict, set)  # hook dicts, _non_persistent_buffers_set
 
 
 def _all_attributes_agree(layers):
@@ -215,8 +218,15 @@ def _tree_agrees(ref, module):
     mine, theirs = vars(module), vars(ref)
     if mine.keys() != theirs.keys() or type(module) is not type(ref):
         return False
-    if not all(same_value(mine[k], v) for k, v in theirs.items() if k not in _PER_LAYER_STATE):
-        return False
+    for k, v in theirs.items():  # a plain loop, cheapest tests first: it runs per module on every call
+        w = mine[k]
+        if w is v or k in _PER_LAYER_STATE:
+            continue
+        t = type(v)
+        if t is type(w) and (t in _PLAIN_TYPES and w == v or t in _CONTAINERS and not v and not w):
+            continue  # equal plain values, or two empty hook containers (most of a module's attributes)
+        if not same_value(w, v):
+            return False
     kids, ref_kids = _compat.nn.child_modules(module), _compat.nn.child_modules(ref)
     return kids.keys() == ref_kids.keys() and all(
         (a is None) == (b is None) and (a is None or _tree_agrees(b, a)) for a, b in zip(kids.values(), ref_kids.values()))

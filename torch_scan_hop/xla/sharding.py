@@ -20,14 +20,26 @@ def _spmd_tensor(t):
     """A real XLA tensor (torch_xla's own functional wrapper included), no
     tracer or transform about: under make_fx, Dynamo, AOT or torch.func the
     annotation could not be recorded, so none is made."""
-    return isinstance(t, torch.Tensor) and t.device.type == "xla" and "torch_xla" in sys.modules \
-        and _compat.is_concrete(t) and not isinstance(t, _compat.FunctionalTensor) \
-        and not _compat.dispatch_modes_active() and not _compat.functorch_transforms_active()
+    return _recordable() and _real_xla(t)
+
+
+def _recordable():
+    return "torch_xla" in sys.modules and not _compat.dispatch_modes_active() \
+        and not _compat.functorch_transforms_active()
+
+
+def _real_xla(t):
+    return isinstance(t, torch.Tensor) and t.device.type == "xla" and _compat.is_concrete(t) \
+        and not isinstance(t, _compat.FunctionalTensor)
 
 
 def of(tensors):
-    """Each tensor's OpSharding, None where it has none (or is not an XLA tensor)."""
-    return [_compat.xla.op_sharding(t) if _spmd_tensor(t) else None for t in tensors]
+    """Each tensor's OpSharding, None where it has none (or is not an XLA tensor).
+    The tracer checks are made once for all: ``scan_layers`` asks this of every
+    layer's weight on every call."""
+    if not _recordable():
+        return [None] * len(tensors)
+    return [_compat.xla.op_sharding(t) if _real_xla(t) else None for t in tensors]
 
 
 def like(tensor, sharding):
