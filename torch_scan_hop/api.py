@@ -161,10 +161,10 @@ def _sqrt_scan(fn, init, inputs, reverse, unroll):
 
 
 def _xla_outside_a_trace(inputs):
-    """Real XLA tensors, no make_fx or Dynamo trace running: a scan whose init is another
-    scan's output is traced there with that carry's value as a constant (a known defect of the
-    make_fx route on XLA, also without "sqrt"), so ``_sqrt_scan`` runs its short tail (fewer than
-    k steps) as the eager loop, the blocks staying one While."""
+    """Real XLA tensors, no make_fx or Dynamo trace running. There a scan whose init is another
+    scan's output lowers a wrong step graph (its new carry a constant; the HLO build fails), a
+    defect of the make_fx route on XLA met without "sqrt" too, so ``_sqrt_scan`` runs its short
+    tail (fewer than k steps) as the eager loop; the blocks stay one While."""
     leaves = [*inputs.init_leaves, *inputs.xs_leaves]
     return _compat.on_xla(leaves) and not _compat.under_make_fx() and not _compat.is_dynamo_compiling()
 
