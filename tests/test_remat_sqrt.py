@@ -8,7 +8,7 @@ import torch
 from conftest import assert_trees_close, reference_scan
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from torch_scan_hop import api, scan
+from torch_scan_hop import ScanError, api, scan
 
 LENGTHS = (0, 1, 2, 5, 9, 16)
 
@@ -236,3 +236,12 @@ def test_xla_grads_match_the_loop(length, reverse, rewrites):
         grads = torch.autograd.grad(c["h"].sum() + (ys[0] * weights).sum(), [hx, ax, bx, wx])
         assert_trees_close([None if t is None else t.cpu() for t in (c["h"], c["n"], *ys, *grads)], want)
     assert rewrites
+
+
+def test_bad_input_is_the_same_scan_error_inside_the_nest(rewrites):
+    def bad(c, x):
+        return {"h": torch.cat([c["h"], x], -1)}, None
+
+    with pytest.raises(ScanError, match=r"carry\['h'\] changed across an iteration: shape \(2, 6\) vs init's \(2, 3\)"):
+        make_fx(lambda h, xs: scan(bad, {"h": h}, xs, remat="sqrt"))(torch.randn(2, 3), torch.randn(9, 2, 3))
+    assert rewrites == [9]  # raised by the inner scan, naming the user's carry path
