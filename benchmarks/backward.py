@@ -7,9 +7,11 @@ of the process (best of interleaved rounds): on a shared box wall time mostly me
 Targets: recompute_all <= 1.4x the loop, peak <= 1/3 of save_all.
 
 ``--sweep`` adds the length sweep: a small RNN (H=32, batch 8), T = 256 .. 16384, peak memory and time
-per policy (``--lengths`` to choose; 16384 works but its memory profile is slow).
+per policy, eager and compiled (``--no-traced``: eager only; ``--lengths`` to choose; ``--plot`` draws
+benchmarks/remat.png, peak and time vs T, log axes).
 ``--compiled`` adds inductor's peak per policy against eager's (issue 39 item 6 on the CPU).
-Run: python benchmarks/backward.py [--sweep] [--lengths 256,1024,4096] [--compiled]
+Run: python benchmarks/backward.py [--sweep [--plot] [--no-eager|--no-traced] [--rounds N] [--backend B]]
+     [--lengths 256,1024,4096] [--compiled] [--skip-mlp]
 """
 import argparse
 import os
@@ -164,7 +166,17 @@ def compiled_peaks():
     print_table(["variant", "eager", "inductor"], rows)
 
 
-def rnn_sweep(lengths, hidden=32, batch=8):
+SWEEP_POLICIES = [("save_all", "save_all"), ("recompute_all", "recompute_all"), ("sqrt", "sqrt"),
+                  ("binomial(16)", ("binomial", 16))]
+TRACED_POLICIES = ("save_all", "recompute_all", "sqrt")  # traced binomial is recompute_all
+
+
+def rnn_sweep(lengths, hidden=32, batch=8, traced=True, eager=True, rounds=None, backend="aot_eager"):
+    """Peak and CPU time per policy and length; eager rows and, with ``traced``, the same step compiled
+    (``torch.compile(backend=backend)``; "aot_eager": AOTAutograd's partitioned scans, each step a graph call).
+    Peaks are ``trace_peak``'s (the profiler's raw allocation record, which also sees allocations in a
+    compiled graph's call). ``rounds``: interleaved rounds per length (default 3 up to T=1024, then 1:
+    the eager rows' Python dominates there, and a round of T=16384 takes seconds)."""
     torch.manual_seed(0)
     w = (torch.randn(hidden, hidden) / hidden ** 0.5).requires_grad_()
 
@@ -172,33 +184,67 @@ def rnn_sweep(lengths, hidden=32, batch=8):
         c = torch.tanh(c @ w + x)
         return c, c.sum(-1)
 
+    def step(remat, c0, xs):
+        c, ys = scan(body, c0, xs, remat=remat)
+        (c.sum() + ys.sum()).backward()
+
     rows = []
     print(f"\nlength sweep, RNN c = tanh(c @ W + x), H={hidden} batch {batch}, 1 thread", flush=True)
     for length in lengths:
+        torch._dynamo.reset()  # one graph per policy and length: stay under Dynamo's recompile limit
+        compiled = torch.compile(step, backend=backend, dynamic=False)
         c0, xs = torch.zeros(batch, hidden), torch.randn(length, batch, hidden)
-
-        def step(remat, c0=c0, xs=xs):
-            c, ys = scan(body, c0, xs, remat=remat)
-            (c.sum() + ys.sum()).backward()
-
-        variants = {name: (lambda r=r: step(r)) for name, r in
-                    [("save_all", "save_all"), ("recompute_all", "recompute_all"), ("sqrt", "sqrt"),
-                     ("binomial(16)", ("binomial", 16))]}
-        times = {k: min(v) for k, v in interleaved_times(variants, repeat=3 if length <= 4096 else 1,
-                                                          clock=time.process_time).items()}
-        peaks = {k: peak_bytes(fn) for k, fn in variants.items()}
+        variants = {name: (lambda r=r: step(r, c0, xs)) for name, r in SWEEP_POLICIES} if eager else {}
+        if traced:
+            variants.update({f"{name} ({backend})": (lambda r=name: compiled(r, c0, xs)) for name in TRACED_POLICIES})
+        repeat = rounds or (3 if length <= 1024 else 1)
+        times = {k: min(v) for k, v in interleaved_times(variants, repeat=repeat, clock=time.process_time).items()}
+        peaks = {k: trace_peak(fn) for k, fn in variants.items()}
         for k in variants:
-            rows.append([length, k, f"{times[k] * 1e3:.0f}", f"{times[k] / times['save_all']:.2f}x",
-                         f"{peaks[k] / 2**20:.2f}", f"{peaks[k] / peaks['save_all']:.3f}",
-                         f"{peaks[k] / peaks['recompute_all']:.3f}"])
+            suffix = f" ({backend})" if k.endswith(f"({backend})") else ""
+            base, ref = "save_all" + suffix, "recompute_all" + suffix
+            rows.append([length, k, f"{times[k] * 1e3:.0f}", f"{times[k] / times[base]:.2f}x",
+                         f"{peaks[k] / 2**20:.2f}", f"{peaks[k] / peaks[base]:.3f}", f"{peaks[k] / peaks[ref]:.3f}"])
             print(*rows[-1], flush=True)  # long runs: each row as it comes
     print_table(["T", "policy", "ms", "vs save_all", "peak MiB", "peak/save_all", "peak/recompute_all"], rows)
+    return rows
+
+
+def plot(rows, path):
+    """Peak memory and time against T per policy (log axes), from ``rnn_sweep``'s rows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (mem, ms) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name in dict.fromkeys(r[1] for r in rows):
+        pts = [(r[0], float(r[4]), float(r[2])) for r in rows if r[1] == name]
+        style = "--" if "(" in name and "binomial" not in name else "-"
+        mem.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=name)
+        ms.plot([p[0] for p in pts], [p[2] for p in pts], style, marker="o", label=name)
+    for ax, label in ((mem, "peak MiB"), (ms, "training step, ms (CPU time)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("T (steps)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    mem.legend(fontsize=7)
+    fig.suptitle("remat policies, RNN H=32 batch 8 (eager solid, torch.compile aot_eager dashed)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--lengths", default="256,1024,4096")  # 16384: the profiler record takes >25 min
+    parser.add_argument("--lengths", default="256,1024,4096,8192,16384")
+    parser.add_argument("--no-traced", action="store_true", help="sweep: eager rows only")
+    parser.add_argument("--no-eager", action="store_true", help="sweep: compiled rows only")
+    parser.add_argument("--rounds", type=int, help="sweep: interleaved rounds per length (default 3, 1 above 1024)")
+    parser.add_argument("--backend", default="aot_eager", help="sweep: torch.compile backend of the compiled rows")
+    parser.add_argument("--plot", action="store_true", help="sweep: draw benchmarks/remat.png")
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--skip-mlp", action="store_true")
     parser.add_argument("--compiled", action="store_true", help="inductor peaks per policy (issue 39 item 6)")
@@ -209,7 +255,10 @@ def main():
     if args.compiled:
         compiled_peaks()
     if args.sweep:
-        rnn_sweep([int(n) for n in args.lengths.split(",")])
+        rows = rnn_sweep([int(n) for n in args.lengths.split(",")], traced=not args.no_traced,
+                         eager=not args.no_eager, rounds=args.rounds, backend=args.backend)
+        if args.plot:
+            plot(rows, os.path.join(os.path.dirname(os.path.abspath(__file__)), "remat.png"))
 
 
 if __name__ == "__main__":

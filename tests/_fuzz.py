@@ -25,7 +25,7 @@ TO_BD = {(B, D): "{}", (D,): "{}.expand(2, 3)", (): "{}.expand(2, 3)", (B,): "{}
 # at 1e-5 that noise (3e-5 in float32) differs between any two correct reduction orders.
 MODULES = ["torch.nn.Linear(3, 3)", "torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh())",
            "torch.nn.LayerNorm(3, eps=1e-3)"]
-REMATS = ["save_all", "min_cut", "recompute_all", "default_partition"]
+REMATS = ["save_all", "min_cut", "recompute_all", "default_partition", "sqrt"]  # sqrt traced: two scans
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +180,7 @@ def generate(seed):
         shape = (D, D) if rng.random() < 0.6 else (D,)
         closures.append((f"{'W' if len(shape) == 2 else 'b'}{i}", shape, rng.random() < 0.6, rng.choice([0, 1, 1, 2, 3])))
     module = rng.choice(MODULES) if rng.random() < 0.4 else None
-    p = Problem(seed, dtype, length, rng.random() < 0.5, dim, rng.choices(REMATS, [3, 3, 3, 1])[0],
+    p = Problem(seed, dtype, length, rng.random() < 0.5, dim, rng.choices(REMATS, [3, 3, 3, 1, 2])[0],
                 rng.choice([None, None, 1, 2, 3, 4]), rng.random() < 0.2, carry, xs, closures, module, "")
     p.source = _BodyWriter(rng, p).source()
     return p

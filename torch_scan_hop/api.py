@@ -4,12 +4,14 @@ import torch
 from . import _compat
 from .core.op_args import example_args
 from .core.remat import as_token, check_remat, normalize
+from .core.schedule import sqrt_split
 from .core.trees import (
     LEAF,
     ScanError,
     ScanInputs,
     check_carry,
     check_pair,
+    flatten,
     flatten_y,
     prepare_inputs,
 )
@@ -88,6 +90,8 @@ def scan(fn, init, xs=None, *, length=None, reverse=False, dim=0, remat="save_al
 
 
 def _scan(fn, init, inputs, reverse, remat, unroll):
+    if _compat.is_dynamo_compiling() and _two_level(remat, inputs):
+        return _sqrt_scan(fn, init, inputs, reverse, unroll)
     if _compat.is_dynamo_compiling():  # op.dynamo captures fn as a subgraph, closures lifted
         out = scan_op(dynamo_body(fn, inputs), inputs.init_leaves, inputs.xs_leaves, (),
                       reverse=reverse, remat=remat, unroll=1 if unroll is None else unroll)
@@ -96,10 +100,73 @@ def _scan(fn, init, inputs, reverse, remat, unroll):
     if not callable(remat) and (_compat.runs_eagerly(leaves) or _under_grad_while_tracing()
                                 or _nested_on_xla(leaves)):
         return run_tree(fn, init, inputs, reverse, remat)
+    if _two_level(remat, inputs):
+        return _sqrt_scan(fn, init, inputs, reverse, unroll)
     flat_out, y_spec = _call_op(fn, inputs, reverse=reverse, remat=as_token(remat), unroll=unroll or 1)
     nc = inputs.num_carry
     carry = inputs.init_spec.unflatten(flat_out[:nc])
     return carry, y_spec.unflatten(flat_out[nc:])
+
+
+def _two_level(remat, inputs):
+    """Traced ``"sqrt"`` of a static length >= 2 is two scans (``_sqrt_scan``). A symbolic
+    length (``torch.compile(dynamic=True)``, make_fx's symbolic mode) stays one scan partitioned
+    as ``"recompute_all"`` (one carry saved per step), as binomial does: blocks of a symbolic
+    size would guard on ``T % k`` and symbolic nested lengths do not lower in inductor."""
+    return isinstance(remat, str) and remat == "sqrt" and _compat.known_int(inputs.length) and inputs.length >= 2
+
+
+def _sqrt_scan(fn, init, inputs, reverse, unroll):
+    """Traced ``remat="sqrt"``: two-level checkpointing (haliax's ``nested``) as two scans.
+
+    A traced scan's backward reads per-step values its forward stacked, so one scan can only
+    save per step: ``"recompute_all"`` keeps T carries. Here an OUTER scan over T // k blocks
+    (k = ceil(sqrt(T))) runs, as its body, an INNER scan over one block of k steps. The outer
+    scan is partitioned as ``"recompute_all"``: it saves its step inputs only, the carry at each
+    block start (T/k carries) and its x block, a view of xs that the backward reads from xs
+    itself (not stacked). Its backward step re-runs the block's inner scan, which saves all
+    (``"save_all"``: one block's activations, alive during that backward step only) and
+    differentiates it: one extra forward in all, as eager's ``"sqrt"``. The ``T % k`` steps
+    left over run as a tail scan that saves its carries (fewer than k). Nested scans are
+    traced on every path (make_fx, Dynamo, export, XLA), so the rewrite serves them all.
+    """
+    k, (start, stop) = sqrt_split(inputs.length, reverse)
+    spec = inputs.xs_spec
+
+    def part(carry, begin, end, block):  # steps [begin, end) as ScanInputs (xs in blocks of `block`)
+        n = (end - begin) // block
+        if spec is None:
+            return prepare_inputs(carry, None, n, 0)
+        xs = [x.narrow(0, begin, end - begin) for x in inputs.xs_leaves]  # views of xs: nothing copied
+        return prepare_inputs(carry, spec.unflatten([x.unflatten(0, (n, block)) if block > 1 else x for x in xs]),
+                              None, 0)
+
+    def block(carry, x):  # the outer body: one block's k steps as an inner scan
+        return _scan(fn, carry, prepare_inputs(carry, x, None if spec is not None else k, 0), reverse, "save_all",
+                     unroll)
+
+    carry, ys = _scan(block, init, part(init, start, stop, k), reverse, "recompute_all", 1)
+    ys_leaves, y_spec = flatten(ys)
+    ys_leaves = [y.flatten(0, 1) for y in ys_leaves]  # (blocks, k, ...) -> (blocks * k, ...), in order
+    begin, end = (0, start) if reverse else (stop, inputs.length)
+    if begin < end:  # the T % k steps left over: a tail saving its (fewer than k) carries
+        tail_inputs = part(carry, begin, end, 1)
+        if _xla_outside_a_trace(tail_inputs):  # the loop on the tape: see _xla_outside_a_trace
+            carry, tail = run_tree(fn, carry, tail_inputs, reverse, "recompute_all")
+        else:
+            carry, tail = _scan(fn, carry, tail_inputs, reverse, "recompute_all", unroll)
+        pieces = zip(flatten(tail)[0], ys_leaves)
+        ys_leaves = [torch.cat((t, y) if reverse else (y, t)) for t, y in pieces]
+    return carry, y_spec.unflatten(ys_leaves)
+
+
+def _xla_outside_a_trace(inputs):
+    """Real XLA tensors, no make_fx or Dynamo trace running. There a scan whose init is another
+    scan's output lowers a wrong step graph (its new carry a constant; the HLO build fails), a
+    defect of the make_fx route on XLA met without "sqrt" too, so ``_sqrt_scan`` runs its short
+    tail (fewer than k steps) as the eager loop; the blocks stay one While."""
+    leaves = [*inputs.init_leaves, *inputs.xs_leaves]
+    return _compat.on_xla(leaves) and not _compat.under_make_fx() and not _compat.is_dynamo_compiling()
 
 
 def _under_grad_while_tracing():

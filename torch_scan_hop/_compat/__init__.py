@@ -112,6 +112,7 @@ from .tracing import (  # noqa: F401
     disable_proxy_modes_tracing,
     fresh_fake_mode,
     inside_our_trace,
+    known_int,
     make_fx,
     pytree,
     recording_functional_closures,

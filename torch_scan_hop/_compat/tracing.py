@@ -324,3 +324,17 @@ def allow_scalar_outputs(shape_env):
 
     if shape_env is not None and not shape_env.settings.allow_scalar_outputs:
         shape_env.settings = dataclasses.replace(shape_env.settings, allow_scalar_outputs=True)
+
+
+def known_int(n):
+    """Is the int ``n`` known at trace time: a Python int, not a size left symbolic
+    (``torch.compile(dynamic=True)``, make_fx's symbolic mode)?
+
+    Under Dynamo a symbolic int passes ``isinstance(n, int)`` and ``type(n) is int``,
+    and comparing it installs a guard (one graph per value); ``statically_known_true``
+    is evaluated by Dynamo on the symbol without a guard. Any known int is below 2**62;
+    a backed size symbol's range is unbounded above, so the bound is not known for it.
+    torch 2.9-2.14: ``torch.fx.experimental.symbolic_shapes.statically_known_true``."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return isinstance(n, (int, torch.SymInt)) and statically_known_true(n < 2 ** 62)

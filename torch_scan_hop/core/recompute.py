@@ -27,13 +27,13 @@ With ``create_graph=True`` (double backward) a step is re-run on its original
 inputs, so the second-order graph reaches the forward's graph.
 """
 import contextlib
-import math
 
 import torch
 
 from .. import _compat
 from . import cheap, revolve
 from . import remat as policies
+from .schedule import sqrt_block
 from .trees import ScanError, map_tensors
 
 
@@ -86,7 +86,7 @@ class StepReplay:
         self.selective = policy.save is not policies.nothing_saveable.save
         self.by_ops = self.selective and policy.reads_ops  # else names only: no dispatch mode
         self.offload = policy.offload
-        self.block = max(1, math.ceil(math.sqrt(length))) if sqrt else 1
+        self.block = sqrt_block(length) if sqrt else 1
         self.slots = slots  # binomial: at most this many carries at once (core/revolve.py)
         self.carry_flags = []  # binomial: each step's carry leaves' requires_grad
         self.keep_at = None if slots is None else {0, *revolve.descent(0, length, slots - 1)}

@@ -18,7 +18,9 @@ min-cut partitioner; eager: keep what a matmul made, recompute the rest,
 ``core/cheap.py``), "sqrt" (eager: only every k-th carry, k ~ sqrt(T), each
 block recomputed once in the backward) and ``("binomial", k)`` (eager: at most
 k carries, placed as revolve places them; stands in graphs as "binomial:k").
-Traced, "sqrt" and binomial are "recompute_all".
+Traced, "sqrt" of a static length is two scans (``api._sqrt_scan``: an outer scan
+over blocks saving one carry per block, an inner one over a block's steps);
+binomial, and "sqrt" of a symbolic length, are "recompute_all".
 """
 import contextlib
 import functools

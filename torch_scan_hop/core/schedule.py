@@ -8,6 +8,7 @@ and the remainder last, in execution order; for ``reverse`` the picture is
 mirrored (blocks cover the high indices, the remainder the low ones), so the
 sequence of steps is exactly the Python loop's either way.
 """
+import math
 from dataclasses import dataclass
 
 
@@ -66,3 +67,20 @@ def segments(length, unroll=1, reverse=False):
 def block_order(unroll, reverse=False):
     """Positions within one block, in the order its body calls run."""
     return step_order(unroll, reverse)
+
+
+def sqrt_block(length):
+    """``remat="sqrt"``'s block: k = ceil(sqrt(T)) steps, so that T/k kept carries and
+    one block's activations are both ~sqrt(T). The eager engine (``core/recompute.py``)
+    and the traced two-level scan (``api._sqrt_scan``) read it here so they block alike."""
+    return max(1, math.ceil(math.sqrt(length)))
+
+
+def sqrt_split(length, reverse=False):
+    """The traced ``"sqrt"`` schedule: ``(k, (start, stop))`` with ``[start, stop)`` the
+    input indices run as whole blocks of k steps (an outer scan over blocks); the other
+    ``length % k`` indices are a tail. As ``segments``, the blocked part runs first in
+    execution order: it covers the low indices, or the high ones when ``reverse``."""
+    k = sqrt_block(length)
+    blocked = (length // k) * k
+    return k, ((length - blocked, length) if reverse else (0, blocked))

@@ -3,7 +3,8 @@
 ``partition_fn`` maps what ``scan``'s ``remat`` may be to a function
 ``(joint, inputs, *, num_fwd_outputs) -> (fwd, bwd)``: functorch's partitioners
 for "save_all" / "min_cut", saving only the step's inputs for "recompute_all"
-(and "sqrt" and binomial, whose carry schemes exist in eager only), and ``policy_partition``
+(and binomial, whose carry scheme exists in eager only, and "sqrt" where it reaches a graph: a
+symbolic length; a static one is two scans before it gets here, ``api._sqrt_scan``), and ``policy_partition``
 for a ``RematPolicy``; ``drop_names`` removes ``checkpoint_name``'s op after.
 """
 import operator
