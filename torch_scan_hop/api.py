@@ -150,23 +150,10 @@ def _sqrt_scan(fn, init, inputs, reverse, unroll):
     ys_leaves = [y.flatten(0, 1) for y in ys_leaves]  # (blocks, k, ...) -> (blocks * k, ...), in order
     begin, end = (0, start) if reverse else (stop, inputs.length)
     if begin < end:  # the T % k steps left over: a tail saving its (fewer than k) carries
-        tail_inputs = part(carry, begin, end, 1)
-        if _xla_outside_a_trace(tail_inputs):  # the loop on the tape: see _xla_outside_a_trace
-            carry, tail = run_tree(fn, carry, tail_inputs, reverse, "recompute_all")
-        else:
-            carry, tail = _scan(fn, carry, tail_inputs, reverse, "recompute_all", unroll)
+        carry, tail = _scan(fn, carry, part(carry, begin, end, 1), reverse, "recompute_all", unroll)
         pieces = zip(flatten(tail)[0], ys_leaves)
         ys_leaves = [torch.cat((t, y) if reverse else (y, t)) for t, y in pieces]
     return carry, y_spec.unflatten(ys_leaves)
-
-
-def _xla_outside_a_trace(inputs):
-    """Real XLA tensors, no make_fx or Dynamo trace running. There a scan whose init is another
-    scan's output lowers a wrong step graph (its new carry a constant; the HLO build fails), a
-    defect of the make_fx route on XLA met without "sqrt" too, so ``_sqrt_scan`` runs its short
-    tail (fewer than k steps) as the eager loop; the blocks stay one While."""
-    leaves = [*inputs.init_leaves, *inputs.xs_leaves]
-    return _compat.on_xla(leaves) and not _compat.under_make_fx() and not _compat.is_dynamo_compiling()
 
 
 def _under_grad_while_tracing():
