@@ -1,13 +1,14 @@
 """The buffers a compiled scan's counted loop allocates every iteration come from two per
-allocation line, allocated once (``_compat.inductor_loop.pool_loop_buffers``): the rewrite of
-the generated code, and compiled training steps against the Python loop."""
+allocation line, allocated once (``_compat.inductor_loop.pool_loop_buffers``), and its counter
+gets no kernel of its own (``drop_counter_inits``): the rewrites of the generated code, and
+compiled steps against the Python loop."""
 import pytest
 import torch
 from conftest import reference_scan
 from torch._inductor.utils import run_and_get_code
 
 from torch_scan_hop import scan
-from torch_scan_hop._compat.inductor_loop import pool_loop_buffers
+from torch_scan_hop._compat.inductor_loop import drop_counter_inits, pool_loop_buffers
 
 LOOP = """\
         buf5 = [buf1, buf0, primals_2]
@@ -96,3 +97,49 @@ def test_compiled_training_step_matches_the_loop(body):
     assert code.count("_step in range(7):") == 2
     if body == "rnn":  # forward and backward loops both take their buffers from pools
         assert code.count("_pool0[") == 2, code[-4000:]
+
+
+ONE_STORE = "k0 = async_compile.cpp_pybinding(['int64_t*'], '''\nextern void kernel(int64_t* out_ptr0) {}\n''')"
+COUNTED = """\
+        buf3 = empty_strided_cpu((), (), torch.int64)
+        k0({arg})
+        buf5 = [buf3, buf0]
+        for buf5_step in range(4):
+            buf5[0] = buf5[0]"""
+
+
+def test_a_kernel_that_only_sets_a_for_loops_counter_is_not_built():
+    code = drop_counter_inits(ONE_STORE + "\n" + COUNTED.format(arg="buf3"))
+    lines = code.split("\n")
+    assert len(lines) == len((ONE_STORE + "\n" + COUNTED).split("\n"))  # the line map holds
+    assert "async_compile" not in code and lines[0].startswith("k0 = (['int64_t*'], '''")
+    assert "        pass  # k0(buf3): a for loop's counter, never read" in lines
+
+
+@pytest.mark.parametrize("extra", ["        k0(buf0)", "        other = k0"])
+def test_a_kernel_used_for_anything_else_stays(extra):
+    code = ONE_STORE + "\n" + COUNTED.format(arg="buf3") + "\n" + extra
+    assert drop_counter_inits(code) == code
+
+
+def test_a_counter_without_a_for_loop_keeps_its_kernel():
+    code = ONE_STORE + "\n" + COUNTED.format(arg="buf3").replace("for buf5_step in range(4):", "while True:")
+    assert drop_counter_inits(code) == code
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_forward_builds_no_counter_kernel(dynamic):
+    """Static length: the for loop's counter gets no kernel; dynamic: inductor's while loop
+    reads its counter, whose kernel stays. Both against the loop, two lengths each."""
+    torch._dynamo.reset()
+    w = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)) * 0.3
+    body = lambda c, x: (torch.tanh(c @ w + x), c.sum(-1))  # noqa: E731
+    compiled = torch.compile(lambda c, xs: scan(body, c, xs), fullgraph=True, dynamic=dynamic)
+    for length in (5, 9):
+        c0, xs = torch.randn(2, 8), torch.randn(length, 2, 8)
+        got, codes = run_and_get_code(compiled, c0, xs)
+        want = reference_scan(body, c0, xs)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        if codes:
+            code = "\n".join(codes)
+            assert ("a for loop's counter, never read" in code) != dynamic, code[-3000:]

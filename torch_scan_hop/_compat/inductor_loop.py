@@ -19,7 +19,7 @@ lengths and other loops go to inductor's codegen. torch 2.9-2.15:
 ``node.keypath``, ``node.sym``), ``EnterSubgraphLine``/``ExitSubgraphLine``,
 ``ir.AssertScalar.codegen(wrapper)`` (``.scalar``), ``torch.utils._sympy.value_ranges``,
 ``PythonWrapperCodegen.generate(is_inference)`` returning the code as a ``ValueWithLineMap``
-dataclass first (its ``value`` is rewritten by ``pool_loop_buffers``; the FX wrapper's
+dataclass first (its ``value`` is rewritten by ``drop_counter_inits`` and ``pool_loop_buffers``; the FX wrapper's
 GraphModule is left alone).
 """
 
@@ -97,7 +97,7 @@ def run_counted_loops_as_for_loops(is_counted):
         code = result[0]
         if not isinstance(getattr(code, "value", None), str):  # FX wrapper codegen: a GraphModule
             return result
-        pooled = pool_loop_buffers(code.value)
+        pooled = pool_loop_buffers(drop_counter_inits(code.value))
         if pooled == code.value:
             return result
         return (dataclasses.replace(code, value=pooled), *result[1:])
@@ -143,6 +143,47 @@ def _static_trip_count(cond_gm):
     if results is not lt:
         return None
     return lt.args[1]
+
+
+_ONE_STORE = re.compile(r"^(\w+) = async_compile\.cpp_pybinding\(\['int64_t\*'\], '''$")
+_CALL_ONE = re.compile(r"^( *)(\w+)\((\w+)\)$")
+
+
+def drop_counter_inits(code):
+    """The generated wrapper ``code`` without the C++ kernels whose only work is to set the
+    counter of a loop that runs as ``for <loop>_step in range(n)``.
+
+    That loop reads its index from the Python loop variable, never from the counter
+    (``codegen_dynamic_scalar`` above), yet the counter the lowering gave the while_loop
+    (``torch.zeros``: inductor's own codegen, kept for dynamic lengths and the C++ wrapper,
+    does read it) still got a kernel of its own in a forward graph: one more C++ file to
+    build on the first call, one of three for the tanh RNN's forward. A kernel is dropped
+    only when its one argument is an ``int64_t*`` (it can write nothing but that buffer)
+    and every call of it passes the counter of such a loop; its definition stays as a
+    tuple of its signature and source, so nothing is compiled and the line map holds."""
+    lines = code.split("\n")
+    defs = {m.group(1): i for i, line in enumerate(lines) if (m := _ONE_STORE.match(line))}
+    if not defs:
+        return code
+    counters = set()
+    for i, line in enumerate(lines[1:], 1):
+        if loop := _FOR.match(line):
+            head = re.match(rf"^{loop.group(1)}{loop.group(2)} = \[(\w+)[,\]]", lines[i - 1])
+            if head:
+                counters.add(head.group(1))
+    calls = {}
+    for i, line in enumerate(lines):
+        if (m := _CALL_ONE.match(line)) and m.group(2) in defs:
+            calls.setdefault(m.group(2), []).append((i, m.group(1), m.group(3)))
+    for kernel, sites in calls.items():
+        mentions = sum(len(re.findall(rf"\b{kernel}\b", line)) for line in lines)
+        if mentions != 1 + len(sites) or any(arg not in counters for _, _, arg in sites):
+            continue
+        for i, indent, arg in sites:
+            lines[i] = f"{indent}pass  # {kernel}({arg}): a for loop's counter, never read"
+        first = defs[kernel]
+        lines[first] = lines[first].replace("async_compile.cpp_pybinding(", "(", 1)
+    return "\n".join(lines)
 
 
 _POOL_MAX_BYTES = 1 << 20  # per buffer: above it an allocation costs little next to the kernels that fill it
