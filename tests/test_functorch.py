@@ -134,29 +134,35 @@ def op_loop(i, x, w):
     for t in x:
         c, k, y = flat_body(c, k, t, w)
         ys.append(y)
-    return c, k, torch.stack(ys)
+    return c, k, torch.stack(ys) if ys else torch.empty(0, dtype=D)  # one step's y: () float64
 
 
 def op(i, x, w):
     return tuple(scan_op(flat_body, [i, torch.zeros((), dtype=torch.int64)], [x], (w,)))
 
 
-@pytest.mark.parametrize("case", ["init", "xs_dim1", "weights", "nested", "grad", "vmap_grad", "hessian"])
-def test_the_op_itself_under_transforms(case):
+@pytest.mark.parametrize("n", [0, 1, 5])
+@pytest.mark.parametrize("case", ["init", "xs_dim1", "weights", "nested", "grad", "vmap_grad", "hessian",
+                                  "jvp", "jacfwd"])
+def test_the_op_itself_under_transforms(case, n):
     """Graph bodies reach the op directly (Dynamo, upstream's front end): a
-    batched body for vmap (one scan), the loop at the transform's level for grad."""
+    batched body for vmap (one scan), the loop at the transform's level for grad
+    and jvp; at length 0 the ys' shapes come from a fake run of the body on the
+    transforms' wrapped tensors."""
     w = torch.randn(3, 3, dtype=D) * 0.5
-    i, x = torch.randn(3, dtype=D), torch.randn(5, 3, dtype=D)
+    i, x = torch.randn(3, dtype=D), torch.randn(n, 3, dtype=D)
     run = {
         "init": lambda f: vmap(f, in_dims=(0, None, None))(torch.randn(B, 3, dtype=D), x, w),
-        "xs_dim1": lambda f: vmap(f, in_dims=(None, 1, None))(i, torch.randn(5, B, 3, dtype=D), w),
+        "xs_dim1": lambda f: vmap(f, in_dims=(None, 1, None))(i, torch.randn(n, B, 3, dtype=D), w),
         "weights": lambda f: vmap(f, in_dims=(None, None, 0))(i, x, torch.randn(B, 3, 3, dtype=D)),
         "nested": lambda f: vmap(vmap(f, in_dims=(0, None, None)), in_dims=(None, 1, None))(
-            torch.randn(2, 3, dtype=D), torch.randn(5, B, 3, dtype=D), w),
+            torch.randn(2, 3, dtype=D), torch.randn(n, B, 3, dtype=D), w),
         "grad": lambda f: grad(lambda i, x, w: f(i, x, w)[0].sum() + f(i, x, w)[2].sum(), argnums=(0, 1, 2))(i, x, w),
         "vmap_grad": lambda f: vmap(grad(lambda i, x: f(i, x, w)[0].sum()), in_dims=(0, None))(
             torch.randn(B, 3, dtype=D), x),
-        "hessian": lambda f: hessian(lambda i: f(i, x, w)[2].sum())(i),
+        "hessian": lambda f: hessian(lambda i: f(i, x, w)[2].sum() + f(i, x, w)[0].pow(3).sum())(i),
+        "jvp": lambda f: jvp(lambda i, x, w: (f(i, x, w)[0], f(i, x, w)[2]), (i, x, w), (i.cos(), x.cos(), w.cos())),
+        "jacfwd": lambda f: jacfwd(lambda i, w: (f(i, x, w)[0], f(i, x, w)[2]), argnums=(0, 1))(i, w),
     }[case]
     torch.manual_seed(1)
     got = run(op)

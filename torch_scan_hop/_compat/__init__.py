@@ -83,6 +83,7 @@ from .functorch import (  # noqa: F401
     functorch_transforms_active,
     functorch_unwrap,
     is_batched_here,
+    is_functorch_wrapped,
 )
 from .hop import (  # noqa: F401
     HigherOrderOperator,

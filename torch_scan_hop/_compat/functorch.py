@@ -35,9 +35,9 @@ def add_batch_dim(t, bdim, level):
     return _add_batch_dim(t, bdim, level)
 
 
-def _is_functorch_wrapped(t):
-    """A functorch wrapper (grad/jvp/functionalize level) around ``t``
-    (torch 2.9-2.14: ``is_functorch_wrapped_tensor``)."""
+def is_functorch_wrapped(t):
+    """A functorch wrapper around ``t``: a vmap level's BatchedTensor or a
+    grad/jvp/functionalize level's wrapper (torch 2.9-2.14: ``is_functorch_wrapped_tensor``)."""
     return torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
