@@ -215,3 +215,29 @@ def test_transforms_traced_by_make_fx_match_the_loop(transform):
 
     args = (w, torch.stack([h0, 2 * h0]), u) if transform == "vmap" else (w, h0, u)
     close(make_fx(apply(ours))(*args)(*args), apply(reference_scan)(*args))
+
+
+@pytest.mark.parametrize("case", ["closure", "nested", "nested_closure"])
+def test_make_fx_of_vmap_with_batched_closures_and_nested_scans(case):
+    """make_fx traces the body on unbatched stand-ins while the vmap is active. A body closing
+    over a batched tensor, or a scan nested in the body, made the body's outputs batched tensors
+    the trace did not track: the graph returned constants (wrong values, silently)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def run(scan_fn, w, h, xs):
+        def body(c, x):
+            if case == "closure":
+                return torch.tanh(c * w + x), c.sum()
+            mul = w if case == "nested_closure" else 2.0
+            y = scan_fn(lambda a, r: (torch.tanh(a * 0.5 + r), a * mul), c[1], c)[1] + x
+            return torch.tanh(y), y.sum()
+        return scan_fn(body, h, xs)
+
+    ws, hs, xs = torch.randn(B, 3, dtype=D), torch.randn(B, 2, 3, dtype=D), torch.randn(4, 2, 3, dtype=D)
+    in_dims = (0, None if case == "closure" else 0, None)
+    hs = hs if in_dims[1] == 0 else hs[0]
+    f = lambda w, h: vmap(lambda w, h: run(scan, w, h, xs), in_dims=in_dims[:2])(w, h)  # noqa: E731
+    got = make_fx(f)(ws, hs)(ws, hs)
+    want = [run(reference_scan, ws[b], hs[b] if in_dims[1] == 0 else hs, xs) for b in range(B)]
+    close(got, tuple(torch.stack(leaves) for leaves in zip(*want)))
+

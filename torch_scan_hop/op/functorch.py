@@ -87,6 +87,11 @@ def scan_vmap(interpreter, combine_fn, init, xs, additional_inputs, **options):
     init_u = [_unwrap(t, level) for t in init]
     xs_u = [_unwrap(t, level) for t in xs]
     lifted_u = [_unwrap(t, level) for t in additional_inputs]
+    if all(d is None for _, d in (*init_u, *xs_u, *lifted_u)) and interpreter.randomness() != "different":
+        # Nothing batched at this level (a scan in a body that make_fx traces on unbatched
+        # stand-ins while the vmap is active): the scan one level down, unbatched.
+        with interpreter.lower():
+            return scan_op(combine_fn, init, xs, additional_inputs, **options)
     x_dims = [None if d is None else 0 for _, d in xs_u]
     lifted_dims = [None if d is None else 0 for _, d in lifted_u]
     with _compat.disable_proxy_modes_tracing():
