@@ -241,3 +241,16 @@ def test_make_fx_of_vmap_with_batched_closures_and_nested_scans(case):
     want = [run(reference_scan, ws[b], hs[b] if in_dims[1] == 0 else hs, xs) for b in range(B)]
     close(got, tuple(torch.stack(leaves) for leaves in zip(*want)))
 
+
+@pytest.mark.parametrize("transform", ["grad", "jacrev"])
+def test_compile_of_grad_where_a_carry_comes_to_depend_on_the_differentiated_closure(transform, fresh_dynamo):
+    """The Dynamo tracker marks such a carry's example as requiring grad; under a torch.func
+    transform the example is a functorch wrapper, whose requires_grad_() functorch refuses."""
+    h, xs, w = torch.randn(3, dtype=D), torch.randn(4, 3, dtype=D), torch.randn(3, dtype=D)
+
+    def f(run):
+        return lambda w: run(lambda c, x: (torch.tanh(c * w + x), c.sum()), h, xs)[0].sum()
+
+    t = {"grad": grad, "jacrev": jacrev}[transform]
+    got = torch.compile(t(f(scan)), backend="aot_eager", fullgraph=True)(w)
+    close(got, t(f(reference_scan))(w))
