@@ -254,3 +254,22 @@ def test_compile_of_grad_where_a_carry_comes_to_depend_on_the_differentiated_clo
     t = {"grad": grad, "jacrev": jacrev}[transform]
     got = torch.compile(t(f(scan)), backend="aot_eager", fullgraph=True)(w)
     close(got, t(f(reference_scan))(w))
+
+
+@pytest.mark.parametrize("case", ["closure", "random"])
+def test_the_op_under_vmap_with_nothing_batched_but_what_the_body_reads(case):
+    """The op one level down is for a body with nothing batched at all: a closure the body reads
+    (not passed as an additional input) or a random op under randomness="different" still
+    batches its outputs, so those keep the batched body."""
+    h, xs, ws = torch.randn(3, dtype=D), torch.randn(4, 3, dtype=D), torch.randn(B, 3, dtype=D)
+
+    def f(w):
+        noise = (lambda c: torch.rand_like(c)) if case == "random" else (lambda c: c * w)
+        return tuple(scan_op(lambda c, x: [torch.tanh(noise(c) + x), c.sum()], [h], [xs], ()))
+
+    out = vmap(f, randomness="different")(ws)
+    if case == "random":  # every sample draws its own numbers
+        assert not torch.equal(out[0][0], out[0][1])
+        return
+    close(out, tuple(torch.stack(leaves) for leaves in zip(*[reference_scan(
+        lambda c, x: (torch.tanh(c * w + x), c.sum()), h, xs) for w in ws])))
