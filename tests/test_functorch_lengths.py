@@ -157,7 +157,7 @@ def test_transforms_traced_by_make_fx(transform, variant, n):
 
 
 @pytest.mark.parametrize("n", [0, 1])
-@pytest.mark.parametrize("transform", ["jvp", "jacfwd", "vmap_of_grad"])
+@pytest.mark.parametrize("transform", ["grad", "jvp", "jacfwd", "vmap_of_grad"])
 def test_transforms_under_torch_compile(transform, n, fresh_dynamo):
     a = args(n)
     compiled = torch.compile(lambda *a: TRANSFORMS[transform](function(ours, "tree", n), a),
