@@ -75,6 +75,17 @@ def test_fuzz(mode, seed):
     check_case(mode, seed)
 
 
+# fuzz cases that found a bug, replayed in every run whatever SCAN_FUZZ_CASES says (mode, seed)
+REGRESSIONS = [
+    ("func_grad_compile", 2),  # length 0 under AOTAutograd: the ys' fake run met its fake mode
+]
+
+
+@pytest.mark.parametrize("mode,seed", [pytest.param(m, s, id=f"{m}-seed_{s}") for m, s in REGRESSIONS])
+def test_fuzz_regression(mode, seed):
+    check_case(mode, seed)
+
+
 def check_case(mode, seed):
     torch.manual_seed(0)
     p = generate(seed)

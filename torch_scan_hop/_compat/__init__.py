@@ -117,6 +117,7 @@ from .tracing import (  # noqa: F401
     pytree,
     recording_functional_closures,
     trace_aten_graph,
+    tracing_context_fake_mode,
     tracing_lock,
     track_tensor_tree,
     under_make_fx,

@@ -346,6 +346,15 @@ def fresh_fake_mode():
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
+def tracing_context_fake_mode():
+    """The fake mode of the Dynamo / AOTAutograd trace under way, else None.
+    torch 2.9-2.14: ``torch._guards.TracingContext.try_get()`` and its ``fake_mode``."""
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    return None if context is None else context.fake_mode
+
+
 def detect_fake_mode(tensors):
     """The fake mode active or carried by ``tensors``, else None.
     torch 2.9-2.14: ``torch._guards.detect_fake_mode``."""

@@ -19,6 +19,7 @@ by one replay engine per scan (``core/recompute.py``):
 * ``"sqrt"``: every ~sqrt(T)-th carry is kept; blocks are re-run in the backward.
 * ``("binomial", k)``: at most k carries, as revolve places them (``core/revolve.py``).
 """
+import contextlib
 import functools
 
 import torch
@@ -128,12 +129,22 @@ def in_traced_layout(carry, layouts):
 
 def empty_flat_ys(combine_fn, init, xs, additional_inputs):
     """ys of a zero-length scan: shapes from one fake run of the body."""
-    with _compat.fresh_fake_mode() as mode:
+    with shape_run() as mode:
         fake_args = [*(torch.empty_like(stand_in(mode, c)) for c in init),  # dense, as example_args' clones
                      *(stand_in(mode, x, sliced=True) for x in xs),
                      *(stand_in(mode, a) for a in additional_inputs)]
         y_meta = list(combine_fn(*fake_args))[len(init):]
     return [torch.empty((0, *y.shape), dtype=y.dtype, device=y.device) for y in y_meta]
+
+
+@contextlib.contextmanager
+def shape_run():
+    """The fake mode a zero-length scan runs its body under, to learn the ys' shapes: the
+    tracing context's (Dynamo/AOTAutograd's, which asserts that no other mode is active: a
+    zero-length scan under ``torch.compile(grad(f))``), else a fresh one; nothing recorded."""
+    mode = _compat.tracing_context_fake_mode() or _compat.fresh_fake_mode()
+    with _compat.disable_proxy_modes_tracing(), mode:
+        yield mode
 
 
 def stand_in(mode, t, sliced=False):
@@ -143,12 +154,12 @@ def stand_in(mode, t, sliced=False):
     Under torch.func transforms ``t`` may be a functorch wrapper: a BatchedTensor, or a
     grad/jvp level's wrapper (under jvp a view of its primal). Meta conversion refuses views
     of those ("view functorch tensors are not supported") and fails its own metadata check
-    (``is_leaf``) on a grad level's, so a wrapper gets a fresh fake of what the body sees (shape, dtype, device), made inside the
-    active transforms, which treat it as any new tensor; the body's ops on it reach the fake
-    mode below them. The empty ys built from the run hold no values, so the transforms take
-    them as constants: empty tangents under jvp, no gradient, a vmap's batch dim added when
-    they leave it. A slice of a plain tensor keeps the slice's strides (``for x in xs``'s),
-    without the slicing that an empty ``xs`` cannot do."""
+    (``is_leaf``) on a grad level's, so a wrapper gets a fresh fake of what the body sees
+    (shape, dtype, device), made inside the active transforms, which treat it as any new
+    tensor; the body's ops on it reach the fake mode below them. The empty ys built from the
+    run hold no values, so the transforms take them as constants: empty tangents under jvp,
+    no gradient, a vmap's batch dim added when they leave it. A slice of a plain tensor keeps
+    the slice's strides (``for x in xs``'s), without the slicing that an empty ``xs`` cannot do."""
     if not isinstance(t, torch.Tensor):
         return t
     if dt.is_dtensor(t):
@@ -217,7 +228,7 @@ def run_tree(fn, init, inputs, reverse=False, remat="save_all"):
 def empty_tree_ys(fn, inputs):
     """The ys pytree of a zero-length scan: fn runs once under a fake tensor
     mode (nothing is computed) to learn the structure, shapes and dtypes."""
-    with _compat.fresh_fake_mode() as mode:
+    with shape_run() as mode:
         carry = inputs.init_spec.unflatten([stand_in(mode, t) for t in inputs.init_leaves])
         x = None if inputs.xs_spec is None else inputs.xs_spec.unflatten(
             [stand_in(mode, t, sliced=True) for t in inputs.xs_leaves])
