@@ -273,3 +273,20 @@ def test_the_op_under_vmap_with_nothing_batched_but_what_the_body_reads(case):
         return
     close(out, tuple(torch.stack(leaves) for leaves in zip(*[reference_scan(
         lambda c, x: (torch.tanh(c * w + x), c.sum()), h, xs) for w in ws])))
+
+
+def test_make_fx_of_vmap_over_xs_whose_batch_dim_cannot_merge_with_the_next():
+    """The batched body is traced on dense slices; the op's loop took the slices of xs with the
+    batch dim moved behind the scan dim, where a traced ``view`` (a linear's (B*2, 3)) failed for
+    xs cut from a wider buffer ("view size is not compatible with input tensor's size and stride")."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    w = torch.randn(3, 3, dtype=D)
+    xs = torch.randn(B, 20, dtype=D)[:, :12].view(B, 2, 2, 3)  # per sample: 2 steps of (2, 3)
+
+    def f(run):
+        return lambda xs: run(lambda c, x: (torch.tanh(c + torch.nn.functional.linear(x, w)), c.sum()),
+                              torch.zeros(2, 3, dtype=D), xs)
+
+    got = make_fx(vmap(f(scan)))(xs)(xs)
+    close(got, tuple(torch.stack(leaves) for leaves in zip(*[f(reference_scan)(x) for x in xs])))

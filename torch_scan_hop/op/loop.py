@@ -90,12 +90,16 @@ def run_flat(combine_fn, init, xs, additional_inputs, reverse=False, remat=None)
     """``[*final_carry, *ys]`` of the op's flat convention, by a Python loop.
 
     Slices come from one ``unbind`` per xs leaf (what ``for x in xs`` does), so
-    the tape holds one node for all slices instead of one select per step.
+    the tape holds one node for all slices instead of one select per step. A
+    traced body was traced on dense slices (``slice_example``), and its
+    ``view``s may hold only for them: xs laid out otherwise (a vmap's batch dim
+    moved behind the scan dim, ``dim=1``) are made dense first.
     """
     num_carry, length = len(init), xs[0].shape[0]
     if length == 0:
         return [c.clone() for c in init] + empty_flat_ys(combine_fn, init, xs, additional_inputs)
-    columns = [dt.unbind(x) for x in xs]
+    traced = isinstance(combine_fn, torch.fx.GraphModule)
+    columns = [dt.unbind(x.contiguous() if traced and isinstance(x, torch.Tensor) else x) for x in xs]
 
     def step(carry, i):
         out = combine_fn(*carry, *(col[i] for col in columns), *additional_inputs)
@@ -103,7 +107,7 @@ def run_flat(combine_fn, init, xs, additional_inputs, reverse=False, remat=None)
 
     step = remat_step(step, remat, length)
     carry, ys = list(init), [None] * length
-    layouts = traced_layouts(init) if isinstance(combine_fn, torch.fx.GraphModule) else None
+    layouts = traced_layouts(init) if traced else None
     for i in step_order(length, reverse):
         carry, ys[i] = step(carry, i)
         if layouts is not None:
