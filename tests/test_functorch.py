@@ -290,3 +290,23 @@ def test_make_fx_of_vmap_over_xs_whose_batch_dim_cannot_merge_with_the_next():
 
     got = make_fx(vmap(f(scan)))(xs)(xs)
     close(got, tuple(torch.stack(leaves) for leaves in zip(*[f(reference_scan)(x) for x in xs])))
+
+
+@pytest.mark.parametrize("transform", ["grad", "jvp"])
+def test_make_fx_of_grad_with_a_partition_function_as_remat(transform):
+    """A partition function kept the traced op under make_fx(grad(f)), whose body graph held the
+    transform's wrapped values as constants: a wrong gradient. The loop is traced, as for the
+    named policies (the transform keeps what its own backward needs)."""
+    from torch._functorch.partitioners import default_partition
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    w, h0, u = data()
+
+    def f(run):
+        return lambda w: loss(run, w, h0, u)
+
+    def apply(fn):
+        return grad(fn) if transform == "grad" else lambda w: jvp(fn, (w,), (torch.ones_like(w),))
+
+    got = make_fx(apply(f(lambda *a, **k: scan(*a, remat=default_partition, **k))))(w)(w)
+    close(got, apply(f(reference_scan))(w))
