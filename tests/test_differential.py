@@ -262,6 +262,15 @@ def run_func(p, mode, want_out, want_grads, weights):
     in eager, the problem's own; ``func_<t>_make_fx`` and ``func_<t>_compile`` (aot_eager)
     trace the transformed function, the latter at length 0 or 1 (by seed and transform)."""
     transform, traced = mode.split("_")[1], "_".join(mode.split("_")[2:])
+    if transform in ("jvp", "jacfwd"):  # torch has no forward AD for CPU flash attention: the math kernel
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.MATH):
+            return _run_func(p, mode, transform, traced)
+    return _run_func(p, mode, transform, traced)
+
+
+def _run_func(p, mode, transform, traced):
     lengths = [0, 1] + ([p.length] if p.length > 1 and not traced else [])
     if traced == "compile":
         lengths = [(p.seed + list(FUNC).index(transform)) % 2]
