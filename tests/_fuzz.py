@@ -7,6 +7,7 @@ vocabulary (so a failure prints the exact body). ``materialize`` builds fresh,
 identical tensors for it every call; ``loop`` is the Python for-loop it must match.
 """
 import collections
+import contextlib
 import dataclasses
 import linecache
 import math
@@ -362,12 +363,58 @@ def materialize(p, device="cpu"):
 
 def loop(p, inst):
     """The Python for-loop. For length 0: init and empty ys shaped like one body call's."""
+    return run_loop(p, inst.body, inst.init, inst.xs)
+
+
+def run_loop(p, body, init, xs):
+    """``loop`` of another body and inputs (the same problem)."""
     if p.length > 0:
-        return reference_scan(inst.body, inst.init, inst.xs, length=p.length, reverse=p.reverse, dim=p.dim)
+        return reference_scan(body, init, xs, length=p.length, reverse=p.reverse, dim=p.dim)
     x = tmap(lambda l: torch.zeros(l.shape, dtype=l.dtype(p.dtype)), p.xs)
     with torch.no_grad():
-        _, y = inst.body(inst.init, x)
-    return inst.init, tmap(lambda t: t.new_empty((0, *t.shape)), y)
+        _, y = body(init, x)
+    return init, tmap(lambda t: t.new_empty((0, *t.shape)), y)
+
+
+def vector_function(p, inst, run, batched=None):
+    """``(f, v, seen)``: the problem as a function of ONE vector, for torch.func's transforms.
+
+    ``v`` holds every float input (init and xs leaves, closures, module parameters; with
+    ``batched``, those of its seeded choice) flattened, plus one dummy element; the other inputs
+    stay fixed. ``f(v)`` is every output of ``run(p, body, init, xs)`` (ints and bools cast to
+    the float dtype) flattened into one vector, plus twice the dummy: neither is ever empty,
+    also at length 0, where the ys hold no element. One input and one output because jacrev
+    and jacfwd of several read a tensor's value while building their bases, which make_fx
+    and Dynamo refuse. The scan sees slices of the transform's wrapped ``v``: views of
+    wrapped tensors, as jvp's own primals are. ``seen`` collects the output pytree's
+    structure, shapes and dtypes at every call, which the vector hides (ys of a wrong shape
+    at length 0 hold no element either)."""
+    params = list(inst.module.parameters()) if inst.module is not None else []
+    names = [n for n, _ in inst.module.named_parameters()] if inst.module is not None else []
+    leaves, spec = pytree.tree_flatten((inst.init, inst.xs, inst.closures, params))
+    fixed = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
+    chosen = [i for i, t in enumerate(fixed) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if batched is not None:
+        rng = random.Random(p.seed + 3)
+        chosen = [i for i in chosen if rng.random() < 0.6]
+    v = torch.cat([fixed[i].reshape(-1) for i in chosen] + [torch.zeros(1, dtype=p.dtype)])
+    seen = []
+
+    def f(v):
+        values, start = list(fixed), 0
+        for i in chosen:
+            values[i] = v[start:start + fixed[i].numel()].view(fixed[i].shape)
+            start += fixed[i].numel()
+        init, xs, closures, params = pytree.tree_unflatten(values, spec)
+        ctx, extra = contextlib.nullcontext(), []
+        if inst.module is not None:  # around the scan: Dynamo refuses the context inside a body
+            ctx = torch.nn.utils.stateless._reparametrize_module(inst.module, dict(zip(names, params)))
+            extra = [inst.module]
+        with ctx:
+            out = run(p, inst.make_body(*closures, *extra), init, xs)
+        seen.append(str(tmap(lambda t: (tuple(t.shape), t.dtype), out)))
+        return torch.cat([t.reshape(-1).to(p.dtype) for t in tensors(out)] + [v[-1:] * 2])
+    return f, v, seen
 
 
 def loss_weights(p, out):

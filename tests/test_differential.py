@@ -7,8 +7,13 @@ gradients (of a weighted sum of the float outputs w.r.t. float inputs, closures 
 parameters) are compared; export is inference only. XLA cases run in a child interpreter
 (_isolated.py): a native crash fails the case, not the run.
 
-Budget: the default run takes about 3 minutes on 2 cores. SCAN_FUZZ_CASES=N runs N eager
-cases and scales every other mode by the same factor; SCAN_FUZZ_SEED=S starts the seeds at S.
+The ``func_*`` modes apply torch.func's grad, vjp, jvp, jacfwd, jacrev and vmap to the scan (in
+eager, under make_fx and under torch.compile) and compare with the same transform of the loop, at
+lengths 0 and 1 above all.
+
+Budget: the default run takes about 3 minutes on 2 cores (the func modes about 30 s of it).
+SCAN_FUZZ_CASES=N runs N eager cases and scales every other mode by the same factor;
+SCAN_FUZZ_SEED=S starts the seeds at S.
 """
 import contextlib
 import io
@@ -21,7 +26,7 @@ from conftest import assert_trees_close
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import _isolated
-from _fuzz import generate, grads, loop, loss_weights, materialize, tensors, tmap
+from _fuzz import generate, grads, loop, loss_weights, materialize, run_loop, tensors, tmap, vector_function
 from torch_scan_hop import scan
 
 DEFAULT_CASES = {  # mode -> cases in the default run (eager is the scale)
@@ -29,6 +34,10 @@ DEFAULT_CASES = {  # mode -> cases in the default run (eager is the scale)
     "compile_eager": 4, "compile_aot_eager": 3, "compile_aot_eager_dynamic": 2,
     "compile_inductor": 2, "compile_inductor_dynamic": 1,
     "export_strict": 3, "export_nonstrict": 3, "export_saveload": 2, "xla": 4,
+    # torch.func transforms (run_func): eager and make_fx cases at lengths 0 and 1 (eager also at
+    # the problem's own), compile cases at one of them (~2 s a compile)
+    **{f"func_{t}{trace}": n for trace, n in [("", 2), ("_make_fx", 1), ("_compile", 1)]
+       for t in ["grad", "vjp", "jvp", "jacfwd", "jacrev", "vmap"]},
 }
 _SCALE = int(os.environ.get("SCAN_FUZZ_CASES", DEFAULT_CASES["eager"])) / DEFAULT_CASES["eager"]
 _START = int(os.environ.get("SCAN_FUZZ_SEED", 0))
@@ -63,6 +72,17 @@ def test_fuzz(mode, seed):
     if mode == "xla":  # in a child interpreter: a native crash fails this case, not the whole run
         pytest.importorskip("torch_xla", reason="torch_xla is not installed")
         return _isolated.call("test_differential", "check_case", mode, seed)
+    check_case(mode, seed)
+
+
+# fuzz cases that found a bug, replayed in every run whatever SCAN_FUZZ_CASES says (mode, seed)
+REGRESSIONS = [
+    ("func_grad_compile", 2),  # length 0 under AOTAutograd: the ys' fake run met its fake mode
+]
+
+
+@pytest.mark.parametrize("mode,seed", [pytest.param(m, s, id=f"{m}-seed_{s}") for m, s in REGRESSIONS])
+def test_fuzz_regression(mode, seed):
     check_case(mode, seed)
 
 
@@ -226,4 +246,59 @@ def run_xla(p, mode, want_out, want_grads, weights):
     check(p, mode, "gradients on XLA", cpu(got_grads), want_grads)
 
 
-RUNNERS = {"eager": run_eager, "make": run_make_fx, "compile": run_compile, "export": run_export, "xla": run_xla}
+FUNC = {  # transform -> (f, v, r) -> its result, r: the weights, tangent and batch of v
+    "grad": lambda f, v, r: torch.func.grad(lambda v: (f(v) * r[0]).sum())(v),
+    "vjp": lambda f, v, r: (lambda out, pull: (out, pull(r[0])))(*torch.func.vjp(f, v)),
+    "jvp": lambda f, v, r: torch.func.jvp(f, (v,), (r[1],)),
+    "jacfwd": lambda f, v, r: torch.func.jacfwd(f)(v),
+    "jacrev": lambda f, v, r: torch.func.jacrev(f)(v),
+    "vmap": lambda f, v, r: torch.func.vmap(f)(r[2]),  # v's chosen leaves batched, the rest not
+}
+
+
+def run_func(p, mode, want_out, want_grads, weights):
+    """A torch.func transform of the scan (as a function of one vector, ``vector_function``)
+    against the same transform of the loop (vmap: the loop per sample), at lengths 0 and 1 and,
+    in eager, the problem's own; ``func_<t>_make_fx`` and ``func_<t>_compile`` (aot_eager)
+    trace the transformed function, the latter at length 0 or 1 (by seed and transform)."""
+    transform, traced = mode.split("_")[1], "_".join(mode.split("_")[2:])
+    if transform in ("jvp", "jacfwd"):  # torch has no forward AD for CPU flash attention: the math kernel
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.MATH):
+            return _run_func(p, mode, transform, traced)
+    return _run_func(p, mode, transform, traced)
+
+
+def _run_func(p, mode, transform, traced):
+    lengths = [0, 1] + ([p.length] if p.length > 1 and not traced else [])
+    if traced == "compile":
+        lengths = [(p.seed + list(FUNC).index(transform)) % 2]
+    for q in (p.with_length(n) for n in lengths):
+        inst = materialize(q)
+        kw = traceable_kwargs(q, inst, lambda f: torch.compile(f, backend="eager", fullgraph=True)) \
+            if traced == "compile" else q.kwargs()
+        ours, v, seen = vector_function(q, inst, lambda q, body, init, xs: scan(body, init, xs, **kw),
+                                        batched=transform == "vmap")
+        ref, _, ref_seen = vector_function(q, materialize(q), run_loop, batched=transform == "vmap")
+        g = torch.Generator().manual_seed(q.seed + 2)
+        size = ref(v).numel()
+        r = (torch.randn(size, generator=g, dtype=torch.float64).to(q.dtype),
+             torch.randn(v.shape, generator=g, dtype=torch.float64).to(q.dtype), torch.stack([v, v * 0.5 + 0.25]))
+        want = torch.stack([ref(b) for b in r[2]]) if transform == "vmap" else FUNC[transform](ref, v, r)
+        apply = lambda v, *r: FUNC[transform](ours, v, r)  # noqa: E731
+        if traced == "make_fx":
+            apply = make_fx(apply)(v, *r)
+        elif traced == "compile":
+            torch._dynamo.reset()
+            apply = torch.compile(apply, backend="aot_eager", fullgraph=True)
+        got = apply(v, *r)
+        what = f"{transform}{' ' + traced if traced else ''} at length {q.length}"
+        check(q, "eager" if not traced else mode, what, got, want)
+        if traced != "compile" and set(seen) != {ref_seen[0]}:
+            raise Mismatch(f"{what}: the outputs' structure, shapes and dtypes {sorted(set(seen))} "
+                           f"differ from the loop's {ref_seen[0]}")
+
+
+RUNNERS = {"func": run_func, "eager": run_eager, "make": run_make_fx, "compile": run_compile, "export": run_export,
+           "xla": run_xla}

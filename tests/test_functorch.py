@@ -134,29 +134,35 @@ def op_loop(i, x, w):
     for t in x:
         c, k, y = flat_body(c, k, t, w)
         ys.append(y)
-    return c, k, torch.stack(ys)
+    return c, k, torch.stack(ys) if ys else torch.empty(0, dtype=D)  # one step's y: () float64
 
 
 def op(i, x, w):
     return tuple(scan_op(flat_body, [i, torch.zeros((), dtype=torch.int64)], [x], (w,)))
 
 
-@pytest.mark.parametrize("case", ["init", "xs_dim1", "weights", "nested", "grad", "vmap_grad", "hessian"])
-def test_the_op_itself_under_transforms(case):
+@pytest.mark.parametrize("n", [0, 1, 5])
+@pytest.mark.parametrize("case", ["init", "xs_dim1", "weights", "nested", "grad", "vmap_grad", "hessian",
+                                  "jvp", "jacfwd"])
+def test_the_op_itself_under_transforms(case, n):
     """Graph bodies reach the op directly (Dynamo, upstream's front end): a
-    batched body for vmap (one scan), the loop at the transform's level for grad."""
+    batched body for vmap (one scan), the loop at the transform's level for grad
+    and jvp; at length 0 the ys' shapes come from a fake run of the body on the
+    transforms' wrapped tensors."""
     w = torch.randn(3, 3, dtype=D) * 0.5
-    i, x = torch.randn(3, dtype=D), torch.randn(5, 3, dtype=D)
+    i, x = torch.randn(3, dtype=D), torch.randn(n, 3, dtype=D)
     run = {
         "init": lambda f: vmap(f, in_dims=(0, None, None))(torch.randn(B, 3, dtype=D), x, w),
-        "xs_dim1": lambda f: vmap(f, in_dims=(None, 1, None))(i, torch.randn(5, B, 3, dtype=D), w),
+        "xs_dim1": lambda f: vmap(f, in_dims=(None, 1, None))(i, torch.randn(n, B, 3, dtype=D), w),
         "weights": lambda f: vmap(f, in_dims=(None, None, 0))(i, x, torch.randn(B, 3, 3, dtype=D)),
         "nested": lambda f: vmap(vmap(f, in_dims=(0, None, None)), in_dims=(None, 1, None))(
-            torch.randn(2, 3, dtype=D), torch.randn(5, B, 3, dtype=D), w),
+            torch.randn(2, 3, dtype=D), torch.randn(n, B, 3, dtype=D), w),
         "grad": lambda f: grad(lambda i, x, w: f(i, x, w)[0].sum() + f(i, x, w)[2].sum(), argnums=(0, 1, 2))(i, x, w),
         "vmap_grad": lambda f: vmap(grad(lambda i, x: f(i, x, w)[0].sum()), in_dims=(0, None))(
             torch.randn(B, 3, dtype=D), x),
-        "hessian": lambda f: hessian(lambda i: f(i, x, w)[2].sum())(i),
+        "hessian": lambda f: hessian(lambda i: f(i, x, w)[2].sum() + f(i, x, w)[0].pow(3).sum())(i),
+        "jvp": lambda f: jvp(lambda i, x, w: (f(i, x, w)[0], f(i, x, w)[2]), (i, x, w), (i.cos(), x.cos(), w.cos())),
+        "jacfwd": lambda f: jacfwd(lambda i, w: (f(i, x, w)[0], f(i, x, w)[2]), argnums=(0, 1))(i, w),
     }[case]
     torch.manual_seed(1)
     got = run(op)
@@ -209,3 +215,98 @@ def test_transforms_traced_by_make_fx_match_the_loop(transform):
 
     args = (w, torch.stack([h0, 2 * h0]), u) if transform == "vmap" else (w, h0, u)
     close(make_fx(apply(ours))(*args)(*args), apply(reference_scan)(*args))
+
+
+@pytest.mark.parametrize("case", ["closure", "nested", "nested_closure"])
+def test_make_fx_of_vmap_with_batched_closures_and_nested_scans(case):
+    """make_fx traces the body on unbatched stand-ins while the vmap is active. A body closing
+    over a batched tensor, or a scan nested in the body, made the body's outputs batched tensors
+    the trace did not track: the graph returned constants (wrong values, silently)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def run(scan_fn, w, h, xs):
+        def body(c, x):
+            if case == "closure":
+                return torch.tanh(c * w + x), c.sum()
+            mul = w if case == "nested_closure" else 2.0
+            y = scan_fn(lambda a, r: (torch.tanh(a * 0.5 + r), a * mul), c[1], c)[1] + x
+            return torch.tanh(y), y.sum()
+        return scan_fn(body, h, xs)
+
+    ws, hs, xs = torch.randn(B, 3, dtype=D), torch.randn(B, 2, 3, dtype=D), torch.randn(4, 2, 3, dtype=D)
+    in_dims = (0, None if case == "closure" else 0, None)
+    hs = hs if in_dims[1] == 0 else hs[0]
+    f = lambda w, h: vmap(lambda w, h: run(scan, w, h, xs), in_dims=in_dims[:2])(w, h)  # noqa: E731
+    got = make_fx(f)(ws, hs)(ws, hs)
+    want = [run(reference_scan, ws[b], hs[b] if in_dims[1] == 0 else hs, xs) for b in range(B)]
+    close(got, tuple(torch.stack(leaves) for leaves in zip(*want)))
+
+
+@pytest.mark.parametrize("transform", ["grad", "jacrev"])
+def test_compile_of_grad_where_a_carry_comes_to_depend_on_the_differentiated_closure(transform, fresh_dynamo):
+    """The Dynamo tracker marks such a carry's example as requiring grad; under a torch.func
+    transform the example is a functorch wrapper, whose requires_grad_() functorch refuses."""
+    h, xs, w = torch.randn(3, dtype=D), torch.randn(4, 3, dtype=D), torch.randn(3, dtype=D)
+
+    def f(run):
+        return lambda w: run(lambda c, x: (torch.tanh(c * w + x), c.sum()), h, xs)[0].sum()
+
+    t = {"grad": grad, "jacrev": jacrev}[transform]
+    got = torch.compile(t(f(scan)), backend="aot_eager", fullgraph=True)(w)
+    close(got, t(f(reference_scan))(w))
+
+
+@pytest.mark.parametrize("case", ["closure", "random"])
+def test_the_op_under_vmap_with_nothing_batched_but_what_the_body_reads(case):
+    """The op one level down is for a body with nothing batched at all: a closure the body reads
+    (not passed as an additional input) or a random op under randomness="different" still
+    batches its outputs, so those keep the batched body."""
+    h, xs, ws = torch.randn(3, dtype=D), torch.randn(4, 3, dtype=D), torch.randn(B, 3, dtype=D)
+
+    def f(w):
+        noise = (lambda c: torch.rand_like(c)) if case == "random" else (lambda c: c * w)
+        return tuple(scan_op(lambda c, x: [torch.tanh(noise(c) + x), c.sum()], [h], [xs], ()))
+
+    out = vmap(f, randomness="different")(ws)
+    if case == "random":  # every sample draws its own numbers
+        assert not torch.equal(out[0][0], out[0][1])
+        return
+    close(out, tuple(torch.stack(leaves) for leaves in zip(*[reference_scan(
+        lambda c, x: (torch.tanh(c * w + x), c.sum()), h, xs) for w in ws])))
+
+
+def test_make_fx_of_vmap_over_xs_whose_batch_dim_cannot_merge_with_the_next():
+    """The batched body is traced on dense slices; the op's loop took the slices of xs with the
+    batch dim moved behind the scan dim, where a traced ``view`` (a linear's (B*2, 3)) failed for
+    xs cut from a wider buffer ("view size is not compatible with input tensor's size and stride")."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    w = torch.randn(3, 3, dtype=D)
+    xs = torch.randn(B, 20, dtype=D)[:, :12].view(B, 2, 2, 3)  # per sample: 2 steps of (2, 3)
+
+    def f(run):
+        return lambda xs: run(lambda c, x: (torch.tanh(c + torch.nn.functional.linear(x, w)), c.sum()),
+                              torch.zeros(2, 3, dtype=D), xs)
+
+    got = make_fx(vmap(f(scan)))(xs)(xs)
+    close(got, tuple(torch.stack(leaves) for leaves in zip(*[f(reference_scan)(x) for x in xs])))
+
+
+@pytest.mark.parametrize("transform", ["grad", "jvp"])
+def test_make_fx_of_grad_with_a_partition_function_as_remat(transform):
+    """A partition function kept the traced op under make_fx(grad(f)), whose body graph held the
+    transform's wrapped values as constants: a wrong gradient. The loop is traced, as for the
+    named policies (the transform keeps what its own backward needs)."""
+    from torch._functorch.partitioners import default_partition
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    w, h0, u = data()
+
+    def f(run):
+        return lambda w: loss(run, w, h0, u)
+
+    def apply(fn):
+        return grad(fn) if transform == "grad" else lambda w: jvp(fn, (w,), (torch.ones_like(w),))
+
+    got = make_fx(apply(f(lambda *a, **k: scan(*a, remat=default_partition, **k))))(w)(w)
+    close(got, apply(f(reference_scan))(w))

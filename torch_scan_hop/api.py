@@ -97,9 +97,10 @@ def _scan(fn, init, inputs, reverse, remat, unroll):
                       reverse=reverse, remat=remat, unroll=1 if unroll is None else unroll)
         return inputs.init_spec.unflatten(out[:inputs.num_carry]), out[inputs.num_carry]
     leaves = [*inputs.init_leaves, *inputs.xs_leaves]
-    if not callable(remat) and (_compat.runs_eagerly(leaves) or _under_grad_while_tracing()
-                                or _nested_on_xla(leaves)):
+    if not callable(remat) and (_compat.runs_eagerly(leaves) or _nested_on_xla(leaves)):
         return run_tree(fn, init, inputs, reverse, remat)
+    if _under_grad_while_tracing():
+        return run_tree(fn, init, inputs, reverse, "save_all" if callable(remat) else remat)
     if _two_level(remat, inputs):
         return _sqrt_scan(fn, init, inputs, reverse, unroll)
     flat_out, y_spec = _call_op(fn, inputs, reverse=reverse, remat=as_token(remat), unroll=unroll or 1)
@@ -159,7 +160,9 @@ def _sqrt_scan(fn, init, inputs, reverse, unroll):
 def _under_grad_while_tracing():
     """torch.func.grad (or jvp) inside make_fx: the op's body graph would be traced from the
     transform's wrapped tensors, whose values then entered it as constants (a zero gradient).
-    The loop is traced instead, each step's ops differentiated by the transform as they run."""
+    The loop is traced instead, each step's ops differentiated by the transform as they run;
+    with a partition function as ``remat`` too (which only chooses what a backward keeps: the
+    transform keeps its own), where the op's wrong gradient came back."""
     return _compat.dispatch_modes_active() and _compat.differentiating_transform_active()
 
 

@@ -83,6 +83,7 @@ from .functorch import (  # noqa: F401
     functorch_transforms_active,
     functorch_unwrap,
     is_batched_here,
+    is_functorch_wrapped,
 )
 from .hop import (  # noqa: F401
     HigherOrderOperator,
@@ -117,6 +118,7 @@ from .tracing import (  # noqa: F401
     pytree,
     recording_functional_closures,
     trace_aten_graph,
+    tracing_context_fake_mode,
     tracing_lock,
     track_tensor_tree,
     under_make_fx,

@@ -16,7 +16,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from .functorch import _functionalize_transform_active, _is_functorch_wrapped, _is_transform_wrapped
+from .functorch import _functionalize_transform_active, _is_transform_wrapped, is_functorch_wrapped
 
 AutoDispatchBelowAutograd = torch._C._AutoDispatchBelowAutograd
 _peek_interpreter = torch._C._functorch.peek_interpreter_stack  # None: no torch.func transform
@@ -100,7 +100,7 @@ def is_functional(t):
     test are unchanged."""
     if t.device.type == "xla":
         return isinstance(t, FunctionalTensor) or _is_transform_wrapped(t)
-    return isinstance(t, FunctionalTensor) or torch._is_functional_tensor(t) or _is_functorch_wrapped(t)
+    return isinstance(t, FunctionalTensor) or torch._is_functional_tensor(t) or is_functorch_wrapped(t)
 
 
 def _is_eager_tensor(t):

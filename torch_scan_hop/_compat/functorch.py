@@ -35,9 +35,9 @@ def add_batch_dim(t, bdim, level):
     return _add_batch_dim(t, bdim, level)
 
 
-def _is_functorch_wrapped(t):
-    """A functorch wrapper (grad/jvp/functionalize level) around ``t``
-    (torch 2.9-2.14: ``is_functorch_wrapped_tensor``)."""
+def is_functorch_wrapped(t):
+    """A functorch wrapper around ``t``: a vmap level's BatchedTensor or a
+    grad/jvp/functionalize level's wrapper (torch 2.9-2.14: ``is_functorch_wrapped_tensor``)."""
     return torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
@@ -48,7 +48,7 @@ def _is_transform_wrapped(t):
     on XLA, whose tensors are functional wrappers anyway, such an output (a scan's
     final carry) is an ordinary tensor for the next op. torch 2.9-2.15: ``maybe_get_level``
     is -1 for no wrapper, 0 for that level-0 wrapper, >= 1 inside a transform."""
-    return _is_functorch_wrapped(t) and torch._C._functorch.maybe_get_level(t) > 0
+    return is_functorch_wrapped(t) and torch._C._functorch.maybe_get_level(t) > 0
 
 
 def _interpreters():

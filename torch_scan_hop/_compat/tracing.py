@@ -156,18 +156,24 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
     inner value traces like any constant; lifting then hands back the user's
     tensor, which keeps its autograd identity. A stand-in requires grad when
     its tensor does, so a joint trace can differentiate with respect to it.
-    CPU tensors meeting XLA ones are stood in for by device copies.
+    CPU tensors meeting XLA ones are stood in for by device copies, and closures
+    batched by a vmap that was active before the trace by plain constants of
+    their logical shape (``_batched_stand_in``).
 
-    torch 2.9-2.14: ``torch._is_functional_tensor``, ``torch._sync`` and
-    ``torch._from_functional_tensor`` are unchanged.
+    torch 2.9-2.14: ``torch._is_functional_tensor``, ``torch._sync``,
+    ``torch._from_functional_tensor`` and functorch's ``is_batchedtensor`` /
+    ``maybe_get_level`` are unchanged.
     """
 
     def __init__(self):
         super().__init__()
         self._outer, self._by_id, self._moved, self.xla, self.inputs = {}, {}, {}, None, {}
         self._aliases = {}
+        self.vmap_levels = _active_vmap_levels()
 
     def _stand_in(self, t, user=None):
+        if user is None and self.vmap_levels and self._batched_outside(t) and id(t) not in self.inputs:
+            return self._batched_stand_in(t)
         if user is None and (not (isinstance(t, torch.Tensor) and torch._is_functional_tensor(t))
                              or isinstance(t, FakeTensor) or id(t) in self.inputs):
             return t
@@ -179,6 +185,29 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
             self._outer[id(plain)] = user
             used = plain.detach().requires_grad_() if user.requires_grad else plain
             hit = self._by_id[id(user)] = (used, user, plain, t)  # plain and t kept alive: ids are keys
+        return hit[0]
+
+    def _batched_outside(self, t):
+        """A closure batched by a vmap that was active before the trace began (the body
+        is traced on unbatched stand-ins of its carries and x while that vmap is still
+        on the interpreter stack). A vmap inside the body has a higher level."""
+        return (isinstance(t, torch.Tensor) and torch._C._functorch.is_batchedtensor(t)
+                and torch._C._functorch.maybe_get_level(t) in self.vmap_levels
+                and all(type(d) is int for d in t.shape))
+
+    def _batched_stand_in(self, t):
+        """make_fx traces the batched closure's physical value under the vmap, so the
+        body's outputs came out batched, untracked: the body's graph returned them as
+        constants (wrong values, silently). The body reads a plain constant of the
+        closure's logical shape instead; lifting hands back the batched tensor, and
+        the op's vmap rule batches the body over it, as over a batched carry."""
+        hit = self._by_id.get(id(t))
+        if hit is None:
+            with unset_fake_temporarily(), disable_proxy_modes_tracing():
+                plain = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+            self._outer[id(plain)] = t
+            used = plain.requires_grad_() if t.requires_grad and plain.is_floating_point() else plain
+            hit = self._by_id[id(t)] = (used, t, plain, t)
         return hit[0]
 
     def _onto(self, device):
@@ -273,6 +302,14 @@ _METADATA_READS = frozenset({
 })
 
 
+def _active_vmap_levels():
+    """The levels of the vmaps on the functorch interpreter stack (torch 2.9-2.14:
+    ``retrieve_all_functorch_interpreters``, each with ``key()`` and ``level()``)."""
+    from .functorch import TransformType, _interpreters
+
+    return {i.level() for i in _interpreters() if i.key() == TransformType.Vmap}
+
+
 def _cpu_array(t):
     """A CPU tensor with dims: fake tracing lets only 0-dim ones mix with XLA tensors."""
     return isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() > 0
@@ -307,6 +344,15 @@ def fresh_fake_mode():
     """A fake mode that accepts real inputs (constants). torch 2.9-2.14: the
     same ``FakeTensorMode(allow_non_fake_inputs=True)`` on both."""
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def tracing_context_fake_mode():
+    """The fake mode of the Dynamo / AOTAutograd trace under way, else None.
+    torch 2.9-2.14: ``torch._guards.TracingContext.try_get()`` and its ``fake_mode``."""
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    return None if context is None else context.fake_mode
 
 
 def detect_fake_mode(tensors):

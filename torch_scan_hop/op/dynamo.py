@@ -94,13 +94,15 @@ def _require_grad(carry_vars, flags):
     """The carries' example values, made to require grad where ``flags`` says
     (None: as init's). The body is traced with a carry requiring grad when any
     step's does, as in the loop from step 2 on: what reads requires_grad at trace
-    time (an autograd.Function's ``ctx.needs_input_grad``) must see it."""
+    time (an autograd.Function's ``ctx.needs_input_grad``) must see it. A carry
+    wrapped by a torch.func transform (Dynamo tracing ``grad(f)``) is left as it is:
+    functorch refuses ``requires_grad_`` there and differentiates by its own levels."""
     examples = [_example(v) for v in carry_vars]
     if flags is None:
         return [isinstance(e, torch.Tensor) and e.requires_grad for e in examples]
     with _compat.disable_proxy_modes_tracing():
         for var, e, flag in zip(carry_vars, examples, flags):
-            if flag and not e.requires_grad:
+            if flag and not e.requires_grad and not _compat.is_functorch_wrapped(e):
                 var.as_proxy().node.meta["example_value"] = e.detach().requires_grad_()
     return flags
 

@@ -72,6 +72,22 @@ def _carry_batching(combine_fn, init_batched, examples, other_dims, batch_size):
     return [True] * nc
 
 
+def _unbatched(combine_fn, inputs, examples):
+    """Nothing is batched at this level: no input, and no output of a step (a closure the
+    body reads, a random op under randomness="different" would batch one). Then the scan runs
+    one level down as it is: a scan nested in a body that make_fx traces on unbatched stand-ins
+    while the vmap is active came back batched (every y is batched below), outputs that trace
+    did not track, which its graph returned as constants."""
+    if any(d is not None for _, d in inputs):
+        return False
+    try:  # a probe at this level on fake stand-ins (nothing computed)
+        with _compat.fresh_fake_mode():
+            outs = list(combine_fn(*(_fake_input(a, None, 0) for group in examples for a in group)))
+    except Exception:  # a body the probe cannot run: batched below, as before
+        return False
+    return not any(_compat.is_batched_here(o) for o in outs)
+
+
 def _to_front(value, bdim, batched, batch_size):
     """A carry/lifted value with its batch dim at 0 (expanded if it must be batched)."""
     if bdim is not None:
@@ -92,6 +108,9 @@ def scan_vmap(interpreter, combine_fn, init, xs, additional_inputs, **options):
     with _compat.disable_proxy_modes_tracing():
         examples = ([_example(v, d) for v, d in init_u], [_example(v, d, scanned=True) for v, d in xs_u],
                     [_example(v, d) for v, d in lifted_u])
+    if _unbatched(combine_fn, (*init_u, *xs_u, *lifted_u), examples):
+        with interpreter.lower():
+            return scan_op(combine_fn, init, xs, additional_inputs, **options)
     carry_batched = _carry_batching(combine_fn, [d is not None for _, d in init_u], examples,
                                     x_dims + lifted_dims, batch_size)
     init_b = [_to_front(v, d, b, batch_size) for (v, d), b in zip(init_u, carry_batched)]

@@ -19,6 +19,7 @@ by one replay engine per scan (``core/recompute.py``):
 * ``"sqrt"``: every ~sqrt(T)-th carry is kept; blocks are re-run in the backward.
 * ``("binomial", k)``: at most k carries, as revolve places them (``core/revolve.py``).
 """
+import contextlib
 import functools
 
 import torch
@@ -26,7 +27,7 @@ from torch.utils import checkpoint as _ckpt
 
 from .. import _compat
 from ..core import dtensors as dt
-from ..core.op_args import example_args, slice_example
+from ..core.op_args import slice_example
 from ..core.recompute import StepReplay
 from ..core.remat import as_policy, binomial_slots, nothing_saveable
 from ..core.schedule import step_order
@@ -89,12 +90,16 @@ def run_flat(combine_fn, init, xs, additional_inputs, reverse=False, remat=None)
     """``[*final_carry, *ys]`` of the op's flat convention, by a Python loop.
 
     Slices come from one ``unbind`` per xs leaf (what ``for x in xs`` does), so
-    the tape holds one node for all slices instead of one select per step.
+    the tape holds one node for all slices instead of one select per step. A
+    traced body was traced on dense slices (``slice_example``), and its
+    ``view``s may hold only for them: xs laid out otherwise (a vmap's batch dim
+    moved behind the scan dim, ``dim=1``) are made dense first.
     """
     num_carry, length = len(init), xs[0].shape[0]
     if length == 0:
         return [c.clone() for c in init] + empty_flat_ys(combine_fn, init, xs, additional_inputs)
-    columns = [dt.unbind(x) for x in xs]
+    traced = isinstance(combine_fn, torch.fx.GraphModule)
+    columns = [dt.unbind(x.contiguous() if traced and isinstance(x, torch.Tensor) else x) for x in xs]
 
     def step(carry, i):
         out = combine_fn(*carry, *(col[i] for col in columns), *additional_inputs)
@@ -102,7 +107,7 @@ def run_flat(combine_fn, init, xs, additional_inputs, reverse=False, remat=None)
 
     step = remat_step(step, remat, length)
     carry, ys = list(init), [None] * length
-    layouts = traced_layouts(init) if isinstance(combine_fn, torch.fx.GraphModule) else None
+    layouts = traced_layouts(init) if traced else None
     for i in step_order(length, reverse):
         carry, ys[i] = step(carry, i)
         if layouts is not None:
@@ -128,11 +133,47 @@ def in_traced_layout(carry, layouts):
 
 def empty_flat_ys(combine_fn, init, xs, additional_inputs):
     """ys of a zero-length scan: shapes from one fake run of the body."""
-    with _compat.fresh_fake_mode() as mode:
-        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
-                     for a in example_args(init, xs, additional_inputs)]
+    with shape_run() as mode:
+        fake_args = [*(torch.empty_like(stand_in(mode, c)) for c in init),  # dense, as example_args' clones
+                     *(stand_in(mode, x, sliced=True) for x in xs),
+                     *(stand_in(mode, a) for a in additional_inputs)]
         y_meta = list(combine_fn(*fake_args))[len(init):]
     return [torch.empty((0, *y.shape), dtype=y.dtype, device=y.device) for y in y_meta]
+
+
+@contextlib.contextmanager
+def shape_run():
+    """The fake mode a zero-length scan runs its body under, to learn the ys' shapes: the
+    tracing context's (Dynamo/AOTAutograd's, which asserts that no other mode is active: a
+    zero-length scan under ``torch.compile(grad(f))``), else a fresh one; nothing recorded."""
+    mode = _compat.tracing_context_fake_mode() or _compat.fresh_fake_mode()
+    with _compat.disable_proxy_modes_tracing(), mode:
+        yield mode
+
+
+def stand_in(mode, t, sliced=False):
+    """A fake tensor for ``t`` (for one slice of it when ``sliced``) in the fake run that
+    learns a zero-length scan's ys, computing nothing.
+
+    Under torch.func transforms ``t`` may be a functorch wrapper: a BatchedTensor, or a
+    grad/jvp level's wrapper (under jvp a view of its primal). Meta conversion refuses views
+    of those ("view functorch tensors are not supported") and fails its own metadata check
+    (``is_leaf``) on a grad level's, so a wrapper gets a fresh fake of what the body sees
+    (shape, dtype, device), made inside the active transforms, which treat it as any new
+    tensor; the body's ops on it reach the fake mode below them. The empty ys built from the
+    run hold no values, so the transforms take them as constants: empty tangents under jvp,
+    no gradient, a vmap's batch dim added when they leave it. A slice of a plain tensor keeps
+    the slice's strides (``for x in xs``'s), without the slicing that an empty ``xs`` cannot do."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    if dt.is_dtensor(t):
+        return mode.from_tensor(slice_example(t) if sliced else t)
+    shape = t.shape[1:] if sliced else t.shape
+    if _compat.is_functorch_wrapped(t):
+        return torch.empty(shape, dtype=t.dtype, device=t.device)
+    if sliced:
+        return torch.empty_strided(shape, t.stride()[1:], dtype=t.dtype, device=t.device)
+    return mode.from_tensor(t)
 
 
 # ---------------------------------------------------------------- the front end's loop (pytrees)
@@ -191,10 +232,10 @@ def run_tree(fn, init, inputs, reverse=False, remat="save_all"):
 def empty_tree_ys(fn, inputs):
     """The ys pytree of a zero-length scan: fn runs once under a fake tensor
     mode (nothing is computed) to learn the structure, shapes and dtypes."""
-    with _compat.fresh_fake_mode() as mode:
-        carry = inputs.init_spec.unflatten([mode.from_tensor(t) for t in inputs.init_leaves])
+    with shape_run() as mode:
+        carry = inputs.init_spec.unflatten([stand_in(mode, t) for t in inputs.init_leaves])
         x = None if inputs.xs_spec is None else inputs.xs_spec.unflatten(
-            [mode.from_tensor(slice_example(t)) for t in inputs.xs_leaves])
+            [stand_in(mode, t, sliced=True) for t in inputs.xs_leaves])
         new_carry, y = check_pair(fn(carry, x))
         check_carry(new_carry, inputs)
         y_leaves, y_spec = flatten_y(y)

@@ -1,0 +1,165 @@
+"""torch.func transforms of scans of length 0 and 1 (and 3), against the Python loop (float64).
+
+At length 0 the loop never calls fn and returns init; its ys are built here by hand (a 0 in front of
+one step's y shape, y's dtype), while scan learns them from a fake run of fn. That fake run once
+met the transforms' wrapped tensors (jvp's primals are views) and failed; every transform and
+composition below is compared with the same transform of the loop, values and derivatives, with
+pytree carries and ys (an int leaf, a None leaf), a bare tensor carry, ``xs=None`` with ``length``,
+``reverse``, ``dim=1`` and no ys at all.
+"""
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from conftest import assert_trees_close, reference_scan
+from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from torch_scan_hop import scan
+
+D = torch.float64
+VARIANTS = ["tree", "tensor", "xs_none", "reverse", "dim1", "no_ys"]
+
+
+def make_body(w, variant):
+    def body(c, x):
+        if variant == "tensor":  # bare tensors: scan's fast path
+            h = torch.tanh(c @ w + x * c.sum())
+            return h, (h * x).sum(-1)
+        u = c["h"].cos() if x is None else x["u"]
+        h = torch.tanh(c["h"] @ w + u * c["h"].sum())
+        ys = None if variant == "no_ys" else {"s": (h * u).sum(-1), "k": c["k"], "n": None}
+        return {"h": h, "k": c["k"] + 1}, ys
+    return body
+
+
+def empty_ys(variant):
+    """The ys of a zero-length loop, by hand: one step's y is {"s": (2,) float64, "k": () int64, "n": None}."""
+    if variant == "no_ys":
+        return None
+    if variant == "tensor":
+        return torch.empty(0, 2, dtype=D)
+    return {"s": torch.empty(0, 2, dtype=D), "k": torch.empty(0, dtype=torch.int64), "n": None}
+
+
+def loop(fn, init, xs=None, *, length=None, variant=None, **kw):
+    carry, ys = reference_scan(fn, init, xs, length=length, **kw)
+    n = length if xs is None else pytree.tree_leaves(xs)[0].shape[kw.get("dim", 0)]
+    return carry, (empty_ys(variant) if n == 0 else ys)
+
+
+def ours(fn, init, xs=None, *, variant=None, **kw):
+    return scan(fn, init, xs, **kw)
+
+
+def function(run, variant, n, full=False):
+    """f(w, h, u) -> the float outputs (final h, ys["s"]) of a scan of length n run by ``run``;
+    ``full``: the whole (carry, ys) pytree."""
+    if full == "tensors":  # every tensor leaf (int ones too): what vmap can return
+        return lambda *a: [t for t in pytree.tree_leaves(function(run, variant, n, True)(*a)) if t is not None]
+    kw = dict(reverse=variant == "reverse", dim=1 if variant == "dim1" else 0)
+
+    def f(w, h, u):
+        body = make_body(w, variant)
+        if variant == "tensor":
+            out = run(body, h, u, variant=variant)
+            return out if full else tuple(out)
+        init = {"h": h, "k": torch.zeros((), dtype=torch.int64)}
+        if variant == "xs_none":
+            c, ys = run(body, init, None, length=n, variant=variant)
+        else:
+            c, ys = run(body, init, {"u": u.movedim(0, kw["dim"])}, variant=variant, **kw)
+        return (c, ys) if full else (c["h"],) + (() if ys is None else (ys["s"],))
+    return f
+
+
+def args(n):
+    g = torch.Generator().manual_seed(n)
+    return (torch.randn(3, 3, dtype=D, generator=g) * 0.5, torch.randn(2, 3, dtype=D, generator=g),
+            torch.randn(n, 2, 3, dtype=D, generator=g))
+
+
+def scalar(f):
+    return lambda *a: sum((o.sin() * (i + 1)).sum() for i, o in enumerate(f(*a)))
+
+
+def batch(t):
+    return torch.stack([t, 2 * t - 0.5])
+
+
+TRANSFORMS = {
+    "grad": lambda f, a: grad(scalar(f), argnums=(0, 1, 2))(*a),
+    "vjp": lambda f, a: (lambda out, pull: (out, pull(tuple(o.cos() for o in out))))(*vjp(f, *a)),
+    "jvp": lambda f, a: jvp(f, a, tuple(t.sin() for t in a)),
+    "jacfwd": lambda f, a: jacfwd(f, argnums=1)(*a),
+    "jacrev": lambda f, a: jacrev(f, argnums=1)(*a),
+    "hessian": lambda f, a: hessian(scalar(f), argnums=1)(*a),
+    "vmap": lambda f, a: vmap(f, in_dims=(None, 0, 1))(a[0], batch(a[1]), batch(a[2]).movedim(0, 1)),
+    "jvp_of_vmap": lambda f, a: jvp(lambda h: vmap(f, in_dims=(None, 0, None))(a[0], h, a[2]),
+                                    (batch(a[1]),), (batch(a[1]).cos(),)),
+    "vmap_of_jvp": lambda f, a: vmap(lambda h, u: jvp(lambda h: f(a[0], h, u), (h,), (h.cos(),)))(
+        batch(a[1]), batch(a[2])),
+    "vmap_of_grad": lambda f, a: vmap(grad(scalar(f), argnums=(0, 1, 2)), in_dims=(None, 0, None))(
+        a[0], batch(a[1]), a[2]),
+    "grad_of_vmap": lambda f, a: grad(lambda w: vmap(scalar(f), in_dims=(None, 0, None))(w, batch(a[1]), a[2]).sum())(
+        a[0]),
+    "jacfwd_of_jacrev": lambda f, a: jacfwd(jacrev(scalar(f), argnums=1), argnums=1)(*a),
+}
+
+
+@pytest.mark.parametrize("n", [0, 1, 3])
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+def test_transform_matches_the_same_transform_of_the_loop(transform, variant, n):
+    a = args(n)
+    got = TRANSFORMS[transform](function(ours, variant, n), a)
+    assert_trees_close(got, TRANSFORMS[transform](function(loop, variant, n), a))
+
+
+@pytest.mark.parametrize("n", [0, 1])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_vmap_gives_every_leaf_of_the_loop_over_the_batch(variant, n):
+    """Every leaf (the int ones too): the empty ys get the batch dim in front; unbatched, the
+    whole pytree (None leaves too) is the loop's."""
+    w, h, u = args(n)
+    assert_trees_close(function(ours, variant, n, full=True)(w, h, u), function(loop, variant, n, full=True)(w, h, u))
+    got = vmap(function(ours, variant, n, full="tensors"), in_dims=(None, 0, None))(w, batch(h), u)
+    per_sample = [function(loop, variant, n, full="tensors")(w, hb, u) for hb in batch(h)]
+    assert_trees_close(got, [torch.stack(leaves) for leaves in zip(*per_sample)])
+
+
+@pytest.mark.parametrize("variant", ["tree", "tensor", "xs_none", "no_ys"])
+def test_jvp_of_an_empty_scan_is_the_init_tangent_and_empty_ys(variant):
+    """As jax.jvp of a length-0 lax.scan: the final carry's tangent is init's, the ys' are empty."""
+    w, h, u = args(0)
+    th = torch.randn_like(h)
+    (carry, *ys), (t_carry, *t_ys) = jvp(lambda h: function(ours, variant, 0)(w, h, u), (h,), (th,))
+    assert torch.equal(carry, h) and torch.equal(t_carry, th)
+    assert [(y.shape, y.dtype) for y in (*ys, *t_ys)] == [((0, 2), D)] * 2 * (variant != "no_ys")
+    with torch.autograd.forward_ad.dual_level():  # the same through dual tensors
+        dual = torch.autograd.forward_ad.make_dual(h, th)
+        carry, *ys = function(ours, variant, 0)(w, dual, u)
+        assert torch.equal(torch.autograd.forward_ad.unpack_dual(carry).tangent, th)
+
+
+TRACED = ["grad", "vjp", "jvp", "jacfwd", "hessian", "vmap", "vmap_of_grad", "jvp_of_vmap"]
+
+
+@pytest.mark.parametrize("n", [0, 1])
+@pytest.mark.parametrize("variant", ["tree", "xs_none"])
+@pytest.mark.parametrize("transform", TRACED)
+def test_transforms_traced_by_make_fx(transform, variant, n):
+    """make_fx of the transformed function, the graph run again on the same inputs.
+    (jacrev of a function with several outputs is left out: make_fx of torch's own basis
+    construction reads a tensor's value, with the loop as well.)"""
+    a = args(n)
+    gm = make_fx(lambda *a: TRANSFORMS[transform](function(ours, variant, n), a))(*a)
+    assert_trees_close(gm(*a), TRANSFORMS[transform](function(loop, variant, n), a))
+
+
+@pytest.mark.parametrize("n", [0, 1])
+@pytest.mark.parametrize("transform", ["grad", "jvp", "jacfwd", "vmap_of_grad"])
+def test_transforms_under_torch_compile(transform, n, fresh_dynamo):
+    a = args(n)
+    compiled = torch.compile(lambda *a: TRANSFORMS[transform](function(ours, "tree", n), a),
+                             backend="aot_eager", fullgraph=True)
+    assert_trees_close(compiled(*a), TRANSFORMS[transform](function(loop, "tree", n), a))
