@@ -145,7 +145,7 @@ def _static_trip_count(cond_gm):
     return lt.args[1]
 
 
-_ONE_STORE = re.compile(r"^(\w+) = async_compile\.cpp_pybinding\(\['int64_t\*'\], '''$")
+_ONE_STORE = re.compile(r"^(\w+) = async_compile\.cpp_pybinding\(\['int64_t\*'\], r?'''$")  # torch 2.15 writes r'''
 _CALL_ONE = re.compile(r"^( *)(\w+)\((\w+)\)$")
 
 
