@@ -90,9 +90,9 @@ def scan(fn, init, xs=None, *, length=None, reverse=False, dim=0, remat="save_al
 
 
 def _scan(fn, init, inputs, reverse, remat, unroll):
-    if _compat.is_dynamo_compiling() and _two_level(remat, inputs):
-        return _sqrt_scan(fn, init, inputs, reverse, unroll)
     if _compat.is_dynamo_compiling():  # op.dynamo captures fn as a subgraph, closures lifted
+        if _two_level(remat, inputs):
+            return _sqrt_scan(fn, init, inputs, reverse, unroll)
         out = scan_op(dynamo_body(fn, inputs), inputs.init_leaves, inputs.xs_leaves, (),
                       reverse=reverse, remat=remat, unroll=1 if unroll is None else unroll)
         return inputs.init_spec.unflatten(out[:inputs.num_carry]), out[inputs.num_carry]

@@ -51,7 +51,7 @@ class _StackOnXla(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # this form, not forward(ctx, ...): torch.func accepts it
-        ctx.shardings = sharding.of(inputs)
+        _setup_context(ctx, (inputs,), output)  # the custom op's: its one input is the list
 
     @staticmethod
     def backward(ctx, grad):
