@@ -9,6 +9,7 @@ a C++ wrapper was built and that it never called the buffer pool's Python operat
 """
 import contextlib
 import copy
+import re
 
 import torch
 from conftest import assert_trees_close, reference_scan
@@ -59,21 +60,33 @@ def _grads(loss, inputs):
 
 
 def check_issue_rnn(how):
-    """Issue 40's tanh RNN (H=64, B=8, float32) at T=16 and 256: forward, then a training step."""
+    """Issue 40's tanh RNN (H=64, B=8, float32) at T=16 and 256 (each length compiled as a static
+    one): forward, then a training step. The generated C++ runs each loop as a counted ``for``
+    whose per-step buffers come from a pool made before it (``_compat.cpp_loop``): no
+    ``while (1)``, no cond kernel read back with ``aoti_torch_item_bool``."""
+    from torch._inductor.utils import run_and_get_code
+
     def run(scan_fn, c0, xs, w):
         return scan_fn(lambda c, x: (torch.tanh(c @ w + x), c.sum(-1)), c0, xs)
 
     gen = torch.Generator().manual_seed(0)
     with _cpp_wrapper(how) as compile_:
-        compiled = compile_(lambda c0, xs, w: run(scan, c0, xs, w))
         for t in (16, 256):
+            torch._dynamo.reset()
+            compiled = compile_(lambda c0, xs, w: run(scan, c0, xs, w))
             w = torch.randn(64, 64, generator=gen) * 0.1
             c0, xs = torch.randn(8, 64, generator=gen), torch.randn(t, 8, 64, generator=gen)
-            assert_trees_close(compiled(c0, xs, w), run(reference_scan, c0, xs, w))
+            got, codes = run_and_get_code(compiled, c0, xs, w)
+            assert_trees_close(got, run(reference_scan, c0, xs, w))
             inputs = [a.requires_grad_() for a in (c0, xs, w)]
-            got = _grads(sum(v.sum() for v in compiled(*inputs)), inputs)
+            got, more = run_and_get_code(lambda: _grads(sum(v.sum() for v in compiled(*inputs)), inputs))
             want = _grads(sum(v.sum() for v in run(reference_scan, *inputs)), inputs)
             assert_trees_close(got, want, atol=2e-4, rtol=1e-4)  # float32 sums of 256 steps
+            code = "\n".join(codes + more)
+            loops = re.findall(rf"for \(int64_t (\w+)_step = 0; \1_step < {t}; \+\+\1_step\)", code)
+            assert len(loops) == 3, loops  # forward (twice: no grad, then with) and backward
+            assert "while (1)" not in code and "aoti_torch_item_bool" not in code
+            assert all(f"{loop}_pool0[{loop}_step & 1]" in code for loop in loops), "per-step buffers not pooled"
 
 
 def _body(w):
@@ -185,3 +198,28 @@ def check_aot_inductor(tmp_dir):
             got = list(runner(c, xs))
             assert_trees_close(got, [t.detach() for t in model(c, xs)])
         assert_trees_close(got, want)
+
+
+def check_nested(how):
+    """A scan whose body runs a scan (static lengths 3 and 4), values and gradients as the
+    loop's: the outer loop is a counted ``for`` whose per-step buffers are pooled, and the
+    inner loop's allocations, made several times a step, must not come from that pool
+    (they once did: silently wrong values)."""
+    from torch._inductor.utils import run_and_get_code
+
+    def run(scan_fn, c0, xs, w):
+        def outer(c, x):
+            inner_c, ys = scan_fn(lambda h, v: (torch.tanh(h @ w + v), h.sum(-1)), c, x)
+            return inner_c * 0.5 + c, ys.sum(0)
+        return scan_fn(outer, c0, xs)
+
+    gen = torch.Generator().manual_seed(1)
+    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)
+    c0, xs, w = rand(2, 5), rand(3, 4, 2, 5), rand(5, 5) * 0.3
+    with _cpp_wrapper(how) as compile_:
+        compiled = compile_(lambda c0, xs, w: run(scan, c0, xs, w), fullgraph=True)
+        inputs = [a.requires_grad_() for a in (c0, xs, w)]
+        got, codes = run_and_get_code(lambda: _grads(sum(v.sum() for v in compiled(*inputs)), inputs))
+        assert_trees_close(got, _grads(sum(v.sum() for v in run(reference_scan, *inputs)), inputs))
+    code = "\n".join(codes)
+    assert re.search(r"for \(int64_t \w+_step = 0; \w+_step < 3;", code), "the outer loop is not counted"

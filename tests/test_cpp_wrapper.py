@@ -36,5 +36,10 @@ def test_scan_layers_training_step(how, stacked):
     _run("check_scan_layers", how, stacked)
 
 
+@pytest.mark.parametrize("how", ["global"])
+def test_nested_scans_are_counted_loops(how):
+    _run("check_nested", how)
+
+
 def test_aot_inductor_packages_match_eager(tmp_path):
     _run("check_aot_inductor", str(tmp_path))

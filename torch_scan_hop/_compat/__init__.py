@@ -13,6 +13,7 @@ Nothing else in torch_scan_hop imports a private torch name
 - ``functorch``: vmap levels and batched tensors;
 - ``inductor``: post-grad scan pass, pattern matcher, subgraph lowering;
 - ``cpp_wrapper``: inductor's C++ wrapper (AOTInductor): whether a graph gets one, its while_loop defects;
+- ``cpp_loop``: the C++ wrapper's code for scan's counted loops;
 - ``inductor_loop``: the Python wrapper's code for scan's counted loops;
 - ``defects``: the mechanics of the torch 2.9 workarounds (an inductor IR patch, a fake rule);
 - ``nn``: ``nn.Module`` internals (state dicts, hooks);
@@ -27,6 +28,7 @@ here, so ``_compat.X`` keeps working; subsystem-only adapters are reached as
 """
 from . import (  # noqa: F401
     autograd,
+    cpp_loop,
     cpp_wrapper,
     defects,
     dispatch,

@@ -20,7 +20,7 @@ import torch
 from .. import _compat
 from ..core.schedule import segments, step_index
 from ..core.trees import split_counts
-from . import buffer_pool, host_rows, workarounds
+from . import body_passes, buffer_pool, host_rows, workarounds
 
 _installed = False
 _LOOP_PREFIX = "scan_loop_"  # our while_loops' cond/body subgraphs: no per-iteration input asserts
@@ -47,6 +47,8 @@ def install():
     _compat.cpp_wrapper.plan_cpp_subgraph_reuse_without_peak_estimate()
     _compat.inductor.write_extern_outputs_into_rows(lambda name: name.startswith(_LOOP_PREFIX) and "_body_" in name)
     _compat.inductor_loop.run_counted_loops_as_for_loops(lambda name: name.startswith(_LOOP_PREFIX))
+    _compat.cpp_loop.run_counted_loops_as_cpp_for_loops(lambda name: name.startswith(_LOOP_PREFIX))
+    _compat.cpp_loop.pool_cpp_loop_buffers_in_generated_code()
     _compat.inductor.skip_output_asserts_of(torch.ops.torch_scan_hop.stacked_buffers.default)
     _installed = True
 
@@ -60,6 +62,7 @@ def _lower_scans(gm):
     def lower(match, combine, init, xs, lifted, **_kwargs):
         node = match.nodes[0]
         body = getattr(gm, combine.target)
+        body_passes.unfuse_bias_adds(body)
         ys_vals = node.meta["val"][len(init):]
         flat = [*init, *xs, *lifted]
         counts = (len(init), len(xs), len(lifted))
