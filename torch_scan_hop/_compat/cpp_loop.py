@@ -27,7 +27,7 @@ torch 2.9-2.15: ``CppWrapperCpu.codegen_while_loop(while_loop, stack_output)``,
 """
 import re
 
-from .inductor_loop import _static_trip_count, _step_symbols, _steps
+from .inductor_loop import _counts_steps, _step_symbols, _steps, _trip_count, _trip_count_code
 
 
 def run_counted_loops_as_cpp_for_loops(is_counted):
@@ -47,8 +47,8 @@ def run_counted_loops_as_cpp_for_loops(is_counted):
         cond = while_loop.cond_subgraph
         n = None
         if not stack_output and not getattr(V.graph, "is_dual_wrapper_mode", False) and is_counted(cond.name):
-            n = _static_trip_count(cond.graph_module)
-        if n is None or n < 1:
+            n = _trip_count(cond.graph_module)
+        if not _counts_steps(n):
             return codegen(self, while_loop, stack_output)
         name = while_loop.get_name()
         step = f"{name}_step"
@@ -56,7 +56,7 @@ def run_counted_loops_as_cpp_for_loops(is_counted):
         outer_symbols = set(_step_symbols)
         _steps[counter] = (step, n)
         try:
-            with _answering(self, cond, name, step, n):
+            with _answering(self, cond, name, step, _trip_count_code(self, n)):
                 return codegen(self, while_loop, stack_output)
         finally:
             del _steps[counter]
@@ -151,7 +151,7 @@ def pool_cpp_loop_buffers_in_generated_code():
     CppWrapperCpu.generate = generate_pooled
 
 
-_CPP_FOR = re.compile(r"^( *)for \(int64_t (\w+)_step = 0; \2_step < (\d+); \+\+\2_step\) \{$")
+_CPP_FOR = re.compile(r"^( *)for \(int64_t (\w+)_step = 0; \2_step < (\w+); \+\+\2_step\) \{$")
 _CPP_ARRAY = re.compile(r"static constexpr int64_t (\w+)\[\] = \{([^}]*)\};")
 _CPP_EMPTY = re.compile(r"^AOTI_TORCH_ERROR_CODE_CHECK\(aoti_torch_empty_strided\((\d+), (\w+), (\w+), "
                         r"cached_torch_dtype_(\w+), (cached_torch_device_type_cpu), +0, &(\w+)_handle\)\);$")

@@ -51,8 +51,8 @@ def run_counted_loops_as_for_loops(is_counted):
         cond = while_loop.cond_subgraph
         n = None
         if not stack_output and not V.graph.aot_mode and is_counted(cond.name):
-            n = _static_trip_count(cond.graph_module)
-        if n is None or n < 1:
+            n = _trip_count(cond.graph_module)
+        if not _counts_steps(n):
             return codegen(self, while_loop, stack_output)
         name = while_loop.get_name()
         body = while_loop.body_subgraph
@@ -60,7 +60,7 @@ def run_counted_loops_as_for_loops(is_counted):
         inputs = [f"{name}[{i}]" for i in range(len(carried))]
         inputs += [buf.codegen_reference() for buf in while_loop.additional_inputs]
         self.writeline(f"{name} = [{', '.join(carried)}]")
-        self.writeline(f"for {name}_step in range({n}):")
+        self.writeline(f"for {name}_step in range({_trip_count_code(self, n)}):")
         self.writeline(EnterSubgraphLine(self, body.graph))
         counter = next(iter(body.graph.graph_inputs))
         outer_symbols = set(_step_symbols)  # an enclosing loop's (a scan in a scan's body)
@@ -113,28 +113,44 @@ def run_counted_loops_as_for_loops(is_counted):
 def _implied_by_steps(cond):
     """Whether the runtime assert ``cond`` holds for every value of the loop variables it
     reads (``u0 >= 0``, ``u0 < n``: the body's index bounds): then it is left out, as
-    four such checks a step cost about what the step's own Python lines do."""
+    four such checks a step cost about what the step's own Python lines do. With a
+    dynamic trip count (``u0 < s0``), a relation linear in each loop variable holds for
+    all its values when it holds at both ends (``0`` and ``s0 - 1``), which sympy decides
+    from the size symbols' assumptions or not at all (the check then stays)."""
+    import itertools
+
     import sympy
     from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
     symbols = getattr(cond, "free_symbols", None)
-    if not symbols or any(s not in _step_symbols for s in symbols):
+    steps = {s: _step_symbols[s] for s in symbols or () if s in _step_symbols}
+    if not steps:
         return False
-    bounds = bound_sympy(cond, {s: ValueRanges(0, _step_symbols[s] - 1) for s in symbols})
-    return bounds.is_singleton() and bounds.lower == sympy.true
+    if len(steps) == len(symbols) and all(isinstance(n, int) for n in steps.values()):
+        bounds = bound_sympy(cond, {s: ValueRanges(0, n - 1) for s, n in steps.items()})
+        return bounds.is_singleton() and bounds.lower == sympy.true
+    if not isinstance(cond, sympy.core.relational.Relational):
+        return False
+    gap = cond.lhs - cond.rhs
+    if any(not gap.is_polynomial(s) or sympy.degree(gap, s) > 1 for s in steps):
+        return False
+    return all(cond.subs(dict(zip(steps, ends))) is sympy.true
+               for ends in itertools.product(*[(0, n - 1) for n in steps.values()]))
 
 
-def _static_trip_count(cond_gm):
-    """``n`` when ``cond_gm`` computes exactly ``arg0 < n`` for an int ``n``, else None."""
+def _trip_count(cond_gm):
+    """``n`` when ``cond_gm`` computes exactly ``arg0 < n``: an int, or the sympy expression
+    of a dynamic length read as ``sym_size(arg, d)`` of one of its inputs (the scan's
+    preallocated ys, whose first dim is the length); else None."""
     import torch
 
     nodes = [n for n in cond_gm.graph.nodes if n.op not in ("placeholder", "output")]
-    if len(nodes) != 1:
+    if not nodes or len(nodes) > 2:
         return None
-    (lt,) = nodes
+    lt = nodes[-1]
     first = next(iter(cond_gm.graph.find_nodes(op="placeholder")), None)
     if (lt.op != "call_function" or lt.target is not torch.ops.aten.lt.Scalar or len(lt.args) != 2
-            or lt.args[0] is not first or type(lt.args[1]) is not int):
+            or lt.args[0] is not first):
         return None
     (out,) = cond_gm.graph.find_nodes(op="output")
     results = out.args[0]
@@ -142,7 +158,28 @@ def _static_trip_count(cond_gm):
         results = results[0]
     if results is not lt:
         return None
-    return lt.args[1]
+    bound = lt.args[1]
+    if len(nodes) == 1:
+        return bound if type(bound) is int else None
+    size = nodes[0]
+    if (bound is not size or size.target is not torch.ops.aten.sym_size.int
+            or getattr(size.args[0], "op", None) != "placeholder"):
+        return None
+    val = size.meta.get("val")
+    return val.node.expr if isinstance(val, torch.SymInt) else None
+
+
+def _trip_count_code(wrapper, n):
+    """``n`` as the wrapper's code: a literal, or the symbol's expression (a Python int
+    or an ``int64_t`` that the wrapper computed from its inputs' sizes)."""
+    return str(n) if isinstance(n, int) else wrapper.codegen_sizevar(n)
+
+
+def _counts_steps(n):
+    """Whether a counted loop of trip count ``n`` may be generated: a dynamic length
+    (never 0 or 1 when Dynamo made it symbolic; a for loop of 0 steps is right anyway)
+    or an int of at least 1."""
+    return n is not None and (not isinstance(n, int) or n >= 1)
 
 
 _ONE_STORE = re.compile(r"^(\w+) = async_compile\.cpp_pybinding\(\['int64_t\*'\], r?'''$")  # torch 2.15 writes r'''
@@ -189,7 +226,7 @@ def drop_counter_inits(code):
 _POOL_MAX_BYTES = 1 << 20  # per buffer: above it an allocation costs little next to the kernels that fill it
 _ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
              "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16}
-_FOR = re.compile(r"^( *)for (\w+)_step in range\((\d+)\):$")
+_FOR = re.compile(r"^( *)for (\w+)_step in range\((\w+)\):$")
 _ALLOC = re.compile(r"^(\w+) = empty_strided_cpu\(\(([\d, ]*)\), \([\d, ]*\), torch\.(\w+)\)$")
 
 
@@ -212,13 +249,13 @@ def pool_loop_buffers(code):
         loop = _FOR.match(lines[i])
         if loop is None:
             continue
-        indent, name, n = loop.group(1), loop.group(2), int(loop.group(3))
+        indent, name, n = loop.group(1), loop.group(2), loop.group(3)
         if not lines[i - 1].startswith(f"{indent}{name} = ["):
             continue
         pools = _plan_pools(lines, i, indent + "    ", name)
         if not pools:
             continue
-        slots = 2 if n > 1 else 1
+        slots = 1 if n == "1" else 2
         created = []
         for k, (j, var, call) in enumerate(pools):
             pool = f"{name}_pool{k}"
