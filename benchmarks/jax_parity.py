@@ -1,4 +1,6 @@
-"""jax.jit(jax.lax.scan) vs our compiled scan vs the compiled Python loop, on the same bodies.
+"""jax.jit(jax.lax.scan) vs our compiled scan (inductor's default Python wrapper, and its C++
+wrapper: ``options={"cpp_wrapper": True}``, where the loop itself runs in C++) vs the compiled
+Python loop, on the same bodies.
 
 The scan people compare us with is JAX's (issue 40). Bodies: the tanh RNN cell (H=64, B=8:
 ``c = tanh(c @ W + x); y = c.sum(-1)``) and the 4-layer MLP body of ``backward.py`` (H=256,
@@ -122,10 +124,11 @@ def torch_worker(cases, repeat, impl):
     import torch
 
     torch.set_num_threads(1)
-    if impl == "scan":
+    if impl.startswith("scan"):
         from torch_scan_hop import scan
     else:
         scan = None
+    options = {"cpp_wrapper": True} if impl == "scan_cpp" else None  # the loop runs in C++
 
     def run(body, params, c0, xs):
         step = body_of(body, params, torch.tanh)
@@ -146,11 +149,11 @@ def torch_worker(cases, repeat, impl):
         params, c0, xs = make_inputs(body, t)
         params, c0, xs = [torch.from_numpy(p) for p in params], torch.from_numpy(c0), torch.from_numpy(xs)
         if mode == "fwd":
-            compiled = torch.compile(lambda p, c0, xs: run(body, p, c0, xs), fullgraph=True)
+            compiled = torch.compile(lambda p, c0, xs: run(body, p, c0, xs), fullgraph=True, options=options)
             call = lambda: compiled(params, c0, xs)
             value = lambda res: float(res[0].sum() + res[1].sum())
         else:
-            compiled = torch.compile(lambda p, c0, xs: loss(body, p, c0, xs), fullgraph=True)
+            compiled = torch.compile(lambda p, c0, xs: loss(body, p, c0, xs), fullgraph=True, options=options)
             inputs = [*(p.requires_grad_() for p in params), c0.requires_grad_(), xs.requires_grad_()]
 
             def call():
@@ -217,12 +220,13 @@ def report(bodies, lengths, sides):
                     key = f"{body}/{t}/{mode}"
                     row.append(_cell(jax_res, key, field, None, fmt) if jax_res is not None else "(no jax)")
                     row.append(_cell(sides.get("scan"), key, field, base, fmt))
+                    row.append(_cell(sides.get("scan_cpp"), key, field, base, fmt))
                     row.append(_cell(sides.get("loop"), key, field, jax_res, fmt) if t <= LOOP_MAX_T[body]
                                else "(compile too long)")
                 rows.append(row)
             print(f"\n{body} {SHAPES[body]}, {title}; (Nx) = x {against}")
-            print_table(["T", "jax fwd", "ours compiled fwd", "compiled loop fwd",
-                         "jax train", "ours compiled train", "compiled loop train"], rows)
+            print_table(["T", "jax fwd", "ours fwd", "ours C++ wrapper fwd", "compiled loop fwd",
+                         "jax train", "ours train", "ours C++ wrapper train", "compiled loop train"], rows)
     _check_losses(sides)
 
 
@@ -241,7 +245,7 @@ def main():
     parser.add_argument("--lengths", default="16,256,1024")
     parser.add_argument("--bodies", default="rnn,mlp")
     parser.add_argument("--repeat", type=int, default=20)
-    parser.add_argument("--worker", choices=["jax", "scan", "loop"])
+    parser.add_argument("--worker", choices=["jax", "scan", "scan_cpp", "loop"])
     parser.add_argument("--cases")
     args = parser.parse_args()
     if args.worker:
@@ -258,6 +262,7 @@ def main():
     else:
         sides["jax"] = run_side("jax", cases, args.repeat)
     sides["scan"] = run_side("scan", cases, args.repeat)
+    sides["scan_cpp"] = run_side("scan_cpp", cases, args.repeat)
     sides["loop"] = run_side("loop", cases, args.repeat)
     report(bodies, lengths, sides)
 
