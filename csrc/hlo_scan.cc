@@ -16,7 +16,8 @@
 // stop - 1 - (counter + j) when reversed: it dynamic-slices each x there and
 // calls the body computation. Its ys reach the stacked buffers one iteration
 // late, so that each write is a lone, in-place dynamic-update-slice whatever
-// the length ("stacked ys" below). Where the body's HLO declares another
+// the length ("stacked ys" below). A y that is the step's carry input is
+// written from the step's carry output into the next step's row ("carried"). Where the body's HLO declares another
 // element type than the torch dtype of a value, the call converts on the way
 // in and out.
 #define PY_SSIZE_T_CLEAN
@@ -65,6 +66,32 @@ Shape stacked(const Signature& sig, size_t k) { return delayed(sig, k) ? flat(si
 int64_t block_row(Computation& c, const Signature& sig, const Segment& seg, int64_t counter, const std::string& p) {
   if (sig.reverse) return c.subtract(p + "block_row", c.constant_s64(p + "block_last", seg.stop - seg.unroll), counter);
   return c.add(p + "block_row", c.constant_s64(p + "block_first", seg.start), counter);
+}
+
+// A y that is its step's carry input (a layer stack saves each layer's input for the backward) is
+// written from the step's carry OUTPUT into the next step's row, in the order the steps run, wrapping
+// around; the entry then writes the first step's row from the initial carry (the wrapped write put the
+// final carry there). Written from the input, its row write read the old carry after the body had
+// made the new one, so XLA copied the carry (a whole row) in every iteration to keep it.
+bool carried(const Signature& sig, size_t k) {
+  return !sig.y_carry.empty() && sig.y_carry[k] >= 0 && !delayed(sig, k);
+}
+
+// The row of the step that runs after step idx (wrapping from the last step to the first).
+int64_t next_row(Computation& c, const Signature& sig, int64_t idx, const std::string& p) {
+  int64_t shift = c.constant_s64(p + "shift", sig.reverse ? sig.length - 1 : 1);
+  return c.emit(p + "next_row", "remainder", scalar(kS64),
+                {c.add(p + "shifted", idx, shift), c.constant_s64(p + "length", sig.length)});
+}
+
+// Writes v (one step's value) into row `row` of the [length, ...] buffer ys[k].
+int64_t write_row(Computation& c, const Signature& sig, size_t k, int64_t ys, int64_t v, int64_t row,
+                  const std::string& p) {
+  std::string name = p + "y" + std::to_string(k);
+  int64_t zero = c.constant_s64(name + "_zero", 0);
+  std::vector<int64_t> at{ys, c.emit(name + "_row", "reshape", with_lead_one(drop_lead(sig.ys[k])), {v}), row};
+  at.insert(at.end(), sig.ys[k].dims.size() - 1, zero);
+  return c.emit(p + "ys" + std::to_string(k), "dynamic-update-slice", sig.ys[k], at);
 }
 
 // ---------------------------------------------------------------- loop state
@@ -199,9 +226,10 @@ void emit_step(Computation& c, const Signature& sig, const Segment& seg, int64_t
       rows[k].push_back(c.emit(name + "_flat", "reshape", flat(sig.ys[k], 1), {y}));
       continue;
     }
-    std::vector<int64_t> at{s.ys[k], c.emit(name + "_row", "reshape", with_lead_one(drop_lead(sig.ys[k])), {y}), idx};
-    at.insert(at.end(), sig.ys[k].dims.size() - 1, zero);
-    s.ys[k] = c.emit(p + "ys" + std::to_string(k), "dynamic-update-slice", sig.ys[k], at);
+    if (carried(sig, k))
+      s.ys[k] = write_row(c, sig, k, s.ys[k], s.carry[sig.y_carry[k]], next_row(c, sig, idx, name + "_"), p);
+    else
+      s.ys[k] = write_row(c, sig, k, s.ys[k], y, idx, p);
   }
 }
 
@@ -302,6 +330,7 @@ std::string build_module(const std::string& body, Signature sig) {
   params("xs", sig.xs, s.xs);
   params("ys", sig.ys, s.ys);
   params("pass", sig.pass, s.pass);
+  const std::vector<int64_t> init_carry = s.carry;
   for (size_t k = 0; k < sig.ys.size(); ++k)
     if (delayed(sig, k)) s.ys[k] = e.emit("ys" + std::to_string(k) + "_flat", "reshape", stacked(sig, k), {s.ys[k]});
   for (size_t n = 0; n < loops.size(); ++n) {
@@ -325,6 +354,10 @@ std::string build_module(const std::string& body, Signature sig) {
     s = unpack(e, done, sig, seg.unroll, n + 1 == loops.size() ? kResults : kNoCounter, p);
     write_blocks(e, sig, s, p + "last_");
   }
+  for (size_t k = 0; k < sig.ys.size(); ++k)
+    if (carried(sig, k))
+      s.ys[k] = write_row(e, sig, k, s.ys[k], init_carry[sig.y_carry[k]],
+                          e.constant_s64("first_row" + std::to_string(k), sig.reverse ? sig.length - 1 : 0), "first_");
   std::vector<int64_t> outs(s.carry);
   for (size_t k = 0; k < sig.ys.size(); ++k)
     outs.push_back(delayed(sig, k) ? e.emit("ys" + std::to_string(k), "reshape", sig.ys[k], {s.ys[k]}) : s.ys[k]);
@@ -362,9 +395,9 @@ PyObject* py_build_scan_module(PyObject*, PyObject* args) {
   Py_ssize_t body_len;
   long long length;
   int reverse;
-  PyObject *segments, *carry, *xs, *ys, *pass, *params;
-  if (!PyArg_ParseTuple(args, "y#LpOOOOOO", &body, &body_len, &length, &reverse, &segments, &carry, &xs, &ys,
-                        &pass, &params))
+  PyObject *segments, *carry, *xs, *ys, *pass, *params, *y_carry = Py_None;
+  if (!PyArg_ParseTuple(args, "y#LpOOOOOO|O", &body, &body_len, &length, &reverse, &segments, &carry, &xs, &ys,
+                        &pass, &params, &y_carry))
     return nullptr;
   try {
     Signature sig;
@@ -376,6 +409,8 @@ PyObject* py_build_scan_module(PyObject*, PyObject* args) {
     sig.ys = list_from_py<Shape>(ys, shape_from_py);
     sig.pass = list_from_py<Shape>(pass, shape_from_py);
     sig.body_params = list_from_py<std::pair<int, int>>(params, source_from_py);
+    if (y_carry != Py_None)
+      sig.y_carry = list_from_py<int64_t>(y_carry, [](PyObject* o) { return int64_t(PyLong_AsLongLong(o)); });
     if (PyErr_Occurred()) return nullptr;
     check_signature(sig);
     std::string out = build_module(std::string(body, body_len), sig);
@@ -388,10 +423,12 @@ PyObject* py_build_scan_module(PyObject*, PyObject* args) {
 
 PyMethodDef methods[] = {
     {"build_scan_module", py_build_scan_module, METH_VARARGS,
-     "build_scan_module(body_proto, length, reverse, segments, carry, xs, ys, passthrough, body_params) -> bytes\n"
+     "build_scan_module(body_proto, length, reverse, segments, carry, xs, ys, passthrough, body_params[, y_carry])\n"
+     "-> bytes\n"
      "segments: (start, stop, unroll) in execution order, one While each. Shapes are (xla_element_type, dims);\n"
      "body_params[i] = (kind, index) feeds body parameter i: kind 0 = carry[index], 1 = one slice of\n"
-     "xs[index], 2 = passthrough[index]."},
+     "xs[index], 2 = passthrough[index]. y_carry (optional): per y, the carry it is (the body returns\n"
+     "that carry parameter unchanged as the y), or -1."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_hlo_scan", "HloModuleProto builder for scan's XLA While.", -1,

@@ -25,6 +25,7 @@ struct Signature {
   std::vector<Segment> segments;
   std::vector<Shape> carry, xs, ys, pass;
   std::vector<std::pair<int, int>> body_params;  // body parameter i <- (kind, index)
+  std::vector<int64_t> y_carry;  // per y: the carry it is (its step's carry input, unchanged), or -1
   int64_t body_id = -1;
   std::vector<int> body_param_types, body_result_types;  // as the body's HLO declares them
 };
@@ -38,6 +39,15 @@ inline void check_signature(const Signature& sig) {
   for (const Segment& seg : sig.segments) {
     if (seg.start < 0 || seg.stop > sig.length || seg.start >= seg.stop) fail("segment outside [0, length)");
     if (seg.unroll < 1 || (seg.stop - seg.start) % seg.unroll) fail("segment length is not a multiple of its unroll");
+  }
+  if (!sig.y_carry.empty() && sig.y_carry.size() != sig.ys.size()) fail("y_carry needs one entry per y");
+  for (size_t k = 0; k < sig.y_carry.size(); ++k) {
+    int64_t i = sig.y_carry[k];
+    if (i < 0) continue;
+    const Shape& y = sig.ys[k];
+    if (i >= int64_t(sig.carry.size()) || sig.carry[i].etype != y.etype ||
+        std::vector<int64_t>(y.dims.begin() + 1, y.dims.end()) != sig.carry[i].dims)
+      fail("y_carry pairs a y with a carry of another shape");
   }
   for (auto [kind, i] : sig.body_params) {
     size_t n = kind == kCarry ? sig.carry.size() : kind == kX ? sig.xs.size() : kind == kPass ? sig.pass.size() : 0;

@@ -185,6 +185,8 @@ class BodyHlo:
     y_meta: List[tuple]  # (per-step shape, dtype) of each y
     hoisted: List[torch.Tensor]  # device data the body made, appended to the pass-through inputs
     uses_seed: bool  # the last x is the per-step RNG seed vector
+    y_carry: List[int]  # per y: the carry it is (the step's carry input, unchanged), or -1
+    y_carry: List[int]  # per y: the carry it is (the step's carry input, unchanged), or -1
 
 
 def _xla():
@@ -270,5 +272,12 @@ def lower_body(combine_fn, init, xs, additional_inputs) -> BodyHlo:
     ctx.build(outs)
     params, hoisted, uses_seed = _param_sources(ctx, groups, outs, len(xs), len(additional_inputs))
     ys = outs[len(init):]
-    return BodyHlo(ctx.hlo(), params, [(tuple(y.shape), y.dtype) for y in ys], hoisted, uses_seed)
+    return BodyHlo(ctx.hlo(), params, [(tuple(y.shape), y.dtype) for y in ys], hoisted, uses_seed,
+                   [_carry_of(ctx, y, params) for y in ys])
+
+
+def _carry_of(ctx, y, params):
+    """The carry index ``y`` is a parameter of (a saved step input), else -1."""
+    pid = ctx.tensor_parameter_id(y)
+    return params[pid][1] if pid != -1 and params[pid][0] == CARRY else -1
 

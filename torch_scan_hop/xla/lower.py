@@ -59,7 +59,8 @@ def _lower(combine_fn, init, xs, additional_inputs, reverse, unroll):
         body.proto, length, reverse, segments,
         [_shape(c.dtype, c.shape) for c in init], xs_shapes,
         [_shape(dtype, (length, *shape)) for shape, dtype in body.y_meta],
-        [_shape(a.dtype, a.shape) for a in [*additional_inputs, *body.hoisted]], body.params)
+        [_shape(a.dtype, a.shape) for a in [*additional_inputs, *body.hoisted]], body.params,
+        body.y_carry)
     computation = _compat.xla.computation_from_module_proto("scan", module)
     return LoweredScan(computation, body.y_meta, body.hoisted, body.uses_seed)
 
@@ -82,6 +83,15 @@ def on_device(tensors, device):
     return [t if t.device == device else t.to(device) for t in tensors]
 
 
+def _fill(k, dtype):
+    """What the While's k-th ys buffer starts as: any value, as every row is written before
+    the While returns, but not one value for all. XLA merges equal broadcasts (two
+    zero-filled [length, ...] buffers become one), then copies the merged one for each other
+    While-state buffer: a read and a write of a whole stacked buffer per scan (32 MB for
+    a layer stack's saved activations at depth 32 of benchmarks/xla_long.py)."""
+    return k % 2 if dtype is torch.bool else k
+
+
 def scan_on_xla(combine_fn, init, xs, additional_inputs, reverse, unroll):
     """Run the While; returns [*final_carry, *ys]."""
     device = xla_device([*init, *xs, *additional_inputs])
@@ -91,6 +101,7 @@ def scan_on_xla(combine_fn, init, xs, additional_inputs, reverse, unroll):
     seeds = []
     if lowered.uses_seed:
         seeds = [torch.randint(0, 2**62, (length,), dtype=torch.int64, device=device)]
-    ys = [torch.zeros((length, *shape), dtype=dtype, device=device) for shape, dtype in lowered.y_meta]
+    ys = [torch.full((length, *shape), _fill(k, dtype), dtype=dtype, device=device)
+          for k, (shape, dtype) in enumerate(lowered.y_meta)]
     inputs = [*init, *xs, *seeds, *ys, *additional_inputs, *on_device(lowered.hoisted, device)]
     return list(_compat.xla.user_computation("xla::scan", inputs, lowered.computation))

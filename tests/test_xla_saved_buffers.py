@@ -1,0 +1,136 @@
+"""No whole-buffer copies around the While that a layer stack's training step runs on XLA.
+
+A layer stack saves each layer's input for the backward: a y that is the step's
+carry input. Written from that input, the row write read the old carry after the
+body had made the new one, and XLA copied the carry in every iteration to keep
+it; it is now written from the step's carry output into the next step's row
+(csrc/hlo_scan.cc, "carried"). The stacked ys buffers started as equal zero
+broadcasts, which XLA merged into one and then copied for each other buffer: a
+read and a write of a whole stacked buffer per scan; each now starts from its
+own value (``xla/lower.py``, ``_fill``). These read the OPTIMIZED HLO XLA
+compiled (its dump, in a child interpreter started with XLA_FLAGS, see
+_isolated.py) and check values and gradients against the Python loop, including
+the wrap-around write of the carried rows (every length, order and unroll).
+"""
+import glob
+import os
+import re
+import shutil
+import tempfile
+
+import pytest
+
+pytest.importorskip("torch_xla", reason="torch_xla is not installed: the XLA tests need the [xla] extra (torch 2.9)")
+import _isolated  # noqa: E402
+from test_xla_stacking import computations  # noqa: E402
+
+DEPTH, ROWS, WIDTH = 3, 64, 16
+_DUMP = os.path.join(tempfile.gettempdir(), f"scan_saved_dump_{os.getpid()}")
+_ENV = {"XLA_FLAGS": f"--xla_dump_to={_DUMP} --xla_dump_hlo_as_text"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_dump():
+    yield
+    shutil.rmtree(_DUMP, ignore_errors=True)
+
+
+def copies(text, stacked):
+    """'computation: instruction = shape' for each copy of an array (not a scalar) inside a
+    While body, and each copy of a ``stacked``-shaped buffer anywhere."""
+    comps, bodies = computations(text)
+    found = []
+    for comp, instructions in comps.items():
+        for name, shape, opcode in instructions:
+            if opcode != "copy" or not re.fullmatch(r"\w+\[[\d,]+\]", shape):
+                continue
+            if comp in bodies or shape == stacked:
+                found.append(f"{comp}: {name} = {shape}")
+    return found
+
+
+def test_the_check_finds_a_carry_copy_and_a_buffer_copy():
+    text = """HloModule m
+
+%loop.1 (state: (s64[], f32[64,16], f32[3,64,16])) -> (s64[], f32[64,16], f32[3,64,16]) {
+  %state = (s64[], f32[64,16]{1,0}, f32[3,64,16]{2,1,0}) parameter(0)
+  %i = s64[] get-tuple-element(%state), index=0
+  %c = f32[64,16]{1,0} get-tuple-element(%state), index=1
+  %copy.8 = s64[] copy(%i)
+  %copy.9 = f32[64,16]{1,0} copy(%c)
+  ROOT %t = (s64[], f32[64,16]{1,0}, f32[3,64,16]{2,1,0}) tuple(%copy.8, %copy.9, %ys)
+}
+
+ENTRY %main (p: f32[64,16]) -> f32[3,64,16] {
+  %p = f32[64,16]{1,0} parameter(0)
+  %x = f32[64,16]{1,0} copy(%p)
+  %zeros = f32[3,64,16]{2,1,0} broadcast(%zero), dimensions={}
+  %copy.7 = f32[3,64,16]{2,1,0} copy(%zeros)
+  ROOT %w = (s64[], f32[64,16]{1,0}, f32[3,64,16]{2,1,0}) while(%init), condition=%cond, body=%loop.1
+}
+"""
+    assert copies(text, "f32[3,64,16]") == ["loop.1: copy.9 = f32[64,16]", "main: copy.7 = f32[3,64,16]"]
+
+
+def check_layer_stack():
+    """In the child: a scan_layers training step == the loop's; then read the optimized HLO."""
+    import torch
+    import torch_xla
+    from conftest import assert_trees_close
+
+    from torch_scan_hop import scan_layers
+
+    dump = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", "")).group(1)  # the parent's _DUMP
+    shutil.rmtree(dump, ignore_errors=True)
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU())
+                                 for _ in range(DEPTH)).to(torch_xla.device())
+    x = torch.randn(ROWS, WIDTH).to(torch_xla.device())
+
+    def step(stacked):
+        layers.zero_grad(set_to_none=True)
+        h = x
+        if stacked:
+            h = scan_layers(layers, h)
+        else:
+            for layer in layers:
+                h = layer(h)
+        h.pow(2).mean().backward()
+        torch_xla.sync()
+        return h.cpu(), [p.grad.cpu() for p in layers.parameters()]
+
+    assert_trees_close(step(True), step(False), atol=1e-6, rtol=1e-5)
+    texts = []
+    for path in glob.glob(os.path.join(dump, "*cpu_after_optimizations.txt")):
+        with open(path) as f:
+            texts.append(f.read())
+    scans = [t for t in texts if "scan_loop" in t]
+    assert scans, f"no optimized module with a scan While in {dump} (is XLA_FLAGS honoured?)"
+    found = [line for t in scans for line in copies(t, f"f32[{DEPTH},{ROWS},{WIDTH}]")]
+    assert not found, "whole-buffer copies in or around the layer stack's While:\n" + "\n".join(found)
+
+
+def test_layer_stack_step_copies_no_carry_and_no_stacked_buffer():
+    _isolated.call("test_xla_saved_buffers", "check_layer_stack", env=_ENV)
+
+
+@pytest.mark.parametrize("length", [1, 2, 5])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("unroll", [1, 2, 3])
+def test_saved_carry_rows_match_the_loop(length, reverse, unroll):
+    """ys that are the step's carry input (twice, and beside another y): rows written into the
+    next step's row, wrapping around, then the first step's row from the initial carry."""
+    import torch
+    from xla_util import assert_matches_loop
+
+    g = torch.Generator().manual_seed(length + 10 * unroll + 100 * reverse)
+    w, xs = torch.randn(8, 8, generator=g) * 0.5, torch.randn(length, 4, 8, generator=g)
+
+    def make_body(w):
+        def body(c, x):
+            new = torch.tanh(c @ w + x)
+            return new, (c, new * 2, c)
+        return body
+
+    assert_matches_loop(make_body, [w], torch.randn(4, 8, generator=g), xs, grad=True, reverse=reverse,
+                        unroll=unroll)
