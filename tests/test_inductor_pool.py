@@ -131,8 +131,8 @@ def test_a_counter_without_a_for_loop_keeps_its_kernel():
 
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_compiled_forward_builds_no_counter_kernel(dynamic):
-    """Static length: the for loop's counter gets no kernel; dynamic: inductor's while loop
-    reads its counter, whose kernel stays. Both against the loop, two lengths each."""
+    """Static and dynamic lengths (``range(5)``, ``range(s0)``): the for loop's counter gets no
+    kernel. Both against the loop, two lengths each."""
     torch._dynamo.reset()
     w = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)) * 0.3
     body = lambda c, x: (torch.tanh(c @ w + x), c.sum(-1))  # noqa: E731
@@ -144,4 +144,4 @@ def test_compiled_forward_builds_no_counter_kernel(dynamic):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
         if codes:
             code = "\n".join(codes)
-            assert ("a for loop's counter, never read" in code) != dynamic, code[-3000:]
+            assert "a for loop's counter, never read" in code, code[-3000:]
