@@ -23,6 +23,7 @@ from ..core.trees import split_counts
 from . import body_passes, buffer_pool, host_rows, workarounds
 
 _installed = False
+_WHILE = torch.ops.higher_order.while_loop
 _LOOP_PREFIX = "scan_loop_"  # our while_loops' cond/body subgraphs: no per-iteration input asserts
 
 
@@ -68,10 +69,15 @@ def _lower_scans(gm):
         counts = (len(init), len(xs), len(lifted))
         reverse = bool(node.kwargs.get("reverse", False))
         _allow_loop_index(node)
+        marks = [_is_ours(loop) for _, loop in _nested_loops(body)]
+        loops_before = set(gm.graph.find_nodes(op="call_function", target=_WHILE))
         match.replace_by_example(_as_multi_output(_while_loop(body, ys_vals, counts, reverse)), flat,
                                  run_functional_passes=False)
+        for loop in gm.graph.find_nodes(op="call_function", target=_WHILE):
+            if loop not in loops_before:
+                _rename_nested_loops(getattr(gm, loop.args[1].target), marks)
 
-    theirs = set(gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.while_loop))
+    theirs = set(gm.graph.find_nodes(op="call_function", target=_WHILE))
     _compat.inductor.call_pattern_pass(torch.ops.higher_order.scan, _is_ours_to_lower, lower).apply(gm)
     _name_our_loops(gm, theirs)
     gm.graph.lint()
@@ -105,20 +111,68 @@ def _as_multi_output(lowered):
 def _name_our_loops(gm, theirs):
     """Prefix the cond/body subgraphs of the while_loops made here with
     ``_LOOP_PREFIX``: inductor then leaves out their input asserts, which run on
-    every iteration (the carried layouts are fixed by the lowering itself)."""
-    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.while_loop):
-        if node in theirs:
+    every iteration (the carried layouts are fixed by the lowering itself), and
+    ``_compat.inductor_loop`` runs them as Python ``for`` loops."""
+    for node in gm.graph.find_nodes(op="call_function", target=_WHILE):
+        if node not in theirs:
+            _prefix_subgraphs(gm, node)
+
+
+def _is_ours(loop):
+    return loop.args[0].op == "get_attr" and loop.args[0].target.startswith(_LOOP_PREFIX)
+
+
+def _prefix_subgraphs(gm, node):
+    for sub in node.args[:2]:
+        if sub.op != "get_attr" or sub.target.startswith(_LOOP_PREFIX):
             continue
-        for sub in node.args[:2]:
-            if sub.op != "get_attr" or sub.target.startswith(_LOOP_PREFIX):
-                continue
-            new, n = _LOOP_PREFIX + sub.target, 0
-            while hasattr(gm, new):
-                n += 1
-                new = f"{_LOOP_PREFIX}{n}_{sub.target}"
-            gm.register_module(new, getattr(gm, sub.target))
-            delattr(gm, sub.target)
-            sub.target = new
+        new, n = _LOOP_PREFIX + sub.target, 0
+        while hasattr(gm, new):
+            n += 1
+            new = f"{_LOOP_PREFIX}{n}_{sub.target}"
+        old = sub.target
+        gm.register_module(new, getattr(gm, old))
+        for user in gm.graph.find_nodes(op="get_attr", target=old):  # one module, maybe several get_attrs
+            user.target = new
+        delattr(gm, old)
+
+
+def _nested_loops(gm):
+    """``(graph module, while_loop node)`` of every while_loop in ``gm`` and in the subgraphs
+    its nodes call, depth first in graph order: the order a re-trace of ``gm`` meets them."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is _WHILE:
+            yield gm, node
+        for arg in node.all_input_nodes:
+            if arg.op == "get_attr":
+                sub = getattr(gm, arg.target, None)
+                if isinstance(sub, torch.fx.GraphModule):
+                    yield from _nested_loops(sub)
+
+
+def _rename_nested_loops(step, marks):
+    """Give the loops nested in our new loop's body ``step`` back the prefix they had.
+
+    Post-grad passes run on subgraphs first, so the scans in a scan's body were lowered (and
+    their loops named ours) before the enclosing scan. Lowering that one traces its body
+    again, and the trace names every while_loop it meets afresh (``while_loop_body_graph_0``):
+    without the prefix the nested loops (remat="sqrt"'s inner scans, a scan a user wrote in
+    a scan's body) got inductor's generic loop, a subgraph call and new buffers every step.
+    The trace keeps the body's operations and their order, so the k-th loop found in
+    ``step`` is the k-th of the body before (``marks[k]``: whether it was ours); when the
+    counts differ nothing is renamed (inductor's generic loop: slower, still right)."""
+    loops = list(_nested_loops(step))
+    if len(loops) != len(marks):
+        return
+    renamed = {}
+    for (owner, loop), ours in zip(loops, marks):
+        if ours:
+            _prefix_subgraphs(owner, loop)
+            renamed[id(owner)] = owner
+    for owner in renamed.values():
+        owner.recompile()  # its code reads the subgraphs by attribute name
 
 
 def _same_strides(a, b):
