@@ -105,6 +105,10 @@ def test_traced_sqrt_training_step_runs_for_loops_only(length):
     assert _generic_loop_functions(code) == [], _generic_loop_functions(code)
     k = math.ceil(math.sqrt(length))
     assert f"_step in range({length // k}):" in code and f"_step in range({k}):" in code
+    # the forward's inner scans (in the outer loop's body) stack nothing for a backward, which runs them again
+    def stacked_in_outer_body(code):
+        return [line for line in code.split("\n") if line.startswith(" " * 12) and f"_cpu(({k}, 3, 6)" in line]
+    assert stacked_in_outer_body(codes[0]) == [] and stacked_in_outer_body(codes[1]) != []
 
 
 def test_a_users_while_loop_next_to_a_nested_scan_keeps_inductors_loop():
@@ -138,3 +142,19 @@ def test_a_users_while_loop_next_to_a_nested_scan_keeps_inductors_loop():
     code = "\n".join(codes)
     assert "_step in range(3):" in code and "_step in range(5):" in code
     assert len(_generic_loop_functions(code)) == 2  # the user's loop: its cond and body
+
+
+def test_ys_nothing_reads_are_not_stacked():
+    """A scan's ys that no one reads get no buffer and no copy per step; the rest stay right."""
+    torch._dynamo.reset()
+    w, c, xs = _problem()
+    xs = xs[0]
+
+    def f(run, c, xs):
+        carry, (_, small) = run(lambda c, x: (torch.tanh(c @ w + x), (c[:, :, None] * x[:, None], c.sum(-1))), c, xs)
+        return carry, small
+
+    with torch.no_grad():
+        got, codes = run_and_get_code(torch.compile(lambda c, xs: f(scan, c, xs), fullgraph=True), c, xs)
+    assert_trees_close(got, f(reference_scan, c, xs))
+    assert "(5, 4, 8, 8)" not in codes[0] and "(5, 4)" in codes[0]

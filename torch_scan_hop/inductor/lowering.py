@@ -71,7 +71,8 @@ def _lower_scans(gm):
         _allow_loop_index(node)
         marks = [_is_ours(loop) for _, loop in _nested_loops(body)]
         loops_before = set(gm.graph.find_nodes(op="call_function", target=_WHILE))
-        match.replace_by_example(_as_multi_output(_while_loop(body, ys_vals, counts, reverse)), flat,
+        dead = _unread_ys(node, len(init), len(ys_vals))
+        match.replace_by_example(_as_multi_output(_while_loop(body, ys_vals, counts, reverse, dead)), flat,
                                  run_functional_passes=False)
         for loop in gm.graph.find_nodes(op="call_function", target=_WHILE):
             if loop not in loops_before:
@@ -82,6 +83,20 @@ def _lower_scans(gm):
     _name_our_loops(gm, theirs)
     gm.graph.lint()
     gm.recompile()
+
+
+def _unread_ys(node, nc, ny):
+    """Indices of the ys nothing reads. The forward of a scan whose backward recomputes (the
+    outer scan of traced ``remat="sqrt"``) holds its body's inner scan node with the values a
+    backward would save as ys, unread there: stacking them cost a block-sized buffer and a
+    write per step. Only when there is a carry to stand in for them in the replacement."""
+    import operator
+
+    users = list(node.users)
+    if nc == 0 or any(u.op != "call_function" or u.target is not operator.getitem for u in users):
+        return frozenset()
+    read = {u.args[1] for u in users}
+    return frozenset(k for k in range(ny) if nc + k not in read)
 
 
 def _allow_loop_index(node):
@@ -203,9 +218,10 @@ def _preallocate(ys_vals, symbols):
     return ys
 
 
-def _while_loop(body, ys_vals, counts, reverse):
+def _while_loop(body, ys_vals, counts, reverse, dead=frozenset()):
     """The traced replacement: preallocated ys (pooled storage), a CPU counter, and a loop body that
-    runs ``body`` on the views ``x[i]`` and copies each y into ``ys[i]``, with
+    runs ``body`` on the views ``x[i]`` and copies each y into ``ys[i]`` (none for the ys in
+    ``dead``: their outputs are the first carry, unread), with
     ``i = step_index(counter)`` (``L-1-counter`` when reverse). The counter starts at 0 and
     the body adds 1 to it in place (no new tensor per step): ``_compat.inductor_loop`` relies
     on exactly that to read it as the Python loop variable of a static-length loop."""
@@ -217,10 +233,18 @@ def _while_loop(body, ys_vals, counts, reverse):
         init, xs, lifted = split_counts(flat, nc, nx, nl)
         length = xs[0].size(0)
         symbols = {a.node.expr: a for a in (*flat, length) if isinstance(a, torch.SymInt)}
-        ys = _preallocate(ys_vals, symbols)
+        kept = [k for k in range(len(ys_vals)) if k not in dead]
+        ys = _preallocate([ys_vals[k] for k in kept], symbols)
         ny = len(ys)
+
+        def outputs(carry, bufs):
+            full = [carry[0]] * len(ys_vals)
+            for k, buf in zip(kept, bufs):
+                full[k] = buf
+            return [*carry, *full]
+
         if not segments(length):  # no step: the bounds asserts would fail statically
-            return [*(c.clone() for c in init), *ys]
+            return outputs([c.clone() for c in init], ys)
 
         def cond(counter, *_rest):
             return counter < length
@@ -231,7 +255,8 @@ def _while_loop(body, ys_vals, counts, reverse):
             torch.ops.aten._assert_scalar.default(i >= 0, "scan: index below 0")
             torch.ops.aten._assert_scalar.default(i < length, "scan: index past the end")
             out = body(*carry, *(x.select(0, i) for x in xs_), *lifted_)
-            for k, (y, buf) in enumerate(zip(out[nc:], bufs)):
+            for k, buf in zip(kept, bufs):
+                y = out[nc + k]
                 if k in on_host:  # a value whose device only the run knows (``host_rows``)
                     host_rows.copy_row(buf, i, y)
                 else:
@@ -243,6 +268,6 @@ def _while_loop(body, ys_vals, counts, reverse):
         counter = torch.zeros([], dtype=torch.int64, device="cpu")
         # xs are read only: loop inputs, not carried (fewer values passed per step)
         res = torch.ops.higher_order.while_loop(cond, step, (counter, *ys, *init), (*xs, *lifted))
-        return [*res[1 + ny:1 + ny + nc], *res[1:1 + ny]]
+        return outputs(res[1 + ny:1 + ny + nc], res[1:1 + ny])
 
     return lowered
