@@ -238,10 +238,8 @@ def _while_loop(body, ys_vals, counts, reverse, dead=frozenset()):
         ny = len(ys)
 
         def outputs(carry, bufs):
-            full = [carry[0]] * len(ys_vals)
-            for k, buf in zip(kept, bufs):
-                full[k] = buf
-            return [*carry, *full]
+            stacked = dict(zip(kept, bufs))
+            return [*carry, *(stacked[k] if k in stacked else carry[0] for k in range(len(ys_vals)))]
 
         if not segments(length):  # no step: the bounds asserts would fail statically
             return outputs([c.clone() for c in init], ys)
