@@ -8,7 +8,7 @@ from conftest import reference_scan
 from torch._inductor.utils import run_and_get_code
 
 from torch_scan_hop import scan
-from torch_scan_hop._compat.inductor_loop import drop_counter_inits, pool_loop_buffers
+from torch_scan_hop._compat.inductor_loop import drop_counter_inits, pool_loop_buffers, release_finished_loops
 
 LOOP = """\
         buf5 = [buf1, buf0, primals_2]
@@ -145,3 +145,59 @@ def test_compiled_forward_builds_no_counter_kernel(dynamic):
         if codes:
             code = "\n".join(codes)
             assert "a for loop's counter, never read" in code, code[-3000:]
+
+
+NESTED = """\
+        buf4 = [buf3, buf1, primals_1]
+        for buf4_step in range(3):
+            # subgraph: body
+            b_arg0_1 = buf4[0]
+            b_arg1_1 = buf4[1]
+            b_arg2_1 = buf4[2]
+            u2 = buf4_step
+            b_buf6 = empty_strided_cpu((5, 8, 32), (256, 32, 1), torch.float32)
+            b_buf9 = [b_arg0_1, b_buf6, b_arg2_1]
+            for b_buf9_step in range(5):
+                c_arg0_1 = b_buf9[0]
+                c_arg1_1 = b_buf9[1]
+                c_buf5 = empty_strided_cpu((8, 32), (32, 1), torch.float32)
+                c_buf6 = c_buf5; del c_buf5  # reuse
+                kernel(c_arg1_1, c_buf6)
+                b_buf9[0] = c_arg0_1
+                b_buf9[2] = c_buf6
+            del b_buf6
+            b_buf14 = b_buf9[2]
+            kernel(b_buf14)
+            buf4[0] = b_arg0_1
+            buf4[1] = b_arg1_1
+            buf4[2] = b_buf14
+{after}"""
+
+
+def test_a_finished_loop_releases_its_body_variables_and_its_list():
+    """A Python for loop leaves its body's variables bound, and its list of carried values
+    lived on: a loop nested in another loop's body kept the last iteration's buffers (here the
+    stacked ``b_buf6``, through ``c_arg1_1`` and ``b_buf9``) alive into the next iteration."""
+    code = NESTED.format(after="        buf8 = buf4[2]\n        return (buf8, )")
+    lines = release_finished_loops(code).split("\n")
+    assert len(lines) == len(code.split("\n"))
+    # the inner loop: its body's variables after it, its list after the list's last use
+    assert "            del c_arg0_1, c_arg1_1, c_buf6; del b_buf6" in lines
+    assert "            del b_buf9; kernel(b_buf14)" in lines
+    # the outer one: its body's variables after it (the inner loop's were deleted already)
+    assert "        del b_arg0_1, b_arg1_1, b_arg2_1, u2, b_buf14; buf8 = buf4[2]" in lines
+    assert "        del buf4; return (buf8, )" in lines
+
+
+def test_a_list_inductor_deletes_itself_is_not_deleted_twice():
+    lines = release_finished_loops(NESTED.format(after="        del buf4\n        return (buf8, )")).split("\n")
+    assert sum("del buf4" in line for line in lines) == 1
+
+
+def test_names_read_after_the_loop_in_a_deeper_block_stay():
+    """``buf4`` and ``b_arg0_1`` are read in ``later``: neither is deleted (nor is anything else
+    of the outer loop: a ``def`` line cannot take a ``del`` in front of it)."""
+    code = NESTED.format(after="        def later():\n            return buf4, b_arg0_1")
+    lines = release_finished_loops(code).split("\n")
+    assert [line for line in lines if line.startswith("        del ")] == []
+    assert "            del b_buf9; kernel(b_buf14)" in lines  # the inner loop's list still goes

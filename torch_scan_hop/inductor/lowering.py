@@ -23,6 +23,7 @@ from ..core.trees import split_counts
 from . import body_passes, buffer_pool, host_rows, workarounds
 
 _installed = False
+_WHILE = torch.ops.higher_order.while_loop
 _LOOP_PREFIX = "scan_loop_"  # our while_loops' cond/body subgraphs: no per-iteration input asserts
 
 
@@ -68,14 +69,34 @@ def _lower_scans(gm):
         counts = (len(init), len(xs), len(lifted))
         reverse = bool(node.kwargs.get("reverse", False))
         _allow_loop_index(node)
-        match.replace_by_example(_as_multi_output(_while_loop(body, ys_vals, counts, reverse)), flat,
+        marks = [_is_ours(loop) for _, loop in _nested_loops(body)]
+        loops_before = set(gm.graph.find_nodes(op="call_function", target=_WHILE))
+        dead = _unread_ys(node, len(init), len(ys_vals))
+        match.replace_by_example(_as_multi_output(_while_loop(body, ys_vals, counts, reverse, dead)), flat,
                                  run_functional_passes=False)
+        for loop in gm.graph.find_nodes(op="call_function", target=_WHILE):
+            if loop not in loops_before:
+                _rename_nested_loops(getattr(gm, loop.args[1].target), marks)
 
-    theirs = set(gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.while_loop))
+    theirs = set(gm.graph.find_nodes(op="call_function", target=_WHILE))
     _compat.inductor.call_pattern_pass(torch.ops.higher_order.scan, _is_ours_to_lower, lower).apply(gm)
     _name_our_loops(gm, theirs)
     gm.graph.lint()
     gm.recompile()
+
+
+def _unread_ys(node, nc, ny):
+    """Indices of the ys nothing reads. The forward of a scan whose backward recomputes (the
+    outer scan of traced ``remat="sqrt"``) holds its body's inner scan node with the values a
+    backward would save as ys, unread there: stacking them cost a block-sized buffer and a
+    write per step. Only when there is a carry to stand in for them in the replacement."""
+    import operator
+
+    users = list(node.users)
+    if nc == 0 or any(u.op != "call_function" or u.target is not operator.getitem for u in users):
+        return frozenset()
+    read = {u.args[1] for u in users}
+    return frozenset(k for k in range(ny) if nc + k not in read)
 
 
 def _allow_loop_index(node):
@@ -105,20 +126,68 @@ def _as_multi_output(lowered):
 def _name_our_loops(gm, theirs):
     """Prefix the cond/body subgraphs of the while_loops made here with
     ``_LOOP_PREFIX``: inductor then leaves out their input asserts, which run on
-    every iteration (the carried layouts are fixed by the lowering itself)."""
-    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.while_loop):
-        if node in theirs:
+    every iteration (the carried layouts are fixed by the lowering itself), and
+    ``_compat.inductor_loop`` runs them as Python ``for`` loops."""
+    for node in gm.graph.find_nodes(op="call_function", target=_WHILE):
+        if node not in theirs:
+            _prefix_subgraphs(gm, node)
+
+
+def _is_ours(loop):
+    return loop.args[0].op == "get_attr" and loop.args[0].target.startswith(_LOOP_PREFIX)
+
+
+def _prefix_subgraphs(gm, node):
+    for sub in node.args[:2]:
+        if sub.op != "get_attr" or sub.target.startswith(_LOOP_PREFIX):
             continue
-        for sub in node.args[:2]:
-            if sub.op != "get_attr" or sub.target.startswith(_LOOP_PREFIX):
-                continue
-            new, n = _LOOP_PREFIX + sub.target, 0
-            while hasattr(gm, new):
-                n += 1
-                new = f"{_LOOP_PREFIX}{n}_{sub.target}"
-            gm.register_module(new, getattr(gm, sub.target))
-            delattr(gm, sub.target)
-            sub.target = new
+        new, n = _LOOP_PREFIX + sub.target, 0
+        while hasattr(gm, new):
+            n += 1
+            new = f"{_LOOP_PREFIX}{n}_{sub.target}"
+        old = sub.target
+        gm.register_module(new, getattr(gm, old))
+        for user in gm.graph.find_nodes(op="get_attr", target=old):  # one module, maybe several get_attrs
+            user.target = new
+        delattr(gm, old)
+
+
+def _nested_loops(gm):
+    """``(graph module, while_loop node)`` of every while_loop in ``gm`` and in the subgraphs
+    its nodes call, depth first in graph order: the order a re-trace of ``gm`` meets them."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is _WHILE:
+            yield gm, node
+        for arg in node.all_input_nodes:
+            if arg.op == "get_attr":
+                sub = getattr(gm, arg.target, None)
+                if isinstance(sub, torch.fx.GraphModule):
+                    yield from _nested_loops(sub)
+
+
+def _rename_nested_loops(step, marks):
+    """Give the loops nested in our new loop's body ``step`` back the prefix they had.
+
+    Post-grad passes run on subgraphs first, so the scans in a scan's body were lowered (and
+    their loops named ours) before the enclosing scan. Lowering that one traces its body
+    again, and the trace names every while_loop it meets afresh (``while_loop_body_graph_0``):
+    without the prefix the nested loops (remat="sqrt"'s inner scans, a scan a user wrote in
+    a scan's body) got inductor's generic loop, a subgraph call and new buffers every step.
+    The trace keeps the body's operations and their order, so the k-th loop found in
+    ``step`` is the k-th of the body before (``marks[k]``: whether it was ours); when the
+    counts differ nothing is renamed (inductor's generic loop: slower, still right)."""
+    loops = list(_nested_loops(step))
+    if len(loops) != len(marks):
+        return
+    renamed = {}
+    for (owner, loop), ours in zip(loops, marks):
+        if ours:
+            _prefix_subgraphs(owner, loop)
+            renamed[id(owner)] = owner
+    for owner in renamed.values():
+        owner.recompile()  # its code reads the subgraphs by attribute name
 
 
 def _same_strides(a, b):
@@ -149,9 +218,10 @@ def _preallocate(ys_vals, symbols):
     return ys
 
 
-def _while_loop(body, ys_vals, counts, reverse):
+def _while_loop(body, ys_vals, counts, reverse, dead=frozenset()):
     """The traced replacement: preallocated ys (pooled storage), a CPU counter, and a loop body that
-    runs ``body`` on the views ``x[i]`` and copies each y into ``ys[i]``, with
+    runs ``body`` on the views ``x[i]`` and copies each y into ``ys[i]`` (none for the ys in
+    ``dead``: their outputs are the first carry, unread), with
     ``i = step_index(counter)`` (``L-1-counter`` when reverse). The counter starts at 0 and
     the body adds 1 to it in place (no new tensor per step): ``_compat.inductor_loop`` relies
     on exactly that to read it as the Python loop variable of a static-length loop."""
@@ -163,10 +233,16 @@ def _while_loop(body, ys_vals, counts, reverse):
         init, xs, lifted = split_counts(flat, nc, nx, nl)
         length = xs[0].size(0)
         symbols = {a.node.expr: a for a in (*flat, length) if isinstance(a, torch.SymInt)}
-        ys = _preallocate(ys_vals, symbols)
+        kept = [k for k in range(len(ys_vals)) if k not in dead]
+        ys = _preallocate([ys_vals[k] for k in kept], symbols)
         ny = len(ys)
+
+        def outputs(carry, bufs):
+            stacked = dict(zip(kept, bufs))
+            return [*carry, *(stacked[k] if k in stacked else carry[0] for k in range(len(ys_vals)))]
+
         if not segments(length):  # no step: the bounds asserts would fail statically
-            return [*(c.clone() for c in init), *ys]
+            return outputs([c.clone() for c in init], ys)
 
         def cond(counter, *_rest):
             return counter < length
@@ -177,7 +253,8 @@ def _while_loop(body, ys_vals, counts, reverse):
             torch.ops.aten._assert_scalar.default(i >= 0, "scan: index below 0")
             torch.ops.aten._assert_scalar.default(i < length, "scan: index past the end")
             out = body(*carry, *(x.select(0, i) for x in xs_), *lifted_)
-            for k, (y, buf) in enumerate(zip(out[nc:], bufs)):
+            for k, buf in zip(kept, bufs):
+                y = out[nc + k]
                 if k in on_host:  # a value whose device only the run knows (``host_rows``)
                     host_rows.copy_row(buf, i, y)
                 else:
@@ -189,6 +266,6 @@ def _while_loop(body, ys_vals, counts, reverse):
         counter = torch.zeros([], dtype=torch.int64, device="cpu")
         # xs are read only: loop inputs, not carried (fewer values passed per step)
         res = torch.ops.higher_order.while_loop(cond, step, (counter, *ys, *init), (*xs, *lifted))
-        return [*res[1 + ny:1 + ny + nc], *res[1:1 + ny]]
+        return outputs(res[1 + ny:1 + ny + nc], res[1:1 + ny])
 
     return lowered
