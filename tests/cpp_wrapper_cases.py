@@ -202,9 +202,9 @@ def check_aot_inductor(tmp_dir):
 
 def check_nested(how):
     """A scan whose body runs a scan (static lengths 3 and 4), values and gradients as the
-    loop's: the outer loop is a counted ``for`` whose per-step buffers are pooled, and the
-    inner loop's allocations, made several times a step, must not come from that pool
-    (they once did: silently wrong values)."""
+    loop's: both loops are counted ``for`` loops whose per-step buffers are pooled, each
+    loop its own (an inner loop's allocations, made several times an outer step, once came
+    from the outer's pool: silently wrong values)."""
     from torch._inductor.utils import run_and_get_code
 
     def run(scan_fn, c0, xs, w):
@@ -222,4 +222,6 @@ def check_nested(how):
         got, codes = run_and_get_code(lambda: _grads(sum(v.sum() for v in compiled(*inputs)), inputs))
         assert_trees_close(got, _grads(sum(v.sum() for v in run(reference_scan, *inputs)), inputs))
     code = "\n".join(codes)
-    assert re.search(r"for \(int64_t \w+_step = 0; \w+_step < 3;", code), "the outer loop is not counted"
+    for t in (3, 4):
+        assert re.search(rf"for \(int64_t \w+_step = 0; \w+_step < {t};", code), f"no counted loop of {t} steps"
+    assert "while (1)" not in code
