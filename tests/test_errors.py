@@ -87,6 +87,17 @@ def test_bad_options():
         scan(lambda c, x: (c, x), torch.zeros(()), torch.zeros(2), reverse="yes")
 
 
+@pytest.mark.parametrize("option", ["length", "unroll", "dim", "reverse"])
+def test_a_tensor_option_is_named_under_torch_compile(option, fresh_dynamo):
+    """An option given as a tensor: under fullgraph the ScanError's text used the tensor's repr,
+    which Dynamo cannot trace ("Failed to trace builtin operator repr"): the message was lost."""
+    kw = {option: torch.tensor(3)}
+    xs = None if option == "length" else torch.zeros(2, 1)
+    f = torch.compile(lambda c: scan(lambda c, x: (c, c), c, xs, **kw), backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match=rf"{option} must be .*, got a tensor of shape \(\) and dtype torch.int64"):
+        f(torch.zeros(()))
+
+
 def test_y_shape_drift_in_eager():
     with raises("y leaf 0 changed across iterations"):
         scan(lambda c, x: (c + 1, torch.zeros(int(c.item()) + 1)), torch.zeros(()), torch.zeros(3))

@@ -163,3 +163,44 @@ def test_transforms_under_torch_compile(transform, n, fresh_dynamo):
     compiled = torch.compile(lambda *a: TRANSFORMS[transform](function(ours, "tree", n), a),
                              backend="aot_eager", fullgraph=True)
     assert_trees_close(compiled(*a), TRANSFORMS[transform](function(loop, "tree", n), a))
+
+
+NORM_TRANSFORMS = ["jvp", "jacfwd", "vmap_of_jvp", "jacrev", "dual_level"]
+
+
+@pytest.mark.parametrize("n", [0, 1])
+@pytest.mark.parametrize("transform", NORM_TRANSFORMS)
+def test_layer_norm_with_a_differentiated_weight_and_a_constant_bias(transform, n):
+    """A body with a LayerNorm whose weight is differentiated and whose bias is not. At length 0
+    the fake run of fn met torch's jvp formula, which adds the bias's ZeroTensor tangent through
+    meta copies, next to the fakes: "Unhandled FakeTensor Device Propagation ... meta, cpu"
+    (fuzz seed 5010). That run now has forward AD off; values and tangents as the loop's."""
+    g = torch.Generator().manual_seed(n)
+    bias, h, u = (torch.randn(3, dtype=D, generator=g), torch.randn(2, 3, dtype=D, generator=g),
+                  torch.randn(n, 2, 3, dtype=D, generator=g))
+
+    def f(run):
+        def g(w):
+            def body(c, x):
+                y = torch.nn.functional.layer_norm(c + x, (3,), w, bias, eps=1e-3)
+                return torch.nn.functional.layer_norm(y, (3,), bias, w, eps=1e-3), y.sum(-1)
+            return run(body, h, u)
+        return g
+
+    def apply(run, w):
+        if transform == "jvp":
+            return jvp(f(run), (w,), (w.cos(),))
+        if transform == "jacfwd":
+            return jacfwd(f(run))(w)
+        if transform == "jacrev":
+            return jacrev(f(run))(w)
+        if transform == "vmap_of_jvp":
+            return vmap(lambda w: jvp(f(run), (w,), (w.cos(),)))(batch(w))
+        with torch.autograd.forward_ad.dual_level():
+            out = f(run)(torch.autograd.forward_ad.make_dual(w, w.cos()))
+            return [tuple(torch.autograd.forward_ad.unpack_dual(o)) for o in out]
+
+    w = torch.randn(3, dtype=D, generator=g)
+    got = apply(lambda fn, h, u: scan(fn, h, u), w)
+    want = apply(lambda fn, h, u: loop(fn, h, u, variant="tensor"), w)
+    assert_trees_close(got, want)

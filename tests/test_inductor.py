@@ -176,6 +176,30 @@ def test_mixed_float64_float32_carry_trains_with_unroll(b_step):
     assert_trees_close(torch.compile(step, backend="inductor")(a0, b0, xs), step(a0, b0, xs), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("unroll", [2, 3])
+def test_gradient_accumulator_the_body_passes_through(unroll):
+    """A closure the body reads only through argmax gets no gradient: the backward loops carry
+    its zero accumulator through unchanged, so each loop's output IS its input. Inductor freed
+    the first loop's input after it and gave its storage to the remainder loop's ys: the
+    closure's gradient came out as a row of xs's (fuzz seed 9001; torch 2.9 and 2.15)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, dtype=torch.float64, generator=g, requires_grad=True)
+    xs = torch.randn(7, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    cotangent = torch.randn(7, 2, dtype=torch.float64, generator=g)
+
+    def body(c, x):
+        r = x.expand(2, 3)
+        return c, ((r * w).argmax(-1), r.sum(-1))
+
+    def run(f):
+        _, (idx, s) = f(torch.zeros(2, 3, dtype=torch.float64), xs)
+        loss = (s * cotangent).sum()
+        return [idx, s.detach(), *torch.autograd.grad(loss, [w, xs], allow_unused=True, materialize_grads=True)]
+
+    compiled = torch.compile(lambda c, xs: scan(body, c, xs, unroll=unroll), backend="inductor", fullgraph=True)
+    assert_trees_close(run(compiled), run(lambda c, xs: reference_scan(body, c, xs)))
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_carry_returned_in_another_layout(reverse, dynamic):

@@ -14,6 +14,7 @@ from .core.trees import (
     flatten,
     flatten_y,
     prepare_inputs,
+    shown,
 )
 from .op.hop import scan_op
 from .op.loop import run_tree
@@ -49,10 +50,10 @@ def _check_options(fn, reverse, remat, unroll):
     if not callable(fn):
         raise ScanError(f"scan: fn must be callable as fn(carry, x) -> (new_carry, y), got {type(fn).__name__}.")
     if not isinstance(reverse, bool):
-        raise ScanError(f"scan: reverse must be a bool, got {reverse!r}.")
+        raise ScanError(f"scan: reverse must be a bool, got {shown(reverse)}.")
     check_remat(remat)
     if unroll is not None and (not isinstance(unroll, int) or isinstance(unroll, bool) or unroll < 1):
-        raise ScanError(f"scan: unroll must be None or an int >= 1, got {unroll!r}.")
+        raise ScanError(f"scan: unroll must be None or an int >= 1, got {shown(unroll)}.")
 
 
 def scan(fn, init, xs=None, *, length=None, reverse=False, dim=0, remat="save_all", unroll=None):

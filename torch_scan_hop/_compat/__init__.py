@@ -80,6 +80,7 @@ from .functorch import (  # noqa: F401
     TransformType,
     add_batch_dim,
     differentiating_transform_active,
+    forward_ad_disabled,
     functorch_bdim,
     functorch_level,
     functorch_transforms_active,

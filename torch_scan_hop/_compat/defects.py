@@ -1,6 +1,6 @@
 """Private-API mechanics of the torch 2.9 workarounds in ``inductor.workarounds``
-(what each defect is, and why scan hits it, is documented there): an inductor
-IR patch and a FakeTensorMode rule. Both are no-ops where not needed."""
+(what each defect is, and why scan hits it, is documented there): inductor
+IR patches and a FakeTensorMode rule. Each is a no-op where not needed."""
 import torch
 
 
@@ -22,6 +22,33 @@ def realize_copies_of_aliased_while_carries():
 
     clone_aliased_inputs._scan_realized = True
     ir.WhileLoop._clone_aliased_inputs = staticmethod(clone_aliased_inputs)
+
+
+def keep_while_carried_inputs_unreused():
+    """Put the buffers a ``WhileLoop`` carries in (and their views' buffers) in
+    ``V.graph.never_reuse_buffers``: a loop output is its carried input when the body
+    returns that input unchanged, or runs no iteration, so that storage must not be
+    handed on when the input's last use (the loop) is over. Idempotent.
+    torch 2.9-2.15: ``ir.WhileLoop.create`` (a classmethod; its outputs'
+    ``MultiOutput.inputs[0]`` is the loop, whose ``carried_inputs`` are realized
+    buffers or views), ``V.graph.never_reuse_buffers``."""
+    from torch._inductor import ir
+    from torch._inductor.virtualized import V
+
+    create = ir.WhileLoop.create.__func__
+    if getattr(create, "_scan_unreused", False):
+        return
+
+    def create_unreused(cls, *args, **kwargs):
+        outputs = create(cls, *args, **kwargs)
+        for out in outputs if isinstance(outputs, (list, tuple)) else [outputs]:
+            loop = out.inputs[0] if isinstance(out, ir.MultiOutput) else None
+            for inp in getattr(loop, "carried_inputs", ()) if isinstance(loop, ir.WhileLoop) else ():
+                V.graph.never_reuse_buffers.add(inp.get_name())
+        return outputs
+
+    create_unreused._scan_unreused = True
+    ir.WhileLoop.create = classmethod(create_unreused)
 
 
 def add_fake_rule(name, op, applies, adjust):

@@ -75,3 +75,16 @@ def differentiating_transform_active():
     """torch.func.grad / vjp / jvp (or jacrev, hessian...) is on the functorch
     interpreter stack."""
     return any(i.key() in (TransformType.Grad, TransformType.Jvp) for i in _interpreters())
+
+
+def forward_ad_disabled():
+    """A context without forward-mode AD (jvp's and ``forward_ad.dual_level``'s tangents
+    are not propagated): a zero-length scan's fake shape run needs no tangents, and
+    torch's forward-AD formulas mix the ZeroTensor of an undefined tangent into meta
+    arithmetic (``add_zerotensor`` / ``mul_zerotensor`` compute on ``.to("meta")``
+    copies), which meets the fake mode's tensors as a "meta vs cpu" device error (a
+    LayerNorm with a jvp-dual weight and a plain bias). torch 2.9 and 2.15:
+    ``torch.autograd.forward_ad._set_fwd_grad_enabled`` (a context manager on both)."""
+    from torch.autograd.forward_ad import _set_fwd_grad_enabled
+
+    return _set_fwd_grad_enabled(False)

@@ -168,6 +168,14 @@ def _join_xla_device(leaves):
     return [t.to(xla) if t.device.type == "cpu" else t for t in leaves]
 
 
+def shown(value):
+    """``value`` for an error message: a tensor by its shape and dtype (its repr is long, and
+    Dynamo cannot trace ``repr`` of a tensor: under ``fullgraph`` the message would be lost)."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype} (pass a Python value)"
+    return repr(value)
+
+
 def prepare_inputs(init, xs, length, dim) -> ScanInputs:
     inputs = _prepare_inputs(init, xs, length, dim)
     n = inputs.num_carry
@@ -181,9 +189,9 @@ def _prepare_inputs(init, xs, length, dim) -> ScanInputs:
     require_tensor_leaves(init, "init", "init", init_leaves)
     if length is not None and (not isinstance(length, int) or isinstance(length, bool) or length < 0):
         if not isinstance(length, torch.SymInt):
-            raise ScanError(f"scan: length must be a non-negative int, got {length!r}.")
+            raise ScanError(f"scan: length must be a non-negative int, got {shown(length)}.")
     if not isinstance(dim, int) or isinstance(dim, bool):
-        raise ScanError(f"scan: dim must be an int, got {dim!r}.")
+        raise ScanError(f"scan: dim must be an int, got {shown(dim)}.")
     xs_leaves, xs_spec = flatten(xs)
     if not xs_leaves:
         if length is None:

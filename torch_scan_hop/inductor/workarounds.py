@@ -1,4 +1,4 @@
-"""Workarounds for four torch 2.9 defects that scan's inductor loops hit.
+"""Workarounds for five torch defects that scan's inductor loops hit (2.9; 5 also 2.15).
 
 1. Subgraph inputs taken as donated buffers (fixed upstream by pytorch#193960).
    Compiling a backward graph, inductor marks the inputs listed in AOT's
@@ -35,6 +35,15 @@
    (then the backward stopped: "expected scalar type Double but found Float").
    FakeTensorMode gets the real dtype for float64 inputs; others are untouched.
    Installed on import: Dynamo fakes the body before inductor runs.
+
+5. A carried input's storage reused while the loop's output is that input. The
+   wrapper frees a while_loop's carried input after the loop (its last use) and
+   hands its storage to a later buffer of the same size; but the loop's output IS
+   that input when the body returns it unchanged (a closure's gradient
+   accumulator in a backward whose body does not differentiate the closure:
+   ``argmax(x * w)``) or runs no iteration. With ``unroll`` the remainder loop's
+   ys took that storage: the closure's gradient came out as a row of x's
+   gradient (fuzz seed 9001, torch 2.9 and 2.15). Carried inputs are never reused.
 """
 import contextlib
 
@@ -62,6 +71,11 @@ def keep_subgraph_inputs_undonated():
 def realize_copies_of_aliased_carries():
     """Defect 3: the copies of carries that share a buffer are realized buffers."""
     _compat.defects.realize_copies_of_aliased_while_carries()
+
+
+def keep_carried_inputs_unreused():
+    """Defect 5: a while_loop's carried inputs keep their storage."""
+    _compat.defects.keep_while_carried_inputs_unreused()
 
 
 def fake_float64_attention_logsumexp_as_float64():

@@ -127,7 +127,11 @@ def _graph_break_message(e):
     cause = e.__cause__ or e.__context__
     while cause is not None and (cause.__cause__ or cause.__context__) is not None and not isinstance(cause, ScanError):
         cause = cause.__cause__ or cause.__context__
-    return f"{type(cause).__name__}: {cause}" if cause is not None else type(e).__name__
+    if cause is not None:
+        return f"{type(cause).__name__}: {cause}"
+    # torch 2.15 raises the body's error as an ObservedRuntimeError without msg or cause,
+    # its text (the error the body raised) in str(e)
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
 def _clone_outputs_that_are_inputs(graph):

@@ -145,9 +145,11 @@ def empty_flat_ys(combine_fn, init, xs, additional_inputs):
 def shape_run():
     """The fake mode a zero-length scan runs its body under, to learn the ys' shapes: the
     tracing context's (Dynamo/AOTAutograd's, which asserts that no other mode is active: a
-    zero-length scan under ``torch.compile(grad(f))``), else a fresh one; nothing recorded."""
+    zero-length scan under ``torch.compile(grad(f))``), else a fresh one; nothing recorded.
+    Forward AD is off in it: shapes and dtypes do not depend on tangents, and torch's jvp
+    formulas fail on fakes next to a plain tensor (``_compat.forward_ad_disabled``)."""
     mode = _compat.tracing_context_fake_mode() or _compat.fresh_fake_mode()
-    with _compat.disable_proxy_modes_tracing(), mode:
+    with _compat.disable_proxy_modes_tracing(), _compat.forward_ad_disabled(), mode:
         yield mode
 
 
