@@ -27,7 +27,15 @@ torch 2.9-2.15: ``CppWrapperCpu.codegen_while_loop(while_loop, stack_output)``,
 """
 import re
 
-from .inductor_loop import _counts_steps, _step_symbols, _steps, _trip_count, _trip_count_code
+from .inductor_loop import (
+    _POOL_MAX_BYTES,
+    _counts_steps,
+    _nbytes,
+    _trip_count,
+    _trip_count_code,
+    counting,
+    step_read_by,
+)
 
 
 def run_counted_loops_as_cpp_for_loops(is_counted):
@@ -52,24 +60,16 @@ def run_counted_loops_as_cpp_for_loops(is_counted):
             return codegen(self, while_loop, stack_output)
         name = while_loop.get_name()
         step = f"{name}_step"
-        counter = next(iter(while_loop.body_subgraph.graph.graph_inputs))
-        outer_symbols = set(_step_symbols)
-        _steps[counter] = (step, n)
-        try:
-            with _answering(self, cond, name, step, _trip_count_code(self, n)):
-                return codegen(self, while_loop, stack_output)
-        finally:
-            del _steps[counter]
-            for symbol in set(_step_symbols) - outer_symbols:
-                del _step_symbols[symbol]
+        with counting(while_loop.body_subgraph, step, n), \
+                _answering(self, cond, name, step, _trip_count_code(self, n)):
+            return codegen(self, while_loop, stack_output)
 
     def codegen_dynamic_scalar(self, node):
-        found = _steps.get(node.inputs[0].codegen_reference()) if len(node.keypath) == 0 else None
-        if found is None:
+        step = step_read_by(node)
+        if step is None:
             return dynamic_scalar(self, node)
-        self.writeline(f"int64_t {node.sym} = {found[0]};")
+        self.writeline(f"int64_t {node.sym} = {step};")
         self.unbacked_symbol_decls.add(str(node.sym))
-        _step_symbols[node.sym] = found[1]
         return None
 
     CppWrapperCpu.codegen_while_loop = codegen_while_loop
@@ -198,8 +198,6 @@ def _plan_cpp_pools(lines, start, indent, arrays):
     """``[(line index, variable, ndim, sizes, strides, dtype, device)]`` of the loop at
     ``lines[start]`` whose allocations can be pooled, or [] if its outputs do not
     allow it (or an allocation's shape is not a literal array of at most 1 MiB)."""
-    from .inductor_loop import _POOL_MAX_BYTES, _nbytes
-
     taken, fresh, outputs, allocs = {}, set(), [], []
     j = start + 1
     own = None  # the body's own indentation: lines of a loop nested in it run several times a step

@@ -24,6 +24,7 @@ dataclass first (its ``value`` is rewritten by ``drop_counter_inits``, ``pool_lo
 GraphModule is left alone).
 """
 
+import contextlib
 import dataclasses
 import re
 
@@ -63,29 +64,20 @@ def run_counted_loops_as_for_loops(is_counted):
         self.writeline(f"{name} = [{', '.join(carried)}]")
         self.writeline(f"for {name}_step in range({_trip_count_code(self, n)}):")
         self.writeline(EnterSubgraphLine(self, body.graph))
-        counter = next(iter(body.graph.graph_inputs))
-        outer_symbols = set(_step_symbols)  # an enclosing loop's (a scan in a scan's body)
-        _steps[counter] = (f"{name}_step", n)
-        try:
-            with config.patch("graph_partition", False):
-                self.codegen_subgraph_by_inlining(body, inputs, inputs[:len(carried)])
-            # the body's lines are planned with the outer graph's: a buffer the body's kernels
-            # fused away must not be allocated there (a y's temporary, every step)
-            V.graph.removed_buffers |= body.graph.removed_buffers
-        finally:
-            del _steps[counter]
-            for symbol in set(_step_symbols) - outer_symbols:
-                del _step_symbols[symbol]
+        with counting(body, f"{name}_step", n), config.patch("graph_partition", False):
+            self.codegen_subgraph_by_inlining(body, inputs, inputs[:len(carried)])
+        # the body's lines are planned with the outer graph's: a buffer the body's kernels
+        # fused away must not be allocated there (a y's temporary, every step)
+        V.graph.removed_buffers |= body.graph.removed_buffers
         self.writeline(ExitSubgraphLine(self))
         return None
 
     def codegen_dynamic_scalar(self, node):
-        step = _steps.get(node.inputs[0].codegen_reference()) if len(node.keypath) == 0 else None
+        step = step_read_by(node)
         if step is None:
             return dynamic_scalar(self, node)
-        self.writeline(f"{node.sym} = {step[0]}")
+        self.writeline(f"{node.sym} = {step}")
         self.writeline(f"{node.get_name()} = None")
-        _step_symbols[node.sym] = step[1]
         return None
 
     def codegen_assert_scalar(self, wrapper):
@@ -109,6 +101,33 @@ def run_counted_loops_as_for_loops(is_counted):
     PythonWrapperCodegen.codegen_dynamic_scalar = codegen_dynamic_scalar
     assert_scalar = ir.AssertScalar.codegen
     ir.AssertScalar.codegen = codegen_assert_scalar
+
+
+@contextlib.contextmanager
+def counting(body, step, n):
+    """While a counted loop's ``body`` is generated (both wrappers): a read of its counter
+    (its first input) is the loop variable ``step`` (``step_read_by``), and the symbols
+    so read range over ``0..n-1`` (``_implied_by_steps``). An enclosing loop's entries (a
+    scan in a scan's body) stay."""
+    counter = next(iter(body.graph.graph_inputs))
+    outer_symbols = set(_step_symbols)
+    _steps[counter] = (step, n)
+    try:
+        yield
+    finally:
+        del _steps[counter]
+        for symbol in set(_step_symbols) - outer_symbols:
+            del _step_symbols[symbol]
+
+
+def step_read_by(node):
+    """The loop variable a ``DynamicScalar`` ``node`` reads when it reads the counter of a
+    loop being generated (recording its symbol's range), else None."""
+    found = _steps.get(node.inputs[0].codegen_reference()) if len(node.keypath) == 0 else None
+    if found is None:
+        return None
+    _step_symbols[node.sym] = found[1]
+    return found[0]
 
 
 def _implied_by_steps(cond):
