@@ -200,6 +200,27 @@ def test_gradient_accumulator_the_body_passes_through(unroll):
     assert_trees_close(run(compiled), run(lambda c, xs: reference_scan(body, c, xs)))
 
 
+def test_mutated_carries_listed_in_write_order_keep_their_outputs(monkeypatch, fresh_dynamo):
+    """torch 2.10-2.11 list the carries a while_loop body mutates in the order it writes
+    them; 2.11's ``WhileLoop.create`` paired that list with the outputs in index order, so
+    every compiled scan's ys came back as its loop counter (a scan writes its ys rows before
+    it steps the counter). Here 2.9 and 2.15 are given that order (reversed) as well."""
+    import torch._higher_order_ops.utils as hop_utils
+
+    check = hop_utils.check_input_alias_and_mutation
+
+    def in_write_order(*args, **kwargs):
+        *maps, mutated = check(*args, **kwargs)
+        return (*maps, sorted(mutated, reverse=True))
+
+    monkeypatch.setattr(hop_utils, "check_input_alias_and_mutation", in_write_order)
+    w = torch.randn(4, 4)
+    body = lambda c, x: (torch.tanh(c @ w + x), (c.sum(-1), c * 2))  # noqa: E731
+    c0, xs = torch.randn(3, 4), torch.randn(5, 3, 4)
+    compiled = torch.compile(lambda c0, xs: scan(body, c0, xs), backend="inductor", fullgraph=True)
+    assert_trees_close(compiled(c0, xs), reference_scan(body, c0, xs), atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_carry_returned_in_another_layout(reverse, dynamic):

@@ -201,3 +201,33 @@ def test_names_read_after_the_loop_in_a_deeper_block_stay():
     lines = release_finished_loops(code).split("\n")
     assert [line for line in lines if line.startswith("        del ")] == []
     assert "            del b_buf9; kernel(b_buf14)" in lines  # the inner loop's list still goes
+
+
+GUARDED = """\
+        buf2 = [buf1, buf0, arg0_1]
+        for buf2_step in range(16):
+            b_arg1_1 = buf2[1]
+            b_arg2_1 = buf2[2]
+            u0 = buf2_step
+            with torch.cuda._DeviceGuard(0):
+                torch.cuda.set_device(0)
+                b_buf5 = empty_strided_cuda((4, 16), (16, 1), torch.float32)
+                extern_kernels.mm(b_arg2_1, arg2_1, out=b_buf5)
+                stream0 = get_raw_stream(0)
+                kernel.run(b_arg2_1, b_buf5, b_arg1_1, u0, stream=stream0)
+                del b_arg2_1
+            if u0 > 3:
+                b_buf9 = b_buf5
+            buf2[1] = b_arg1_1
+            buf2[2] = b_buf5
+        buf5 = buf2[2]
+        return (buf5, )"""
+
+
+def test_a_cuda_body_deleting_under_its_device_guard_is_not_deleted_again():
+    """On CUDA the body's kernels run in a ``with`` block (the device guard): a name deleted
+    there is unbound after the loop (a second ``del`` raised UnboundLocalError there),
+    while what that block assigns and keeps is released. What a conditional block assigns
+    may be unbound: left alone."""
+    lines = release_finished_loops(GUARDED).split("\n")
+    assert "        del b_arg1_1, u0, b_buf5, stream0; buf5 = buf2[2]" in lines

@@ -51,6 +51,39 @@ def keep_while_carried_inputs_unreused():
     ir.WhileLoop.create = classmethod(create_unreused)
 
 
+def pair_while_mutations_by_index():
+    """Give ``WhileLoop.create`` the carries its body mutates in index order. Idempotent.
+    torch 2.9-2.11's ``create`` pairs each mutated carry with its output by walking that
+    list in order; from 2.10 on ``check_input_alias_and_mutation`` lists them in the order
+    the body's ops write them (2.9 sorted them), so a body writing carry 1 before carry 0
+    gave output 1 carry 0's buffer (2.11: a scan's ys came back as its loop counter).
+    torch 2.15 takes ``all_inputs[idx]`` itself. Sorting is what 2.9 returned. torch 2.9-2.15:
+    ``torch._higher_order_ops.utils.check_input_alias_and_mutation(gm, fake_args)`` (maps,
+    mutated indices), imported by ``ir.WhileLoop.create`` when it runs."""
+    import torch._higher_order_ops.utils as hop_utils
+    from torch._inductor import ir
+
+    create = ir.WhileLoop.create.__func__
+    if getattr(create, "_scan_sorted", False):
+        return
+
+    def create_sorted(cls, *args, **kwargs):
+        check = hop_utils.check_input_alias_and_mutation
+
+        def sorted_check(*a, **k):
+            *maps, mutated = check(*a, **k)
+            return (*maps, sorted(set(mutated)))
+
+        hop_utils.check_input_alias_and_mutation = sorted_check
+        try:
+            return create(cls, *args, **kwargs)
+        finally:
+            hop_utils.check_input_alias_and_mutation = check
+
+    create_sorted._scan_sorted = True
+    ir.WhileLoop.create = classmethod(create_sorted)
+
+
 def add_fake_rule(name, op, applies, adjust):
     """Under FakeTensorMode, for calls of ``op`` where ``applies(args, kwargs)``: run its
     meta kernel, then return ``adjust(meta_outputs, args, kwargs)`` (meta tensors) as

@@ -370,17 +370,24 @@ def _body_end(lines, start, indent):
 
 
 def _left_bound(body, body_indent):
-    """Variables the body's own statements (not a nested block's) assign and do not delete."""
-    bound = {}
+    """Variables the body surely leaves bound: assigned by its own statements or in a
+    ``with`` block of them (CUDA kernels run under a device guard), not deleted after.
+    A name deleted in any nested block may be unbound at the end: it is left alone."""
+    bound, headers = {}, []  # headers: (indent, opens a `with`) of the blocks around a line
     for line in body:
-        if not line.startswith(body_indent) or line[len(body_indent):len(body_indent) + 1].isspace():
+        if not line.strip() or not line.startswith(body_indent):
             continue
-        text = line[len(body_indent):]
-        if m := _ASSIGNED.match(text):
+        depth = len(line) - len(line.lstrip())
+        while headers and headers[-1][0] >= depth:
+            headers.pop()
+        text = line.strip().split("  #")[0]
+        if (m := _ASSIGNED.match(text)) and all(is_with for _, is_with in headers):
             bound[m.group(1)] = None
-        for m in _DELETED.finditer(text.split("  #")[0]):
+        for m in _DELETED.finditer(text):
             for v in m.group(1).split(", "):
                 bound.pop(v, None)
+        if text.endswith(":"):
+            headers.append((depth, text.startswith("with ")))
     return list(bound)
 
 

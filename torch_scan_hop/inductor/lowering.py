@@ -43,6 +43,7 @@ def install():
     workarounds.keep_subgraph_inputs_undonated()
     workarounds.realize_copies_of_aliased_carries()
     workarounds.keep_carried_inputs_unreused()
+    workarounds.pair_mutated_carries_by_index()
     _compat.inductor.reuse_no_aliasing_buffers()
     _compat.cpp_wrapper.track_cpp_wrapper_compiles()
     _compat.cpp_wrapper.name_mutated_carries_in_cpp_while_loops()

@@ -1,4 +1,4 @@
-"""Workarounds for five torch defects that scan's inductor loops hit (2.9; 5 also 2.15).
+"""Workarounds for six torch defects that scan's inductor loops hit (2.9; 5 also 2.15; 6 in 2.10-2.11).
 
 1. Subgraph inputs taken as donated buffers (fixed upstream by pytorch#193960).
    Compiling a backward graph, inductor marks the inputs listed in AOT's
@@ -44,6 +44,12 @@
    ``argmax(x * w)``) or runs no iteration. With ``unroll`` the remainder loop's
    ys took that storage: the closure's gradient came out as a row of x's
    gradient (fuzz seed 9001, torch 2.9 and 2.15). Carried inputs are never reused.
+
+6. Mutated carries paired with the wrong outputs. ``WhileLoop.create`` walks the list
+   of carries the body mutates in step with the body's outputs; torch 2.10-2.11 list
+   them in the order the body writes them, and a scan's body writes its ys rows before
+   it steps its counter, so the scan's ys came back as the counter (torch 2.11, every
+   compiled scan with ys). ``create`` gets that list in index order.
 """
 import contextlib
 
@@ -76,6 +82,11 @@ def realize_copies_of_aliased_carries():
 def keep_carried_inputs_unreused():
     """Defect 5: a while_loop's carried inputs keep their storage."""
     _compat.defects.keep_while_carried_inputs_unreused()
+
+
+def pair_mutated_carries_by_index():
+    """Defect 6: a while_loop's mutated carries are paired with outputs by index."""
+    _compat.defects.pair_while_mutations_by_index()
 
 
 def fake_float64_attention_logsumexp_as_float64():
