@@ -101,6 +101,36 @@ def skip_input_asserts_of_subgraphs(skipped):
     SubgraphPythonWrapperCodegen.codegen_input_size_asserts = codegen_input_size_asserts
 
 
+def keep_loop_outputs_out_of_cuda_graphs(ours):
+    """With CUDA graphs (``mode="reduce-overhead"``), put the outputs of the while_loops
+    whose body subgraph ``ours(name)`` accepts in the loop's own (not graphed) partition.
+    A scan's loop runs outside CUDA graphs (its counter is a CPU tensor), and its outputs
+    are views of buffers the loop wrote there; inductor put those views (``MultiOutput``s,
+    GPU nodes) into a graphed partition of their own, whose outputs cudagraph trees then
+    found neither in their memory pool nor aliasing a tensor input: "These storage data
+    ptrs are not allocated in pool" (torch 2.11, H200). Idempotent. torch 2.9-2.15:
+    ``Scheduler.should_partition(node)`` (a reason, or None where the node may be graphed),
+    ``ir.MultiOutput.inputs[0]`` (the loop), ``ir.WhileLoop.body_subgraph.name``."""
+    from torch._inductor import ir
+    from torch._inductor.scheduler import Scheduler
+
+    should_partition = Scheduler.should_partition
+    if getattr(should_partition, "_scan_loops", False):
+        return
+
+    def partition_loop_outputs(self, node):
+        reason = should_partition(self, node)
+        out = getattr(node, "node", None)
+        if reason is None and isinstance(out, ir.MultiOutput) and out.inputs:
+            loop = out.inputs[0]
+            if isinstance(loop, ir.WhileLoop) and ours(loop.body_subgraph.name):
+                return "a scan loop's outputs (the loop runs outside CUDA graphs)"
+        return reason
+
+    partition_loop_outputs._scan_loops = True
+    Scheduler.should_partition = partition_loop_outputs
+
+
 def reuse_no_aliasing_buffers():
     """Never hand a buffer that is a view of another (``NonOwningLayout``: a
     ``cat`` input written into its slice of the cat's buffer) on for reuse.

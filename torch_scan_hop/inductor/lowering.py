@@ -40,6 +40,7 @@ def install():
 
     _compat.inductor.run_before_scan_decomposition(before_upstream)
     _compat.inductor.skip_input_asserts_of_subgraphs(lambda name: _LOOP_PREFIX in name)
+    _compat.inductor.keep_loop_outputs_out_of_cuda_graphs(lambda name: _LOOP_PREFIX in name)
     workarounds.keep_subgraph_inputs_undonated()
     workarounds.realize_copies_of_aliased_carries()
     workarounds.keep_carried_inputs_unreused()
