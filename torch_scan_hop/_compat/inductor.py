@@ -118,8 +118,8 @@ def keep_loop_outputs_out_of_cuda_graphs(ours):
     if getattr(should_partition, "_scan_loops", False):
         return
 
-    def partition_loop_outputs(self, node):
-        reason = should_partition(self, node)
+    def partition_loop_outputs(self, node, *args, **kwargs):  # 2.9: should_log=
+        reason = should_partition(self, node, *args, **kwargs)
         out = getattr(node, "node", None)
         if reason is None and isinstance(out, ir.MultiOutput) and out.inputs:
             loop = out.inputs[0]

@@ -90,7 +90,7 @@ def run_counted_loops_as_for_loops(is_counted):
         code = result[0]
         if not isinstance(getattr(code, "value", None), str):  # FX wrapper codegen: a GraphModule
             return result
-        pooled = release_finished_loops(pool_loop_buffers(drop_counter_inits(code.value)))
+        pooled = release_finished_loops(pool_loop_buffers(drop_counter_steps(drop_counter_inits(code.value))))
         if pooled == code.value:
             return result
         return (dataclasses.replace(code, value=pooled), *result[1:])
@@ -240,6 +240,29 @@ def drop_counter_inits(code):
             lines[i] = f"{indent}pass  # {kernel}({arg}): a for loop's counter, never read"
         first = defs[kernel]
         lines[first] = lines[first].replace("async_compile.cpp_pybinding(", "(", 1)
+    return "\n".join(lines)
+
+
+_COUNT_STEP = re.compile(r"^( *)torch\.ops\.torch_scan_hop\.count_step\.default\((\w+)\)$")
+
+
+def drop_counter_steps(code):
+    """The generated wrapper ``code`` without the ``count_step`` calls (``inductor.counter``)
+    of loops that run as ``for <loop>_step in range(n)``: their index is the loop variable,
+    and stepping a counter nothing reads costs an operator call (~3 us) per iteration. The
+    counter is the body's first input (``<name> = <loop>[0]``)."""
+    lines = code.split("\n")
+    for i, line in enumerate(lines):
+        loop = _FOR.match(line)
+        if loop is None:
+            continue
+        indent, name = loop.group(1), loop.group(2)
+        end = _body_end(lines, i, indent)
+        first = re.compile(rf"^ *(\w+) = {name}\[0\]$")
+        counter = next((m.group(1) for line in lines[i + 1:end] if (m := first.match(line))), None)
+        for k in range(i + 1, end):
+            if (m := _COUNT_STEP.match(lines[k])) and m.group(2) == counter:
+                lines[k] = f"{m.group(1)}pass  # count_step({counter}): a for loop's counter, never read"
     return "\n".join(lines)
 
 

@@ -20,7 +20,7 @@ import torch
 from .. import _compat
 from ..core.schedule import segments, step_index
 from ..core.trees import split_counts
-from . import body_passes, buffer_pool, host_rows, workarounds
+from . import body_passes, buffer_pool, counter as loop_counter, host_rows, workarounds
 
 _installed = False
 _WHILE = torch.ops.higher_order.while_loop
@@ -263,10 +263,11 @@ def _while_loop(body, ys_vals, counts, reverse, dead=frozenset()):
                 else:
                     buf.select(0, i).copy_(y)
             new_carry = [_in_layout_of(new, old) for new, old in zip(out[:nc], carry)]
-            counter.add_(1)
+            loop_counter.step(counter, operators)
             return (counter, *bufs, *new_carry)
 
-        counter = torch.zeros([], dtype=torch.int64, device="cpu")
+        operators = loop_counter.uses_operators(flat)
+        counter = loop_counter.new_counter(operators)
         # xs are read only: loop inputs, not carried (fewer values passed per step)
         res = torch.ops.higher_order.while_loop(cond, step, (counter, *ys, *init), (*xs, *lifted))
         return outputs(res[1 + ny:1 + ny + nc], res[1:1 + ny])
