@@ -32,6 +32,7 @@ tape raises its version error).
 """
 import torch
 
+from . import keep
 from .trees import ScanError
 
 
@@ -105,6 +106,8 @@ DOTS = frozenset((
     "einsum", "conv1d", "conv2d", "conv3d", "bilinear", "embedding",
 ))
 DETERMINISTIC = CHEAP | DOTS
+VIEWS = frozenset(("__getitem__", "reshape", "view", "view_as", "transpose", "permute", "t", "unsqueeze", "squeeze",
+                   "expand", "expand_as", "flatten", "split", "chunk", "unbind"))  # free to recompute, never kept
 
 
 class HotValues:
@@ -116,8 +119,11 @@ class HotValues:
     keeps that carry anyway). The first function outside ``DETERMINISTIC`` (or an in-place one)
     turns recipes off (``usable``): the engine re-runs the body for the values saved after."""
 
-    def __init__(self, recompute=False):
+    def __init__(self, recompute=False, budget=None):
         self.recompute, self.usable = recompute, True
+        self.budget = budget  # min_cut: keep at most this share of save_all's bytes per step (core/keep.py)
+        self.plans = {}  # min_cut: step shape -> recipe ids to keep
+        self.saved_rids, self.saved_bytes, self.hot_saved = set(), {}, set()  # min_cut: this step's saves
         self.seeds = []  # per step: recipe id -> the new carry leaf it made
         self.kinds = {}  # function -> _kind
         self.recipes = []  # per step: [(func, args, kwargs)] with tensors as Kept / _Ref
@@ -135,7 +141,38 @@ class HotValues:
             entry = self.cheap.get(id(leaf))
             if entry is not None and entry[1] is leaf and entry[3]:
                 self.seeds[-1][entry[0].rid] = leaf
+        if self.budget is not None and self.recipes:
+            self._keep_planned()
         self.hot, self.cheap, self.pending = {}, {}, None
+        self.saved_rids, self.saved_bytes, self.hot_saved = set(), {}, set()
+
+    def _keep_planned(self):
+        """min_cut: keep the values the step's plan names (``seeds``: the backward reads them as they
+        are); the rest of what the backward needs is recomputed from recipes."""
+        recipes, seeds = self.recipes[-1], self.seeds[-1]
+        outputs = {e[0].rid: e[1] for e in self.cheap.values() if e[3]}
+        shape = (tuple(r[0] for r in recipes), frozenset(self.saved_rids), frozenset(seeds),
+                 tuple(sorted(self.saved_bytes.values())), frozenset(self.hot_saved))
+        plan = self.plans.get(shape)
+        if plan is None:
+            plan = self.plans[shape] = self._plan(recipes, outputs, seeds)
+        for rid in plan:
+            t = outputs.get(rid)
+            if t is not None:
+                seeds[rid] = t
+
+    def _plan(self, recipes, outputs, seeds):
+        costs = [0] * len(recipes)
+        for ref, t, _, _ in self.cheap.values():
+            _, is_cheap, _ = self._kind(recipes[ref.rid][0])
+            view = getattr(recipes[ref.rid][0], "__name__", "") in VIEWS
+            costs[ref.rid] += 0 if view else t.numel() * (1 if is_cheap else keep.DOT_WEIGHT)
+        anyway = self.hot_saved | {_key(t) for t in seeds.values()}
+        budget = keep.BUDGET * sum(self.saved_bytes.values()) - sum(
+            n for k, n in self.saved_bytes.items() if k in anyway)
+        sizes = {rid: t.untyped_storage().nbytes() for rid, t in outputs.items()
+                 if rid not in seeds and getattr(recipes[rid][0], "__name__", "") not in VIEWS}
+        return keep.choose(recipes, self.saved_rids - set(seeds), set(seeds), costs, sizes, budget)
 
     # ---------------------------------------------------------------- forward
 
@@ -160,6 +197,7 @@ class HotValues:
                 entry = self.cheap.get(id(t))
                 if entry is not None and entry[1] is t:
                     handle.ref, handle.kept = entry[0], None
+                    self._note_saved(entry[0].rid, t)
         finally:
             self.pending = None
         return out
@@ -175,7 +213,7 @@ class HotValues:
         return kind
 
     def _record(self, func, args, kwargs, out):
-        writes, is_cheap, deterministic = self._kind(func)
+        writes, _, deterministic = self._kind(func)
         writes = writes or kwargs.get("out") is not None
         if writes:  # the values it wrote lose their recipes
             written = {_key(t) for t in _flat(args, kwargs)}
@@ -189,7 +227,7 @@ class HotValues:
             if writes or not deterministic:
                 self.usable = False
                 return
-        elif writes or not is_cheap or (self.hot and any(_key(t) in self.hot for t in _flat(args, kwargs))):
+        elif writes or not deterministic or (self.hot and any(_key(t) in self.hot for t in _flat(args, kwargs))):
             for o in outs:
                 key = _key(o)
                 if key:
@@ -209,12 +247,28 @@ class HotValues:
         """A saved value: itself when hot or from outside the step, else a handle to its recipe."""
         entry = self.cheap.get(id(t))
         if entry is not None and entry[1] is t:
+            self._note_saved(entry[0].rid, t)
             return Handle(len(self.recipes) - 1, entry[0])
-        if self.pending is not None and not self.is_hot(t):  # saved inside an op: maybe its output
+        hot = self.is_hot(t)
+        if self.pending is not None and not hot:  # saved inside an op: maybe its output
             handle = Handle(len(self.recipes) - 1, None, Kept(t))
             self.pending.append((handle, t))
             return handle
+        if hot and self.budget is not None:
+            key = self._note_saved(None, t)
+            self.hot_saved.add(key)
         return None
+
+    def _note_saved(self, rid, t):
+        """min_cut: what save_all would keep for this step (bytes per storage) and which recipes it reads."""
+        if self.budget is None:
+            return None
+        if rid is not None:
+            self.saved_rids.add(rid)
+        key = _key(t)
+        if key:
+            self.saved_bytes[key] = t.untyped_storage().nbytes()
+        return key
 
     def is_hot(self, t):
         key = _key(t)

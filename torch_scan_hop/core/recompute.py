@@ -31,7 +31,7 @@ import contextlib
 import torch
 
 from .. import _compat
-from . import cheap, revolve
+from . import cheap, keep, revolve
 from . import remat as policies
 from .schedule import sqrt_block
 from .trees import ScanError, map_tensors
@@ -81,7 +81,8 @@ class StepReplay:
         policy = policies.nothing_saveable if min_cut else policy
         # min_cut keeps hot values; recompute_all recomputes from recipes while it can (core/cheap.py)
         plain = policy.save is policies.nothing_saveable.save and not sqrt and slots is None
-        self.hot = cheap.HotValues(recompute=not min_cut) if min_cut or plain else None
+        self.hot = cheap.HotValues(recompute=not min_cut, budget=keep.BUDGET if min_cut else None) \
+            if min_cut or plain else None
         self.step, self.policy = step, policy
         self.selective = policy.save is not policies.nothing_saveable.save
         self.by_ops = self.selective and policy.reads_ops  # else names only: no dispatch mode
