@@ -121,6 +121,7 @@ class HotValues:
 
     def __init__(self, recompute=False, budget=None):
         self.recompute, self.usable = recompute, True
+        self.snapshot = self.on_unusable = None  # the engine's: RNG state now; "recipes stop here"
         self.budget = budget  # min_cut: keep at most this share of save_all's bytes per step (core/keep.py)
         self.plans = {}  # min_cut: step shape -> recipe ids to keep
         self.saved_rids, self.saved_bytes, self.hot_saved = set(), {}, set()  # min_cut: this step's saves
@@ -189,10 +190,17 @@ class HotValues:
     def forward(self, func, args, kwargs):
         if not self.usable:
             return func(*args, **kwargs)
+        before = None
+        if self.recompute and self.snapshot is not None:
+            writes, _, deterministic = self._kind(func)
+            if writes or not deterministic or kwargs.get("out") is not None:  # may stop the recipes
+                before = self.snapshot()
         self.pending = []
         try:
             out = func(*args, **kwargs)
             self._record(func, args, kwargs, out)
+            if before is not None and not self.usable:
+                self.on_unusable(before)
             for handle, t in self.pending:
                 entry = self.cheap.get(id(t))
                 if entry is not None and entry[1] is t:

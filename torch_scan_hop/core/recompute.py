@@ -98,6 +98,9 @@ class StepReplay:
         self.decisions = {}
         self.replaying, self.rpos, self.pos, self.n = None, 0, 0, 0
         self.device_of = None
+        self._recording = None  # (saved-tensor hooks, recording mode) of steps recipes serve
+        if self.hot is not None:
+            self.hot.snapshot, self.hot.on_unusable = self._rng_now, self._unrecorded
 
     # ---------------------------------------------------------------- forward
 
@@ -112,6 +115,8 @@ class StepReplay:
             self._note_rng(0, carry)
         self.pos, self.n = pos, 0
         self.kept.append([])
+        if self.hot is not None and self.hot.usable:
+            return self._recorded_step(pos, carry, rest)
         out = None
         if self.hot is not None:
             self.hot.start_step()
@@ -124,6 +129,37 @@ class StepReplay:
         self.counts.append(self.n)
         self._note_rng(pos + 1, carry)  # the state the next step starts from
         return out
+
+    def _recorded_step(self, pos, carry, rest):
+        """A step whose saved values recipes serve (core/cheap.py): the hooks and the recording mode
+        built once per scan, ``checkpoint_name`` answered by this engine (the identity: under the mode
+        its own checks would each be a recorded call). No RNG state is noted: a step served by
+        recipes is never re-run, and the first function that is not recorded notes it for its step
+        before it runs (``_unrecorded``)."""
+        hot, namers = self.hot, policies.namers()
+        if self._recording is None:
+            self._recording = (torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack),
+                               cheap.Forward(hot))
+        hooks, mode = self._recording
+        hot.start_step()
+        out = None
+        namers.append(self)
+        try:
+            with hooks, mode:
+                out = self.step(carry, *rest)
+        finally:
+            namers.pop()
+            hot.end_step(_leaves(out[0], []) if out is not None else ())
+        self.counts.append(self.n)
+        if not hot.usable:  # the step's rest is re-run in the backward: the next one may be too
+            self._note_rng(pos + 1, carry)
+        return out
+
+    def _unrecorded(self, now):
+        """Recipes stop serving in the middle of step ``pos``: it will be re-run from the RNG state it
+        started from, ``now`` (taken before the function that stopped them ran; the recorded,
+        deterministic, functions before it drew nothing)."""
+        self._note_rng(self.pos, (), now)
 
     @contextlib.contextmanager
     def _hooks(self, pack, unpack):
@@ -145,12 +181,15 @@ class StepReplay:
             return self.hot.pack(t) or cheap.Kept(t)
         return self.pos, k
 
-    def _note_rng(self, pos, carry):
-        state = torch.get_rng_state()
+    def _rng_now(self):
+        """The CPU RNG state and that of the carry's CUDA devices (found at step 0)."""
+        devices = self.devices
+        return torch.get_rng_state(), (torch.utils.checkpoint.get_device_states(*devices) if devices else ([], []))
+
+    def _note_rng(self, pos, carry, now=None):
         if self.devices is None:
             self.devices = [t for t in _leaves(carry, []) if t.device.type == "cuda"]
-        devices = self.devices
-        device_states = torch.utils.checkpoint.get_device_states(*devices) if devices else ([], [])
+        state, device_states = now or self._rng_now()
         if self.rng:
             _, last, (_, last_dev) = self.rng[-1]
             if torch.equal(last, state) and all(torch.equal(a, b) for a, b in zip(last_dev, device_states[1])):
