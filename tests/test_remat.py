@@ -122,6 +122,31 @@ def test_dropout_masks_and_double_backward_match_the_loop(policy):
     assert_trees_close(run(lambda *a: scan(*a, remat=_policies()[policy])), want)
 
 
+@pytest.mark.parametrize("policy", ["recompute_all", "min_cut"])
+def test_a_random_op_from_a_later_step_on_matches_the_loop(engines, policy):
+    # recipes serve steps 0-2; step 3 draws a mask after a matmul: recompute_all re-runs steps 3-5
+    # from the RNG state step 3 started from (never noted per step while recipes served)
+    w = torch.randn(4, 4, dtype=D, requires_grad=True)
+    init, xs = torch.randn(2, 4, dtype=D, requires_grad=True), (torch.randn(6, 2, 4, dtype=D), torch.arange(6))
+
+    def body(c, x):
+        x, i = x
+        h = torch.sin(c @ w + x)
+        if i.item() >= 3:
+            h = torch.nn.functional.dropout(h, 0.5) + torch.rand_like(h)
+        return torch.tanh(h), h.sum()
+
+    def run(scan_fn):
+        torch.manual_seed(3)
+        torch.rand(5)  # the scan starts from a state that is not the seed's
+        return loss_and_grads(lambda: scan_fn(body, init, xs), [init, w])
+
+    want = run(reference_scan)
+    assert_trees_close(run(lambda *a: scan(*a, remat=policy)), want)
+    (engine,) = engines
+    assert engine.hot.usable == (policy == "min_cut")
+
+
 def _backward_mm_flops(remat):
     from torch.utils.flop_counter import FlopCounterMode
 
