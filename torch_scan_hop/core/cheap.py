@@ -124,12 +124,12 @@ class HotValues:
         self.snapshot = self.on_unusable = None  # the engine's: RNG state now; "recipes stop here"
         self.budget = budget  # min_cut: keep at most this share of save_all's bytes per step (core/keep.py)
         self.plans = {}  # min_cut: step shape -> recipe ids to keep
-        self.saved_rids, self.saved_bytes, self.hot_saved = set(), {}, set()  # min_cut: this step's saves
+        self.saved = []  # min_cut: this step's saved values, (recipe id or None for a hot one, tensor)
         self.seeds = []  # per step: recipe id -> the new carry leaf it made
         self.kinds = {}  # function -> _kind
         self.recipes = []  # per step: [(func, args, kwargs)] with tensors as Kept / _Ref
         self.hot = {}  # storage key -> tensor: this step's hot values (held: keys stay unique)
-        self.cheap = {}  # id -> (_Ref, tensor, storage key): this step's cheap values (held: ids stay unique)
+        self.cheap = {}  # id -> (_Ref, tensor, single output): this step's cheap values (held: ids stay unique)
         self.memo_pos, self.memo = None, {}
         self.pending = []  # (handle, tensor) saved while an op runs, resolved when it returns
 
@@ -140,72 +140,79 @@ class HotValues:
     def end_step(self, new_carry=()):
         for leaf in new_carry:
             entry = self.cheap.get(id(leaf))
-            if entry is not None and entry[1] is leaf and entry[3]:
+            if entry is not None and entry[1] is leaf and entry[2]:
                 self.seeds[-1][entry[0].rid] = leaf
         if self.budget is not None and self.recipes:
             self._keep_planned()
         self.hot, self.cheap, self.pending = {}, {}, None
-        self.saved_rids, self.saved_bytes, self.hot_saved = set(), {}, set()
+        self.saved = []
 
     def _keep_planned(self):
         """min_cut: keep the values the step's plan names (``seeds``: the backward reads them as they
         are); the rest of what the backward needs is recomputed from recipes."""
-        recipes, seeds = self.recipes[-1], self.seeds[-1]
-        outputs = {e[0].rid: e[1] for e in self.cheap.values() if e[3]}
-        shape = (tuple(r[0] for r in recipes), frozenset(self.saved_rids), frozenset(seeds),
-                 tuple(sorted(self.saved_bytes.values())), frozenset(self.hot_saved))
+        recipes, seeds, saved = self.recipes[-1], self.seeds[-1], self.saved
+        shape = (tuple([r[0] for r in recipes]), tuple([rid for rid, _ in saved]), tuple(seeds))
         plan = self.plans.get(shape)
         if plan is None:
-            plan = self.plans[shape] = self._plan(recipes, outputs, seeds)
-        for rid in plan:
-            t = outputs.get(rid)
-            if t is not None:
-                seeds[rid] = t
+            plan = self.plans[shape] = self._plan(recipes, seeds, saved)
+        if plan:
+            outputs = {e[0].rid: e[1] for e in self.cheap.values() if e[2]}
+            for rid in plan:
+                t = outputs.get(rid)
+                if t is not None:
+                    seeds[rid] = t
 
-    def _plan(self, recipes, outputs, seeds):
+    def _plan(self, recipes, seeds, saved):
+        """The recipe ids this step shape keeps (core/keep.py), from the bytes save_all would keep."""
+        outputs = {e[0].rid: e[1] for e in self.cheap.values() if e[2]}
+        saved_bytes = {_key(t): t.untyped_storage().nbytes() for _, t in saved}
+        saved_bytes.pop(0, None)
         costs = [0] * len(recipes)
-        for ref, t, _, _ in self.cheap.values():
+        for ref, t, _ in self.cheap.values():
             _, is_cheap, _ = self._kind(recipes[ref.rid][0])
             view = getattr(recipes[ref.rid][0], "__name__", "") in VIEWS
             costs[ref.rid] += 0 if view else t.numel() * (1 if is_cheap else keep.DOT_WEIGHT)
-        anyway = self.hot_saved | {_key(t) for t in seeds.values()}
-        budget = keep.BUDGET * sum(self.saved_bytes.values()) - sum(
-            n for k, n in self.saved_bytes.items() if k in anyway)
+        anyway = {_key(t) for rid, t in saved if rid is None} | {_key(t) for t in seeds.values()}
+        budget = keep.BUDGET * sum(saved_bytes.values()) - sum(n for k, n in saved_bytes.items() if k in anyway)
         sizes = {rid: t.untyped_storage().nbytes() for rid, t in outputs.items()
                  if rid not in seeds and getattr(recipes[rid][0], "__name__", "") not in VIEWS}
-        return keep.choose(recipes, self.saved_rids - set(seeds), set(seeds), costs, sizes, budget)
+        needed = {rid for rid, _ in saved if rid is not None} - set(seeds)
+        return keep.choose(recipes, needed, set(seeds), costs, sizes, budget)
 
     # ---------------------------------------------------------------- forward
 
     def _template(self, value):
         if isinstance(value, torch.Tensor):
             entry = self.cheap.get(id(value))
-            return entry[0] if entry is not None else Kept(value)
+            return entry[0] if entry is not None and entry[1] is value else Kept(value)
+        if type(value) is tuple:  # the common case: a function's positional arguments
+            return tuple([self._template(v) for v in value])
         if isinstance(value, dict):
             return {k: self._template(v) for k, v in value.items()}
         if isinstance(value, (tuple, list)):
-            return type(value)(self._template(v) for v in value)
+            return type(value)([self._template(v) for v in value])
         return value
 
     def forward(self, func, args, kwargs):
         if not self.usable:
             return func(*args, **kwargs)
+        kind = self.kinds.get(func) or self._kind(func)
+        writes = kind[0] or (bool(kwargs) and kwargs.get("out") is not None)
         before = None
-        if self.recompute and self.snapshot is not None:
-            writes, _, deterministic = self._kind(func)
-            if writes or not deterministic or kwargs.get("out") is not None:  # may stop the recipes
-                before = self.snapshot()
-        self.pending = []
+        if self.recompute and self.snapshot is not None and (writes or not kind[2]):  # may stop the recipes
+            before = self.snapshot()
+        pending = self.pending = []
         try:
             out = func(*args, **kwargs)
-            self._record(func, args, kwargs, out)
+            self._record(func, args, kwargs, out, writes, kind[2])
             if before is not None and not self.usable:
                 self.on_unusable(before)
-            for handle, t in self.pending:
+            for handle, t in pending:
                 entry = self.cheap.get(id(t))
                 if entry is not None and entry[1] is t:
                     handle.ref, handle.kept = entry[0], None
-                    self._note_saved(entry[0].rid, t)
+                    if self.budget is not None:
+                        self.saved.append((entry[0].rid, t))
         finally:
             self.pending = None
         return out
@@ -220,24 +227,20 @@ class HotValues:
             kind = self.kinds[func] = (writes, name in CHEAP, name in DETERMINISTIC)
         return kind
 
-    def _record(self, func, args, kwargs, out):
-        writes, _, deterministic = self._kind(func)
-        writes = writes or kwargs.get("out") is not None
+    def _record(self, func, args, kwargs, out, writes, deterministic):
         if writes:  # the values it wrote lose their recipes
             written = {_key(t) for t in _flat(args, kwargs)}
-            self.cheap = {i: e for i, e in self.cheap.items() if e[2] not in written}
+            self.cheap = {i: e for i, e in self.cheap.items() if _key(e[1]) not in written}
         single = isinstance(out, torch.Tensor)
-        outs = [out] if single else \
-            [o for o in out if isinstance(o, torch.Tensor)] if isinstance(out, (tuple, list)) else []
-        if not outs:
+        if not single and not (isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out)):
             return
         if self.recompute:
             if writes or not deterministic:
                 self.usable = False
                 return
         elif writes or not deterministic or (self.hot and any(_key(t) in self.hot for t in _flat(args, kwargs))):
-            for o in outs:
-                key = _key(o)
+            for o in [out] if single else out:
+                key = _key(o) if isinstance(o, torch.Tensor) else 0
                 if key:
                     self.hot[key] = o
             return
@@ -245,38 +248,27 @@ class HotValues:
         rid = len(recipes)
         recipes.append((func, self._template(args), self._template(kwargs) if kwargs else kwargs))
         if single:
-            self.cheap[id(out)] = (_Ref(rid, 0), out, _key(out), True)
+            self.cheap[id(out)] = (_Ref(rid, 0), out, True)
             return
         for i, o in enumerate(out):
             if isinstance(o, torch.Tensor):
-                self.cheap[id(o)] = (_Ref(rid, i), o, _key(o), False)
+                self.cheap[id(o)] = (_Ref(rid, i), o, False)
 
     def pack(self, t):
         """A saved value: itself when hot or from outside the step, else a handle to its recipe."""
         entry = self.cheap.get(id(t))
         if entry is not None and entry[1] is t:
-            self._note_saved(entry[0].rid, t)
+            if self.budget is not None:  # min_cut: what save_all would keep, which recipes it reads
+                self.saved.append((entry[0].rid, t))
             return Handle(len(self.recipes) - 1, entry[0])
-        hot = self.is_hot(t)
-        if self.pending is not None and not hot:  # saved inside an op: maybe its output
+        hot = bool(self.hot) and self.is_hot(t)
+        if self.pending is not None and not hot and not t.is_leaf:  # saved inside an op: maybe its output
             handle = Handle(len(self.recipes) - 1, None, Kept(t))
             self.pending.append((handle, t))
             return handle
         if hot and self.budget is not None:
-            key = self._note_saved(None, t)
-            self.hot_saved.add(key)
+            self.saved.append((None, t))
         return None
-
-    def _note_saved(self, rid, t):
-        """min_cut: what save_all would keep for this step (bytes per storage) and which recipes it reads."""
-        if self.budget is None:
-            return None
-        if rid is not None:
-            self.saved_rids.add(rid)
-        key = _key(t)
-        if key:
-            self.saved_bytes[key] = t.untyped_storage().nbytes()
-        return key
 
     def is_hot(self, t):
         key = _key(t)
@@ -310,10 +302,12 @@ class HotValues:
             return value.get()
         if isinstance(value, _Ref):
             return self._eval(pos, value, memo)
+        if type(value) is tuple:
+            return tuple([self._fill(pos, v, memo) for v in value])
         if isinstance(value, dict):
             return {k: self._fill(pos, v, memo) for k, v in value.items()}
         if isinstance(value, (tuple, list)):
-            return type(value)(self._fill(pos, v, memo) for v in value)
+            return type(value)([self._fill(pos, v, memo) for v in value])
         return value
 
 
