@@ -122,16 +122,17 @@ def test_dropout_masks_and_double_backward_match_the_loop(policy):
     assert_trees_close(run(lambda *a: scan(*a, remat=_policies()[policy])), want)
 
 
-@pytest.mark.parametrize("policy", ["recompute_all", "min_cut"])
+@pytest.mark.parametrize("policy", ["recompute_all", "min_cut", "names"])
 def test_a_random_op_from_a_later_step_on_matches_the_loop(engines, policy):
-    # recipes serve steps 0-2; step 3 draws a mask after a matmul: recompute_all re-runs steps 3-5
-    # from the RNG state step 3 started from (never noted per step while recipes served)
+    # recipes serve steps 0-2; step 3 draws a mask after a matmul and a named value: recompute_all and
+    # names re-run steps 3-5 from the RNG state step 3 started from (never noted per step while recipes
+    # served), names handing back step 3's named value kept while recipes served
     w = torch.randn(4, 4, dtype=D, requires_grad=True)
     init, xs = torch.randn(2, 4, dtype=D, requires_grad=True), (torch.randn(6, 2, 4, dtype=D), torch.arange(6))
 
     def body(c, x):
         x, i = x
-        h = torch.sin(c @ w + x)
+        h = checkpoint_name(torch.sin(c @ w + x), "a")
         if i.item() >= 3:
             h = torch.nn.functional.dropout(h, 0.5) + torch.rand_like(h)
         return torch.tanh(h), h.sum()
@@ -142,7 +143,7 @@ def test_a_random_op_from_a_later_step_on_matches_the_loop(engines, policy):
         return loss_and_grads(lambda: scan_fn(body, init, xs), [init, w])
 
     want = run(reference_scan)
-    assert_trees_close(run(lambda *a: scan(*a, remat=policy)), want)
+    assert_trees_close(run(lambda *a: scan(*a, remat=_policies().get(policy, policy))), want)
     (engine,) = engines
     assert engine.hot.usable == (policy == "min_cut")
 
@@ -166,7 +167,8 @@ def test_eager_policies_recompute_what_they_do_not_save():
     assert _backward_mm_flops("recompute_all") == plain + rerun // 2
     # min_cut keeps at most half of save_all's bytes, the carry counted: here only the carry
     assert _backward_mm_flops("min_cut") == plain + rerun // 2
-    assert _backward_mm_flops(save_only_these_names("nothing named so")) == plain + rerun
+    # names from recipes too: with nothing named, as recompute_all
+    assert _backward_mm_flops(save_only_these_names("nothing named so")) == plain + rerun // 2
 
 
 @pytest.fixture
@@ -195,6 +197,32 @@ def test_named_values_are_what_save_only_these_names_keeps(engines):
     assert [[k for k, _ in kept] for kept in engine.kept] == [[("checkpoint_name", "b")]] * 5
     c.sum().backward()
     assert checkpoint_name(w, "a") is w  # outside a scan: the identity
+
+
+def test_named_values_stop_the_recipes_that_read_them(engines):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    w = torch.randn(16, 16, dtype=D, requires_grad=True)
+    init, xs = torch.randn(8, 16, dtype=D, requires_grad=True), torch.randn(6, 8, 16, dtype=D, requires_grad=True)
+
+    def body(c, x):
+        h = c + x
+        for k in range(4):
+            h = checkpoint_name(torch.tanh(h @ w), f"layer{k}")
+        return h, h.mean(-1)
+
+    want = loss_and_grads(lambda: reference_scan(body, init, xs), [init, xs, w])
+    flops = {}
+    for remat in ("save_all", save_only_these_names("layer1", "layer3")):
+        c, ys = scan(body, init, xs, remat=remat)
+        with FlopCounterMode(display=False) as counter:
+            got = loss_and_grads(lambda: (c, ys), [init, xs, w])
+        assert_trees_close(got, want)
+        flops[remat] = counter.get_total_flops()
+    (engine,) = engines
+    assert engine.hot.usable and [len(seeds) for seeds in engine.hot.seeds] == [2] * 6  # layer1, layer3 (the carry)
+    # layer1 kept: the backward recomputes layer0 from c + x and layer2 from layer1, no re-run of the body
+    assert flops[save_only_these_names("layer1", "layer3")] == flops["save_all"] + 6 * 2 * (2 * 8 * 16 * 16)
 
 
 def test_sqrt_keeps_about_sqrt_length_carries(engines):

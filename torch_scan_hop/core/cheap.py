@@ -147,6 +147,12 @@ class HotValues:
         self.hot, self.cheap, self.pending = {}, {}, None
         self.saved = []
 
+    def keep(self, t):
+        """Keep ``t`` for the backward as it is (a named value): the recipes that read it stop there."""
+        entry = self.cheap.get(id(t))
+        if entry is not None and entry[1] is t and entry[2]:
+            self.seeds[-1][entry[0].rid] = t
+
     def _keep_planned(self):
         """min_cut: keep the values the step's plan names (``seeds``: the backward reads them as they
         are); the rest of what the backward needs is recomputed from recipes."""

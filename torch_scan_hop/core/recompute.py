@@ -79,8 +79,10 @@ class StepReplay:
 
     def __init__(self, step, policy, length, sqrt=False, min_cut=False, slots=None):
         policy = policies.nothing_saveable if min_cut else policy
-        # min_cut keeps hot values; recompute_all recomputes from recipes while it can (core/cheap.py)
-        plain = policy.save is policies.nothing_saveable.save and not sqrt and slots is None
+        # recompute_all, names and min_cut recompute from recipes while they can (core/cheap.py):
+        # names keep their named values, min_cut what its plan says (core/keep.py)
+        by_names = not policy.reads_ops and policy.offload is None
+        plain = (policy.save is policies.nothing_saveable.save or by_names) and not sqrt and slots is None
         self.hot = cheap.HotValues(recompute=not min_cut, budget=keep.BUDGET if min_cut else None) \
             if min_cut or plain else None
         self.step, self.policy = step, policy
@@ -237,6 +239,10 @@ class StepReplay:
         key = ("checkpoint_name", name)
         if self.replaying is not None:
             return self._take(key, x.device).requires_grad_(x.requires_grad)
+        if self.hot is not None and self.hot.usable:  # recipes stop at x; if they stop serving in this
+            self.hot.keep(x)  # step, its re-run takes x from ``kept`` (not detached here: under the
+            self.kept[self.pos].append((key, x))  # recording mode that would be a call it records)
+            return x
         self.kept[self.pos].append((key, self._keep(x)))
         return x
 
