@@ -1,28 +1,23 @@
-"""Eager ``remat="min_cut"``: keep what only a matmul can make, recompute the rest from recipes.
+"""Eager remat by recipes: recompute a step's saved values from recorded calls, not by re-running the body.
 
-Traced, "min_cut" is functorch's partitioner: it never recomputes a matmul,
-and recomputes pointwise work where that saves memory. Eager has no graph to
-cut, so the same rule is applied per value, as the step runs, under a torch
-function mode:
+Each step runs on the tape under a torch function mode that records, for every
+function it calls, a recipe: the function and its arguments (constants, tensors
+from outside the step such as the carry, x and the weights, or other recipes).
+When autograd saves a recorded value, a handle to its recipe is saved instead,
+unless the step keeps the value (``seeds``); the backward evaluates the recipes
+a step's saved values need (memoized per step), stopping at kept values: a few
+torch calls, no re-run of the body's Python, no tape. Under
+``create_graph=True`` the recipes run on the tape from the forward's own
+tensors, so double backward reaches the forward. What a step keeps:
 
-- a value computed by a function outside ``CHEAP`` (pointwise ops, views,
-  reductions, norms, deterministic factories) -- a matmul, conv, attention, a
-  random op, a composite function we do not know -- or computed from such a
-  value, is "hot": when autograd saves it, it is kept as it is (recomputing it
-  could mean a matmul or a redraw);
-- any other output is "cheap": the mode records its recipe (the function and
-  its arguments: constants, tensors from outside the step such as the carry, x
-  and the weights, or other recipes). When autograd saves a cheap value, a
-  handle to its recipe is saved instead, and the backward evaluates it (once
-  per step, memoized): a few torch calls, no re-run of the body's Python, no
-  tape. Under ``create_graph=True`` the recipe runs on the tape from the
-  forward's own tensors, so double backward reaches the forward.
-
-Nothing computed inside a step is held by a recipe, so a step keeps exactly
-its hot saved values: on a stack of ``tanh(linear(h))`` layers one tensor per
-layer (the last is the next carry) and not ``c + x``, 4 of save_all's 5 on the
-benchmark body, with no matmul re-run. Saving less means recomputing matmuls
-(``"recompute_all"``, ``save_only_these_names``).
+- ``"recompute_all"``: only its new carry (kept by the engine anyway). A
+  function outside ``DETERMINISTIC`` (a random op) or an in-place one turns
+  recipes off (``usable``): the engine re-runs the body for what is saved after;
+- ``save_only_these_names``: the named values besides (the engine's ``named``);
+- ``"min_cut"``: besides the carry, what its plan says (``core/keep.py``): at
+  most half of the bytes save_all keeps, for the least recompute. A value made
+  by a function outside ``DETERMINISTIC``, or computed from one, is "hot": kept
+  as it is when saved (recomputing it could mean a redraw), never recorded.
 
 In-place ops: a recipe records the value an op produced, so a value modified in
 place afterwards loses its recipe (if saved later it is kept as it is), and a
@@ -84,8 +79,7 @@ class Handle:
 
 
 # Functions whose outputs are cheap to recompute from their inputs (pointwise, views, reductions,
-# norms): anything else is hot, so an op this list misses is kept, never wrongly recomputed (a random
-# op or a matmul hidden in a composite function included).
+# norms): min_cut's plan prices them by the elements they make (core/keep.py).
 CHEAP = frozenset((
     "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
     "__neg__", "__pow__", "__rpow__", "__getitem__", "__get__", "add", "sub", "mul", "div", "neg", "exp",
@@ -99,8 +93,9 @@ CHEAP = frozenset((
 ))
 
 
-# Deterministic functions that are not cheap: recompute_all recomputes them from recipes too (a
-# function outside both lists, a random op say, sends recompute_all back to re-running the body).
+# Deterministic functions that are not cheap (priced DOT_WEIGHT times more). A function outside both
+# lists, a random op say or a composite we do not know, is never recorded: it sends recompute_all and
+# names back to re-running the body, and min_cut keeps its outputs (and what is computed from them).
 DOTS = frozenset((
     "linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "baddbmm", "addmv", "mv", "dot",
     "einsum", "conv1d", "conv2d", "conv3d", "bilinear", "embedding",
@@ -111,13 +106,13 @@ VIEWS = frozenset(("__getitem__", "reshape", "view", "view_as", "transpose", "pe
 
 
 class HotValues:
-    """Per scan: the hot values of the step running now and every step's recipes.
+    """Per scan: every step's recipes and kept values (``seeds``), the step running now's hot values.
 
-    ``recompute=True`` serves ``recompute_all``: every deterministic function gets a recipe
-    (nothing is hot), so the backward recomputes only the saved values, from recipes, without
-    the tape or the body's Python, and none that is the step's new carry (``seeds``: the engine
-    keeps that carry anyway). The first function outside ``DETERMINISTIC`` (or an in-place one)
-    turns recipes off (``usable``): the engine re-runs the body for the values saved after."""
+    ``recompute=True`` serves ``recompute_all`` and names: every deterministic function gets a
+    recipe (nothing is hot); the first function outside ``DETERMINISTIC`` (or an in-place one)
+    turns recipes off (``usable``) and the engine re-runs the body for the values saved after.
+    ``budget`` serves ``min_cut``: values that cannot be recorded are hot, each step keeps what
+    its plan says (core/keep.py)."""
 
     def __init__(self, recompute=False, budget=None):
         self.recompute, self.usable = recompute, True

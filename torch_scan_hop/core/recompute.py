@@ -4,7 +4,10 @@ A per-step ``torch.utils.checkpoint`` costs what the issue measured (1.7-2.1x
 the loop for ``recompute_all``, against ~1.33x for one more forward): each
 call builds its own frame, hook objects, device and RNG bookkeeping, and
 selective checkpointing runs torch's Python caching modes on top. Here ONE
-``StepReplay`` serves every step of a scan:
+``StepReplay`` serves every step of a scan. ``recompute_all``, ``min_cut`` and
+``save_only_these_names`` recompute saved values from recipes recorded in the
+forward (``core/cheap.py``; ``_recorded_step``) while every function the body
+calls is known and deterministic; otherwise, and for the other policies:
 
 - forward: each step runs on the tape under saved-tensor hooks whose pack
   keeps a small handle (step, k) instead of the tensor; the step's inputs
@@ -14,8 +17,8 @@ selective checkpointing runs torch's Python caching modes on top. Here ONE
   collects what it saves, in order; each unpack hands out its tensor, and
   the step's values are dropped once all are handed out (or when another step
   is re-run), so at most one step's activations are alive at a time;
-- selective policies (``dots_saveable``, ``save_only_these_names``, a user's
-  ``RematPolicy``) add a dispatch mode: in the forward it keeps the outputs of
+- selective policies (``dots_saveable``, a user's ``RematPolicy``; names once
+  recipes stop serving) add a dispatch mode (names: ``named``): in the forward it keeps the outputs of
   the ops the policy saves (on ``policy.offload``'s device if set), in the
   re-run it hands those back instead of computing them again;
 - ``sqrt``: only every k-th carry (k = ceil(sqrt(T))) is kept; the first
