@@ -657,3 +657,29 @@ def test_compiled_peaks_no_worse_than_eager_on_cuda():
         # functorch's partitioner, which never recomputes a matmul: no more than save_all there
         bound = peaks["save_all"][0] if remat == "min_cut" else eager
         assert compiled <= 1.1 * bound, (remat, peaks)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_min_cut_gains_are_what_keeping_a_value_saves(seed):
+    from torch_scan_hop.core import cheap, keep
+
+    rng = random.Random(seed)
+    n = rng.randint(1, 30)
+    recipes = [(None, tuple(cheap._Ref(p, 0) for p in rng.sample(range(r), min(r, rng.randint(0, 3)))), {})
+               for r in range(n)]
+    inputs = [keep.parents(r[1], set()) for r in recipes]
+    costs = [rng.randint(0, 9) for _ in range(n)]
+    needed, kept = set(rng.sample(range(n), rng.randint(1, n))), set(rng.sample(range(n), rng.randint(0, n // 3)))
+
+    def cost(kept):  # by brute force: every recipe the needed ones reach, stopping at kept ones
+        seen, todo = set(), [r for r in needed if r not in kept]
+        while todo:
+            r = todo.pop()
+            if r not in seen:
+                seen.add(r)
+                todo.extend(p for p in inputs[r] if p not in kept)
+        return sum(costs[r] for r in seen)
+
+    gains = keep._gains(needed, kept, inputs, costs)
+    for rid in range(n):
+        assert gains.get(rid, 0) == cost(kept) - cost(kept | {rid}), rid

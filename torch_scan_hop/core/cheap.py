@@ -154,8 +154,12 @@ class HotValues:
         recipes, seeds, saved = self.recipes[-1], self.seeds[-1], self.saved
         shape = (tuple([r[0] for r in recipes]), tuple([rid for rid, _ in saved]), tuple(seeds))
         plan = self.plans.get(shape)
-        if plan is None:
-            plan = self.plans[shape] = self._plan(recipes, seeds, saved)
+        if plan is None:  # once per scan call; the search once per process and step shape and sizes
+            key = (shape, tuple([t.untyped_storage().nbytes() for _, t in saved]))
+            plan = keep.PLANS.get(key)
+            if plan is None:
+                plan = keep.remember(key, self._plan(recipes, seeds, saved))
+            self.plans[shape] = plan
         if plan:
             outputs = {e[0].rid: e[1] for e in self.cheap.values() if e[2]}
             for rid in plan:

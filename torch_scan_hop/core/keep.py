@@ -19,10 +19,19 @@ output, so the backward re-runs 2 of the 4 matmuls (recompute_all: 3).
 
 Whatever it keeps, every value stays computable from its recipes, so a plan
 made for one step is correct for any other: plans are cached per step shape
-(the functions called and the values saved), the search runs once per scan.
+(the functions called, the values saved and their bytes): the search runs
+once per process, not once per training step.
 """
 BUDGET = 0.5  # of the bytes save_all keeps per step
 DOT_WEIGHT = 64  # a matmul's cost per output element, in elementwise ops
+PLANS = {}  # (step shape, saved bytes) -> recipe ids to keep: a training loop's scans plan once
+
+
+def remember(key, plan):
+    if len(PLANS) >= 1024:  # bodies whose shape keeps changing: do not grow without bound
+        PLANS.clear()
+    PLANS[key] = plan
+    return plan
 
 
 def parents(args, out):
@@ -38,17 +47,44 @@ def parents(args, out):
     return out
 
 
-def recompute_cost(needed, kept, inputs, costs):
-    """Cost of recomputing the ``needed`` recipes, stopping at ``kept`` ones (``inputs``: rid -> parents)."""
-    total, seen, todo = 0, set(), [r for r in needed if r not in kept]
-    while todo:
-        rid = todo.pop()
-        if rid in seen:
-            continue
-        seen.add(rid)
-        total += costs[rid]
-        todo.extend(p for p in inputs[rid] if p not in kept and p not in seen)
-    return total
+def _recomputed(needed, kept, inputs):
+    """The recipe ids the backward evaluates, in descending order (a recipe's parents have smaller ids)."""
+    marked = {r for r in needed if r not in kept}
+    for rid in range(max(marked, default=-1), -1, -1):
+        if rid in marked:
+            marked.update(p for p in inputs[rid] if p not in kept)
+    return sorted(marked, reverse=True)
+
+
+def _gains(needed, kept, inputs, costs):
+    """rid -> recompute saved by keeping it: the cost of the recipes only it leads the backward to
+    (those it dominates, walking from the needed values towards the inputs), itself included."""
+    order = _recomputed(needed, kept, inputs)
+    root = -1
+    idom, depth = {}, {root: 0}
+    consumers = {}
+    for rid in order:  # consumers (larger ids) first: one pass gives the dominators of a DAG
+        preds = consumers.get(rid, [])
+        if rid in needed:
+            preds = preds + [root]
+        dom = preds[0]
+        for p in preds[1:]:
+            a, b = dom, p
+            while a != b:
+                if depth[a] >= depth[b]:
+                    a = idom[a]
+                else:
+                    b = idom[b]
+            dom = a
+        idom[rid], depth[rid] = dom, depth[dom] + 1
+        for p in inputs[rid]:
+            if p not in kept:
+                consumers.setdefault(p, []).append(rid)
+    gain = {rid: costs[rid] for rid in order}
+    for rid in reversed(order):  # producers first: a subtree's sum before its root's
+        if idom[rid] != root:
+            gain[idom[rid]] += gain[rid]
+    return gain
 
 
 def choose(recipes, needed, free, costs, sizes, budget):
@@ -56,22 +92,19 @@ def choose(recipes, needed, free, costs, sizes, budget):
 
     ``recipes``: the step's [(func, args, kwargs)]; ``needed``: ids of the values the backward reads;
     ``free``: ids kept anyway (the new carry); ``costs``: id -> recompute cost; ``sizes``: id -> bytes,
-    for the ids that may be kept (single-output, not views)."""
+    for the ids that may be kept (single-output, not views). Each round ranks every candidate by
+    its dominator subtree (``_gains``): linear in the step's recipes, not one walk per candidate."""
     inputs = [parents((args, kwargs), set()) for _, args, kwargs in recipes]
-    kept = set(free)
-    current = recompute_cost(needed, kept, inputs, costs)
-    chosen = []
+    kept, chosen = set(free), []
     while True:
+        gains = _gains(needed, kept, inputs, costs)
         best, best_rate = None, 0.0
-        for rid, size in sizes.items():
-            if rid in kept or size > budget or size <= 0:
-                continue
-            gain = current - recompute_cost(needed, kept | {rid}, inputs, costs)
-            if gain > 0 and gain / size > best_rate:
+        for rid, gain in gains.items():
+            size = sizes.get(rid, 0)
+            if 0 < size <= budget and gain > 0 and gain / size > best_rate:
                 best, best_rate = rid, gain / size
         if best is None:
             return chosen
         kept.add(best)
         chosen.append(best)
         budget -= sizes[best]
-        current = recompute_cost(needed, kept, inputs, costs)
