@@ -14,8 +14,8 @@ XLA keep the same values.
 live on between the forward and the backward (host memory for a CUDA scan).
 
 The strings stay: "save_all", "recompute_all", "min_cut" (traced: functorch's
-min-cut partitioner; eager: keep what a matmul made, recompute the rest,
-``core/cheap.py``), "sqrt" (eager: only every k-th carry, k ~ sqrt(T), each
+min-cut partitioner; eager: keep at most half of save_all's bytes per step,
+for the least recompute, ``core/keep.py``), "sqrt" (eager: only every k-th carry, k ~ sqrt(T), each
 block recomputed once in the backward) and ``("binomial", k)`` (eager: at most
 k carries, placed as revolve places them; stands in graphs as "binomial:k").
 Traced, "sqrt" of a static length is two scans (``api._sqrt_scan``: an outer scan
