@@ -336,6 +336,23 @@ def test_min_cut_with_in_place_ops_matches_the_loop_or_says_why():
         c.sum().backward()
 
 
+@pytest.mark.parametrize("policy", ["recompute_all", "min_cut", "names"])
+def test_a_kept_value_modified_in_place_is_an_error_as_in_the_loop(policy):
+    # the new carry is kept, not recomputed: modified after the scan, the loop's tape refuses it
+    w = torch.randn(4, 4, dtype=D, requires_grad=True)
+
+    def body(c, x):
+        return checkpoint_name(torch.tanh(c @ w + x), "a"), c.sum()
+
+    init, xs = torch.randn(2, 4, dtype=D), torch.randn(5, 2, 4, dtype=D)
+    for scan_fn, error in ((reference_scan, RuntimeError), (lambda *a: scan(*a, remat=_policies()[policy]), ScanError)):
+        c, _ = scan_fn(body, init, xs)
+        with torch.no_grad():
+            c.mul_(2)
+        with pytest.raises(error, match="modified by an in-?place operation"):
+            c.sum().backward()
+
+
 def test_offload_moves_saved_values_and_back(engines, monkeypatch):
     moves = []
     real_to = torch.Tensor.to

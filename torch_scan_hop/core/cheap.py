@@ -52,7 +52,7 @@ class Kept:
 
     def get(self):
         if self.t._version != self.version:
-            raise ScanError("scan: remat='min_cut': a tensor saved for the backward (or read to recompute one) "
+            raise ScanError("scan: remat: a tensor saved for the backward (or read to recompute one) "
                             f"was modified by an in-place operation (version {self.version} -> "
                             f"{self.t._version}); as with the plain tape, clone it before modifying it.")
         return self.t
@@ -120,7 +120,7 @@ class HotValues:
         self.budget = budget  # min_cut: keep at most this share of save_all's bytes per step (core/keep.py)
         self.plans = {}  # min_cut: step shape -> recipe ids to keep
         self.saved = []  # min_cut: this step's saved values, (recipe id or None for a hot one, tensor)
-        self.seeds = []  # per step: recipe id -> the new carry leaf it made
+        self.seeds = []  # per step: recipe id -> Kept value (the new carry, named or planned values)
         self.kinds = {}  # function -> _kind
         self.recipes = []  # per step: [(func, args, kwargs)] with tensors as Kept / _Ref
         self.hot = {}  # storage key -> tensor: this step's hot values (held: keys stay unique)
@@ -136,7 +136,7 @@ class HotValues:
         for leaf in new_carry:
             entry = self.cheap.get(id(leaf))
             if entry is not None and entry[1] is leaf and entry[2]:
-                self.seeds[-1][entry[0].rid] = leaf
+                self.seeds[-1][entry[0].rid] = Kept(leaf)
         if self.budget is not None and self.recipes:
             self._keep_planned()
         self.hot, self.cheap, self.pending = {}, {}, None
@@ -146,7 +146,7 @@ class HotValues:
         """Keep ``t`` for the backward as it is (a named value): the recipes that read it stop there."""
         entry = self.cheap.get(id(t))
         if entry is not None and entry[1] is t and entry[2]:
-            self.seeds[-1][entry[0].rid] = t
+            self.seeds[-1][entry[0].rid] = Kept(t)
 
     def _keep_planned(self):
         """min_cut: keep the values the step's plan names (``seeds``: the backward reads them as they
@@ -165,7 +165,7 @@ class HotValues:
             for rid in plan:
                 t = outputs.get(rid)
                 if t is not None:
-                    seeds[rid] = t
+                    seeds[rid] = Kept(t)
 
     def _plan(self, recipes, seeds, saved):
         """The recipe ids this step shape keeps (core/keep.py), from the bytes save_all would keep."""
@@ -177,7 +177,7 @@ class HotValues:
             _, is_cheap, _ = self._kind(recipes[ref.rid][0])
             view = getattr(recipes[ref.rid][0], "__name__", "") in VIEWS
             costs[ref.rid] += 0 if view else t.numel() * (1 if is_cheap else keep.DOT_WEIGHT)
-        anyway = {_key(t) for rid, t in saved if rid is None} | {_key(t) for t in seeds.values()}
+        anyway = {_key(t) for rid, t in saved if rid is None} | {_key(k.t) for k in seeds.values()}
         budget = keep.BUDGET * sum(saved_bytes.values()) - sum(n for k, n in saved_bytes.items() if k in anyway)
         sizes = {rid: t.untyped_storage().nbytes() for rid, t in outputs.items()
                  if rid not in seeds and getattr(recipes[rid][0], "__name__", "") not in VIEWS}
@@ -296,7 +296,8 @@ class HotValues:
     def _eval(self, pos, ref, memo):
         out = memo.get(ref.rid)
         if out is None:
-            out = self.seeds[pos].get(ref.rid)
+            kept = self.seeds[pos].get(ref.rid)  # checked: the tape would refuse a value modified since
+            out = kept.get() if kept is not None else None
         if out is None:
             func, args, kwargs = self.recipes[pos][ref.rid]
             out = memo[ref.rid] = func(*self._fill(pos, args, memo), **self._fill(pos, kwargs, memo))
