@@ -4,7 +4,7 @@ Body: a 4-layer MLP (H=256, batch 64) applied to the carry each step, T=64 steps
 Rows: the loop, the loop plus one more forward (the floor of any policy that recomputes a step),
 the loop with a torch.utils.checkpoint per step, and scan with every policy. Times are CPU time
 of the process (best of interleaved rounds): on a shared box wall time mostly measures the neighbours.
-Targets: recompute_all <= 1.4x the loop, peak <= 1/3 of save_all.
+Targets: recompute_all <= 1.4x the loop, peak <= 1/3 of save_all; min_cut <= 1.5x, peak <= 0.6.
 
 ``--sweep`` adds the length sweep: a small RNN (H=32, batch 8), T = 256 .. 16384, peak memory and time
 per policy, eager and compiled (``--no-traced``: eager only; ``--lengths`` to choose; ``--plot`` draws

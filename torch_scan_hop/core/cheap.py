@@ -1,28 +1,23 @@
-"""Eager ``remat="min_cut"``: keep what only a matmul can make, recompute the rest from recipes.
+"""Eager remat by recipes: recompute a step's saved values from recorded calls, not by re-running the body.
 
-Traced, "min_cut" is functorch's partitioner: it never recomputes a matmul,
-and recomputes pointwise work where that saves memory. Eager has no graph to
-cut, so the same rule is applied per value, as the step runs, under a torch
-function mode:
+Each step runs on the tape under a torch function mode that records, for every
+function it calls, a recipe: the function and its arguments (constants, tensors
+from outside the step such as the carry, x and the weights, or other recipes).
+When autograd saves a recorded value, a handle to its recipe is saved instead,
+unless the step keeps the value (``seeds``); the backward evaluates the recipes
+a step's saved values need (memoized per step), stopping at kept values: a few
+torch calls, no re-run of the body's Python, no tape. Under
+``create_graph=True`` the recipes run on the tape from the forward's own
+tensors, so double backward reaches the forward. What a step keeps:
 
-- a value computed by a function outside ``CHEAP`` (pointwise ops, views,
-  reductions, norms, deterministic factories) -- a matmul, conv, attention, a
-  random op, a composite function we do not know -- or computed from such a
-  value, is "hot": when autograd saves it, it is kept as it is (recomputing it
-  could mean a matmul or a redraw);
-- any other output is "cheap": the mode records its recipe (the function and
-  its arguments: constants, tensors from outside the step such as the carry, x
-  and the weights, or other recipes). When autograd saves a cheap value, a
-  handle to its recipe is saved instead, and the backward evaluates it (once
-  per step, memoized): a few torch calls, no re-run of the body's Python, no
-  tape. Under ``create_graph=True`` the recipe runs on the tape from the
-  forward's own tensors, so double backward reaches the forward.
-
-Nothing computed inside a step is held by a recipe, so a step keeps exactly
-its hot saved values: on a stack of ``tanh(linear(h))`` layers one tensor per
-layer (the last is the next carry) and not ``c + x``, 4 of save_all's 5 on the
-benchmark body, with no matmul re-run. Saving less means recomputing matmuls
-(``"recompute_all"``, ``save_only_these_names``).
+- ``"recompute_all"``: only its new carry (kept by the engine anyway). A
+  function outside ``DETERMINISTIC`` (a random op) or an in-place one turns
+  recipes off (``usable``): the engine re-runs the body for what is saved after;
+- ``save_only_these_names``: the named values besides (the engine's ``named``);
+- ``"min_cut"``: besides the carry, what its plan says (``core/keep.py``): at
+  most half of the bytes save_all keeps, for the least recompute. A value made
+  by a function outside ``DETERMINISTIC``, or computed from one, is "hot": kept
+  as it is when saved (recomputing it could mean a redraw), never recorded.
 
 In-place ops: a recipe records the value an op produced, so a value modified in
 place afterwards loses its recipe (if saved later it is kept as it is), and a
@@ -32,6 +27,7 @@ tape raises its version error).
 """
 import torch
 
+from . import keep
 from .trees import ScanError
 
 
@@ -56,7 +52,7 @@ class Kept:
 
     def get(self):
         if self.t._version != self.version:
-            raise ScanError("scan: remat='min_cut': a tensor saved for the backward (or read to recompute one) "
+            raise ScanError("scan: remat: a tensor saved for the backward (or read to recompute one) "
                             f"was modified by an in-place operation (version {self.version} -> "
                             f"{self.t._version}); as with the plain tape, clone it before modifying it.")
         return self.t
@@ -83,8 +79,7 @@ class Handle:
 
 
 # Functions whose outputs are cheap to recompute from their inputs (pointwise, views, reductions,
-# norms): anything else is hot, so an op this list misses is kept, never wrongly recomputed (a random
-# op or a matmul hidden in a composite function included).
+# norms): min_cut's plan prices them by the elements they make (core/keep.py).
 CHEAP = frozenset((
     "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
     "__neg__", "__pow__", "__rpow__", "__getitem__", "__get__", "add", "sub", "mul", "div", "neg", "exp",
@@ -98,31 +93,38 @@ CHEAP = frozenset((
 ))
 
 
-# Deterministic functions that are not cheap: recompute_all recomputes them from recipes too (a
-# function outside both lists, a random op say, sends recompute_all back to re-running the body).
+# Deterministic functions that are not cheap (priced DOT_WEIGHT times more). A function outside both
+# lists, a random op say or a composite we do not know, is never recorded: it sends recompute_all and
+# names back to re-running the body, and min_cut keeps its outputs (and what is computed from them).
 DOTS = frozenset((
     "linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "baddbmm", "addmv", "mv", "dot",
     "einsum", "conv1d", "conv2d", "conv3d", "bilinear", "embedding",
 ))
 DETERMINISTIC = CHEAP | DOTS
+VIEWS = frozenset(("__getitem__", "reshape", "view", "view_as", "transpose", "permute", "t", "unsqueeze", "squeeze",
+                   "expand", "expand_as", "flatten", "split", "chunk", "unbind"))  # free to recompute, never kept
 
 
 class HotValues:
-    """Per scan: the hot values of the step running now and every step's recipes.
+    """Per scan: every step's recipes and kept values (``seeds``), the step running now's hot values.
 
-    ``recompute=True`` serves ``recompute_all``: every deterministic function gets a recipe
-    (nothing is hot), so the backward recomputes only the saved values, from recipes, without
-    the tape or the body's Python, and none that is the step's new carry (``seeds``: the engine
-    keeps that carry anyway). The first function outside ``DETERMINISTIC`` (or an in-place one)
-    turns recipes off (``usable``): the engine re-runs the body for the values saved after."""
+    ``recompute=True`` serves ``recompute_all`` and names: every deterministic function gets a
+    recipe (nothing is hot); the first function outside ``DETERMINISTIC`` (or an in-place one)
+    turns recipes off (``usable``) and the engine re-runs the body for the values saved after.
+    ``budget`` serves ``min_cut``: values that cannot be recorded are hot, each step keeps what
+    its plan says (core/keep.py)."""
 
-    def __init__(self, recompute=False):
+    def __init__(self, recompute=False, budget=None):
         self.recompute, self.usable = recompute, True
-        self.seeds = []  # per step: recipe id -> the new carry leaf it made
+        self.snapshot = self.on_unusable = None  # the engine's: RNG state now; "recipes stop here"
+        self.budget = budget  # min_cut: keep at most this share of save_all's bytes per step (core/keep.py)
+        self.plans = {}  # min_cut: step shape -> recipe ids to keep
+        self.saved = []  # min_cut: this step's saved values, (recipe id or None for a hot one, tensor)
+        self.seeds = []  # per step: recipe id -> Kept value (the new carry, named or planned values)
         self.kinds = {}  # function -> _kind
         self.recipes = []  # per step: [(func, args, kwargs)] with tensors as Kept / _Ref
         self.hot = {}  # storage key -> tensor: this step's hot values (held: keys stay unique)
-        self.cheap = {}  # id -> (_Ref, tensor, storage key): this step's cheap values (held: ids stay unique)
+        self.cheap = {}  # id -> (_Ref, tensor, single output): this step's cheap values (held: ids stay unique)
         self.memo_pos, self.memo = None, {}
         self.pending = []  # (handle, tensor) saved while an op runs, resolved when it returns
 
@@ -133,33 +135,89 @@ class HotValues:
     def end_step(self, new_carry=()):
         for leaf in new_carry:
             entry = self.cheap.get(id(leaf))
-            if entry is not None and entry[1] is leaf and entry[3]:
-                self.seeds[-1][entry[0].rid] = leaf
+            if entry is not None and entry[1] is leaf and entry[2]:
+                self.seeds[-1][entry[0].rid] = Kept(leaf)
+        if self.budget is not None and self.recipes:
+            self._keep_planned()
         self.hot, self.cheap, self.pending = {}, {}, None
+        self.saved = []
+
+    def keep(self, t):
+        """Keep ``t`` for the backward as it is (a named value): the recipes that read it stop there."""
+        entry = self.cheap.get(id(t))
+        if entry is not None and entry[1] is t and entry[2]:
+            self.seeds[-1][entry[0].rid] = Kept(t)
+
+    def _keep_planned(self):
+        """min_cut: keep the values the step's plan names (``seeds``: the backward reads them as they
+        are); the rest of what the backward needs is recomputed from recipes."""
+        recipes, seeds, saved = self.recipes[-1], self.seeds[-1], self.saved
+        shape = (tuple([r[0] for r in recipes]), tuple([rid for rid, _ in saved]), tuple(seeds))
+        plan = self.plans.get(shape)
+        if plan is None:  # once per scan call; the search once per process and step shape and sizes
+            key = (shape, tuple([t.untyped_storage().nbytes() for _, t in saved]))
+            plan = keep.PLANS.get(key)
+            if plan is None:
+                plan = keep.remember(key, self._plan(recipes, seeds, saved))
+            self.plans[shape] = plan
+        if plan:
+            outputs = {e[0].rid: e[1] for e in self.cheap.values() if e[2]}
+            for rid in plan:
+                t = outputs.get(rid)
+                if t is not None:
+                    seeds[rid] = Kept(t)
+
+    def _plan(self, recipes, seeds, saved):
+        """The recipe ids this step shape keeps (core/keep.py), from the bytes save_all would keep."""
+        outputs = {e[0].rid: e[1] for e in self.cheap.values() if e[2]}
+        saved_bytes = {_key(t): t.untyped_storage().nbytes() for _, t in saved}
+        saved_bytes.pop(0, None)
+        costs = [0] * len(recipes)
+        for ref, t, _ in self.cheap.values():
+            _, is_cheap, _ = self._kind(recipes[ref.rid][0])
+            view = getattr(recipes[ref.rid][0], "__name__", "") in VIEWS
+            costs[ref.rid] += 0 if view else t.numel() * (1 if is_cheap else keep.DOT_WEIGHT)
+        anyway = {_key(t) for rid, t in saved if rid is None} | {_key(k.t) for k in seeds.values()}
+        budget = keep.BUDGET * sum(saved_bytes.values()) - sum(n for k, n in saved_bytes.items() if k in anyway)
+        sizes = {rid: t.untyped_storage().nbytes() for rid, t in outputs.items()
+                 if rid not in seeds and getattr(recipes[rid][0], "__name__", "") not in VIEWS}
+        needed = {rid for rid, _ in saved if rid is not None} - set(seeds)
+        return keep.choose(recipes, needed, set(seeds), costs, sizes, budget)
 
     # ---------------------------------------------------------------- forward
 
     def _template(self, value):
         if isinstance(value, torch.Tensor):
             entry = self.cheap.get(id(value))
-            return entry[0] if entry is not None else Kept(value)
+            return entry[0] if entry is not None and entry[1] is value else Kept(value)
+        if type(value) is tuple:  # the common case: a function's positional arguments
+            return tuple([self._template(v) for v in value])
         if isinstance(value, dict):
             return {k: self._template(v) for k, v in value.items()}
         if isinstance(value, (tuple, list)):
-            return type(value)(self._template(v) for v in value)
+            return type(value)([self._template(v) for v in value])
         return value
 
     def forward(self, func, args, kwargs):
         if not self.usable:
             return func(*args, **kwargs)
-        self.pending = []
+        kind = self.kinds.get(func) or self._kind(func)
+        writes = kind[0] or (bool(kwargs) and kwargs.get("out") is not None)
+        before = None
+        if self.recompute and self.snapshot is not None and (writes or not kind[2]):  # may stop the recipes
+            before = self.snapshot()
+        pending = self.pending = []
         try:
             out = func(*args, **kwargs)
-            self._record(func, args, kwargs, out)
-            for handle, t in self.pending:
+            self._record(func, args, kwargs, out, writes, kind[2])
+            if before is not None and not self.usable:
+                self.on_unusable(before)
+            for handle, t in pending:
                 entry = self.cheap.get(id(t))
                 if entry is not None and entry[1] is t:
                     handle.ref, handle.kept = entry[0], None
+                    if self.budget is not None:
+                        self.saved.append((entry[0].rid, t))
         finally:
             self.pending = None
         return out
@@ -174,24 +232,20 @@ class HotValues:
             kind = self.kinds[func] = (writes, name in CHEAP, name in DETERMINISTIC)
         return kind
 
-    def _record(self, func, args, kwargs, out):
-        writes, is_cheap, deterministic = self._kind(func)
-        writes = writes or kwargs.get("out") is not None
+    def _record(self, func, args, kwargs, out, writes, deterministic):
         if writes:  # the values it wrote lose their recipes
             written = {_key(t) for t in _flat(args, kwargs)}
-            self.cheap = {i: e for i, e in self.cheap.items() if e[2] not in written}
+            self.cheap = {i: e for i, e in self.cheap.items() if _key(e[1]) not in written}
         single = isinstance(out, torch.Tensor)
-        outs = [out] if single else \
-            [o for o in out if isinstance(o, torch.Tensor)] if isinstance(out, (tuple, list)) else []
-        if not outs:
+        if not single and not (isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out)):
             return
         if self.recompute:
             if writes or not deterministic:
                 self.usable = False
                 return
-        elif writes or not is_cheap or (self.hot and any(_key(t) in self.hot for t in _flat(args, kwargs))):
-            for o in outs:
-                key = _key(o)
+        elif writes or not deterministic or (self.hot and any(_key(t) in self.hot for t in _flat(args, kwargs))):
+            for o in [out] if single else out:
+                key = _key(o) if isinstance(o, torch.Tensor) else 0
                 if key:
                     self.hot[key] = o
             return
@@ -199,21 +253,26 @@ class HotValues:
         rid = len(recipes)
         recipes.append((func, self._template(args), self._template(kwargs) if kwargs else kwargs))
         if single:
-            self.cheap[id(out)] = (_Ref(rid, 0), out, _key(out), True)
+            self.cheap[id(out)] = (_Ref(rid, 0), out, True)
             return
         for i, o in enumerate(out):
             if isinstance(o, torch.Tensor):
-                self.cheap[id(o)] = (_Ref(rid, i), o, _key(o), False)
+                self.cheap[id(o)] = (_Ref(rid, i), o, False)
 
     def pack(self, t):
         """A saved value: itself when hot or from outside the step, else a handle to its recipe."""
         entry = self.cheap.get(id(t))
         if entry is not None and entry[1] is t:
+            if self.budget is not None:  # min_cut: what save_all would keep, which recipes it reads
+                self.saved.append((entry[0].rid, t))
             return Handle(len(self.recipes) - 1, entry[0])
-        if self.pending is not None and not self.is_hot(t):  # saved inside an op: maybe its output
+        hot = bool(self.hot) and self.is_hot(t)
+        if self.pending is not None and not hot and not t.is_leaf:  # saved inside an op: maybe its output
             handle = Handle(len(self.recipes) - 1, None, Kept(t))
             self.pending.append((handle, t))
             return handle
+        if hot and self.budget is not None:
+            self.saved.append((None, t))
         return None
 
     def is_hot(self, t):
@@ -237,7 +296,8 @@ class HotValues:
     def _eval(self, pos, ref, memo):
         out = memo.get(ref.rid)
         if out is None:
-            out = self.seeds[pos].get(ref.rid)
+            kept = self.seeds[pos].get(ref.rid)  # checked: the tape would refuse a value modified since
+            out = kept.get() if kept is not None else None
         if out is None:
             func, args, kwargs = self.recipes[pos][ref.rid]
             out = memo[ref.rid] = func(*self._fill(pos, args, memo), **self._fill(pos, kwargs, memo))
@@ -248,10 +308,12 @@ class HotValues:
             return value.get()
         if isinstance(value, _Ref):
             return self._eval(pos, value, memo)
+        if type(value) is tuple:
+            return tuple([self._fill(pos, v, memo) for v in value])
         if isinstance(value, dict):
             return {k: self._fill(pos, v, memo) for k, v in value.items()}
         if isinstance(value, (tuple, list)):
-            return type(value)(self._fill(pos, v, memo) for v in value)
+            return type(value)([self._fill(pos, v, memo) for v in value])
         return value
 
 

@@ -4,7 +4,10 @@ A per-step ``torch.utils.checkpoint`` costs what the issue measured (1.7-2.1x
 the loop for ``recompute_all``, against ~1.33x for one more forward): each
 call builds its own frame, hook objects, device and RNG bookkeeping, and
 selective checkpointing runs torch's Python caching modes on top. Here ONE
-``StepReplay`` serves every step of a scan:
+``StepReplay`` serves every step of a scan. ``recompute_all``, ``min_cut`` and
+``save_only_these_names`` recompute saved values from recipes recorded in the
+forward (``core/cheap.py``; ``_recorded_step``) while every function the body
+calls is known and deterministic; otherwise, and for the other policies:
 
 - forward: each step runs on the tape under saved-tensor hooks whose pack
   keeps a small handle (step, k) instead of the tensor; the step's inputs
@@ -14,8 +17,8 @@ selective checkpointing runs torch's Python caching modes on top. Here ONE
   collects what it saves, in order; each unpack hands out its tensor, and
   the step's values are dropped once all are handed out (or when another step
   is re-run), so at most one step's activations are alive at a time;
-- selective policies (``dots_saveable``, ``save_only_these_names``, a user's
-  ``RematPolicy``) add a dispatch mode: in the forward it keeps the outputs of
+- selective policies (``dots_saveable``, a user's ``RematPolicy``; names once
+  recipes stop serving) add a dispatch mode (names: ``named``): in the forward it keeps the outputs of
   the ops the policy saves (on ``policy.offload``'s device if set), in the
   re-run it hands those back instead of computing them again;
 - ``sqrt``: only every k-th carry (k = ceil(sqrt(T))) is kept; the first
@@ -31,7 +34,7 @@ import contextlib
 import torch
 
 from .. import _compat
-from . import cheap, revolve
+from . import cheap, keep, revolve
 from . import remat as policies
 from .schedule import sqrt_block
 from .trees import ScanError, map_tensors
@@ -79,9 +82,12 @@ class StepReplay:
 
     def __init__(self, step, policy, length, sqrt=False, min_cut=False, slots=None):
         policy = policies.nothing_saveable if min_cut else policy
-        # min_cut keeps hot values; recompute_all recomputes from recipes while it can (core/cheap.py)
-        plain = policy.save is policies.nothing_saveable.save and not sqrt and slots is None
-        self.hot = cheap.HotValues(recompute=not min_cut) if min_cut or plain else None
+        # recompute_all, names and min_cut recompute from recipes while they can (core/cheap.py):
+        # names keep their named values, min_cut what its plan says (core/keep.py)
+        by_names = not policy.reads_ops and policy.offload is None
+        plain = (policy.save is policies.nothing_saveable.save or by_names) and not sqrt and slots is None
+        self.hot = cheap.HotValues(recompute=not min_cut, budget=keep.BUDGET if min_cut else None) \
+            if min_cut or plain else None
         self.step, self.policy = step, policy
         self.selective = policy.save is not policies.nothing_saveable.save
         self.by_ops = self.selective and policy.reads_ops  # else names only: no dispatch mode
@@ -97,6 +103,9 @@ class StepReplay:
         self.decisions = {}
         self.replaying, self.rpos, self.pos, self.n = None, 0, 0, 0
         self.device_of = None
+        self._recording = None  # (saved-tensor hooks, recording mode) of steps recipes serve
+        if self.hot is not None:
+            self.hot.snapshot, self.hot.on_unusable = self._rng_now, self._unrecorded
 
     # ---------------------------------------------------------------- forward
 
@@ -111,6 +120,8 @@ class StepReplay:
             self._note_rng(0, carry)
         self.pos, self.n = pos, 0
         self.kept.append([])
+        if self.hot is not None and self.hot.usable:
+            return self._recorded_step(pos, carry, rest)
         out = None
         if self.hot is not None:
             self.hot.start_step()
@@ -123,6 +134,37 @@ class StepReplay:
         self.counts.append(self.n)
         self._note_rng(pos + 1, carry)  # the state the next step starts from
         return out
+
+    def _recorded_step(self, pos, carry, rest):
+        """A step whose saved values recipes serve (core/cheap.py): the hooks and the recording mode
+        built once per scan, ``checkpoint_name`` answered by this engine (the identity: under the mode
+        its own checks would each be a recorded call). No RNG state is noted: a step served by
+        recipes is never re-run, and the first function that is not recorded notes it for its step
+        before it runs (``_unrecorded``)."""
+        hot, namers = self.hot, policies.namers()
+        if self._recording is None:
+            self._recording = (torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack),
+                               cheap.Forward(hot))
+        hooks, mode = self._recording
+        hot.start_step()
+        out = None
+        namers.append(self)
+        try:
+            with hooks, mode:
+                out = self.step(carry, *rest)
+        finally:
+            namers.pop()
+            hot.end_step(_leaves(out[0], []) if out is not None else ())
+        self.counts.append(self.n)
+        if not hot.usable:  # the step's rest is re-run in the backward: the next one may be too
+            self._note_rng(pos + 1, carry)
+        return out
+
+    def _unrecorded(self, now):
+        """Recipes stop serving in the middle of step ``pos``: it will be re-run from the RNG state it
+        started from, ``now`` (taken before the function that stopped them ran; the recorded,
+        deterministic, functions before it drew nothing)."""
+        self._note_rng(self.pos, (), now)
 
     @contextlib.contextmanager
     def _hooks(self, pack, unpack):
@@ -144,12 +186,15 @@ class StepReplay:
             return self.hot.pack(t) or cheap.Kept(t)
         return self.pos, k
 
-    def _note_rng(self, pos, carry):
-        state = torch.get_rng_state()
+    def _rng_now(self):
+        """The CPU RNG state and that of the carry's CUDA devices (found at step 0)."""
+        devices = self.devices
+        return torch.get_rng_state(), (torch.utils.checkpoint.get_device_states(*devices) if devices else ([], []))
+
+    def _note_rng(self, pos, carry, now=None):
         if self.devices is None:
             self.devices = [t for t in _leaves(carry, []) if t.device.type == "cuda"]
-        devices = self.devices
-        device_states = torch.utils.checkpoint.get_device_states(*devices) if devices else ([], [])
+        state, device_states = now or self._rng_now()
         if self.rng:
             _, last, (_, last_dev) = self.rng[-1]
             if torch.equal(last, state) and all(torch.equal(a, b) for a, b in zip(last_dev, device_states[1])):
@@ -197,6 +242,10 @@ class StepReplay:
         key = ("checkpoint_name", name)
         if self.replaying is not None:
             return self._take(key, x.device).requires_grad_(x.requires_grad)
+        if self.hot is not None and self.hot.usable:  # recipes stop at x; if they stop serving in this
+            self.hot.keep(x)  # step, its re-run takes x from ``kept`` (not detached here: under the
+            self.kept[self.pos].append((key, x))  # recording mode that would be a call it records)
+            return x
         self.kept[self.pos].append((key, self._keep(x)))
         return x
 

@@ -14,8 +14,8 @@ XLA keep the same values.
 live on between the forward and the backward (host memory for a CUDA scan).
 
 The strings stay: "save_all", "recompute_all", "min_cut" (traced: functorch's
-min-cut partitioner; eager: keep what a matmul made, recompute the rest,
-``core/cheap.py``), "sqrt" (eager: only every k-th carry, k ~ sqrt(T), each
+min-cut partitioner; eager: keep at most half of save_all's bytes per step,
+for the least recompute, ``core/keep.py``), "sqrt" (eager: only every k-th carry, k ~ sqrt(T), each
 block recomputed once in the backward) and ``("binomial", k)`` (eager: at most
 k carries, placed as revolve places them; stands in graphs as "binomial:k").
 Traced, "sqrt" of a static length is two scans (``api._sqrt_scan``: an outer scan
@@ -55,7 +55,8 @@ NAMED_VALUE = torch.ops.torch_scan_hop.named_value.default
 _local = threading.local()  # the eager replay engines whose steps run now on this thread
 
 
-def _namers():
+def namers():
+    """This thread's stack of engines that ``checkpoint_name`` calls go to (the last one)."""
     stack = getattr(_local, "namers", None)
     if stack is None:
         stack = _local.namers = []
@@ -65,7 +66,7 @@ def _namers():
 @contextlib.contextmanager
 def naming(engine):
     """``checkpoint_name`` calls inside this block go to ``engine.named`` (core/recompute.py)."""
-    stack = _namers()
+    stack = namers()
     stack.append(engine)
     try:
         yield
@@ -85,9 +86,9 @@ def checkpoint_name(x, name):
         raise ScanError(f"checkpoint_name: expects a tensor, got {type(x).__name__}.")
     if torch.compiler.is_compiling():  # first: Dynamo cannot trace the thread-local's creation
         return NAMED_VALUE(x, name)
-    namers = _namers()
-    if namers:
-        return namers[-1].named(x, name)
+    stack = namers()
+    if stack:
+        return stack[-1].named(x, name)
     if not _compat.runs_eagerly([x]) or _compat.under_make_fx():
         return NAMED_VALUE(x, name)
     return x

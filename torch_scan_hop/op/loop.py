@@ -12,10 +12,12 @@ by one replay engine per scan (``core/recompute.py``):
   for a body calling a function it does not know (a random op), by re-running
   the step (RNG state restored, so dropout masks match; the body's Python side
   effects run again there).
-* ``"min_cut"``: what a matmul (or an unknown function) made is kept, the rest
-  is recomputed from recipes, nothing re-run (``core/cheap.py``).
-* any ``RematPolicy``: the outputs of the ops (and ``checkpoint_name``d values)
-  the policy saves are kept, the rest is recomputed by the re-run.
+* ``"min_cut"``: at most half of the bytes save_all keeps per step (the carry
+  counted), the values whose recompute costs most (``core/keep.py``); the rest
+  is recomputed from recipes, nothing re-run (an unknown function's outputs kept).
+* ``save_only_these_names``: the named values are kept, the rest as recompute_all.
+* any other ``RematPolicy``: the outputs of the ops (and ``checkpoint_name``d
+  values) the policy saves are kept, the rest is recomputed by the re-run.
 * ``"sqrt"``: every ~sqrt(T)-th carry is kept; blocks are re-run in the backward.
 * ``("binomial", k)``: at most k carries, as revolve places them (``core/revolve.py``).
 """
