@@ -329,3 +329,18 @@ def test_traced_graph_runs_when_the_new_carry_changes_layout(tracing_mode):
     loss = lambda out: out[0].sin().sum() + out[1].sum()  # noqa: E731
     assert_trees_close(torch.autograd.grad(loss(got), (cg, xg)), torch.autograd.grad(loss(want), (cr, xr)),
                        atol=1e-12, rtol=1e-12)
+
+
+def test_a_body_that_solves_partitions_and_trains_as_the_loop(fresh_dynamo):
+    """``linalg.solve`` records ``aten._linalg_check_errors`` (no value) in the step's joint;
+    torch 2.11's default partitioner asserted on it ("Expected _linalg_check_errors to be a
+    tensor"): every save_all scan of a Kalman-style body failed to compile there."""
+    w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    eye = torch.eye(3, dtype=torch.float64)
+    body = lambda c, x: (torch.linalg.solve(w @ w.T + eye, c) + x, c.sum())  # noqa: E731
+    c0, xs = torch.randn(3, 2, dtype=torch.float64, requires_grad=True), torch.randn(4, 3, 2, dtype=torch.float64)
+    compiled = torch.compile(lambda c0, xs: scan(body, c0, xs), backend="aot_eager", fullgraph=True)
+    got, want = compiled(c0, xs), reference_scan(body, c0, xs)
+    torch.testing.assert_close(got, want)
+    grads = [torch.autograd.grad(c.sum() + ys.square().sum(), [w, c0]) for c, ys in (got, want)]
+    torch.testing.assert_close(grads[0], grads[1])

@@ -341,6 +341,18 @@ def trace_step(body: Callable, carry, x, lifted, requires_grad) -> JointStep:
                      len(carry), len(x), len(lifted), flag_orbit)
 
 
+def _drop_error_checks(joint):
+    """Remove ``aten._linalg_check_errors`` (no value, nothing reads it) from the joint:
+    torch 2.9 and 2.15's partitioners leave it out of both step graphs anyway, and torch
+    2.11's ``default_partition`` asserts on it ("Expected _linalg_check_errors to be a
+    tensor": any save_all scan whose body solves or inverts). The eager loop still checks."""
+    check = torch.ops.aten._linalg_check_errors.default
+    for node in list(joint.graph.find_nodes(op="call_function", target=check)):
+        if not node.users:
+            joint.graph.erase_node(node)
+    joint.recompile()
+
+
 def partition_step(step: JointStep, remat="save_all") -> FwdBwd:
     """Split a traced joint into the forward and backward graphs of one step."""
     joint, primals, tangents = step.joint, step.primals, step.tangents
@@ -353,6 +365,7 @@ def partition_step(step: JointStep, remat="save_all") -> FwdBwd:
             plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in (*primals, *tangents)]
         joint = trace_graph(torch.func.functionalize(joint, remove="mutations"), plain)
     drop_aliases(joint)
+    _drop_error_checks(joint)
     _compat.drop_checkpoint_tags(joint)
     _name_joint_placeholders(joint, len(primals))
     fwd, bwd = partition_fn(remat)(joint, [*primals, *tangents], num_fwd_outputs=num_out)
