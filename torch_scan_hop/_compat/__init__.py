@@ -14,6 +14,7 @@ Nothing else in torch_scan_hop imports a private torch name
 - ``inductor``: post-grad scan pass, pattern matcher, subgraph lowering;
 - ``cpp_wrapper``: inductor's C++ wrapper (AOTInductor): whether a graph gets one, its while_loop defects;
 - ``cpp_loop``: the C++ wrapper's code for scan's counted loops;
+- ``cpp_loop_calls``: cheaper per-step calls in those loops (mm as its BLAS call, row views as pointers);
 - ``inductor_loop``: the Python wrapper's code for scan's counted loops;
 - ``defects``: the mechanics of the torch 2.9 workarounds (an inductor IR patch, a fake rule);
 - ``nn``: ``nn.Module`` internals (state dicts, hooks);
@@ -29,6 +30,7 @@ here, so ``_compat.X`` keeps working; subsystem-only adapters are reached as
 from . import (  # noqa: F401
     autograd,
     cpp_loop,
+    cpp_loop_calls,
     cpp_wrapper,
     defects,
     dispatch,
