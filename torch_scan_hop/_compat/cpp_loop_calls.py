@@ -31,10 +31,10 @@ torch 2.9-2.15: the shim's ``aoti_torch_get_{dtype,device_type,dim,sizes,strides
 ``aoti_torch_dtype_float32``, ``aoti_torch_device_type_cpu``, ``aoti_torch_cpu_mm_out``; the
 wrapper's ``reinterpret_tensor_wrapper``; ``torch.backends.mkldnn.matmul.fp32_precision``.
 """
-import functools
 import re
 
 from .cpp_loop import _CPP_FOR
+from .loop_blas import blas_is_atens_float32_mm
 
 BLAS_MM_OUT = (
     'extern "C" void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, '
@@ -114,37 +114,6 @@ def cheapen_cpp_loop_calls_in_generated_code():
 
     generate_cheaper._scan_cheapens = True
     CppWrapperCpu.generate = generate_cheaper
-
-
-def blas_is_atens_float32_mm():
-    """Whether ATen's float32 CPU mm is, right now, the ``sgemm_`` call ``BLAS_MM_OUT`` makes."""
-    import torch
-
-    backends = torch.backends
-    try:
-        precisions = (backends.mkldnn.matmul.fp32_precision, backends.mkldnn.fp32_precision, backends.fp32_precision)
-    except AttributeError:  # a torch before the fp32_precision settings
-        return False
-    return all(p in ("none", "ieee") for p in precisions) and _mkl_sgemm_exported()
-
-
-@functools.lru_cache(maxsize=None)
-def _mkl_sgemm_exported():
-    import ctypes
-    import os
-    import platform
-
-    import torch
-
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return False
-    if not torch.backends.mkl.is_available():
-        return False
-    try:
-        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        return hasattr(lib, "sgemm_")
-    except OSError:
-        return False
 
 
 def cheapen_loop_calls(code, blas):

@@ -120,6 +120,11 @@ def counting(body, step, n):
             del _step_symbols[symbol]
 
 
+def in_counted_loop():
+    """Whether the code being generated is the body of a counted loop (either wrapper)."""
+    return bool(_steps)
+
+
 def step_read_by(node):
     """The loop variable a ``DynamicScalar`` ``node`` reads when it reads the counter of a
     loop being generated (recording its symbol's range), else None."""
