@@ -134,7 +134,6 @@ def call_blas_for_mm_in_python_loops(in_counted_loop):
         return
     generate_out = PythonWrapperCodegen.generate_extern_kernel_out
     line_codegen = ExternKernelOutLine.codegen
-    plans = {}  # id(node) -> plan, for the ExternKernelOutLine written below
 
     def generate_extern_kernel_out(self, node):
         plan = None
@@ -143,14 +142,14 @@ def call_blas_for_mm_in_python_loops(in_counted_loop):
             plan = _plan_of(node)
         if plan is not None:
             _define_kernel_once(self)
-            plans[id(node)] = (node, plan)
+            node._scan_blas_plan = plan  # read by the ExternKernelOutLine written next
         return generate_out(self, node)
 
     def codegen(self, code):
-        found = plans.get(id(self.node))
-        if found is None or found[0] is not self.node:
+        node = self.node
+        plan = getattr(node, "_scan_blas_plan", None)
+        if plan is None:
             return line_codegen(self, code)
-        node, plan = found
         a, b = node.codegen_args()[:2]
         out = node.output_view.codegen_reference() if node.output_view else node.codegen_reference()
         first, second = (b, a) if plan[0] else (a, b)
