@@ -120,9 +120,10 @@ def counting(body, step, n):
             del _step_symbols[symbol]
 
 
-def in_counted_loop():
-    """Whether the code being generated is the body of a counted loop (either wrapper)."""
-    return bool(_steps)
+def counted_loop_trip_counts():
+    """The trip counts (ints, or sympy expressions of dynamic lengths) of the counted loops whose
+    body is being generated, outermost first; empty outside them (either wrapper)."""
+    return [n for _, n in _steps.values()]
 
 
 def step_read_by(node):

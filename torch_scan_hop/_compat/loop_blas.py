@@ -121,12 +121,18 @@ def _transposed(stride, i0, i1, rows, cols):
     return None
 
 
-def call_blas_for_mm_in_python_loops(in_counted_loop):
-    """In the Python wrapper, write ``extern_kernels.mm(a, b, out=c)`` generated while
-    ``in_counted_loop()`` as ``scan_blas_sgemm(c, a, b, <ints>)``, a C++ kernel (compiled
-    with the graph's, cached like them) that makes ``mm_plan``'s call, when the three are
-    float32 CPU matrices of static sizes and strides and ``blas_is_atens_float32_mm()``.
-    Idempotent."""
+_MIN_STEPS = 64  # the Python wrapper's kernel is one more C++ file to build on a cold cache
+
+
+def call_blas_for_mm_in_python_loops(trip_counts):
+    """In the Python wrapper, write ``extern_kernels.mm(a, b, out=c)`` generated in the body of
+    counted loops (``trip_counts()``: theirs, outermost first) as ``scan_blas_sgemm(c, a, b,
+    <ints>)``, a C++ kernel (compiled with the graph's, cached like them) that makes
+    ``mm_plan``'s call, when the three are float32 CPU matrices of static sizes and strides,
+    ``blas_is_atens_float32_mm()``, and the loops run at least ``_MIN_STEPS`` steps in all (or a
+    dynamic number): the kernel is one more C++ build on a cold cache (+1.1-1.3 s on the first
+    call at load 6, caches off), which ~1.5 us saved a step pays back only on long loops. The C++
+    wrapper's twin (``cpp_loop_calls``) builds nothing more. Idempotent."""
     from torch._inductor.codegen.wrapper import ExternKernelOutLine, PythonWrapperCodegen
     from torch._inductor.virtualized import V
 
@@ -137,7 +143,7 @@ def call_blas_for_mm_in_python_loops(in_counted_loop):
 
     def generate_extern_kernel_out(self, node):
         plan = None
-        if not V.graph.cpp_wrapper and in_counted_loop() and getattr(node, "python_kernel_name", None) == \
+        if not V.graph.cpp_wrapper and _long_enough(trip_counts()) and getattr(node, "python_kernel_name", None) == \
                 "extern_kernels.mm":
             plan = _plan_of(node)
         if plan is not None:
@@ -159,6 +165,15 @@ def call_blas_for_mm_in_python_loops(in_counted_loop):
     generate_extern_kernel_out._scan_blas = True
     PythonWrapperCodegen.generate_extern_kernel_out = generate_extern_kernel_out
     ExternKernelOutLine.codegen = codegen
+
+
+def _long_enough(counts):
+    total = 1
+    for n in counts:
+        if not isinstance(n, int):
+            return True  # a dynamic length
+        total *= n
+    return bool(counts) and total >= _MIN_STEPS
 
 
 def _plan_of(node):
