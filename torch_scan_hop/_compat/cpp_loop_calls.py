@@ -29,7 +29,7 @@ same outputs bit for bit. Lines are replaced in place (the helper goes at the fr
 
 torch 2.9-2.15: the shim's ``aoti_torch_get_{dtype,device_type,dim,sizes,strides,data_ptr}``,
 ``aoti_torch_dtype_float32``, ``aoti_torch_device_type_cpu``, ``aoti_torch_cpu_mm_out``; the
-wrapper's ``reinterpret_tensor_wrapper``; ``torch.backends.mkldnn.matmul.fp32_precision``.
+wrapper's ``reinterpret_tensor_wrapper``. Whether ATen's mm is that BLAS call: ``loop_blas``.
 """
 import re
 
