@@ -225,3 +225,28 @@ def check_nested(how):
     for t in (3, 4):
         assert re.search(rf"for \(int64_t \w+_step = 0; \w+_step < {t};", code), f"no counted loop of {t} steps"
     assert "while (1)" not in code
+
+
+def check_blas_mm_matches_aten(how):
+    """Float32 matmuls in a counted loop call BLAS directly (``_compat.cpp_loop_calls``) and give
+    ATen's mm's numbers to the bit, for the layouts ATen itself hands to BLAS: a row-major
+    weight, a transposed one on either side, a batch of 1 (size-1 dims), and shapes whose m, n,
+    k all differ.
+    The step is matmuls and an exact scale only, so the loop's own torch.mm gives the same bits."""
+    from torch._inductor.utils import run_and_get_code
+
+    def run(scan_fn, c0, xs, w1, w2):
+        return scan_fn(lambda c, x: (((c @ w1) @ w2.t()) * 0.5 + x, (c, x.t() @ c)), c0, xs)
+
+    gen = torch.Generator().manual_seed(3)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)
+    for batch in (5, 1):
+        c0, xs, w1, w2 = rand(batch, 6), rand(4, batch, 6), rand(6, 3), rand(6, 3)
+        with _cpp_wrapper(how) as compile_:
+            compiled = compile_(lambda *a: run(scan, *a), fullgraph=True)
+            got, codes = run_and_get_code(compiled, c0, xs, w1, w2)
+        want = run(reference_scan, c0, xs, w1, w2)
+        got, want = torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), [(g - w).abs().max() for g, w in zip(got, want)]
+        loop = codes[0][codes[0].index("for (int64_t "):]
+        assert loop.count("scan_blas_mm_out(") == (3 if batch > 1 else 2)  # x.t() @ c of a batch of 1: a product

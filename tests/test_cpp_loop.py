@@ -116,7 +116,7 @@ def test_compiled_rnn_calls_mm_not_addmm_in_its_loop(bias):
     assert_trees_close(torch.autograd.grad(sum(v.sum() for v in got), (c0, xs)),
                        torch.autograd.grad(sum(v.sum() for v in want), (c0, xs)))
     loop = codes[0][codes[0].index("_step in range(5)"):]
-    assert "extern_kernels.mm(" in loop and "addmm" not in loop
+    assert ("extern_kernels.mm(" in loop or "scan_blas_sgemm(" in loop) and "addmm" not in loop  # ATen's mm or its BLAS call
 
 
 @pytest.mark.parametrize("reverse", [False, True])
@@ -149,3 +149,47 @@ def test_dynamic_length_runs_as_a_counted_loop(reverse):
             loop = codes[0][codes[0].index(f"for {loops[0][0]}_step"):]
             assert f"{loops[0][0]}_pool0[{loops[0][0]}_step & 1]" in loop
             assert "raise RuntimeError" not in loop.split("\n    del ")[0] and "while " not in codes[0]
+
+
+ROW_VIEW = """\
+void inductor_entry_impl(
+    for (int64_t buf2_step = 0; buf2_step < 256; ++buf2_step) {
+        AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_mm_out(b_buf5, b_arg2_1, arg2_1));
+        auto b_buf7 = wrap_with_raii_handle_if_needed(reinterpret_tensor_wrapper(b_arg1_1, 1, int_array_5, int_array_6, 8L*u0));  // alias
+        {between}
+        cpp_fused_1((float*)(b_buf5.data_ptr()), (float*)(b_buf7.data_ptr()), u0);
+    }
+    AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_mm_out(buf9, buf5, arg2_1));"""
+
+
+def test_row_view_read_through_its_pointer_becomes_pointer_arithmetic():
+    from torch_scan_hop._compat.cpp_loop_calls import cheapen_loop_calls
+
+    code = ROW_VIEW.replace("{between}", "")
+    cheaper = cheapen_loop_calls(code, blas=False)
+    assert len(cheaper.split("\n")) == len(code.split("\n"))
+    assert "reinterpret_tensor_wrapper" not in cheaper and "b_buf7.data_ptr()" not in cheaper
+    assert "cpp_fused_1((float*)(b_buf5.data_ptr()), ((float*)(b_arg1_1.data_ptr()) + (8L*u0)), u0);" in cheaper
+    assert "scan_blas_mm_out" not in cheaper  # blas=False: mm stays ATen's
+
+
+@pytest.mark.parametrize("between", [
+    "b_arg1_1.reset();",                                                # its base gone before the read
+    "AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_mm_out(b_buf7, b_buf5, arg2_1));",  # read as a handle
+])
+def test_row_view_stays_a_view_unless_only_its_pointer_is_read_while_its_base_lives(between):
+    from torch_scan_hop._compat.cpp_loop_calls import cheapen_loop_calls
+
+    cheaper = cheapen_loop_calls(ROW_VIEW.replace("{between}", between), blas=False)
+    assert "reinterpret_tensor_wrapper(b_arg1_1" in cheaper and "(float*)(b_buf7.data_ptr())" in cheaper
+
+
+def test_mm_in_a_counted_loop_calls_blas_through_a_helper_defined_before_the_entry():
+    from torch_scan_hop._compat.cpp_loop_calls import BLAS_MM_OUT, cheapen_loop_calls
+
+    code = ROW_VIEW.replace("{between}", "")
+    lines = cheapen_loop_calls(code, blas=True).split("\n")
+    assert len(lines) == len(code.split("\n"))
+    assert lines[0] == BLAS_MM_OUT + "void inductor_entry_impl("
+    assert "scan_blas_mm_out(b_buf5, b_arg2_1, arg2_1)" in lines[2]
+    assert "aoti_torch_cpu_mm_out(buf9, buf5, arg2_1)" in lines[-1]  # outside the loop: left alone

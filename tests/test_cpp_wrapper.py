@@ -36,6 +36,11 @@ def test_scan_layers_training_step(how, stacked):
     _run("check_scan_layers", how, stacked)
 
 
+@pytest.mark.parametrize("how", ["option"])
+def test_float32_matmuls_in_the_loop_call_blas_with_atens_numbers(how):
+    _run("check_blas_mm_matches_aten", how)
+
+
 @pytest.mark.parametrize("how", ["global"])
 def test_nested_scans_are_counted_loops(how):
     _run("check_nested", how)

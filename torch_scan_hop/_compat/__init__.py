@@ -14,7 +14,9 @@ Nothing else in torch_scan_hop imports a private torch name
 - ``inductor``: post-grad scan pass, pattern matcher, subgraph lowering;
 - ``cpp_wrapper``: inductor's C++ wrapper (AOTInductor): whether a graph gets one, its while_loop defects;
 - ``cpp_loop``: the C++ wrapper's code for scan's counted loops;
+- ``cpp_loop_calls``: cheaper per-step calls in those loops (mm as its BLAS call, row views as pointers);
 - ``inductor_loop``: the Python wrapper's code for scan's counted loops;
+- ``loop_blas``: float32 matmuls in those loops (both wrappers) as ATen's own BLAS call;
 - ``defects``: the mechanics of the torch 2.9 workarounds (an inductor IR patch, a fake rule);
 - ``nn``: ``nn.Module`` internals (state dicts, hooks);
 - ``distributed``: FSDP2's hooks and policies (scan_layers over ``fully_shard`` layers);
@@ -29,6 +31,7 @@ here, so ``_compat.X`` keeps working; subsystem-only adapters are reached as
 from . import (  # noqa: F401
     autograd,
     cpp_loop,
+    cpp_loop_calls,
     cpp_wrapper,
     defects,
     dispatch,
@@ -38,6 +41,7 @@ from . import (  # noqa: F401
     hop,
     inductor,
     inductor_loop,
+    loop_blas,
     nn,
     tracing,
     xla,

@@ -120,6 +120,12 @@ def counting(body, step, n):
             del _step_symbols[symbol]
 
 
+def counted_loop_trip_counts():
+    """The trip counts (ints, or sympy expressions of dynamic lengths) of the counted loops whose
+    body is being generated, outermost first; empty outside them (either wrapper)."""
+    return [n for _, n in _steps.values()]
+
+
 def step_read_by(node):
     """The loop variable a ``DynamicScalar`` ``node`` reads when it reads the counter of a
     loop being generated (recording its symbol's range), else None."""

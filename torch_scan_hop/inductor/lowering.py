@@ -53,6 +53,8 @@ def install():
     _compat.inductor_loop.run_counted_loops_as_for_loops(lambda name: name.startswith(_LOOP_PREFIX))
     _compat.cpp_loop.run_counted_loops_as_cpp_for_loops(lambda name: name.startswith(_LOOP_PREFIX))
     _compat.cpp_loop.pool_cpp_loop_buffers_in_generated_code()
+    _compat.cpp_loop_calls.cheapen_cpp_loop_calls_in_generated_code()
+    _compat.loop_blas.call_blas_for_mm_in_python_loops(_compat.inductor_loop.counted_loop_trip_counts)
     _compat.inductor.skip_output_asserts_of(torch.ops.torch_scan_hop.stacked_buffers.default)
     _installed = True
 

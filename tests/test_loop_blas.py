@@ -1,0 +1,63 @@
+"""Float32 matmuls in the Python wrapper's counted loops call BLAS as ATen's mm would
+(``_compat.loop_blas``): the same bits as the loop's torch.mm, for the layouts ATen hands to
+BLAS as they are. The C++ wrapper's twin: tests/test_cpp_wrapper.py."""
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+from torch.utils._pytree import tree_leaves
+from conftest import reference_scan
+
+from torch_scan_hop import scan
+from torch_scan_hop._compat.loop_blas import blas_is_atens_float32_mm, mm_plan
+
+needs_blas = pytest.mark.skipif(not blas_is_atens_float32_mm(), reason="ATen's float32 mm is not a plain sgemm_ here")
+
+
+def _run(scan_fn, c0, xs, w1, w2):
+    """Matmuls and an exact scale only: a row-major weight, a transposed one on either side."""
+    return scan_fn(lambda c, x: (((c @ w1) @ w2.t()) * 0.5 + x, (c, x.t() @ c)), c0, xs)
+
+
+def _compiled(length, batch, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(batch)
+    rand = lambda *shape, scale=1.0: torch.randn(*shape, generator=gen, dtype=dtype) * scale
+    args = rand(batch, 6), rand(length, batch, 6), rand(6, 3, scale=0.5), rand(6, 3, scale=0.5)
+    torch._dynamo.reset()
+    got, codes = run_and_get_code(torch.compile(lambda *a: _run(scan, *a), fullgraph=True), *args)
+    return got, _run(reference_scan, *args), codes[0]
+
+
+@needs_blas
+@pytest.mark.parametrize("batch", [5, 1])
+def test_float32_matmuls_in_the_loop_give_atens_bits(batch):
+    got, want, code = _compiled(64, batch)
+    for g, w in zip(tree_leaves(got), tree_leaves(want)):
+        assert torch.equal(g, w), (g - w).abs().max()
+    assert all(g.isfinite().all() for g in tree_leaves(got))
+    loop = code[code.index("_step in range(64):"):]
+    assert loop.count("scan_blas_sgemm(") == (3 if batch > 1 else 2)  # x.t() @ c of a batch of 1: a product
+    assert "extern_kernels.mm(" not in loop
+
+
+def test_short_loops_keep_atens_mm():
+    """Under 64 steps the BLAS kernel (one more C++ build on a cold cache) does not pay."""
+    got, want, code = _compiled(4, 5)
+    torch.testing.assert_close(got, want)
+    assert "scan_blas_sgemm" not in code and "extern_kernels.mm(" in code
+
+
+def test_other_dtypes_keep_atens_mm():
+    got, want, code = _compiled(64, 5, dtype=torch.float64)
+    torch.testing.assert_close(got, want)
+    assert "scan_blas_sgemm" not in code and "extern_kernels.mm(" in code
+
+
+@pytest.mark.parametrize("out,a,b,plan", [
+    (((8, 64), (64, 1)), ((8, 64), (64, 1)), ((64, 64), (64, 1)), (True, False, False, 64, 8, 64, 64, 64, 64)),
+    (((8, 64), (64, 1)), ((8, 64), (64, 1)), ((64, 64), (1, 64)), (True, True, False, 64, 8, 64, 64, 64, 64)),
+    (((64, 8), (1, 64)), ((64, 8), (1, 64)), ((8, 8), (8, 1)), (False, False, True, 64, 8, 8, 64, 8, 64)),
+    (((8, 64), (64, 1)), ((8, 64), (128, 2)), ((64, 64), (64, 1)), None),  # ATen copies a first
+    (((0, 64), (64, 1)), ((0, 64), (64, 1)), ((64, 64), (64, 1)), None),   # empty: ATen returns early
+])
+def test_plan_is_atens_layout_decision(out, a, b, plan):
+    assert mm_plan(out, a, b) == plan
