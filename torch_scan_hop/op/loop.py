@@ -161,18 +161,23 @@ def stand_in(mode, t, sliced=False):
     grad/jvp level's wrapper (under jvp a view of its primal). Meta conversion refuses views
     of those ("view functorch tensors are not supported") and fails its own metadata check
     (``is_leaf``) on a grad level's, so a wrapper gets a fresh fake of what the body sees
-    (shape, dtype, device), made inside the active transforms, which treat it as any new
-    tensor; the body's ops on it reach the fake mode below them. The empty ys built from the
-    run hold no values, so the transforms take them as constants: empty tangents under jvp,
-    no gradient, a vmap's batch dim added when they leave it. A slice of a plain tensor keeps
-    the slice's strides (``for x in xs``'s), without the slicing that an empty ``xs`` cannot do."""
+    (shape, dtype, device), made inside the active transforms by ``new_empty``: grad and jvp
+    treat it as any new tensor, and vmap batches it where ``t`` is batched (its batching
+    rule), as the loop's values are. The body's ops on it reach the fake mode below them. An
+    unbatched stand-in for a batched carry made the body's values unbatched where the loop's
+    are batched, and an in-place op on one by a batched closure (``a.clone().mul_(a @ W)``)
+    raised vmap's in-place error, which the loop never does (at length 0 it runs no step).
+    The empty ys built from the run hold no values, so the transforms take them as constants:
+    empty tangents under jvp, no gradient, a vmap's batch dim added when they leave it. A
+    slice of a plain tensor keeps the slice's strides (``for x in xs``'s), without the
+    slicing that an empty ``xs`` cannot do."""
     if not isinstance(t, torch.Tensor):
         return t
     if dt.is_dtensor(t):
         return mode.from_tensor(slice_example(t) if sliced else t)
     shape = t.shape[1:] if sliced else t.shape
     if _compat.is_functorch_wrapped(t):
-        return torch.empty(shape, dtype=t.dtype, device=t.device)
+        return t.new_empty(shape)
     if sliced:
         return torch.empty_strided(shape, t.stride()[1:], dtype=t.dtype, device=t.device)
     return mode.from_tensor(t)
