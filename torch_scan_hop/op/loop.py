@@ -106,8 +106,8 @@ def run_flat(combine_fn, init, xs, additional_inputs, reverse=False, remat=None)
         return list(out[:num_carry]), list(out[num_carry:])
 
     step = remat_step(step, remat, length)
-    carry, ys = list(init), [None] * length
     layouts = traced_layouts(init) if traced else None
+    carry, ys = list(init) if layouts is None else in_traced_layout(init, layouts), [None] * length
     for i in step_order(length, reverse):
         carry, ys[i] = step(carry, i)
         if layouts is not None:
@@ -125,7 +125,8 @@ def in_traced_layout(carry, layouts):
     """A traced body's ``reshape`` may be a ``view`` that only the layout it was
     traced on allows. A new carry in another layout (``tanh(a.t() * b)`` keeps the
     transpose's strides) is copied into that layout before the next step, as the
-    compiled loop does."""
+    compiled loop does; so is init, when it is not dense (a slice of a wider tensor,
+    a vmap's batched view of one), which ``example_args`` cloned dense."""
     return [c if ref is None or type(c) is not torch.Tensor or c.shape != ref.shape or c.stride() == ref.stride()
             else torch.empty_like(ref, dtype=c.dtype).copy_(c)
             for c, ref in zip(carry, layouts)]
