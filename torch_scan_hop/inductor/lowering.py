@@ -208,8 +208,9 @@ def _in_traced_layout(init):
     """``init`` in the layout the body was traced on: ``example_args`` cloned it, which
     makes a non-dense init (a slice of a wider tensor) dense, and the body's ``reshape``
     may be a ``view`` only that layout allows (inductor: "Cannot view a tensor with shape
-    ... and strides ...")."""
-    if not isinstance(init, torch.Tensor):
+    ... and strides ..."). Static sizes and strides only: an ``empty_like`` of symbolic ones
+    here would make symbols the graph does not track (a symbolic non-dense init stays as it is)."""
+    if not isinstance(init, torch.Tensor) or not all(type(v) is int for v in (*init.shape, *init.stride())):
         return init
     with _compat.disable_proxy_modes_tracing():
         traced = torch.empty_like(init)  # clone's layout, nothing recorded
