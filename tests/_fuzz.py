@@ -380,8 +380,9 @@ def vector_function(p, inst, run, batched=None):
     """``(f, v, seen)``: the problem as a function of ONE vector, for torch.func's transforms.
 
     ``v`` holds every float input (init and xs leaves, closures, module parameters; with
-    ``batched``, those of its seeded choice) flattened, plus one dummy element; the other inputs
-    stay fixed. ``f(v)`` is every output of ``run(p, body, init, xs)`` (ints and bools cast to
+    ``batched`` not None, as every func mode passes it, a seeded choice of them: a transform of
+    some inputs only, e.g. of a closure with a plain init) flattened, plus one dummy element;
+    the other inputs stay fixed. ``f(v)`` is every output of ``run(p, body, init, xs)`` (ints and bools cast to
     the float dtype) flattened into one vector, plus twice the dummy: neither is ever empty,
     also at length 0, where the ys hold no element. One input and one output because jacrev
     and jacfwd of several read a tensor's value while building their bases, which make_fx

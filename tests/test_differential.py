@@ -81,6 +81,9 @@ REGRESSIONS = [
     ("func_grad_compile", 2),  # length 0 under AOTAutograd: the ys' fake run met its fake mode
     ("func_jvp", 5010),  # length 0: LayerNorm's jvp formula (a constant bias) in the ys' fake run
     ("func_vmap_compile", 7001),  # vmap refuses the body's mul_; torch 2.15's error kept its text
+    ("func_grad", 11000),  # grad of the closures alone with a partition function: the op's trace met the wrappers
+    ("func_vmap", 12005),  # length 0: an unbatched stand-in for a batched carry, then a mul_ by a batched value
+    ("func_vmap_make_fx", 13002),  # a non-dense (batched) init met the traced body's view at step 0
 ]
 
 

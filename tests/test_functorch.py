@@ -310,3 +310,35 @@ def test_make_fx_of_grad_with_a_partition_function_as_remat(transform):
 
     got = make_fx(apply(f(lambda *a, **k: scan(*a, remat=default_partition, **k))))(w)(w)
     close(got, apply(f(reference_scan))(w))
+
+
+
+@pytest.mark.parametrize("n", [0, 1, 4])
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jvp", "jacrev", "jacfwd", "hessian"])
+def test_transform_of_a_closure_alone_with_a_partition_function_as_remat(transform, n):
+    """Differentiated with respect to the closed-over weight only (init and xs plain tensors
+    made outside the transform), with a partition function as remat: the scan took the op's
+    path and traced its body under the live transform, whose graph then held the transform's
+    wrapped values, not fake ones (torch 2.9: "Only fake tensor is allowed"; torch 2.15:
+    "Cannot access storage of TensorWrapper"). The transform differentiates the loop, as with
+    the named policies."""
+    from torch._functorch.partitioners import default_partition
+
+    w, h0, u = data()
+    u = u[:n]
+
+    def f(run):
+        def fn(w):
+            def body(c, x):
+                c = torch.tanh(c @ w + x * c.sum())
+                return c, c.sum(-1)
+
+            c, ys = run(body, h0, u)
+            return c.pow(2).sum() + (ys.sin().sum() if ys is not None else 0)  # the loop's ys at n=0: None
+        return fn
+
+    t = torch.randn_like(w)
+    apply = {"grad": grad, "jacrev": jacrev, "jacfwd": jacfwd, "hessian": hessian,
+             "vjp": lambda fn: lambda w: vjp(fn, w)[1](torch.tensor(1.5, dtype=D)),
+             "jvp": lambda fn: lambda w: jvp(fn, (w,), (t,))}[transform]
+    close(apply(f(lambda *a, **k: scan(*a, remat=default_partition, **k)))(w), apply(f(reference_scan))(w))

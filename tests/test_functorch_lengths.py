@@ -204,3 +204,41 @@ def test_layer_norm_with_a_differentiated_weight_and_a_constant_bias(transform, 
     got = apply(lambda fn, h, u: scan(fn, h, u), w)
     want = apply(lambda fn, h, u: loop(fn, h, u, variant="tensor"), w)
     assert_trees_close(got, want)
+
+
+def _in_place_body(w):
+    def body(c, x):
+        a = torch.tanh(c + x)  # batched where c or x is
+        b = a.clone().mul_(a @ w)  # in place into a: fine where a is batched (or w is not)
+        return b, b.sum(-1) * x[0, 0]
+    return body
+
+
+def _loop_in_place(h, w, xs):
+    """The loop; at length 0 (no step) init and the empty ys of one step's y, (0, 2)."""
+    if xs.shape[0] == 0:
+        return h, torch.empty(0, 2, dtype=D)
+    return reference_scan(_in_place_body(w), h, xs)
+
+
+VMAPS = {  # how (h, w, xs) are batched: B=2 samples of each, xs batched behind the scan dim or in front
+    "carry_and_weight": lambda f, h, w, xs: vmap(f, in_dims=(0, 0, None))(h.expand(2, 2, 3), w, xs),
+    "xs_at_dim_1": lambda f, h, w, xs: vmap(f, in_dims=(None, 0, 1))(h, w, xs.unsqueeze(1).expand(-1, 2, 2, 3)),
+    "nested_xs_at_dims_2_and_0": lambda f, h, w, xs: vmap(vmap(f, in_dims=(None, None, 0)), in_dims=(0, 0, 2))(
+        h.expand(2, 2, 3), w, xs.unsqueeze(0).unsqueeze(3).expand(3, -1, 2, 2, 3).contiguous()),
+}
+
+
+@pytest.mark.parametrize("n", [0, 1, 3])
+@pytest.mark.parametrize("batching", list(VMAPS))
+def test_vmap_with_the_body_writing_in_place_into_a_batched_carry_value(batching, n):
+    """The length-0 shape run stood an unbatched tensor in for a batched carry: the body's
+    ``a`` came out unbatched, and its in-place multiply by a batched ``a @ w`` raised vmap's
+    in-place error, which the loop never raises (at length 0 it runs no step). The stand-ins
+    of batched carries and x slices are batched as the loop's values are, also at a batch
+    dim behind the scan dim and under nested vmaps."""
+    torch.manual_seed(0)
+    h, xs = torch.randn(2, 3, dtype=D), torch.randn(n, 2, 3, dtype=D)
+    w = torch.randn(2, 3, 3, dtype=D) * 0.5
+    got = VMAPS[batching](lambda h, w, xs: scan(_in_place_body(w), h, xs), h, w, xs)
+    assert_trees_close(got, VMAPS[batching](_loop_in_place, h, w, xs))

@@ -344,3 +344,33 @@ def test_a_body_that_solves_partitions_and_trains_as_the_loop(fresh_dynamo):
     torch.testing.assert_close(got, want)
     grads = [torch.autograd.grad(c.sum() + ys.square().sum(), [w, c0]) for c, ys in (got, want)]
     torch.testing.assert_close(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("where", ["make_fx", "aot_eager", "inductor"])
+def test_traced_graph_runs_on_an_init_that_is_not_dense(where, fresh_dynamo):
+    """init a slice of a wider tensor (strides (10, 3, 1)): ``example_args`` cloned it
+    dense, so the body's ``c.reshape(4, 3)`` was traced as a view that init's own layout
+    does not allow ("view size is not compatible" at step 0; inductor: "Cannot view a
+    tensor with shape ... and strides (10, 3, 1)"). init is copied into the traced layout
+    first, as every later carry is: values and gradients of the loop."""
+    w = torch.randn(3, 3, dtype=torch.float64)
+
+    def body(c, x):
+        return torch.tanh(c.reshape(4, 3) @ w).reshape(2, 2, 3) + x, c.sum()
+
+    def f(run, base, xs):
+        return run(body, base[:, :6].unflatten(1, (2, 3)), xs)
+
+    base, xs = torch.randn(2, 10, dtype=torch.float64), torch.randn(3, 2, 2, 3, dtype=torch.float64)
+    if where == "make_fx":
+        run = make_fx(lambda base, xs: f(scan, base, xs))(base, xs)
+    else:
+        run = torch.compile(lambda base, xs: f(scan, base, xs), backend=where, fullgraph=True)
+    bg, xg = base.clone().requires_grad_(), xs.clone().requires_grad_()
+    got = run(bg, xg)
+    br, xr = base.clone().requires_grad_(), xs.clone().requires_grad_()
+    want = f(reference_scan, br, xr)
+    assert_trees_close(got, want, atol=1e-12, rtol=1e-12)
+    loss = lambda out: out[0].sin().sum() + out[1].sum()  # noqa: E731
+    assert_trees_close(torch.autograd.grad(loss(got), (bg, xg)), torch.autograd.grad(loss(want), (br, xr)),
+                       atol=1e-12, rtol=1e-12)

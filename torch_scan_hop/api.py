@@ -100,7 +100,7 @@ def _scan(fn, init, inputs, reverse, remat, unroll):
     leaves = [*inputs.init_leaves, *inputs.xs_leaves]
     if not callable(remat) and (_compat.runs_eagerly(leaves) or _nested_on_xla(leaves)):
         return run_tree(fn, init, inputs, reverse, remat)
-    if _under_grad_while_tracing():
+    if _differentiated_by_a_transform(leaves):
         return run_tree(fn, init, inputs, reverse, "save_all" if callable(remat) else remat)
     if _two_level(remat, inputs):
         return _sqrt_scan(fn, init, inputs, reverse, unroll)
@@ -158,13 +158,19 @@ def _sqrt_scan(fn, init, inputs, reverse, unroll):
     return carry, y_spec.unflatten(ys_leaves)
 
 
-def _under_grad_while_tracing():
-    """torch.func.grad (or jvp) inside make_fx: the op's body graph would be traced from the
-    transform's wrapped tensors, whose values then entered it as constants (a zero gradient).
-    The loop is traced instead, each step's ops differentiated by the transform as they run;
-    with a partition function as ``remat`` too (which only chooses what a backward keeps: the
-    transform keeps its own), where the op's wrong gradient came back."""
-    return _compat.dispatch_modes_active() and _compat.differentiating_transform_active()
+def _differentiated_by_a_transform(leaves):
+    """torch.func.grad (or jvp, vjp, jacrev...) active, in eager or inside make_fx: the loop
+    runs (or is traced), each step's ops differentiated by the transform as they run; with a
+    partition function as ``remat`` too, which only chooses what a backward keeps (the
+    transform keeps its own). The op's path would trace its body graph under the live
+    transform: inside make_fx from the wrapped tensors, whose values entered the graph as
+    constants (a zero gradient); in eager, with closures wrapped by the transform and inputs
+    that are not (grad with respect to a weight only), that graph's example values came out
+    wrapped by the transform, not fake ("Only fake tensor is allowed", torch 2.15 "Cannot
+    access storage of TensorWrapper")."""
+    if not _compat.differentiating_transform_active():
+        return False
+    return _compat.dispatch_modes_active() or _compat.runs_eagerly(leaves)
 
 
 def _nested_on_xla(leaves):

@@ -208,6 +208,19 @@ def _in_layout_of(new, old):
     return torch.ops.prims.copy_strided.default(new, old.stride())
 
 
+def _in_traced_layout(init):
+    """``init`` in the layout the body was traced on: ``example_args`` cloned it, which
+    makes a non-dense init (a slice of a wider tensor) dense, and the body's ``reshape``
+    may be a ``view`` only that layout allows (inductor: "Cannot view a tensor with shape
+    ... and strides ..."). Static sizes and strides only: an ``empty_like`` of symbolic ones
+    here would make symbols the graph does not track (a symbolic non-dense init stays as it is)."""
+    if not isinstance(init, torch.Tensor) or not all(type(v) is int for v in (*init.shape, *init.stride())):
+        return init
+    with _compat.disable_proxy_modes_tracing():
+        traced = torch.empty_like(init)  # clone's layout, nothing recorded
+    return _in_layout_of(init, traced)
+
+
 def _preallocate(ys_vals, symbols):
     """Empty ys like ``ys_vals``, on storage reused between calls (see ``buffer_pool``):
     one operator call per dtype and device."""
@@ -236,6 +249,7 @@ def _while_loop(body, ys_vals, counts, reverse, dead=frozenset()):
 
     def lowered(*flat):
         init, xs, lifted = split_counts(flat, nc, nx, nl)
+        init = [_in_traced_layout(c) for c in init]
         length = xs[0].size(0)
         symbols = {a.node.expr: a for a in (*flat, length) if isinstance(a, torch.SymInt)}
         kept = [k for k in range(len(ys_vals)) if k not in dead]

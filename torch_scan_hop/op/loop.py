@@ -108,8 +108,8 @@ def run_flat(combine_fn, init, xs, additional_inputs, reverse=False, remat=None)
         return list(out[:num_carry]), list(out[num_carry:])
 
     step = remat_step(step, remat, length)
-    carry, ys = list(init), [None] * length
     layouts = traced_layouts(init) if traced else None
+    carry, ys = list(init) if layouts is None else in_traced_layout(init, layouts), [None] * length
     for i in step_order(length, reverse):
         carry, ys[i] = step(carry, i)
         if layouts is not None:
@@ -127,7 +127,8 @@ def in_traced_layout(carry, layouts):
     """A traced body's ``reshape`` may be a ``view`` that only the layout it was
     traced on allows. A new carry in another layout (``tanh(a.t() * b)`` keeps the
     transpose's strides) is copied into that layout before the next step, as the
-    compiled loop does."""
+    compiled loop does; so is init, when it is not dense (a slice of a wider tensor,
+    a vmap's batched view of one), which ``example_args`` cloned dense."""
     return [c if ref is None or type(c) is not torch.Tensor or c.shape != ref.shape or c.stride() == ref.stride()
             else torch.empty_like(ref, dtype=c.dtype).copy_(c)
             for c, ref in zip(carry, layouts)]
@@ -163,18 +164,23 @@ def stand_in(mode, t, sliced=False):
     grad/jvp level's wrapper (under jvp a view of its primal). Meta conversion refuses views
     of those ("view functorch tensors are not supported") and fails its own metadata check
     (``is_leaf``) on a grad level's, so a wrapper gets a fresh fake of what the body sees
-    (shape, dtype, device), made inside the active transforms, which treat it as any new
-    tensor; the body's ops on it reach the fake mode below them. The empty ys built from the
-    run hold no values, so the transforms take them as constants: empty tangents under jvp,
-    no gradient, a vmap's batch dim added when they leave it. A slice of a plain tensor keeps
-    the slice's strides (``for x in xs``'s), without the slicing that an empty ``xs`` cannot do."""
+    (shape, dtype, device), made inside the active transforms by ``new_empty``: grad and jvp
+    treat it as any new tensor, and vmap batches it where ``t`` is batched (its batching
+    rule), as the loop's values are. The body's ops on it reach the fake mode below them. An
+    unbatched stand-in for a batched carry made the body's values unbatched where the loop's
+    are batched, and an in-place op on one by a batched closure (``a.clone().mul_(a @ W)``)
+    raised vmap's in-place error, which the loop never does (at length 0 it runs no step).
+    The empty ys built from the run hold no values, so the transforms take them as constants:
+    empty tangents under jvp, no gradient, a vmap's batch dim added when they leave it. A
+    slice of a plain tensor keeps the slice's strides (``for x in xs``'s), without the
+    slicing that an empty ``xs`` cannot do."""
     if not isinstance(t, torch.Tensor):
         return t
     if dt.is_dtensor(t):
         return mode.from_tensor(slice_example(t) if sliced else t)
     shape = t.shape[1:] if sliced else t.shape
     if _compat.is_functorch_wrapped(t):
-        return torch.empty(shape, dtype=t.dtype, device=t.device)
+        return t.new_empty(shape)
     if sliced:
         return torch.empty_strided(shape, t.stride()[1:], dtype=t.dtype, device=t.device)
     return mode.from_tensor(t)
