@@ -185,8 +185,7 @@ def part_steady(lengths):
 
 def _mlp(d):
     torch.manual_seed(0)
-    ws = [torch.randn(d, d, device=DEV, requires_grad=True) * (d ** -0.5) for _ in range(4)]
-    ws = [w.detach().requires_grad_() for w in ws]
+    ws = [(torch.randn(d, d, device=DEV) * d ** -0.5).requires_grad_() for _ in range(4)]
 
     def body(c, x):
         h = c + x
