@@ -16,6 +16,7 @@ Nothing else in torch_scan_hop imports a private torch name
 - ``cpp_loop``: the C++ wrapper's code for scan's counted loops;
 - ``cpp_loop_calls``: cheaper per-step calls in those loops (mm as its BLAS call, row views as pointers);
 - ``inductor_loop``: the Python wrapper's code for scan's counted loops;
+- ``wrapper_text``: text passes over that wrapper's code (counter kernels, buffer pools, releases);
 - ``loop_blas``: float32 matmuls in those loops (both wrappers) as ATen's own BLAS call;
 - ``defects``: the mechanics of the torch 2.9 workarounds (an inductor IR patch, a fake rule);
 - ``nn``: ``nn.Module`` internals (state dicts, hooks);
@@ -44,6 +45,7 @@ from . import (  # noqa: F401
     loop_blas,
     nn,
     tracing,
+    wrapper_text,
     xla,
 )
 from .autograd import (  # noqa: F401

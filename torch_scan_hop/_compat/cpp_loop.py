@@ -28,14 +28,13 @@ torch 2.9-2.15: ``CppWrapperCpu.codegen_while_loop(while_loop, stack_output)``,
 import re
 
 from .inductor_loop import (
-    _POOL_MAX_BYTES,
     _counts_steps,
-    _nbytes,
     _trip_count,
     _trip_count_code,
     counting,
     step_read_by,
 )
+from .wrapper_text import _POOL_MAX_BYTES, _nbytes
 
 
 def run_counted_loops_as_cpp_for_loops(is_counted):
@@ -126,7 +125,7 @@ class _answering:
 
 def pool_cpp_loop_buffers_in_generated_code():
     """Apply ``pool_cpp_loop_buffers`` to the C++ wrapper's generated code (the
-    Python wrapper's twin is ``inductor_loop.pool_loop_buffers``). torch 2.9-2.15:
+    Python wrapper's twin is ``wrapper_text.pool_loop_buffers``). torch 2.9-2.15:
     ``CppWrapperCpu.generate(is_inference)`` returns the code first, as a
     ``ValueWithLineMap``-like object whose ``value`` is the text. Idempotent."""
     import dataclasses
