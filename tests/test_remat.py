@@ -122,11 +122,12 @@ def test_dropout_masks_and_double_backward_match_the_loop(policy):
     assert_trees_close(run(lambda *a: scan(*a, remat=_policies()[policy])), want)
 
 
-@pytest.mark.parametrize("policy", ["recompute_all", "min_cut", "names"])
+@pytest.mark.parametrize("policy", ["recompute_all", "min_cut", "names", "dots_saveable", "user"])
 def test_a_random_op_from_a_later_step_on_matches_the_loop(engines, policy):
     # recipes serve steps 0-2; step 3 draws a mask after a matmul and a named value: recompute_all and
-    # names re-run steps 3-5 from the RNG state step 3 started from (never noted per step while recipes
-    # served), names handing back step 3's named value kept while recipes served
+    # policies re-run steps 3-5 from the RNG state step 3 started from (never noted per step while recipes
+    # served), names handing back step 3's named value kept while recipes served; op-level policies kept
+    # no op outputs in step 3 (its re-run computes them) and hand back those of steps 4-5
     w = torch.randn(4, 4, dtype=D, requires_grad=True)
     init, xs = torch.randn(2, 4, dtype=D, requires_grad=True), (torch.randn(6, 2, 4, dtype=D), torch.arange(6))
 
@@ -336,7 +337,7 @@ def test_min_cut_with_in_place_ops_matches_the_loop_or_says_why():
         c.sum().backward()
 
 
-@pytest.mark.parametrize("policy", ["recompute_all", "min_cut", "names"])
+@pytest.mark.parametrize("policy", ["recompute_all", "min_cut", "names", "dots_saveable", "user"])
 def test_a_kept_value_modified_in_place_is_an_error_as_in_the_loop(policy):
     # the new carry is kept, not recomputed: modified after the scan, the loop's tape refuses it
     w = torch.randn(4, 4, dtype=D, requires_grad=True)

@@ -14,6 +14,8 @@ tensors, so double backward reaches the forward. What a step keeps:
   function outside ``DETERMINISTIC`` (a random op) or an in-place one turns
   recipes off (``usable``): the engine re-runs the body for what is saved after;
 - ``save_only_these_names``: the named values besides (the engine's ``named``);
+- an op-level policy (``dots_saveable``, a user's ``RematPolicy``): the outputs of the calls that
+  run an op it saves (``core/policy_ops.py``) and the values it names, where the backward reads them;
 - ``"min_cut"``: besides the carry, what its plan says (``core/keep.py``): at
   most half of the bytes save_all keeps, for the least recompute. A value made
   by a function outside ``DETERMINISTIC``, or computed from one, is "hot": kept
@@ -114,8 +116,11 @@ class HotValues:
     ``budget`` serves ``min_cut``: values that cannot be recorded are hot, each step keeps what
     its plan says (core/keep.py)."""
 
-    def __init__(self, recompute=False, budget=None):
+    def __init__(self, recompute=False, budget=None, keeps=None):
         self.recompute, self.usable = recompute, True
+        self.keeps = keeps  # an op-level policy's ``policy_ops.OpKeeps``: which calls' outputs a step keeps
+        self.policy_kept = []  # this step's recipe ids kept for the policy
+        self.saved_rids = set()  # with ``keeps``: this step's recipe ids autograd saved
         self.snapshot = self.on_unusable = None  # the engine's: RNG state now; "recipes stop here"
         self.budget = budget  # min_cut: keep at most this share of save_all's bytes per step (core/keep.py)
         self.plans = {}  # min_cut: step shape -> recipe ids to keep
@@ -133,14 +138,32 @@ class HotValues:
         self.seeds.append({})
 
     def end_step(self, new_carry=()):
+        carries = set()
         for leaf in new_carry:
             entry = self.cheap.get(id(leaf))
             if entry is not None and entry[1] is leaf and entry[2]:
                 self.seeds[-1][entry[0].rid] = Kept(leaf)
+                carries.add(entry[0].rid)
+        if self.policy_kept:
+            self._drop_unread(carries)
         if self.budget is not None and self.recipes:
             self._keep_planned()
         self.hot, self.cheap, self.pending = {}, {}, None
         self.saved = []
+        self.saved_rids = set()
+
+    def _drop_unread(self, carries):
+        """An op-level policy keeps a value only where the backward reads it (as the traced partition
+        saves what the backward needs): one the step's saved values do not lead to is dropped."""
+        recipes, seeds = self.recipes[-1], self.seeds[-1]
+        marked = set(self.saved_rids)
+        for rid in range(max(marked, default=-1), -1, -1):
+            if rid in marked and rid not in seeds:
+                keep.parents(recipes[rid][1:], marked)
+        for rid in self.policy_kept:
+            if rid not in marked and rid not in carries:
+                del seeds[rid]
+        self.policy_kept = []
 
     def keep(self, t):
         """Keep ``t`` for the backward as it is (a named value): the recipes that read it stop there."""
@@ -208,14 +231,19 @@ class HotValues:
             before = self.snapshot()
         pending = self.pending = []
         try:
-            out = func(*args, **kwargs)
-            self._record(func, args, kwargs, out, writes, kind[2])
+            if self.keeps is not None and not writes and kind[2]:
+                out, kept = self.keeps.call(func, args, kwargs)
+            else:
+                out, kept = func(*args, **kwargs), False
+            self._record(func, args, kwargs, out, writes, kind[2], kept)
             if before is not None and not self.usable:
                 self.on_unusable(before)
             for handle, t in pending:
                 entry = self.cheap.get(id(t))
                 if entry is not None and entry[1] is t:
                     handle.ref, handle.kept = entry[0], None
+                    if self.keeps is not None:
+                        self.saved_rids.add(entry[0].rid)
                     if self.budget is not None:
                         self.saved.append((entry[0].rid, t))
         finally:
@@ -232,7 +260,7 @@ class HotValues:
             kind = self.kinds[func] = (writes, name in CHEAP, name in DETERMINISTIC)
         return kind
 
-    def _record(self, func, args, kwargs, out, writes, deterministic):
+    def _record(self, func, args, kwargs, out, writes, deterministic, kept=False):
         if writes:  # the values it wrote lose their recipes
             written = {_key(t) for t in _flat(args, kwargs)}
             self.cheap = {i: e for i, e in self.cheap.items() if _key(e[1]) not in written}
@@ -254,6 +282,9 @@ class HotValues:
         recipes.append((func, self._template(args), self._template(kwargs) if kwargs else kwargs))
         if single:
             self.cheap[id(out)] = (_Ref(rid, 0), out, True)
+            if kept:  # an op-level policy's: the backward reads it as it is (multi-output calls: recomputed)
+                self.seeds[-1][rid] = Kept(out)
+                self.policy_kept.append(rid)
             return
         for i, o in enumerate(out):
             if isinstance(o, torch.Tensor):
@@ -265,6 +296,8 @@ class HotValues:
         if entry is not None and entry[1] is t:
             if self.budget is not None:  # min_cut: what save_all would keep, which recipes it reads
                 self.saved.append((entry[0].rid, t))
+            elif self.keeps is not None:
+                self.saved_rids.add(entry[0].rid)
             return Handle(len(self.recipes) - 1, entry[0])
         hot = bool(self.hot) and self.is_hot(t)
         if self.pending is not None and not hot and not t.is_leaf:  # saved inside an op: maybe its output

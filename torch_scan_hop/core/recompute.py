@@ -5,9 +5,10 @@ the loop for ``recompute_all``, against ~1.33x for one more forward): each
 call builds its own frame, hook objects, device and RNG bookkeeping, and
 selective checkpointing runs torch's Python caching modes on top. Here ONE
 ``StepReplay`` serves every step of a scan. ``recompute_all``, ``min_cut`` and
-``save_only_these_names`` recompute saved values from recipes recorded in the
-forward (``core/cheap.py``; ``_recorded_step``) while every function the body
-calls is known and deterministic; otherwise, and for the other policies:
+every ``RematPolicy`` without ``offload`` (names, ``dots_saveable``, a user's)
+recompute saved values from recipes recorded in the forward (``core/cheap.py``;
+``_recorded_step``) while every function the body calls is known and
+deterministic; otherwise, and for ``sqrt``, binomial and offloading policies:
 
 - forward: each step runs on the tape under saved-tensor hooks whose pack
   keeps a small handle (step, k) instead of the tensor; the step's inputs
@@ -17,10 +18,10 @@ calls is known and deterministic; otherwise, and for the other policies:
   collects what it saves, in order; each unpack hands out its tensor, and
   the step's values are dropped once all are handed out (or when another step
   is re-run), so at most one step's activations are alive at a time;
-- selective policies (``dots_saveable``, a user's ``RematPolicy``; names once
-  recipes stop serving) add a dispatch mode (names: ``named``): in the forward it keeps the outputs of
-  the ops the policy saves (on ``policy.offload``'s device if set), in the
-  re-run it hands those back instead of computing them again;
+- selective policies once recipes stop serving (or with ``offload``) add a dispatch mode (names:
+  ``named``): in the forward it keeps the outputs of the ops the policy saves (on
+  ``policy.offload``'s device if set), in the re-run it hands those back instead of computing
+  them again; the step in which recipes stopped kept no op outputs: its re-run computes them;
 - ``sqrt``: only every k-th carry (k = ceil(sqrt(T))) is kept; the first
   step of a block the backward needs re-runs the whole block on the tape from
   its kept carry, each step's saved values handed out as the backward reaches
@@ -36,6 +37,7 @@ import torch
 from .. import _compat
 from . import cheap, keep, revolve
 from . import remat as policies
+from .policy_ops import OpKeeps, saves_op
 from .schedule import sqrt_block
 from .trees import ScanError, map_tensors
 
@@ -82,15 +84,17 @@ class StepReplay:
 
     def __init__(self, step, policy, length, sqrt=False, min_cut=False, slots=None):
         policy = policies.nothing_saveable if min_cut else policy
-        # recompute_all, names and min_cut recompute from recipes while they can (core/cheap.py):
-        # names keep their named values, min_cut what its plan says (core/keep.py)
-        by_names = not policy.reads_ops and policy.offload is None
-        plain = (policy.save is policies.nothing_saveable.save or by_names) and not sqrt and slots is None
-        self.hot = cheap.HotValues(recompute=not min_cut, budget=keep.BUDGET if min_cut else None) \
-            if min_cut or plain else None
         self.step, self.policy = step, policy
         self.selective = policy.save is not policies.nothing_saveable.save
         self.by_ops = self.selective and policy.reads_ops  # else names only: no dispatch mode
+        # recompute_all, policies and min_cut recompute from recipes while they can (core/cheap.py):
+        # policies keep what they save (names: ``named``; ops: core/policy_ops.py), min_cut what its
+        # plan says (core/keep.py)
+        recipes = policy.offload is None and not sqrt and slots is None
+        self.hot = cheap.HotValues(recompute=not min_cut, budget=keep.BUDGET if min_cut else None,
+                                   keeps=OpKeeps(policy) if self.by_ops else None) \
+            if min_cut or recipes else None
+        self.unreplayed = set()  # op-level policy: steps recipes stopped in, re-run without handing back
         self.offload = policy.offload
         self.block = sqrt_block(length) if sqrt else 1
         self.slots = slots  # binomial: at most this many carries at once (core/revolve.py)
@@ -163,8 +167,10 @@ class StepReplay:
     def _unrecorded(self, now):
         """Recipes stop serving in the middle of step ``pos``: it will be re-run from the RNG state it
         started from, ``now`` (taken before the function that stopped them ran; the recorded,
-        deterministic, functions before it drew nothing)."""
+        deterministic, functions before it drew nothing). An op-level policy kept no op outputs in
+        that step for a re-run to take: it re-runs the step computing them."""
         self._note_rng(self.pos, (), now)
+        self.unreplayed.add(self.pos)
 
     @contextlib.contextmanager
     def _hooks(self, pack, unpack):
@@ -204,13 +210,7 @@ class StepReplay:
     # ---------------------------------------------------------------- selective replay
 
     def _saves(self, func):
-        saves = self.decisions.get(func)
-        if saves is None:
-            schema = _compat.op_schema(func) if _compat.is_op_overload(func) else None
-            saves = schema is not None and not func.is_view and not schema.is_mutable \
-                and self.policy.saves(func, None)
-            self.decisions[func] = saves
-        return saves
+        return saves_op(self.policy, func, self.decisions)
 
     def _keep(self, value):
         device = self.offload
@@ -287,7 +287,7 @@ class StepReplay:
             return self.step(carry, *self.rest[pos])
         self.replaying, self.rpos = (self.kept[pos] if self.selective else None), 0
         try:
-            with (_Replay(self) if self.by_ops else contextlib.nullcontext()), \
+            with (_Replay(self) if self.by_ops and pos not in self.unreplayed else contextlib.nullcontext()), \
                     (policies.naming(self) if self.selective else contextlib.nullcontext()):
                 return self.step(carry, *self.rest[pos])
         finally:
