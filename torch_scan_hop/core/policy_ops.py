@@ -47,13 +47,18 @@ class _Ops(_compat.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _signature(value):
-    if isinstance(value, torch.Tensor):
-        return (value.dim(), value.dtype, value.device.type, value.is_contiguous())
-    if type(value) is tuple or isinstance(value, list):
-        return tuple([_signature(v) for v in value])
+def _signature(args):
+    """The kinds of a call's arguments that choose what it runs: tensors by rank, dtype, device class
+    and contiguity (~0.7 us each), anything else by its type."""
+    return tuple([(a.dim(), a.dtype, a.is_cpu, a.is_contiguous()) if isinstance(a, torch.Tensor) else _kind(a)
+                  for a in args])
+
+
+def _kind(value):
+    if isinstance(value, (tuple, list)):
+        return _signature(value)
     if isinstance(value, dict):
-        return tuple([(k, _signature(v)) for k, v in value.items()])
+        return tuple([(k, _kind(v)) for k, v in value.items()])
     return type(value)
 
 
@@ -65,7 +70,7 @@ class OpKeeps:
         self.decisions = _shared(policy.save)
 
     def call(self, func, args, kwargs):
-        key = (func, _signature(args), _signature(kwargs) if kwargs else None)
+        key = (func, _signature(args), _kind(kwargs) if kwargs else None)
         keep = self.decisions.get(key)
         if keep is not None:
             return func(*args, **kwargs), keep
