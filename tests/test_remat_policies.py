@@ -170,3 +170,28 @@ def test_random_problems_match_the_loop_traced(seed, policy, mode):
 
     p = dataclasses.replace(generate(seed), remat=POLICIES[policy])
     (run_compile if mode.startswith("compile") else run_make_fx)(p, mode, *expected(p))
+
+
+@pytest.mark.parametrize("policy", ["dots_saveable", "addmm_or_sin"])
+def test_inductor_and_export_match_the_loop(policy):
+    torch._dynamo.reset()
+    mlp, body = _mlp(layers=2, hidden=8, dtype=torch.float32)
+    init = torch.randn(4, 8, requires_grad=True)
+    xs = torch.randn(5, 4, 8, requires_grad=True)
+    params = [init, xs, *mlp.parameters()]
+    remat = POLICIES[policy]
+
+    def run(scan_fn):
+        c, ys = scan_fn(init, xs)
+        return [c, ys, *torch.autograd.grad(c.sum() + (ys * ys).sum(), params)]
+
+    want = run(lambda i, x: reference_scan(body, i, x))
+    compiled = torch.compile(lambda i, x: scan(body, i, x, remat=remat), backend="inductor", fullgraph=True)
+    assert_trees_close(run(compiled), want, rtol=1e-4, atol=1e-5)
+
+    class M(torch.nn.Module):
+        def forward(self, h, xs):
+            return scan(body, h, xs, remat=remat)
+
+    ep = torch.export.export(M(), (init.detach(), xs.detach()))
+    assert_trees_close(list(ep.module()(init.detach(), xs.detach())), want[:2], rtol=1e-5, atol=1e-6)
