@@ -33,7 +33,7 @@ from . import keep
 from .trees import ScanError
 
 
-def _key(t):
+def storage_key(t):
     """Values are told apart by storage for hotness: a view of a hot value is hot (0 for a
     storage-less or empty tensor, never marked)."""
     try:
@@ -132,6 +132,7 @@ class HotValues:
         self.cheap = {}  # id -> (_Ref, tensor, single output): this step's cheap values (held: ids stay unique)
         self.memo_pos, self.memo = None, {}
         self.pending = []  # (handle, tensor) saved while an op runs, resolved when it returns
+        self.writing = None  # while an in-place call runs: the storage keys it may write
 
     def start_step(self):
         self.recipes.append([])
@@ -162,7 +163,7 @@ class HotValues:
                 keep.parents(recipes[rid][1:], marked)
         for rid in self.policy_kept:
             if rid not in marked and rid not in carries:
-                del seeds[rid]
+                seeds.pop(rid, None)  # (already dropped if written in place)
         self.policy_kept = []
 
     def keep(self, t):
@@ -193,14 +194,14 @@ class HotValues:
     def _plan(self, recipes, seeds, saved):
         """The recipe ids this step shape keeps (core/keep.py), from the bytes save_all would keep."""
         outputs = {e[0].rid: e[1] for e in self.cheap.values() if e[2]}
-        saved_bytes = {_key(t): t.untyped_storage().nbytes() for _, t in saved}
+        saved_bytes = {storage_key(t): t.untyped_storage().nbytes() for _, t in saved}
         saved_bytes.pop(0, None)
         costs = [0] * len(recipes)
         for ref, t, _ in self.cheap.values():
             _, is_cheap, _ = self._kind(recipes[ref.rid][0])
             view = getattr(recipes[ref.rid][0], "__name__", "") in VIEWS
             costs[ref.rid] += 0 if view else t.numel() * (1 if is_cheap else keep.DOT_WEIGHT)
-        anyway = {_key(t) for rid, t in saved if rid is None} | {_key(k.t) for k in seeds.values()}
+        anyway = {storage_key(t) for rid, t in saved if rid is None} | {storage_key(k.t) for k in seeds.values()}
         budget = keep.BUDGET * sum(saved_bytes.values()) - sum(n for k, n in saved_bytes.items() if k in anyway)
         sizes = {rid: t.untyped_storage().nbytes() for rid, t in outputs.items()
                  if rid not in seeds and getattr(recipes[rid][0], "__name__", "") not in VIEWS}
@@ -230,6 +231,7 @@ class HotValues:
         if self.recompute and self.snapshot is not None and (writes or not kind[2]):  # may stop the recipes
             before = self.snapshot()
         pending = self.pending = []
+        self.writing = {storage_key(t) for t in _flat(args, kwargs)} if writes else None
         try:
             if self.keeps is not None and not writes and kind[2]:
                 out, kept = self.keeps.call(func, args, kwargs)
@@ -247,7 +249,7 @@ class HotValues:
                     if self.budget is not None:
                         self.saved.append((entry[0].rid, t))
         finally:
-            self.pending = None
+            self.pending = self.writing = None
         return out
 
     def _kind(self, func):
@@ -261,9 +263,12 @@ class HotValues:
         return kind
 
     def _record(self, func, args, kwargs, out, writes, deterministic, kept=False):
-        if writes:  # the values it wrote lose their recipes
-            written = {_key(t) for t in _flat(args, kwargs)}
-            self.cheap = {i: e for i, e in self.cheap.items() if _key(e[1]) not in written}
+        if writes:  # the values it wrote lose their recipes, and are no longer what this step kept of them
+            written = self.writing
+            self.cheap = {i: e for i, e in self.cheap.items() if storage_key(e[1]) not in written}
+            seeds = self.seeds[-1]
+            for rid in [rid for rid, k in seeds.items() if storage_key(k.t) in written]:
+                del seeds[rid]  # its recipe still gives the value its consumers so far read
         single = isinstance(out, torch.Tensor)
         if not single and not (isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out)):
             return
@@ -271,9 +276,9 @@ class HotValues:
             if writes or not deterministic:
                 self.usable = False
                 return
-        elif writes or not deterministic or (self.hot and any(_key(t) in self.hot for t in _flat(args, kwargs))):
+        elif writes or not deterministic or (self.hot and any(storage_key(t) in self.hot for t in _flat(args, kwargs))):
             for o in [out] if single else out:
-                key = _key(o) if isinstance(o, torch.Tensor) else 0
+                key = storage_key(o) if isinstance(o, torch.Tensor) else 0
                 if key:
                     self.hot[key] = o
             return
@@ -291,7 +296,13 @@ class HotValues:
                 self.cheap[id(o)] = (_Ref(rid, i), o, False)
 
     def pack(self, t):
-        """A saved value: itself when hot or from outside the step, else a handle to its recipe."""
+        """A saved value: itself when hot or from outside the step, else a handle to its recipe. A value
+        an in-place call saves of what it writes (``sigmoid_`` its result) is kept as it is: its
+        recipe is the value before the write."""
+        if self.writing is not None and storage_key(t) in self.writing:
+            if self.budget is not None:
+                self.saved.append((None, t))
+            return None
         entry = self.cheap.get(id(t))
         if entry is not None and entry[1] is t:
             if self.budget is not None:  # min_cut: what save_all would keep, which recipes it reads
@@ -309,7 +320,7 @@ class HotValues:
         return None
 
     def is_hot(self, t):
-        key = _key(t)
+        key = storage_key(t)
         return key != 0 and key in self.hot
 
     # ---------------------------------------------------------------- backward

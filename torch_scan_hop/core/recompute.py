@@ -105,6 +105,7 @@ class StepReplay:
         self.rng = []  # (position, cpu state, (devices, device states)) at step 0 and where it changed
         self.cached = {}  # position -> [values of the re-run, how many still to hand out]
         self.decisions = {}
+        self.mutable = {}  # aten op -> writes in place (the dispatch path's kept values, ``_mark_written``)
         self.replaying, self.rpos, self.pos, self.n = None, 0, 0, 0
         self.device_of = None
         self._recording = None  # (saved-tensor hooks, recording mode) of steps recipes serve
@@ -212,27 +213,56 @@ class StepReplay:
     def _saves(self, func):
         return saves_op(self.policy, func, self.decisions)
 
-    def _keep(self, value):
+    def _keep(self, key, value, detach=True):
+        """Keep ``value`` for the re-run. A kept alias of a value the body modifies in place later no
+        longer holds what was kept: the re-run computes it instead (``_take``). A named value's alias
+        shares its version counter (checked); an op's output is kept below autograd, where an alias
+        does not: the in-place op marks it (``_mark_written``). Offloaded to the device it is on, it
+        is an alias too."""
         device = self.offload
-        return _map_tensors(lambda t: t.detach() if device is None else t.detach().to(device, non_blocking=True),
-                            value)
+        if detach:
+            value = _map_tensors(lambda t: t.detach() if device is None else t.detach().to(device, non_blocking=True),
+                                 value)
+        self.kept[self.pos].append((key, value, _versions(value)))
+
+    def _mark_written(self, func, args, kwargs):
+        """An in-place op in a step's forward: the values kept so far that share its tensors' storage
+        are stale."""
+        mutable = self.mutable.get(func)
+        if mutable is None:
+            schema = _compat.op_schema(func) if _compat.is_op_overload(func) else None
+            mutable = self.mutable[func] = schema is not None and schema.is_mutable
+        if not mutable:
+            return
+        written = {cheap.storage_key(t) for t in _leaves((args, kwargs), [])} - {0}
+        kept = self.kept[self.pos]
+        for i, (key, value, versions) in enumerate(kept):
+            if any(cheap.storage_key(t) in written for t in _leaves(value, [])):
+                kept[i] = (key, value, _STALE)
 
     def _take(self, key, like_device):
-        stored_key, value = self.replaying[self.rpos]
+        """What the forward kept for ``key``; None where the body modified it in place since (the
+        re-run then computes it, as the forward did before modifying it)."""
+        stored_key, value, versions = self.replaying[self.rpos]
         self.rpos += 1
         if stored_key != key:
             raise ScanError(f"scan: remat: a re-run step computed {key} where the forward saved {stored_key}; "
                             "the body must run the same ops when it is re-run in the backward.")
+        if versions is _STALE or _versions(value) != versions:
+            return None
         return _map_tensors(lambda t: t.detach() if self.offload is None else t.to(like_device, non_blocking=True),
                             value)
 
     def dispatch(self, func, args, kwargs):
         saves = self._saves(func)
         if self.replaying is not None and saves:
-            return self._take(func, None if self.offload is None else _first_device(args))
+            value = self._take(func, None if self.offload is None else _first_device(args))
+            return func(*args, **kwargs) if value is None else value
         out = func(*args, **kwargs)
         if saves:
-            self.kept[self.pos].append((func, self._keep(out)))
+            self._keep(func, out)
+        elif self.kept[self.pos]:
+            self._mark_written(func, args, kwargs)
         return out
 
     def named(self, x, name):
@@ -241,12 +271,13 @@ class StepReplay:
             return x
         key = ("checkpoint_name", name)
         if self.replaying is not None:
-            return self._take(key, x.device).requires_grad_(x.requires_grad)
+            value = self._take(key, x.device)
+            return x if value is None else value.requires_grad_(x.requires_grad)
         if self.hot is not None and self.hot.usable:  # recipes stop at x; if they stop serving in this
             self.hot.keep(x)  # step, its re-run takes x from ``kept`` (not detached here: under the
-            self.kept[self.pos].append((key, x))  # recording mode that would be a call it records)
+            self._keep(key, x, detach=False)  # recording mode that would be a call it records)
             return x
-        self.kept[self.pos].append((key, self._keep(x)))
+        self._keep(key, x)
         return x
 
     # ---------------------------------------------------------------- backward
@@ -330,6 +361,13 @@ class StepReplay:
                             f"{self.counts[pos]} in the forward; the body must run the same ops when it is "
                             "re-run (use remat='save_all' for a body that does not).")
         return values, new_carry
+
+
+_STALE = "stale"  # a kept value the body modified in place afterwards
+
+
+def _versions(value):
+    return tuple([t._version for t in _leaves(value, [])])
 
 
 def _first_device(args):
