@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import interleaved_times, print_table  # noqa: E402
 
-from torch_scan_hop import checkpoint_name, dots_saveable, save_only_these_names, scan  # noqa: E402
+from torch_scan_hop import RematPolicy, checkpoint_name, dots_saveable, save_only_these_names, scan  # noqa: E402
 
 H, B, T, LAYERS = 256, 64, 64, 4
 
@@ -93,6 +93,7 @@ POLICIES = {
     "min_cut": "min_cut",
     "dots_saveable": dots_saveable,
     "names(layer1, layer3)": save_only_these_names("layer1", "layer3"),
+    "user op policy (addmm)": RematPolicy(lambda op, name: op is torch.ops.aten.addmm.default, label="addmm"),
 }
 
 

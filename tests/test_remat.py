@@ -122,11 +122,12 @@ def test_dropout_masks_and_double_backward_match_the_loop(policy):
     assert_trees_close(run(lambda *a: scan(*a, remat=_policies()[policy])), want)
 
 
-@pytest.mark.parametrize("policy", ["recompute_all", "min_cut", "names"])
+@pytest.mark.parametrize("policy", ["recompute_all", "min_cut", "names", "dots_saveable", "user"])
 def test_a_random_op_from_a_later_step_on_matches_the_loop(engines, policy):
     # recipes serve steps 0-2; step 3 draws a mask after a matmul and a named value: recompute_all and
-    # names re-run steps 3-5 from the RNG state step 3 started from (never noted per step while recipes
-    # served), names handing back step 3's named value kept while recipes served
+    # policies re-run steps 3-5 from the RNG state step 3 started from (never noted per step while recipes
+    # served), names handing back step 3's named value kept while recipes served; op-level policies kept
+    # no op outputs in step 3 (its re-run computes them) and hand back those of steps 4-5
     w = torch.randn(4, 4, dtype=D, requires_grad=True)
     init, xs = torch.randn(2, 4, dtype=D, requires_grad=True), (torch.randn(6, 2, 4, dtype=D), torch.arange(6))
 
@@ -194,7 +195,7 @@ def test_named_values_are_what_save_only_these_names_keeps(engines):
 
     c, _ = scan(body, torch.randn(2, 4), torch.randn(5, 2, 4), remat=save_only_these_names("b"))
     (engine,) = engines
-    assert [[k for k, _ in kept] for kept in engine.kept] == [[("checkpoint_name", "b")]] * 5
+    assert [[k for k, *_ in kept] for kept in engine.kept] == [[("checkpoint_name", "b")]] * 5
     c.sum().backward()
     assert checkpoint_name(w, "a") is w  # outside a scan: the identity
 
@@ -336,7 +337,34 @@ def test_min_cut_with_in_place_ops_matches_the_loop_or_says_why():
         c.sum().backward()
 
 
-@pytest.mark.parametrize("policy", ["recompute_all", "min_cut", "names"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_values_modified_in_place_inside_the_body_match_the_loop(policy):
+    # sigmoid_ saves its result: the value after the write, which its recipe (the matmul) is not; a
+    # named or matmul value kept, then modified in place after tanh read it: the kept alias changed
+    # too (the re-run computes it again); a random op from step 2 on: recipes stop, steps re-run
+    w = torch.randn(4, 4, dtype=D, requires_grad=True)
+
+    def body(c, x):
+        x, i = x
+        y = c @ w
+        y.sigmoid_()
+        a = checkpoint_name(torch.sin(y @ w), "a")
+        z = torch.tanh(a)
+        a.mul_(2)
+        if i.item() >= 2:
+            z = z + torch.nn.functional.dropout(a, 0.5)
+        return z + a + x, (y * a).sum()
+
+    init, xs = torch.randn(2, 4, dtype=D, requires_grad=True), (torch.randn(5, 2, 4, dtype=D), torch.arange(5))
+
+    def run(scan_fn):
+        torch.manual_seed(0)
+        return loss_and_grads(lambda: scan_fn(body, init, xs), [init, w])
+
+    assert_trees_close(run(lambda *a: scan(*a, remat=_policies()[policy])), run(reference_scan))
+
+
+@pytest.mark.parametrize("policy", ["recompute_all", "min_cut", "names", "dots_saveable", "user"])
 def test_a_kept_value_modified_in_place_is_an_error_as_in_the_loop(policy):
     # the new carry is kept, not recomputed: modified after the scan, the loop's tape refuses it
     w = torch.randn(4, 4, dtype=D, requires_grad=True)
@@ -370,7 +398,7 @@ def test_offload_moves_saved_values_and_back(engines, monkeypatch):
     monkeypatch.undo()
     assert moves == [torch.device("cpu")] * 3  # each step's kept matmul goes back to its device
     (engine,) = engines
-    assert all(v.device.type == "cpu" for kept in engine.kept for _, v in kept)
+    assert all(v.device.type == "cpu" for kept in engine.kept for _, v, _ in kept)
     torch.testing.assert_close(g, torch.autograd.grad(reference_scan(body, init, xs)[0].sum(), w)[0])
 
 
@@ -381,7 +409,7 @@ def test_offload_from_cuda_keeps_saved_values_in_host_memory(engines):
     init, xs = torch.randn(8, 64, device="cuda"), torch.randn(6, 8, 64, device="cuda")
     c, _ = scan(body, init, xs, remat=dots_saveable.with_offload("cpu"))
     (engine,) = engines
-    assert all(v.device.type == "cpu" for kept in engine.kept for _, v in kept) and engine.kept[0]
+    assert all(v.device.type == "cpu" for kept in engine.kept for _, v, _ in kept) and engine.kept[0]
     (g,) = torch.autograd.grad(c.sum(), w)
     torch.testing.assert_close(g, torch.autograd.grad(reference_scan(body, init, xs)[0].sum(), w)[0])
 

@@ -14,6 +14,8 @@ tensors, so double backward reaches the forward. What a step keeps:
   function outside ``DETERMINISTIC`` (a random op) or an in-place one turns
   recipes off (``usable``): the engine re-runs the body for what is saved after;
 - ``save_only_these_names``: the named values besides (the engine's ``named``);
+- an op-level policy (``dots_saveable``, a user's ``RematPolicy``): the outputs of the calls that
+  run an op it saves (``core/policy_ops.py``) and the values it names, where the backward reads them;
 - ``"min_cut"``: besides the carry, what its plan says (``core/keep.py``): at
   most half of the bytes save_all keeps, for the least recompute. A value made
   by a function outside ``DETERMINISTIC``, or computed from one, is "hot": kept
@@ -31,7 +33,7 @@ from . import keep
 from .trees import ScanError
 
 
-def _key(t):
+def storage_key(t):
     """Values are told apart by storage for hotness: a view of a hot value is hot (0 for a
     storage-less or empty tensor, never marked)."""
     try:
@@ -114,8 +116,11 @@ class HotValues:
     ``budget`` serves ``min_cut``: values that cannot be recorded are hot, each step keeps what
     its plan says (core/keep.py)."""
 
-    def __init__(self, recompute=False, budget=None):
+    def __init__(self, recompute=False, budget=None, keeps=None):
         self.recompute, self.usable = recompute, True
+        self.keeps = keeps  # an op-level policy's ``policy_ops.OpKeeps``: which calls' outputs a step keeps
+        self.policy_kept = []  # this step's recipe ids kept for the policy
+        self.saved_rids = set()  # with ``keeps``: this step's recipe ids autograd saved
         self.snapshot = self.on_unusable = None  # the engine's: RNG state now; "recipes stop here"
         self.budget = budget  # min_cut: keep at most this share of save_all's bytes per step (core/keep.py)
         self.plans = {}  # min_cut: step shape -> recipe ids to keep
@@ -127,20 +132,39 @@ class HotValues:
         self.cheap = {}  # id -> (_Ref, tensor, single output): this step's cheap values (held: ids stay unique)
         self.memo_pos, self.memo = None, {}
         self.pending = []  # (handle, tensor) saved while an op runs, resolved when it returns
+        self.writing = None  # while an in-place call runs: the storage keys it may write
 
     def start_step(self):
         self.recipes.append([])
         self.seeds.append({})
 
     def end_step(self, new_carry=()):
+        carries = set()
         for leaf in new_carry:
             entry = self.cheap.get(id(leaf))
             if entry is not None and entry[1] is leaf and entry[2]:
                 self.seeds[-1][entry[0].rid] = Kept(leaf)
+                carries.add(entry[0].rid)
+        if self.policy_kept:
+            self._drop_unread(carries)
         if self.budget is not None and self.recipes:
             self._keep_planned()
         self.hot, self.cheap, self.pending = {}, {}, None
         self.saved = []
+        self.saved_rids = set()
+
+    def _drop_unread(self, carries):
+        """An op-level policy keeps a value only where the backward reads it (as the traced partition
+        saves what the backward needs): one the step's saved values do not lead to is dropped."""
+        recipes, seeds = self.recipes[-1], self.seeds[-1]
+        marked = set(self.saved_rids)
+        for rid in range(max(marked, default=-1), -1, -1):
+            if rid in marked and rid not in seeds:
+                keep.parents(recipes[rid][1:], marked)
+        for rid in self.policy_kept:
+            if rid not in marked and rid not in carries:
+                seeds.pop(rid, None)  # (already dropped if written in place)
+        self.policy_kept = []
 
     def keep(self, t):
         """Keep ``t`` for the backward as it is (a named value): the recipes that read it stop there."""
@@ -170,14 +194,14 @@ class HotValues:
     def _plan(self, recipes, seeds, saved):
         """The recipe ids this step shape keeps (core/keep.py), from the bytes save_all would keep."""
         outputs = {e[0].rid: e[1] for e in self.cheap.values() if e[2]}
-        saved_bytes = {_key(t): t.untyped_storage().nbytes() for _, t in saved}
+        saved_bytes = {storage_key(t): t.untyped_storage().nbytes() for _, t in saved}
         saved_bytes.pop(0, None)
         costs = [0] * len(recipes)
         for ref, t, _ in self.cheap.values():
             _, is_cheap, _ = self._kind(recipes[ref.rid][0])
             view = getattr(recipes[ref.rid][0], "__name__", "") in VIEWS
             costs[ref.rid] += 0 if view else t.numel() * (1 if is_cheap else keep.DOT_WEIGHT)
-        anyway = {_key(t) for rid, t in saved if rid is None} | {_key(k.t) for k in seeds.values()}
+        anyway = {storage_key(t) for rid, t in saved if rid is None} | {storage_key(k.t) for k in seeds.values()}
         budget = keep.BUDGET * sum(saved_bytes.values()) - sum(n for k, n in saved_bytes.items() if k in anyway)
         sizes = {rid: t.untyped_storage().nbytes() for rid, t in outputs.items()
                  if rid not in seeds and getattr(recipes[rid][0], "__name__", "") not in VIEWS}
@@ -207,19 +231,25 @@ class HotValues:
         if self.recompute and self.snapshot is not None and (writes or not kind[2]):  # may stop the recipes
             before = self.snapshot()
         pending = self.pending = []
+        self.writing = {storage_key(t) for t in _flat(args, kwargs)} if writes else None
         try:
-            out = func(*args, **kwargs)
-            self._record(func, args, kwargs, out, writes, kind[2])
+            if self.keeps is not None and not writes and kind[2]:
+                out, kept = self.keeps.call(func, args, kwargs)
+            else:
+                out, kept = func(*args, **kwargs), False
+            self._record(func, args, kwargs, out, writes, kind[2], kept)
             if before is not None and not self.usable:
                 self.on_unusable(before)
             for handle, t in pending:
                 entry = self.cheap.get(id(t))
                 if entry is not None and entry[1] is t:
                     handle.ref, handle.kept = entry[0], None
+                    if self.keeps is not None:
+                        self.saved_rids.add(entry[0].rid)
                     if self.budget is not None:
                         self.saved.append((entry[0].rid, t))
         finally:
-            self.pending = None
+            self.pending = self.writing = None
         return out
 
     def _kind(self, func):
@@ -232,10 +262,13 @@ class HotValues:
             kind = self.kinds[func] = (writes, name in CHEAP, name in DETERMINISTIC)
         return kind
 
-    def _record(self, func, args, kwargs, out, writes, deterministic):
-        if writes:  # the values it wrote lose their recipes
-            written = {_key(t) for t in _flat(args, kwargs)}
-            self.cheap = {i: e for i, e in self.cheap.items() if _key(e[1]) not in written}
+    def _record(self, func, args, kwargs, out, writes, deterministic, kept=False):
+        if writes:  # the values it wrote lose their recipes, and are no longer what this step kept of them
+            written = self.writing
+            self.cheap = {i: e for i, e in self.cheap.items() if storage_key(e[1]) not in written}
+            seeds = self.seeds[-1]
+            for rid in [rid for rid, k in seeds.items() if storage_key(k.t) in written]:
+                del seeds[rid]  # its recipe still gives the value its consumers so far read
         single = isinstance(out, torch.Tensor)
         if not single and not (isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out)):
             return
@@ -243,9 +276,9 @@ class HotValues:
             if writes or not deterministic:
                 self.usable = False
                 return
-        elif writes or not deterministic or (self.hot and any(_key(t) in self.hot for t in _flat(args, kwargs))):
+        elif writes or not deterministic or (self.hot and any(storage_key(t) in self.hot for t in _flat(args, kwargs))):
             for o in [out] if single else out:
-                key = _key(o) if isinstance(o, torch.Tensor) else 0
+                key = storage_key(o) if isinstance(o, torch.Tensor) else 0
                 if key:
                     self.hot[key] = o
             return
@@ -254,17 +287,28 @@ class HotValues:
         recipes.append((func, self._template(args), self._template(kwargs) if kwargs else kwargs))
         if single:
             self.cheap[id(out)] = (_Ref(rid, 0), out, True)
+            if kept:  # an op-level policy's: the backward reads it as it is (multi-output calls: recomputed)
+                self.seeds[-1][rid] = Kept(out)
+                self.policy_kept.append(rid)
             return
         for i, o in enumerate(out):
             if isinstance(o, torch.Tensor):
                 self.cheap[id(o)] = (_Ref(rid, i), o, False)
 
     def pack(self, t):
-        """A saved value: itself when hot or from outside the step, else a handle to its recipe."""
+        """A saved value: itself when hot or from outside the step, else a handle to its recipe. A value
+        an in-place call saves of what it writes (``sigmoid_`` its result) is kept as it is: its
+        recipe is the value before the write."""
+        if self.writing is not None and storage_key(t) in self.writing:
+            if self.budget is not None:
+                self.saved.append((None, t))
+            return None
         entry = self.cheap.get(id(t))
         if entry is not None and entry[1] is t:
             if self.budget is not None:  # min_cut: what save_all would keep, which recipes it reads
                 self.saved.append((entry[0].rid, t))
+            elif self.keeps is not None:
+                self.saved_rids.add(entry[0].rid)
             return Handle(len(self.recipes) - 1, entry[0])
         hot = bool(self.hot) and self.is_hot(t)
         if self.pending is not None and not hot and not t.is_leaf:  # saved inside an op: maybe its output
@@ -276,7 +320,7 @@ class HotValues:
         return None
 
     def is_hot(self, t):
-        key = _key(t)
+        key = storage_key(t)
         return key != 0 and key in self.hot
 
     # ---------------------------------------------------------------- backward

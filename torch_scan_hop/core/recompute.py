@@ -5,9 +5,10 @@ the loop for ``recompute_all``, against ~1.33x for one more forward): each
 call builds its own frame, hook objects, device and RNG bookkeeping, and
 selective checkpointing runs torch's Python caching modes on top. Here ONE
 ``StepReplay`` serves every step of a scan. ``recompute_all``, ``min_cut`` and
-``save_only_these_names`` recompute saved values from recipes recorded in the
-forward (``core/cheap.py``; ``_recorded_step``) while every function the body
-calls is known and deterministic; otherwise, and for the other policies:
+every ``RematPolicy`` without ``offload`` (names, ``dots_saveable``, a user's)
+recompute saved values from recipes recorded in the forward (``core/cheap.py``;
+``_recorded_step``) while every function the body calls is known and
+deterministic; otherwise, and for ``sqrt``, binomial and offloading policies:
 
 - forward: each step runs on the tape under saved-tensor hooks whose pack
   keeps a small handle (step, k) instead of the tensor; the step's inputs
@@ -17,10 +18,10 @@ calls is known and deterministic; otherwise, and for the other policies:
   collects what it saves, in order; each unpack hands out its tensor, and
   the step's values are dropped once all are handed out (or when another step
   is re-run), so at most one step's activations are alive at a time;
-- selective policies (``dots_saveable``, a user's ``RematPolicy``; names once
-  recipes stop serving) add a dispatch mode (names: ``named``): in the forward it keeps the outputs of
-  the ops the policy saves (on ``policy.offload``'s device if set), in the
-  re-run it hands those back instead of computing them again;
+- selective policies once recipes stop serving (or with ``offload``) add a dispatch mode (names:
+  ``named``): in the forward it keeps the outputs of the ops the policy saves (on
+  ``policy.offload``'s device if set), in the re-run it hands those back instead of computing
+  them again; the step in which recipes stopped kept no op outputs: its re-run computes them;
 - ``sqrt``: only every k-th carry (k = ceil(sqrt(T))) is kept; the first
   step of a block the backward needs re-runs the whole block on the tape from
   its kept carry, each step's saved values handed out as the backward reaches
@@ -36,6 +37,7 @@ import torch
 from .. import _compat
 from . import cheap, keep, revolve
 from . import remat as policies
+from .policy_ops import OpKeeps, saves_op
 from .schedule import sqrt_block
 from .trees import ScanError, map_tensors
 
@@ -82,15 +84,17 @@ class StepReplay:
 
     def __init__(self, step, policy, length, sqrt=False, min_cut=False, slots=None):
         policy = policies.nothing_saveable if min_cut else policy
-        # recompute_all, names and min_cut recompute from recipes while they can (core/cheap.py):
-        # names keep their named values, min_cut what its plan says (core/keep.py)
-        by_names = not policy.reads_ops and policy.offload is None
-        plain = (policy.save is policies.nothing_saveable.save or by_names) and not sqrt and slots is None
-        self.hot = cheap.HotValues(recompute=not min_cut, budget=keep.BUDGET if min_cut else None) \
-            if min_cut or plain else None
         self.step, self.policy = step, policy
         self.selective = policy.save is not policies.nothing_saveable.save
         self.by_ops = self.selective and policy.reads_ops  # else names only: no dispatch mode
+        # recompute_all, policies and min_cut recompute from recipes while they can (core/cheap.py):
+        # policies keep what they save (names: ``named``; ops: core/policy_ops.py), min_cut what its
+        # plan says (core/keep.py)
+        recipes = policy.offload is None and not sqrt and slots is None
+        self.hot = cheap.HotValues(recompute=not min_cut, budget=keep.BUDGET if min_cut else None,
+                                   keeps=OpKeeps(policy) if self.by_ops else None) \
+            if min_cut or recipes else None
+        self.unreplayed = set()  # op-level policy: steps recipes stopped in, re-run without handing back
         self.offload = policy.offload
         self.block = sqrt_block(length) if sqrt else 1
         self.slots = slots  # binomial: at most this many carries at once (core/revolve.py)
@@ -101,6 +105,7 @@ class StepReplay:
         self.rng = []  # (position, cpu state, (devices, device states)) at step 0 and where it changed
         self.cached = {}  # position -> [values of the re-run, how many still to hand out]
         self.decisions = {}
+        self.mutable = {}  # aten op -> writes in place (the dispatch path's kept values, ``_mark_written``)
         self.replaying, self.rpos, self.pos, self.n = None, 0, 0, 0
         self.device_of = None
         self._recording = None  # (saved-tensor hooks, recording mode) of steps recipes serve
@@ -163,8 +168,10 @@ class StepReplay:
     def _unrecorded(self, now):
         """Recipes stop serving in the middle of step ``pos``: it will be re-run from the RNG state it
         started from, ``now`` (taken before the function that stopped them ran; the recorded,
-        deterministic, functions before it drew nothing)."""
+        deterministic, functions before it drew nothing). An op-level policy kept no op outputs in
+        that step for a re-run to take: it re-runs the step computing them."""
         self._note_rng(self.pos, (), now)
+        self.unreplayed.add(self.pos)
 
     @contextlib.contextmanager
     def _hooks(self, pack, unpack):
@@ -204,35 +211,58 @@ class StepReplay:
     # ---------------------------------------------------------------- selective replay
 
     def _saves(self, func):
-        saves = self.decisions.get(func)
-        if saves is None:
-            schema = _compat.op_schema(func) if _compat.is_op_overload(func) else None
-            saves = schema is not None and not func.is_view and not schema.is_mutable \
-                and self.policy.saves(func, None)
-            self.decisions[func] = saves
-        return saves
+        return saves_op(self.policy, func, self.decisions)
 
-    def _keep(self, value):
+    def _keep(self, key, value, detach=True):
+        """Keep ``value`` for the re-run. A kept alias of a value the body modifies in place later no
+        longer holds what was kept: the re-run computes it instead (``_take``). A named value's alias
+        shares its version counter (checked); an op's output is kept below autograd, where an alias
+        does not: the in-place op marks it (``_mark_written``). Offloaded to the device it is on, it
+        is an alias too."""
         device = self.offload
-        return _map_tensors(lambda t: t.detach() if device is None else t.detach().to(device, non_blocking=True),
-                            value)
+        if detach:
+            value = _map_tensors(lambda t: t.detach() if device is None else t.detach().to(device, non_blocking=True),
+                                 value)
+        self.kept[self.pos].append((key, value, _versions(value)))
+
+    def _mark_written(self, func, args, kwargs):
+        """An in-place op in a step's forward: the values kept so far that share its tensors' storage
+        are stale."""
+        mutable = self.mutable.get(func)
+        if mutable is None:
+            schema = _compat.op_schema(func) if _compat.is_op_overload(func) else None
+            mutable = self.mutable[func] = schema is not None and schema.is_mutable
+        if not mutable:
+            return
+        written = {cheap.storage_key(t) for t in _leaves((args, kwargs), [])} - {0}
+        kept = self.kept[self.pos]
+        for i, (key, value, versions) in enumerate(kept):
+            if any(cheap.storage_key(t) in written for t in _leaves(value, [])):
+                kept[i] = (key, value, _STALE)
 
     def _take(self, key, like_device):
-        stored_key, value = self.replaying[self.rpos]
+        """What the forward kept for ``key``; None where the body modified it in place since (the
+        re-run then computes it, as the forward did before modifying it)."""
+        stored_key, value, versions = self.replaying[self.rpos]
         self.rpos += 1
         if stored_key != key:
             raise ScanError(f"scan: remat: a re-run step computed {key} where the forward saved {stored_key}; "
                             "the body must run the same ops when it is re-run in the backward.")
+        if versions is _STALE or _versions(value) != versions:
+            return None
         return _map_tensors(lambda t: t.detach() if self.offload is None else t.to(like_device, non_blocking=True),
                             value)
 
     def dispatch(self, func, args, kwargs):
         saves = self._saves(func)
         if self.replaying is not None and saves:
-            return self._take(func, None if self.offload is None else _first_device(args))
+            value = self._take(func, None if self.offload is None else _first_device(args))
+            return func(*args, **kwargs) if value is None else value
         out = func(*args, **kwargs)
         if saves:
-            self.kept[self.pos].append((func, self._keep(out)))
+            self._keep(func, out)
+        elif self.kept[self.pos]:
+            self._mark_written(func, args, kwargs)
         return out
 
     def named(self, x, name):
@@ -241,12 +271,13 @@ class StepReplay:
             return x
         key = ("checkpoint_name", name)
         if self.replaying is not None:
-            return self._take(key, x.device).requires_grad_(x.requires_grad)
+            value = self._take(key, x.device)
+            return x if value is None else value.requires_grad_(x.requires_grad)
         if self.hot is not None and self.hot.usable:  # recipes stop at x; if they stop serving in this
             self.hot.keep(x)  # step, its re-run takes x from ``kept`` (not detached here: under the
-            self.kept[self.pos].append((key, x))  # recording mode that would be a call it records)
+            self._keep(key, x, detach=False)  # recording mode that would be a call it records)
             return x
-        self.kept[self.pos].append((key, self._keep(x)))
+        self._keep(key, x)
         return x
 
     # ---------------------------------------------------------------- backward
@@ -287,7 +318,7 @@ class StepReplay:
             return self.step(carry, *self.rest[pos])
         self.replaying, self.rpos = (self.kept[pos] if self.selective else None), 0
         try:
-            with (_Replay(self) if self.by_ops else contextlib.nullcontext()), \
+            with (_Replay(self) if self.by_ops and pos not in self.unreplayed else contextlib.nullcontext()), \
                     (policies.naming(self) if self.selective else contextlib.nullcontext()):
                 return self.step(carry, *self.rest[pos])
         finally:
@@ -330,6 +361,13 @@ class StepReplay:
                             f"{self.counts[pos]} in the forward; the body must run the same ops when it is "
                             "re-run (use remat='save_all' for a body that does not).")
         return values, new_carry
+
+
+_STALE = "stale"  # a kept value the body modified in place afterwards
+
+
+def _versions(value):
+    return tuple([t._version for t in _leaves(value, [])])
 
 
 def _first_device(args):

@@ -16,8 +16,9 @@ by one replay engine per scan (``core/recompute.py``):
   counted), the values whose recompute costs most (``core/keep.py``); the rest
   is recomputed from recipes, nothing re-run (an unknown function's outputs kept).
 * ``save_only_these_names``: the named values are kept, the rest as recompute_all.
-* any other ``RematPolicy``: the outputs of the ops (and ``checkpoint_name``d
-  values) the policy saves are kept, the rest is recomputed by the re-run.
+* any other ``RematPolicy``: the outputs of the calls that run an op the policy
+  saves (and its ``checkpoint_name``d values) are kept where the backward reads
+  them, the rest as recompute_all (``core/policy_ops.py``).
 * ``"sqrt"``: every ~sqrt(T)-th carry is kept; blocks are re-run in the backward.
 * ``("binomial", k)``: at most k carries, as revolve places them (``core/revolve.py``).
 """
