@@ -4,7 +4,10 @@ Every policy must give the loop's values and gradients in every mode; what it
 changes is what a step keeps for the backward, checked here by what the
 backward recomputes (FLOPs, saved graph values) and what the eager engine keeps.
 """
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -362,6 +365,45 @@ def test_values_modified_in_place_inside_the_body_match_the_loop(policy):
         return loss_and_grads(lambda: scan_fn(body, init, xs), [init, w])
 
     assert_trees_close(run(lambda *a: scan(*a, remat=_policies()[policy])), run(reference_scan))
+
+
+def _body_halving_its_carry(w):
+    def body(c, x):  # the carry is a step's matmul output, which nothing saved: the loop allows the write
+        x, i = x
+        if i.item() > 0:
+            c.mul_(0.5)
+        y = torch.sin(c) @ w
+        return y + x, torch.exp(y).sum()
+    return body
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_body_modifying_its_carry_in_place_matches_the_loop(policy):
+    # a re-run started from the kept carry, which the forward's write had halved, and as a fresh
+    # leaf (a raw "leaf Variable ... in-place" error); now each step's kept carry is its own copy
+    w = torch.randn(4, 4, dtype=D, requires_grad=True)
+    init = torch.randn(2, 4, dtype=D, requires_grad=True)
+    xs = (torch.randn(5, 2, 4, dtype=D), torch.arange(5))
+    body = _body_halving_its_carry(w)
+    assert_trees_close(loss_and_grads(lambda: scan(body, init, xs, remat=_policies()[policy]), [init, w]),
+                       loss_and_grads(lambda: reference_scan(body, init, xs), [init, w]))
+
+
+def test_a_body_modifying_its_carry_in_place_leaves_the_process_able_to_exit():
+    # before the copy, the re-run's raw error was raised inside the backward with exp's node
+    # queued, and the interpreter died at exit (SIGSEGV, the engine's queue outliving Python):
+    # a child runs every policy and exits
+    code = ("import torch, test_remat as t\n"
+            "for policy in t.POLICIES:\n"
+            "    try:\n"
+            "        t.test_a_body_modifying_its_carry_in_place_matches_the_loop(policy)\n"
+            "    except Exception as e:\n"
+            "        print(policy, type(e).__name__, str(e)[:300])\n"
+            "print('end')\n")
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=here,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join([here, *sys.path])))
+    assert (out.returncode, out.stdout) == (0, "end\n"), (out.returncode, out.stdout, out.stderr[-2000:])
 
 
 @pytest.mark.parametrize("policy", ["recompute_all", "min_cut", "names", "dots_saveable", "user"])

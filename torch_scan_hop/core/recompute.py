@@ -39,7 +39,7 @@ from . import cheap, keep, revolve
 from . import remat as policies
 from .policy_ops import OpKeeps, saves_op
 from .schedule import sqrt_block
-from .trees import ScanError, map_tensors
+from .trees import ScanError, map_tensors, own_copy
 
 
 def _map_tensors(fn, value):
@@ -66,6 +66,7 @@ def _detached(value):
     """The step inputs as fresh leaves with their requires_grad flags, so a re-run
     builds a graph of its own and saves what the forward saved."""
     return map_tensors(lambda t: t.detach().requires_grad_(True) if t.requires_grad else t.detach(), value)
+
 
 
 class _Replay(_compat.TorchDispatchMode):
@@ -120,7 +121,7 @@ class StepReplay:
         if self.slots is not None:
             self.carry_flags.append(tuple(t.requires_grad for t in _leaves(carry, [])))
         if (pos % self.block == 0) if self.keep_at is None else pos in self.keep_at:
-            self.carries[pos] = carry
+            self.carries[pos] = own_copy(carry)
         if pos == 0:
             self._note_rng(0, carry)
         self.pos, self.n = pos, 0
@@ -353,7 +354,7 @@ class StepReplay:
         try:
             with torch.enable_grad(), (self.rng_at(pos) if len(self.rng) > 1 else contextlib.nullcontext()), \
                     torch.autograd.graph.saved_tensors_hooks(pack, values.__getitem__):
-                new_carry = self.run_step(pos, carry)[0]
+                new_carry = self.run_step(pos, own_copy(carry))[0]
         finally:
             self.rest[pos] = rest
         if len(values) != self.counts[pos]:

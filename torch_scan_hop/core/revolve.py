@@ -19,7 +19,7 @@ from math import comb
 
 import torch
 
-from .trees import map_tensors
+from .trees import map_tensors, own_copy
 
 
 def descent(start, n, free):
@@ -49,7 +49,7 @@ def advance(engine, pos):
     carry = carries[start]
     with engine.rng_at(start) if len(engine.rng) > 1 else contextlib.nullcontext():
         for p in range(start, pos):
-            carry = engine.run_step(p, carry)[0]
+            carry = engine.run_step(p, own_copy(carry))[0]  # (a kept carry stays as it was)
             if not torch.is_grad_enabled():  # as in the forward, so the re-run saves what it saved
                 carry = _requiring_grad(carry, iter(engine.carry_flags[p + 1]))
             if p + 1 in marks:

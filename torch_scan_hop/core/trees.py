@@ -290,3 +290,11 @@ def flatten_y(y):
     leaves, spec = flatten(y)
     require_tensor_leaves(y, "y", "y", leaves)
     return leaves, spec
+
+
+def own_copy(carry):
+    """A copy of a carry a step starts from, for the body to write into: a body may modify its
+    carry in place (the loop allows it where nothing saved the value), which would change the
+    kept carry a re-run starts from, or raise on a re-run's leaf. A clone is one copy of the
+    carry per step, small next to a body's work; it keeps the autograd link (create_graph)."""
+    return map_tensors(torch.Tensor.clone, carry)
