@@ -27,6 +27,22 @@ def capture_graphs():
 
 
 @pytest.fixture
+def engines(monkeypatch):
+    """The eager remat engines (``core.recompute.StepReplay``) the test's scans make, in order."""
+    from torch_scan_hop.core import recompute
+
+    made = []
+    init = recompute.StepReplay.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(recompute.StepReplay, "__init__", spy)
+    return made
+
+
+@pytest.fixture
 def fresh_dynamo():
     """Dynamo's caches and counters empty before and after the test."""
     from torch._dynamo.utils import counters

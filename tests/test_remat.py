@@ -22,7 +22,6 @@ from torch_scan_hop import (
     save_only_these_names,
     scan,
 )
-from torch_scan_hop.core import recompute
 
 D = torch.float64
 
@@ -173,19 +172,6 @@ def test_eager_policies_recompute_what_they_do_not_save():
     assert _backward_mm_flops("min_cut") == plain + rerun // 2
     # names from recipes too: with nothing named, as recompute_all
     assert _backward_mm_flops(save_only_these_names("nothing named so")) == plain + rerun // 2
-
-
-@pytest.fixture
-def engines(monkeypatch):
-    made = []
-    init = recompute.StepReplay.__init__
-
-    def spy(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(recompute.StepReplay, "__init__", spy)
-    return made
 
 
 def test_named_values_are_what_save_only_these_names_keeps(engines):

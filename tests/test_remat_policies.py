@@ -13,24 +13,10 @@ import torch
 from conftest import assert_trees_close, reference_scan
 
 from torch_scan_hop import RematPolicy, checkpoint_name, dots_saveable, save_only_these_names, scan
-from torch_scan_hop.core import recompute
 
 D = torch.float64
 ADDMM_OR_SIN = RematPolicy(lambda op, name: op in (torch.ops.aten.addmm.default, torch.ops.aten.sin.default),
                            label="addmm_or_sin")
-
-
-@pytest.fixture
-def engines(monkeypatch):
-    made = []
-    init = recompute.StepReplay.__init__
-
-    def spy(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(recompute.StepReplay, "__init__", spy)
-    return made
 
 
 def _mlp(layers=4, hidden=16, dtype=D):
