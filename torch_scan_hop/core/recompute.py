@@ -30,6 +30,7 @@ deterministic; otherwise, and for ``sqrt``, binomial and offloading policies:
 With ``create_graph=True`` (double backward) a step is re-run on its original
 inputs, so the second-order graph reaches the forward's graph.
 """
+import atexit
 import contextlib
 
 import torch
@@ -102,6 +103,8 @@ class StepReplay:
         self.carry_flags = []  # binomial: each step's carry leaves' requires_grad
         self.keep_at = None if slots is None else {0, *revolve.descent(0, length, slots - 1)}
         self.rest, self.carries, self.counts, self.kept = [], {}, [], []
+        self.carry_versions = {}  # position -> the versions of its kept carry's tensors when kept
+        self.copy_carries = False  # the body wrote into a kept carry: keep copies from then on
         self.devices = None  # the carry's CUDA tensors (RNG states to keep), found at step 0
         self.rng = []  # (position, cpu state, (devices, device states)) at step 0 and where it changed
         self.cached = {}  # position -> [values of the re-run, how many still to hand out]
@@ -121,13 +124,36 @@ class StepReplay:
         if self.slots is not None:
             self.carry_flags.append(tuple(t.requires_grad for t in _leaves(carry, [])))
         if (pos % self.block == 0) if self.keep_at is None else pos in self.keep_at:
-            self.carries[pos] = own_copy(carry)
+            # init, and every carry once the body was seen writing into one, is kept as a copy
+            self.carries[pos] = own_copy(carry) if pos == 0 or self.copy_carries else carry
+            self.carry_versions[pos] = _versions(self.carries[pos])
         if pos == 0:
             self._note_rng(0, carry)
         self.pos, self.n = pos, 0
         self.kept.append([])
-        if self.hot is not None and self.hot.usable:
-            return self._recorded_step(pos, carry, rest)
+        out = self._recorded_step(pos, carry, rest) if self.hot is not None and self.hot.usable else \
+            self._step_on_hooks(pos, carry, rest)
+        if pos in self.carry_versions and _versions(self.carries[pos]) != self.carry_versions[pos]:
+            self._restore_kept_carry(pos)
+        return out
+
+    def _restore_kept_carry(self, pos):
+        """Step ``pos`` wrote into the carry it was given (the loop allows it where nothing saved
+        the value), which is the kept one: it is computed again from the carry kept before it
+        (no tape; init is always a copy), and later carries are kept as copies. Keeping copies
+        from the start would cost a carry's memory per kept step for the bodies that never write."""
+        self.copy_carries = True
+        written = self.carries[pos]
+        prev = max(p for p in self.carries if p < pos)
+        carry = self.carries[prev]
+        with torch.no_grad(), (self.rng_at(prev) if len(self.rng) > 1 else contextlib.nullcontext()):
+            for p in range(prev, pos):
+                carry = self.step(own_copy(carry), *self.rest[p])[0]
+        flags = iter([t.requires_grad for t in _leaves(written, [])])
+        self.carries[pos] = map_tensors(lambda t: t.requires_grad_(next(flags)), carry)
+        self.carry_versions[pos] = _versions(self.carries[pos])
+
+    def _step_on_hooks(self, pos, carry, rest):
         out = None
         if self.hot is not None:
             self.hot.start_step()
@@ -284,6 +310,13 @@ class StepReplay:
     # ---------------------------------------------------------------- backward
 
     def _unpack(self, handle):
+        try:
+            return self._unpacked(handle)
+        except BaseException:
+            _drain_at_exit()
+            raise
+
+    def _unpacked(self, handle):
         if isinstance(handle, cheap.Kept):
             return handle.get()
         if isinstance(handle, cheap.Handle):
@@ -307,12 +340,24 @@ class StepReplay:
             self.cached = {pos: [self._rerun(pos, carry)[0], self.counts[pos]]}
             return
         start = pos - pos % self.block
-        carry, self.cached = self.carries[start], {}
+        carry, self.cached = self.kept_carry(start), {}
         for p in range(start, min(start + self.block, len(self.rest))):
             values, carry = self._rerun(p, carry)
             self.cached[p] = [values, self.counts[p]]
             if p == pos and self.block == 1:
                 break
+
+    def kept_carry(self, pos):
+        """The carry step ``pos`` began with, as kept. A body that writes into its carry in place
+        changed it after it was kept (the loop allows the write where nothing saved the value):
+        a re-run from it would compute other values than the forward did, so this says so."""
+        carry = self.carries[pos]
+        if pos in self.carry_versions and _versions(carry) != self.carry_versions[pos]:
+            raise ScanError(f"scan: remat: the body modified its carry in place at step {pos} (an in-place op such "
+                            "as mul_ or copy_ on the carry it was given); the backward re-runs steps from the "
+                            "carry they began with, which the write changed. Write the op out of place "
+                            "(c = c * 0.5 for c.mul_(0.5)), or use remat='save_all'.")
+        return carry
 
     def run_step(self, pos, carry):
         if not self.selective:
@@ -362,6 +407,22 @@ class StepReplay:
                             f"{self.counts[pos]} in the forward; the body must run the same ops when it is "
                             "re-run (use remat='save_all' for a body that does not).")
         return values, new_carry
+
+
+_draining = []
+
+
+def _drain_at_exit():
+    """An error raised while the backward unpacks a saved value can leave nodes in the autograd
+    engine's queue, whose Python hooks then run after the interpreter is gone: a segfault at
+    exit (torch 2.9-2.15). One small backward at exit, while Python still runs, clears them."""
+    if not _draining:
+        _draining.append(True)
+        atexit.register(_small_backward)
+
+
+def _small_backward():
+    torch.ones(1, requires_grad=True).sum().backward()
 
 
 _STALE = "stale"  # a kept value the body modified in place afterwards

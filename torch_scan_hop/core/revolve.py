@@ -46,7 +46,7 @@ def advance(engine, pos):
         del carries[p]
     start = max(p for p in carries if p <= pos)
     marks = set(descent(start, pos + 1 - start, engine.slots - len(carries)))
-    carry = carries[start]
+    carry = engine.kept_carry(start)
     with engine.rng_at(start) if len(engine.rng) > 1 else contextlib.nullcontext():
         for p in range(start, pos):
             carry = engine.run_step(p, own_copy(carry))[0]  # (a kept carry stays as it was)

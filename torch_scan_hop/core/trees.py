@@ -293,8 +293,8 @@ def flatten_y(y):
 
 
 def own_copy(carry):
-    """A copy of a carry a step starts from, for the body to write into: a body may modify its
-    carry in place (the loop allows it where nothing saved the value), which would change the
-    kept carry a re-run starts from, or raise on a re-run's leaf. A clone is one copy of the
-    carry per step, small next to a body's work; it keeps the autograd link (create_graph)."""
+    """A copy of a kept carry for a re-run to start from: a body may modify its carry in place
+    (the loop allows it where nothing saved the value), which would change the kept carry, or
+    raise on a re-run's leaf inside the backward. One copy of the carry per re-run step, small
+    next to a body's work; it keeps the autograd link (create_graph)."""
     return map_tensors(torch.Tensor.clone, carry)
