@@ -137,21 +137,23 @@ def _statement(text, plan, env, kernels):
         env[m.group(1)] = ("none",)
         return True
     if (m := re.fullmatch(r"(\w+) = (\w+)(?:; del \2  # reuse)?", text)) and not m.group(2).isdigit():
-        value = env.get(m.group(2)) if m.group(2) in env else _outer_tensor(plan, m.group(2))
-        env[m.group(1)] = value
-        return value is not None
+        env[m.group(1)] = env.get(m.group(2), ("outer", m.group(2)))  # an outer tensor or int: known at its use
+        return True
     if m := re.fullmatch(r"(\w+) = (reinterpret_tensor\(.*\))  # alias", text):
         env[m.group(1)] = _tensor(m.group(2), plan, env)
         return env[m.group(1)] is not None
     if m := re.fullmatch(rf"{loop}\[(\d+)\] = (\w+)", text):
-        return _write_back(int(m.group(1)), env.get(m.group(2)), plan)
+        return _write_back(int(m.group(1)), _as_tensor(env.get(m.group(2), ("outer", m.group(2))), plan), plan)
     if (m := re.fullmatch(r"(\w+)\((.*)\)", text)) and m.group(1) in kernels:
         return _call(m.group(1), m.group(2), plan, env, kernels)
     return False
 
 
-def _outer_tensor(plan, name):
-    return ("tensor", plan.outer_tensor(name), None, ("outer", name))
+def _as_tensor(value, plan):
+    """``value`` of the env as a tensor (an outer name becomes a tensor parameter), or None."""
+    if value[0] == "outer":
+        return ("tensor", plan.outer_tensor(value[1]), None, value)
+    return value if value[0] == "tensor" else None
 
 
 def _tensor(arg, plan, env):
@@ -168,8 +170,7 @@ def _tensor(arg, plan, env):
         return ("tensor", base[1], total, ("view",))
     if not re.fullmatch(r"\w+", arg) or arg.isdigit():
         return None
-    value = env[arg] if arg in env else _outer_tensor(plan, arg)
-    return value if value[0] == "tensor" else None
+    return _as_tensor(env.get(arg, ("outer", arg)), plan)
 
 
 def _int(expr, plan, env):
@@ -179,12 +180,13 @@ def _int(expr, plan, env):
     if not _INT_EXPR.match(expr):
         return None
     names = set(_NAME.findall(expr))
-    for name in names:
-        if name in env and env[name][0] != "int":
-            return None
+    values = {name: env.get(name, ("outer", name)) for name in names}
+    if any(value[0] not in ("int", "outer") for value in values.values()):
+        return None
+
     def cpp(m):
-        name = m.group(0)
-        return env[name][1] if name in env else plan.outer_int(name)
+        kind, value = values[m.group(0)]
+        return value if kind == "int" else plan.outer_int(value)
     out = re.sub(r"\b\d+\b", lambda m: f"{m.group(0)}LL", expr)
     return "(" + _NAME.sub(cpp, out) + ")"
 
@@ -211,7 +213,7 @@ def _call(kernel, args, plan, env, kernels):
             return False
     if kernel not in plan.kernels:
         plan.kernels.append(kernel)
-    plan.calls.append(f"scan_loop_k{plan.kernels.index(kernel)}::kernel({', '.join(cpp)});")
+    plan.calls.append(f"scan_steps_k{plan.kernels.index(kernel)}::kernel({', '.join(cpp)});")
     return True
 
 
@@ -226,7 +228,7 @@ def _write_back(position, value, plan):
     """``<loop>[position] = value`` at the end of a step: C++ keeps the pointer, Python gets the
     tensor after the loop (``fixups``). A value the Python loop could hand on in other ways
     (a view, another position's carried value) keeps the Python loop."""
-    if value is None or value[0] != "tensor":
+    if value is None:
         return False
     origin = value[3]
     if origin == ("carry", position):
@@ -274,7 +276,7 @@ def _write(lines, start, plan, kernels):
     args += list(plan.outer)
     params += [f"const int64_t {cpp}" for cpp in plan.ints.values()] + ["const int64_t n"]
     args += list(plan.ints) + [plan.n]
-    name = f"scan_loop_{plan.loop}"
+    name = f"scan_steps_{plan.loop}"
     source = _source(plan, kernels, params)
     argtypes = [p.rsplit(" ", 1)[0] for p in params]
     lines[start] = f"{indent}{name}({', '.join(args)}){''.join('; ' + f for f in plan.fixups)}"
@@ -294,16 +296,16 @@ def _source(plan, kernels, params):
                     includes.append(line.strip())
             else:
                 body.append(line)
-        text = _ENTRY.sub("SCAN_LOOP_KERNEL void kernel(", "\n".join(body), count=1)
-        namespaces.append(f"namespace scan_loop_k{k} {{\n{text}\n}}  // namespace scan_loop_k{k}")
+        text = _ENTRY.sub("SCAN_STEPS_KERNEL void kernel(", "\n".join(body), count=1)
+        namespaces.append(f"namespace scan_steps_k{k} {{\n{text}\n}}  // namespace scan_steps_k{k}")
     pools = [f"    void* const {cpp}[2] = {{{cpp}_0, {cpp}_1}};" for cpp in plan.pools.values()]
     step = "\n".join(f"        {s}" for s in plan.calls + plan.writes)
     return "\n".join([
         *includes,
         "#if defined(__clang__)",
-        "#define SCAN_LOOP_KERNEL __attribute__((noinline))",
+        "#define SCAN_STEPS_KERNEL __attribute__((noinline))",
         "#else",
-        "#define SCAN_LOOP_KERNEL __attribute__((noipa))",
+        "#define SCAN_STEPS_KERNEL __attribute__((noipa))",
         "#endif",
         *namespaces,
         f'extern "C" void kernel({", ".join(params)})',
