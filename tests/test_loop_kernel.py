@@ -75,7 +75,7 @@ def test_training_loops_are_one_call_with_the_python_loops_bits(reverse):
     _assert_one_call_per_loop(codes)
     want, old_codes = _compiled(step, [w], c0, xs, fused=False, reverse=reverse)
     assert all(len(_PY_LOOP.findall(code)) == 1 for code in old_codes)
-    for g, o in zip(got, want):
+    for g, o in zip(tree_leaves(got), tree_leaves(want)):
         assert torch.equal(g, o), (g - o).abs().max()
     assert_trees_close(got, _train(reference_scan, step, [w], c0, xs, reverse=reverse), rtol=1e-4, atol=1e-5)
 
@@ -153,6 +153,6 @@ def test_carries_that_swap():
     got, codes = _compiled(step, [], c0, xs)
     _assert_one_call_per_loop(codes[:1])
     want, _ = _compiled(step, [], c0, xs, fused=False)
-    for g, o in zip(got, want):
+    for g, o in zip(tree_leaves(got), tree_leaves(want)):
         assert torch.equal(g, o), (g - o).abs().max()
     assert_trees_close(got, _train(reference_scan, step, [], c0, xs), rtol=1e-4, atol=1e-5)

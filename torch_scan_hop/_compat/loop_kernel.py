@@ -31,7 +31,7 @@ kernel(...)``, pointer arguments as tensors (their data pointer), ``int64_t`` as
 import ast
 import re
 
-from .wrapper_text import _FOR, _body_end
+from .wrapper_text import _FOR, STEPS_CALL, _body_end
 
 _MIN_STEPS = 64  # as loop_blas: below it one more C++ build on a cold cache does not pay back
 _DEF = re.compile(r"^(\w+) = async_compile\.cpp_pybinding\((\[[^\]]*\]), r?'''$")
@@ -277,6 +277,7 @@ def _write(lines, start, plan, kernels):
     params += [f"const int64_t {cpp}" for cpp in plan.ints.values()] + ["const int64_t n"]
     args += list(plan.ints) + [plan.n]
     name = f"scan_steps_{plan.loop}"
+    assert STEPS_CALL.match(f"{indent}{name}(")
     source = _source(plan, kernels, params)
     argtypes = [p.rsplit(" ", 1)[0] for p in params]
     lines[start] = f"{indent}{name}({', '.join(args)}){''.join('; ' + f for f in plan.fixups)}"
