@@ -280,7 +280,8 @@ def _write(lines, start, plan, kernels):
     assert STEPS_CALL.match(f"{indent}{name}(")
     source = _source(plan, kernels, params)
     argtypes = [p.rsplit(" ", 1)[0] for p in params]
-    lines[start] = f"{indent}{name}({', '.join(args)}){''.join('; ' + f for f in plan.fixups)}"
+    lines[start] = (f"{indent}{name}({', '.join(args)}){''.join('; ' + f for f in plan.fixups)}"
+                    f"  # for {plan.loop}_step in range({plan.n}): the body below, in C++")
     for j in range(start + 1, end):
         if lines[j].strip():
             lines[j] = f"{indent}# (in {name}) {lines[j][len(indent):]}"
