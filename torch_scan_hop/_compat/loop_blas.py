@@ -10,7 +10,9 @@ argument parsing: ~2.3 us a call in all, against ~0.8 us for a C++ kernel call t
 alpha=1)`` makes through ``cpublas::gemm`` (its ``normalize_last_dims`` and
 ``use_blas_gemm``), so the numbers are ATen's to the bit; any case where ATen would do
 something else (another dtype, a size 0, a layout it copies first, a leading dimension past
-``int``) keeps ATen's mm. Only where ATen's float32 mm is that call (``blas_is_atens_float32_mm``):
+``int``) keeps ATen's mm. In the Python wrapper the backward's weight-gradient accumulation,
+``addmm(g, a, b, alpha=1, beta=1, out=c)``, is the same: ``addmm_impl_cpu_`` copies ``g`` into
+``c``, then calls ``sgemm_`` with beta 1 (``scan_blas_addmm``; the C++ wrapper keeps ATen's). Only where ATen's float32 mm is that call (``blas_is_atens_float32_mm``):
 x86 Linux with MKL, ``sgemm_`` exported by libtorch_cpu, and the float32 matmul precision at
 ``ieee`` when the graph is compiled (``torch.set_float32_matmul_precision("medium")`` sends
 ATen's mm to oneDNN's bf16 path; a change after the compile is not seen by the compiled loop).
@@ -148,7 +150,8 @@ _MIN_STEPS = 64  # the Python wrapper's kernel is one more C++ file to build on 
 
 
 def call_blas_for_mm_in_python_loops(trip_counts):
-    """In the Python wrapper, write ``extern_kernels.mm(a, b, out=c)`` generated in the body of
+    """In the Python wrapper, write ``extern_kernels.mm(a, b, out=c)`` (and ``addmm`` with
+    ``alpha=beta=1``: ``scan_blas_addmm(c, g, a, b, <ints>)``) generated in the body of
     counted loops (``trip_counts()``: theirs, outermost first) as ``scan_blas_sgemm(c, a, b,
     <ints>)``, a C++ kernel (compiled with the graph's, cached like them) that makes
     ``mm_plan``'s call, when the three are float32 CPU matrices of static sizes and strides,
