@@ -119,7 +119,7 @@ def _plan(lines, start, indent, loop, n, kernels):
 def _statement(text, plan, env, kernels):
     """Record ``text`` (one statement of the body) in ``plan``/``env``; False if not ours."""
     loop = plan.loop
-    if text.startswith("#") or text.startswith("pass  # ") or re.fullmatch(r"del \w+(, \w+)*(; del \w+(, \w+)*)*", text):
+    if text.startswith(("#", "pass  # ")) or re.fullmatch(r"del \w+(, \w+)*(; del \w+(, \w+)*)*", text):
         return True
     if m := re.fullmatch(rf"(\w+) = {loop}\[(\d+)\]", text):
         plan.carried.add(int(m.group(2)))
@@ -192,6 +192,9 @@ def _int(expr, plan, env):
 
 
 def _call(kernel, args, plan, env, kernels):
+    """A call of a ``cpp_pybinding`` kernel as a C++ call: a pointer argument gets its tensor's
+    data pointer (cast to the kernel's type), an ``int64_t`` its expression; any other argument
+    type (a float, a tensor list) keeps the Python loop."""
     argtypes = kernels[kernel][0]
     parts = _split(args)
     if len(parts) != len(argtypes) or any("=" in p for p in parts) or not _composable(kernels[kernel][1]):
