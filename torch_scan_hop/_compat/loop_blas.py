@@ -14,8 +14,9 @@ something else (another dtype, a size 0, a layout it copies first, a leading dim
 ``addmm(g, a, b, alpha=1, beta=1, out=c)``, is the same: ``addmm_impl_cpu_`` copies ``g`` into
 ``c``, then calls ``sgemm_`` with beta 1 (``scan_blas_addmm``; the C++ wrapper keeps ATen's).
 Only where ATen's float32 mm is that call (``blas_is_atens_float32_mm``): x86 Linux with MKL,
-``sgemm_`` exported by libtorch_cpu, and the float32 matmul precision at ``ieee`` when the graph is compiled (``torch.set_float32_matmul_precision("medium")`` sends
-ATen's mm to oneDNN's bf16 path; a change after the compile is not seen by the compiled loop).
+``sgemm_`` exported by libtorch_cpu, and the float32 matmul precision at ``ieee`` when the graph
+is compiled (``torch.set_float32_matmul_precision("medium")`` sends ATen's mm to oneDNN's bf16
+path; a change after the compile is not seen by the compiled loop).
 
 torch 2.9-2.15: ``torch.backends.mkldnn.matmul.fp32_precision`` (and ``mkldnn.fp32_precision``,
 ``fp32_precision``); ``PythonWrapperCodegen.generate_extern_kernel_out(node)`` writing an
