@@ -37,9 +37,40 @@ def test_float32_matmuls_in_the_loop_give_atens_bits(batch):
     for g, w in zip(tree_leaves(got), tree_leaves(want)):
         assert torch.equal(g, w), (g - w).abs().max()
     assert all(g.isfinite().all() for g in tree_leaves(got))
-    loop = code[code.index("_step in range(64):"):]
+    loop = code[code.index("def call"):]  # the loop's body: Python lines, or comments of its C++ loop (loop_kernel)
     assert loop.count("scan_blas_sgemm(") == (3 if batch > 1 else 2)  # x.t() @ c of a batch of 1: a product
     assert "extern_kernels.mm(" not in loop
+
+
+@needs_blas
+def test_weight_gradients_accumulate_with_atens_bits(monkeypatch):
+    """The backward's ``addmm(grad_w, a, b, beta=1)`` (a weight gradient summed over steps) is
+    ``self`` copied into the output, then ``sgemm_`` with beta 1, as ATen's ``addmm_impl_cpu_``:
+    the bits of the same compiled loop calling ATen's addmm."""
+    import torch_scan_hop._compat.loop_blas as loop_blas
+
+    gen = torch.Generator().manual_seed(3)
+    w = (torch.randn(6, 6, generator=gen) * 0.4).requires_grad_()
+    c0, xs = torch.randn(5, 6, generator=gen, requires_grad=True), torch.randn(64, 5, 6, generator=gen)
+
+    def run():
+        torch._dynamo.reset()
+        fn = torch.compile(lambda c0, xs: scan(lambda c, x: (torch.tanh(c @ w + x), c), c0, xs))
+        c, ys = fn(c0, xs)
+        return torch.autograd.grad(c.sum() + ys.pow(2).sum(), (w, c0))
+
+    with torch._inductor.config.patch(force_disable_caches=True):
+        got, codes = run_and_get_code(run)
+        monkeypatch.delitem(loop_blas._KINDS, "extern_kernels.addmm")
+        atens, aten_codes = run_and_get_code(run)
+    assert "scan_blas_addmm(" in codes[1] and "extern_kernels.addmm(" in aten_codes[1]
+    for g, a in zip(got, atens):
+        assert torch.equal(g, a), (g - a).abs().max()
+    with torch.enable_grad():
+        want = torch.autograd.grad((lambda c, ys: c.sum() + ys.pow(2).sum())(
+            *reference_scan(lambda c, x: (torch.tanh(c @ w + x), c), c0, xs)), (w, c0))
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
 
 
 def test_short_loops_keep_atens_mm():

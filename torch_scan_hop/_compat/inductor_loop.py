@@ -26,6 +26,7 @@ GraphModule is left alone).
 import contextlib
 import dataclasses
 
+from .loop_kernel import run_loops_as_one_kernel
 from .wrapper_text import drop_counter_inits, drop_counter_steps, pool_loop_buffers, release_finished_loops
 
 _steps = {}  # name of an inlined body's counter input -> (the Python loop variable holding it, trip count)
@@ -90,7 +91,8 @@ def run_counted_loops_as_for_loops(is_counted):
         code = result[0]
         if not isinstance(getattr(code, "value", None), str):  # FX wrapper codegen: a GraphModule
             return result
-        pooled = release_finished_loops(pool_loop_buffers(drop_counter_steps(drop_counter_inits(code.value))))
+        pooled = pool_loop_buffers(drop_counter_steps(drop_counter_inits(code.value)))
+        pooled = release_finished_loops(run_loops_as_one_kernel(pooled))
         if pooled == code.value:
             return result
         return (dataclasses.replace(code, value=pooled), *result[1:])

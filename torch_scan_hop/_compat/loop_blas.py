@@ -10,10 +10,13 @@ argument parsing: ~2.3 us a call in all, against ~0.8 us for a C++ kernel call t
 alpha=1)`` makes through ``cpublas::gemm`` (its ``normalize_last_dims`` and
 ``use_blas_gemm``), so the numbers are ATen's to the bit; any case where ATen would do
 something else (another dtype, a size 0, a layout it copies first, a leading dimension past
-``int``) keeps ATen's mm. Only where ATen's float32 mm is that call (``blas_is_atens_float32_mm``):
-x86 Linux with MKL, ``sgemm_`` exported by libtorch_cpu, and the float32 matmul precision at
-``ieee`` when the graph is compiled (``torch.set_float32_matmul_precision("medium")`` sends
-ATen's mm to oneDNN's bf16 path; a change after the compile is not seen by the compiled loop).
+``int``) keeps ATen's mm. In the Python wrapper the backward's weight-gradient accumulation,
+``addmm(g, a, b, alpha=1, beta=1, out=c)``, is the same: ``addmm_impl_cpu_`` copies ``g`` into
+``c``, then calls ``sgemm_`` with beta 1 (``scan_blas_addmm``; the C++ wrapper keeps ATen's).
+Only where ATen's float32 mm is that call (``blas_is_atens_float32_mm``): x86 Linux with MKL,
+``sgemm_`` exported by libtorch_cpu, and the float32 matmul precision at ``ieee`` when the graph
+is compiled (``torch.set_float32_matmul_precision("medium")`` sends ATen's mm to oneDNN's bf16
+path; a change after the compile is not seen by the compiled loop).
 
 torch 2.9-2.15: ``torch.backends.mkldnn.matmul.fp32_precision`` (and ``mkldnn.fp32_precision``,
 ``fp32_precision``); ``PythonWrapperCodegen.generate_extern_kernel_out(node)`` writing an
@@ -40,7 +43,30 @@ extern "C" void kernel(float* c, const float* a, const float* b, const int64_t t
     sgemm_(&transa, &transb, &m_, &n_, &k_, &one, a, &lda_, b, &ldb_, &zero, c, &ldc_);
 }
 '''
+ADDMM_ARGTYPES = ["float*", "const float*", "const float*", "const float*"] + ["const int64_t"] * 14
+ADDMM_KERNEL = r'''
+#include <cstdint>
+extern "C" void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*,
+                       const float*, const int*, const float*, const int*, const float*, float*, const int*);
+// ATen's addmm_impl_cpu_(c, self, a, b, 1, 1) for float32: self copied into c (c = self is a no-op), then
+// the gemm with beta = 1 after its layout decisions (mm_plan)
+extern "C" void kernel(float* c, const float* self, const float* a, const float* b, const int64_t ta, const int64_t tb,
+                       const int64_t m, const int64_t n, const int64_t k,
+                       const int64_t lda, const int64_t ldb, const int64_t ldc,
+                       const int64_t rows, const int64_t cols, const int64_t c_row, const int64_t c_col,
+                       const int64_t self_row, const int64_t self_col)
+{
+    for (int64_t i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < cols; ++j)
+            c[i * c_row + j * c_col] = self[i * self_row + j * self_col];
+    const char transa = ta ? 'T' : 'N', transb = tb ? 'T' : 'N';
+    const int m_ = m, n_ = n, k_ = k, lda_ = lda, ldb_ = ldb, ldc_ = ldc;
+    const float one = 1.f;
+    sgemm_(&transa, &transb, &m_, &n_, &k_, &one, a, &lda_, b, &ldb_, &one, c, &ldc_);
+}
+'''
 _KERNEL = "scan_blas_sgemm"
+_ADDMM = "scan_blas_addmm"
 _INT_MAX = 2 ** 31 - 1
 
 
@@ -125,7 +151,8 @@ _MIN_STEPS = 64  # the Python wrapper's kernel is one more C++ file to build on 
 
 
 def call_blas_for_mm_in_python_loops(trip_counts):
-    """In the Python wrapper, write ``extern_kernels.mm(a, b, out=c)`` generated in the body of
+    """In the Python wrapper, write ``extern_kernels.mm(a, b, out=c)`` (and ``addmm`` with
+    ``alpha=beta=1``: ``scan_blas_addmm(c, g, a, b, <ints>)``) generated in the body of
     counted loops (``trip_counts()``: theirs, outermost first) as ``scan_blas_sgemm(c, a, b,
     <ints>)``, a C++ kernel (compiled with the graph's, cached like them) that makes
     ``mm_plan``'s call, when the three are float32 CPU matrices of static sizes and strides,
@@ -143,11 +170,11 @@ def call_blas_for_mm_in_python_loops(trip_counts):
 
     def generate_extern_kernel_out(self, node):
         plan = None
-        if not V.graph.cpp_wrapper and _long_enough(trip_counts()) and getattr(node, "python_kernel_name", None) == \
-                "extern_kernels.mm":
-            plan = _plan_of(node)
+        kind = getattr(node, "python_kernel_name", None)
+        if not V.graph.cpp_wrapper and kind in _KINDS and _long_enough(trip_counts()):
+            plan = _plan_of(node, accumulates=kind == "extern_kernels.addmm")
         if plan is not None:
-            _define_kernel_once(self)
+            _define_kernel_once(self, *_KINDS[kind])
             node._scan_blas_plan = plan  # read by the ExternKernelOutLine written next
         return generate_out(self, node)
 
@@ -156,11 +183,17 @@ def call_blas_for_mm_in_python_loops(trip_counts):
         plan = getattr(node, "_scan_blas_plan", None)
         if plan is None:
             return line_codegen(self, code)
-        a, b = node.codegen_args()[:2]
+        mm, copy = plan
+        args = node.codegen_args()
+        a, b = args[1:3] if copy else args[:2]
         out = node.output_view.codegen_reference() if node.output_view else node.codegen_reference()
-        first, second = (b, a) if plan[0] else (a, b)
-        ints = ", ".join(str(int(v)) for v in plan[1:])
-        code.writeline(f"{_KERNEL}({out}, {first}, {second}, {ints})")
+        first, second = (b, a) if mm[0] else (a, b)
+        ints = ", ".join(str(int(v)) for v in mm[1:])
+        if copy:
+            extra = ", ".join(str(int(v)) for v in copy)
+            code.writeline(f"{_ADDMM}({out}, {args[0]}, {first}, {second}, {ints}, {extra})")
+        else:
+            code.writeline(f"{_KERNEL}({out}, {first}, {second}, {ints})")
 
     generate_extern_kernel_out._scan_blas = True
     PythonWrapperCodegen.generate_extern_kernel_out = generate_extern_kernel_out
@@ -176,12 +209,21 @@ def _long_enough(counts):
     return bool(counts) and total >= _MIN_STEPS
 
 
-def _plan_of(node):
+def _plan_of(node, accumulates):
+    """``(mm_plan, None)`` of an ``mm`` node, ``(mm_plan, (rows, cols, out strides, self strides))``
+    of an ``addmm(self, a, b, alpha=1, beta=1)`` node (self copied into out first, then the gemm
+    with beta 1, as ``addmm_impl_cpu_``), or None where ATen's call is not that."""
     import torch
 
-    operands = [node.output_view or node, *node.inputs[:2]]
-    if len(node.inputs) != 2 or node.kwargs:
+    out = node.output_view or node
+    if accumulates:
+        if len(node.inputs) != 3 or node.kwargs != {"alpha": 1, "beta": 1}:
+            return None
+        operands = [out, *node.inputs]
+    elif len(node.inputs) != 2 or node.kwargs:
         return None
+    else:
+        operands = [out, *node.inputs]
     shapes = []
     for x in operands:
         layout = x.get_layout()
@@ -193,11 +235,23 @@ def _plan_of(node):
             return None
     if not blas_is_atens_float32_mm():
         return None
-    return mm_plan(*shapes)
+    if not accumulates:
+        mm = mm_plan(*shapes)
+        return None if mm is None else (mm, None)
+    (sizes, strides), (self_sizes, self_strides) = shapes[:2]
+    mm = mm_plan(shapes[0], *shapes[2:])
+    if mm is None or self_sizes != sizes:
+        return None
+    return mm, (*sizes, *strides, *self_strides)
 
 
-def _define_kernel_once(wrapper):
-    if getattr(wrapper, "_scan_blas_defined", False):
+_KINDS = {"extern_kernels.mm": (_KERNEL, SGEMM_ARGTYPES, SGEMM_KERNEL),
+          "extern_kernels.addmm": (_ADDMM, ADDMM_ARGTYPES, ADDMM_KERNEL)}
+
+
+def _define_kernel_once(wrapper, name, argtypes, source):
+    defined = wrapper.__dict__.setdefault("_scan_blas_defined", set())
+    if name in defined:
         return
-    wrapper._scan_blas_defined = True
-    wrapper.header.splice(f"\n\n{_KERNEL} = async_compile.cpp_pybinding({SGEMM_ARGTYPES!r}, r'''{SGEMM_KERNEL}''')\n")
+    defined.add(name)
+    wrapper.header.splice(f"\n\n{name} = async_compile.cpp_pybinding({argtypes!r}, r'''{source}''')\n")

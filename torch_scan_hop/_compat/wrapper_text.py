@@ -79,6 +79,7 @@ _POOL_MAX_BYTES = 1 << 20  # per buffer: above it an allocation costs little nex
 _ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
              "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16}
 _FOR = re.compile(r"^( *)for (\w+)_step in range\((\w+)\):$")
+STEPS_CALL = re.compile(r"^( *)scan_steps_(\w+)\(")  # a counted loop run as one C++ kernel (loop_kernel)
 _ALLOC = re.compile(r"^(\w+) = empty_strided_cpu\(\(([\d, ]*)\), \([\d, ]*\), torch\.(\w+)\)$")
 
 
@@ -170,10 +171,11 @@ def release_finished_loops(code):
     fifth of the step's peak). Each ``del`` goes in front of a statement at the loop's
     indentation (body variables: the first after the loop; the list: the first after its
     last use). A name read anywhere after the loop, or a list inductor deletes itself, is
-    left alone. Line numbers do not change."""
+    left alone. A loop run as one C++ kernel (``loop_kernel``: its call, then its body as comments)
+    binds no body variables; its list is deleted the same way. Line numbers do not change."""
     lines = code.split("\n")
     for i in range(len(lines) - 1, -1, -1):  # inner loops first: their dels are then part of the outer body
-        loop = _FOR.match(lines[i])
+        loop = _FOR.match(lines[i]) or STEPS_CALL.match(lines[i])
         if loop is None:
             continue
         indent, name = loop.group(1), loop.group(2)
