@@ -47,8 +47,8 @@ from .stack_weights import stack_weights
 from .storage import stacked_storage
 
 
-def _stacked_state(states):
-    return {name: stack_weights([state[name] for state in states]) for name in states[0]}
+def _stacked_state(states, static_rows=False):
+    return {name: stack_weights([state[name] for state in states], static_rows) for name in states[0]}
 
 
 def _from_storage(layers, stacked, ref_state, token, trained_stacks):
@@ -274,7 +274,9 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=1, **broadcast_kwargs)
         over_rows = trained_stacks and differentiates_stacks(container, layers) and _all_attributes_agree(layers)
         if not over_rows:
             return _eager_loop(layers, inputs, remat, broadcast_kwargs)
-    xs = _stacked_state(states) if stacked is None else _from_storage(layers, stacked, states[0], token, trained_stacks)
+    straight = unroll is not None and unroll >= len(layers)  # one iteration of every layer: no While on XLA
+    xs = _stacked_state(states, straight) if stacked is None else _from_storage(
+        layers, stacked, states[0], token, trained_stacks)
     template = layers[0]
     single = len(inputs) == 1
     if not dynamo and not over_rows:  # checked here, in Python: the traced body then reads no peer
