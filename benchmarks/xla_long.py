@@ -16,8 +16,9 @@ bare token in it, e.g. "intra_op_parallelism_threads=1").
 The second table is the same question for a layer stack: scan_layers' steady
 training step (grads of every parameter) against the Python loop over the
 layers, Linear(256, 256) + GELU on 1024 rows, 8 / 32 / 64 deep, per layer;
-rounds interleave the two (target: <= 1.0x the loop at every depth), and
-scan_layers(..., unroll=depth), the straight-line form (no While, csrc/hlo_straight.h).
+rounds interleave the loop, scan_layers as called by default (target: <= 1.0x
+the loop at every depth), with unroll=1 (one While) and with unroll=depth (the
+straight-line form, no While: csrc/hlo_straight.h; the default up to 8 layers).
 Run: python benchmarks/xla_long.py [--max-len N] [--modes fwd_ys,train] [--depths 8,32,64 | --depths 0]
 """
 import argparse
@@ -112,8 +113,8 @@ def layers_table(depths, repeat):
         make = lambda: torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU())  # noqa: E731
         layers = torch.nn.ModuleList(make() for _ in range(depth)).to(DEV)
         x = torch.randn(ROWS, WIDTH).to(DEV)
-        fns = {"loop": layer_step(layers, x, False), "scan_layers": layer_step(layers, x, True),
-               "unrolled": layer_step(layers, x, True, unroll=depth)}
+        fns = {"loop": layer_step(layers, x, False), "scan_layers": layer_step(layers, x, True, unroll=None),
+               "while": layer_step(layers, x, True), "unrolled": layer_step(layers, x, True, unroll=depth)}
         firsts = {}
         for name, fn in fns.items():  # first call compiles; the scan's second is Dynamo's capture
             t0 = time.perf_counter()
@@ -123,7 +124,7 @@ def layers_table(depths, repeat):
         rounds = interleaved_times(fns, repeat, clock=time.process_time)
         loop = min(rounds["loop"])
         row = [depth, f"{loop / depth * 1e3:.3f}"]
-        for name in ("scan_layers", "unrolled"):
+        for name in ("scan_layers", "while", "unrolled"):
             ours = min(rounds[name])
             ratios = sorted(a / b for a, b in zip(rounds[name], rounds["loop"]))
             med, lo, hi = paired_ratio(rounds[name], rounds["loop"])
@@ -133,7 +134,7 @@ def layers_table(depths, repeat):
         print(*rows[-1], flush=True)
     print(f"XLA, one thread: training step of Linear({WIDTH}, {WIDTH}) + GELU stacks on {ROWS} rows, best of {repeat}; "
           f"per-round ratios: median [95% interval], min-max; load {os.getloadavg()[0]:.1f}")
-    print_table(["depth", "loop ms/layer"] + [f"{n} {c}" for n in ("scan_layers", "unroll=depth")
+    print_table(["depth", "loop ms/layer"] + [f"{n} {c}" for n in ("scan_layers", "unroll=1", "unroll=depth")
                                               for c in ("ms/layer", "best/best", "round median", "rounds")], rows)
 
 

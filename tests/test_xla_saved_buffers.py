@@ -94,7 +94,7 @@ def check_layer_stack():
         layers.zero_grad(set_to_none=True)
         h = x
         if stacked:
-            h = scan_layers(layers, h)
+            h = scan_layers(layers, h, unroll=1)  # one While (unroll=None runs so short a stack straight-line)
         else:
             for layer in layers:
                 h = layer(h)
@@ -117,18 +117,19 @@ def test_layer_stack_step_copies_no_carry_and_no_stacked_buffer():
     _isolated.call("test_xla_saved_buffers", "check_layer_stack", env=_ENV)
 
 
-def stacked_values(text):
+def stacked_values(text, rows):
     """Each While, and each instruction of a layer-stacked shape (a saved activation, a weight or
     bias or their gradients stacked over the layers), in an optimized HLO module's text."""
-    stacked = {f"f32[{DEPTH},{ROWS},{WIDTH}]", f"f32[{DEPTH},{WIDTH},{WIDTH}]", f"f32[{DEPTH},{WIDTH}]"}
+    stacked = {f"f32[{DEPTH},{rows},{WIDTH}]", f"f32[{DEPTH},{WIDTH},{WIDTH}]", f"f32[{DEPTH},{WIDTH}]"}
     comps, _ = computations(text)
     return [f"{comp}: {name} = {shape} {opcode}" for comp, instructions in comps.items()
             for name, shape, opcode in instructions if opcode == "while" or shape in stacked]
 
 
-def check_straight_layer_stack():
-    """In the child: scan_layers(..., unroll=depth) training steps == the loop's, and nothing in
-    their optimized HLO is a While or stacked over the layers."""
+def check_straight_layer_stack(unroll, rows):
+    """In the child: scan_layers(..., unroll=unroll) training steps == the loop's, and nothing in
+    their optimized HLO is a While or stacked over the layers. Each case its own ``rows``: torch_xla
+    would reuse the other's compiled graph, and XLA dump nothing."""
     import torch
     import torch_xla
     from conftest import assert_trees_close
@@ -139,13 +140,13 @@ def check_straight_layer_stack():
     torch.manual_seed(0)
     layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU())
                                  for _ in range(DEPTH)).to(torch_xla.device())
-    x = torch.randn(ROWS, WIDTH).to(torch_xla.device())
+    x = torch.randn(rows, WIDTH).to(torch_xla.device())
 
     def step(stacked):
         layers.zero_grad(set_to_none=True)
         h = x
         if stacked:
-            h = scan_layers(layers, h, unroll=DEPTH)
+            h = scan_layers(layers, h, unroll=unroll)
         else:
             for layer in layers:
                 h = layer(h)
@@ -165,12 +166,13 @@ def check_straight_layer_stack():
         with open(path) as f:
             texts.append(f.read())
     assert texts, f"no optimized module in {dump} (is XLA_FLAGS honoured?)"
-    found = [line for t in texts for line in stacked_values(t)]
+    found = [line for t in texts for line in stacked_values(t, rows)]
     assert not found, "a While or a layer-stacked buffer in the straight-line step:\n" + "\n".join(found)
 
 
-def test_straight_layer_stack_step_stacks_nothing():
-    _isolated.call("test_xla_saved_buffers", "check_straight_layer_stack", env=_ENV)
+@pytest.mark.parametrize("unroll, rows", [(DEPTH, ROWS), (None, ROWS // 2)], ids=["unroll_depth", "default"])
+def test_straight_layer_stack_step_stacks_nothing(unroll, rows):  # None: so short a stack runs straight-line
+    _isolated.call("test_xla_saved_buffers", "check_straight_layer_stack", unroll, rows, env=_ENV)
 
 
 @pytest.mark.parametrize("length", [1, 2, 5])
