@@ -12,7 +12,7 @@
 // the Python loop's graph). A layer stack of Linear + GELU, 8 deep, then costs on
 // the device what the loop does (docs/benchmarks.md); the price is compile time
 // that grows with the length, as the loop's does: scan_layers picks it by default
-// on XLA for stacks of at most 8 layers only (layers/scan_layers.py), scan never.
+// on XLA for short stacks only (layers/scan_layers.py, _resolve_unroll), scan never.
 #pragma once
 
 #include <cstdint>

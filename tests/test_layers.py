@@ -316,16 +316,18 @@ def test_xla_matches_cpu_and_grads_land_on_each_layer():
     assert_trees_close((out.detach().cpu(), [g.cpu() for g in grads_x]), want, atol=1e-4, rtol=1e-3)
 
 
-@pytest.mark.parametrize("depth, whiles", [(8, 0), (9, 2)])
-def test_xla_default_runs_stacks_of_up_to_8_layers_straight_line(depth, whiles):
+@pytest.mark.parametrize("depth, storage, whiles", [(8, False, 0), (9, False, 2), (8, True, 2)])
+def test_xla_default_runs_stacks_of_up_to_8_layers_straight_line(depth, storage, whiles):
     """unroll=None: a stack of at most 8 layers runs every layer in one iteration, which XLA gets
-    as straight-line code (no While); a deeper one is a forward and a backward While."""
+    as straight-line code (no While); a deeper one, or one in stacked storage (chosen for its
+    compile time), is a forward and a backward While."""
     if torch_xla is None:
         pytest.skip("torch_xla is not installed")
     torch.manual_seed(depth)
     layers, x = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(depth)), torch.randn(3, 4)
     want = train_step(lambda l, h, **kw: run_loop(l, h), layers, x, None)
-    layers_x = copy.deepcopy(layers).to(torch_xla.device())
+    layers_x = copy.deepcopy(layers)
+    layers_x = (torch_scan_hop.stack_layers(layers_x) if storage else layers_x).to(torch_xla.device())
     out = scan_layers(layers_x, x.to(torch_xla.device()))
     out.pow(2).mean().backward()
     grads = [p.grad for p in layers_x.parameters()]

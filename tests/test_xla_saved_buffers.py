@@ -157,7 +157,7 @@ def check_straight_layer_stack(unroll, rows):
     want = step(False)
     assert_trees_close(step(True), want, atol=1e-6, rtol=1e-5)  # the first call, on the make_fx path
     # from here on the dump holds the steady step only (the first call's graph also returns the
-    # weight stacks, held at its sync by the make_fx path: a one-off, not this check's concern)
+    # weight stacks, still alive at its sync: a one-off, not this check's concern)
     shutil.rmtree(dump, ignore_errors=True)
     for _ in range(2):  # Dynamo's capture, then a call on its guards
         assert_trees_close(step(True), want, atol=1e-6, rtol=1e-5)
