@@ -16,7 +16,9 @@ bare token in it, e.g. "intra_op_parallelism_threads=1").
 The second table is the same question for a layer stack: scan_layers' steady
 training step (grads of every parameter) against the Python loop over the
 layers, Linear(256, 256) + GELU on 1024 rows, 8 / 32 / 64 deep, per layer;
-rounds interleave the two (target: <= 1.0x the loop at every depth).
+rounds interleave the loop, scan_layers as called by default (target: <= 1.0x
+the loop at every depth), with unroll=1 (one While) and with unroll=depth (the
+straight-line form, no While: csrc/hlo_straight.h; the default up to 8 layers).
 Run: python benchmarks/xla_long.py [--max-len N] [--modes fwd_ys,train] [--depths 8,32,64 | --depths 0]
 """
 import argparse
@@ -83,14 +85,14 @@ def per_step(n, with_ys, train, repeat):
     return best / n
 
 
-def layer_step(layers, x, stacked):
+def layer_step(layers, x, stacked, unroll=1):
     from torch_scan_hop import scan_layers
 
     def run():
         layers.zero_grad(set_to_none=True)
         h = x
         if stacked:
-            h = scan_layers(layers, h)
+            h = scan_layers(layers, h, unroll=unroll)
         else:
             for layer in layers:
                 h = layer(h)
@@ -111,20 +113,29 @@ def layers_table(depths, repeat):
         make = lambda: torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU())  # noqa: E731
         layers = torch.nn.ModuleList(make() for _ in range(depth)).to(DEV)
         x = torch.randn(ROWS, WIDTH).to(DEV)
-        fns = {"loop": layer_step(layers, x, False), "scan_layers": layer_step(layers, x, True)}
-        for fn in fns.values():
-            fn()  # first call compiles; the scan's second is Dynamo's capture
+        fns = {"loop": layer_step(layers, x, False), "scan_layers": layer_step(layers, x, True, unroll=None),
+               "while": layer_step(layers, x, True), "unrolled": layer_step(layers, x, True, unroll=depth)}
+        firsts = {}
+        for name, fn in fns.items():  # first call compiles; the scan's second is Dynamo's capture
+            t0 = time.perf_counter()
+            fn()
+            firsts[name] = time.perf_counter() - t0
+        print(f"depth {depth}, first call (s):", ", ".join(f"{n} {t:.2f}" for n, t in firsts.items()), flush=True)
         rounds = interleaved_times(fns, repeat, clock=time.process_time)
-        loop, ours = min(rounds["loop"]), min(rounds["scan_layers"])
-        ratios = sorted(a / b for a, b in zip(rounds["scan_layers"], rounds["loop"]))
-        med, lo, hi = paired_ratio(rounds["scan_layers"], rounds["loop"])
-        rows.append([depth, f"{loop / depth * 1e3:.3f}", f"{ours / depth * 1e3:.3f}", f"{ours / loop:.2f}x",
-                     f"{med:.2f}x [{lo:.2f}, {hi:.2f}]", f"{ratios[0]:.2f}-{ratios[-1]:.2f}"])
+        loop = min(rounds["loop"])
+        row = [depth, f"{loop / depth * 1e3:.3f}"]
+        for name in ("scan_layers", "while", "unrolled"):
+            ours = min(rounds[name])
+            ratios = sorted(a / b for a, b in zip(rounds[name], rounds["loop"]))
+            med, lo, hi = paired_ratio(rounds[name], rounds["loop"])
+            row += [f"{ours / depth * 1e3:.3f}", f"{ours / loop:.2f}x", f"{med:.2f}x [{lo:.2f}, {hi:.2f}]",
+                    f"{ratios[0]:.2f}-{ratios[-1]:.2f}"]
+        rows.append(row)
         print(*rows[-1], flush=True)
     print(f"XLA, one thread: training step of Linear({WIDTH}, {WIDTH}) + GELU stacks on {ROWS} rows, best of {repeat}; "
-          "per-round ratios: median [95% interval], min-max")
-    print_table(["depth", "loop ms/layer", "scan_layers ms/layer", "best/best", "round ratio median", "round ratios"],
-                rows)
+          f"per-round ratios: median [95% interval], min-max; load {os.getloadavg()[0]:.1f}")
+    print_table(["depth", "loop ms/layer"] + [f"{n} {c}" for n in ("scan_layers", "unroll=1", "unroll=depth")
+                                              for c in ("ms/layer", "best/best", "round median", "rounds")], rows)
 
 
 def main():

@@ -17,9 +17,10 @@
 // calls the body computation. Its ys reach the stacked buffers one iteration
 // late, so that each write is a lone, in-place dynamic-update-slice whatever
 // the length ("stacked ys" below). A y that is the step's carry input is
-// written from the step's carry output into the next step's row ("carried"). Where the body's HLO declares another
-// element type than the torch dtype of a value, the call converts on the way
-// in and out.
+// written from the step's carry output into the next step's row ("carried").
+// One body call, shared with the straight-line form, is hlo_step.h. A scan whose
+// one iteration runs every step (unroll == length) has no While at all: its
+// entry is the steps in a row (hlo_straight.h).
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -30,6 +31,8 @@
 #include "hlo_proto.h"
 #include "hlo_py.h"
 #include "hlo_signature.h"
+#include "hlo_step.h"
+#include "hlo_straight.h"
 
 namespace {
 
@@ -161,23 +164,6 @@ void write_blocks(Computation& c, const Signature& sig, State& s, const std::str
                        {s.ys[k], s.blocks[k], s.offsets[k]});
 }
 
-// The call's result: our shapes with the element types the body declares.
-Shape body_result(const Signature& sig) {
-  std::vector<Shape> parts = sig.carry;
-  for (const Shape& y : sig.ys) parts.push_back(drop_lead(y));
-  for (size_t i = 0; i < parts.size(); ++i) parts[i].etype = sig.body_result_types[i];
-  return tuple_of(parts);
-}
-
-// v (of shape `shape`) as element type etype. torch_xla may lower a tensor
-// with another element type than its torch dtype (native_dropout's bool mask
-// is f32 in its IR): the loop state keeps the torch dtype, the call the body's.
-int64_t as_type(Computation& c, int64_t v, Shape shape, int etype, const std::string& label) {
-  if (shape.etype == etype) return v;
-  shape.etype = etype;
-  return c.emit(label + "_as", "convert", shape, {v});
-}
-
 // ---------------------------------------------------------------- one body call
 int64_t step_index(Computation& c, const Signature& sig, const Segment& seg, int64_t counter, int64_t j,
                    const std::string& p) {
@@ -186,42 +172,16 @@ int64_t step_index(Computation& c, const Signature& sig, const Segment& seg, int
   return c.add(p + "idx", c.constant_s64(p + "start", seg.start), pos);
 }
 
-int64_t slice_x(Computation& c, const Shape& full, int64_t xs, int64_t idx, int64_t zero, const std::string& label) {
-  std::vector<int64_t> starts{xs, idx};
-  starts.insert(starts.end(), full.dims.size() - 1, zero);
-  Shape one = with_lead_one(drop_lead(full));
-  int64_t sl = c.emit(label + "_row", "dynamic-slice", one, starts,
-                      [&](Msg& m) { m.packed(kHloInstructionDynamicSliceSizes, one.dims); });
-  return c.emit(label, "reshape", drop_lead(full), {sl});
-}
-
 // Body call j of the current iteration; updates s.carry and appends each y, flat, to rows[k].
 void emit_step(Computation& c, const Signature& sig, const Segment& seg, int64_t j, State& s,
                std::vector<std::vector<int64_t>>& rows) {
   std::string p = "s" + std::to_string(j) + "_";
   int64_t idx = step_index(c, sig, seg, s.counter, j, p);
-  int64_t zero = c.constant_s64(p + "zero", 0);
-  std::vector<int64_t> operands;
-  for (size_t n = 0; n < sig.body_params.size(); ++n) {
-    auto [kind, i] = sig.body_params[n];
-    std::string label = p + "arg" + std::to_string(n);
-    int64_t v = -1;
-    Shape shape;
-    if (kind == kCarry) v = s.carry[i], shape = sig.carry[i];
-    if (kind == kPass) v = s.pass[i], shape = sig.pass[i];
-    if (kind == kX) v = slice_x(c, sig.xs[i], s.xs[i], idx, zero, p + "x" + std::to_string(i)), shape = drop_lead(sig.xs[i]);
-    operands.push_back(as_type(c, v, shape, sig.body_param_types[n], label));
-  }
-  Shape result = body_result(sig);
-  int64_t out = c.call(p + "body", result, operands, {sig.body_id});
-  for (size_t i = 0; i < s.carry.size(); ++i) {
-    std::string name = p + "carry" + std::to_string(i);
-    s.carry[i] = as_type(c, c.gte(name, out, result.tuple[i], int(i)), result.tuple[i], sig.carry[i].etype, name);
-  }
+  StepResult step = call_body(c, sig, s.carry, s.xs, s.pass, idx, p);
+  s.carry = step.carry;
   for (size_t k = 0; k < s.ys.size(); ++k) {
     std::string name = p + "y" + std::to_string(k);
-    const Shape& part = result.tuple[s.carry.size() + k];
-    int64_t y = as_type(c, c.gte(name, out, part, int(s.carry.size() + k)), part, sig.ys[k].etype, name);
+    int64_t y = step.ys[k];
     if (delayed(sig, k)) {
       rows[k].push_back(c.emit(name + "_flat", "reshape", flat(sig.ys[k], 1), {y}));
       continue;
@@ -314,9 +274,26 @@ void adopt_body(Module& mod, const std::string& body, Signature& sig) {
   mod.next_id = max_id + 1;
 }
 
+// The module around its finished entry computation, serialized.
+std::string module_proto(const Module& mod, const Computation& entry) {
+  Msg m;
+  m.bytes(kHloModuleName, "scan." + std::to_string(entry.id));
+  m.bytes(kHloModuleEntryComputationName, "scan_entry." + std::to_string(entry.id));
+  for (const std::string& c : mod.computations) m.bytes(kHloModuleComputations, c);
+  m.msg(kHloModuleHostProgramShape, program_shape(entry.params, entry.result));
+  m.i64(kHloModuleId, entry.id);
+  m.i64(kHloModuleEntryComputationId, entry.id);
+  return m.b;
+}
+
 std::string build_module(const std::string& body, Signature sig) {
   Module mod;
   adopt_body(mod, body, sig);
+  if (straight(sig)) {
+    Computation e(&mod, "scan_entry");
+    build_straight_entry(e, sig);
+    return module_proto(mod, e);
+  }
   std::vector<std::pair<int64_t, int64_t>> loops;  // (body, cond) per segment
   for (size_t n = 0; n < sig.segments.size(); ++n)
     loops.emplace_back(build_loop_body(mod, sig, sig.segments[n], int(n)), build_cond(mod, sig, sig.segments[n], int(n)));
@@ -364,16 +341,8 @@ std::string build_module(const std::string& body, Signature sig) {
   std::vector<Shape> out_shapes(sig.carry);
   out_shapes.insert(out_shapes.end(), sig.ys.begin(), sig.ys.end());
   Shape result = tuple_of(out_shapes);
-  int64_t entry_id = e.finish(e.emit("result", "tuple", result, outs), result);
-
-  Msg m;
-  m.bytes(kHloModuleName, "scan." + std::to_string(entry_id));
-  m.bytes(kHloModuleEntryComputationName, "scan_entry." + std::to_string(entry_id));
-  for (const std::string& c : mod.computations) m.bytes(kHloModuleComputations, c);
-  m.msg(kHloModuleHostProgramShape, program_shape(e.params, result));
-  m.i64(kHloModuleId, entry_id);
-  m.i64(kHloModuleEntryComputationId, entry_id);
-  return m.b;
+  e.finish(e.emit("result", "tuple", result, outs), result);
+  return module_proto(mod, e);
 }
 
 // ---------------------------------------------------------------- Python glue

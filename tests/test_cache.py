@@ -142,6 +142,26 @@ def test_graph_key_sees_constants_and_signed_zero():
     assert key_of(lambda x: x.sin()) != key_of(lambda x: x.cos())
 
 
+def test_graph_key_of_a_module_follows_its_recompiled_graph_and_its_tensors():
+    """graph_key remembers the key of a flat graph per module: an edited, recompiled graph
+    and a get_attr tensor changed in place still give new keys."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda x: x.sin() + 1)(torch.ones(3))
+    before = _cache.graph_key(gm)[0]
+    assert _cache.graph_key(gm)[0] == before  # remembered
+    sin = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.sin.default)
+    sin.target = torch.ops.aten.cos.default
+    gm.recompile()
+    assert _cache.graph_key(gm)[0] != before
+
+    big = torch.ones(5000)  # over _SMALL_CONSTANT: keyed by identity and version, not value
+    gm = make_fx(lambda x: x + big)(torch.ones(5000))
+    before = _cache.graph_key(gm)[0]
+    gm._tensor_constant0.add_(1)  # make_fx's name for the closed-over tensor
+    assert _cache.graph_key(gm)[0] != before
+
+
 def test_traced_path_does_not_grow_linecache_without_bound(monkeypatch):
     from torch_scan_hop._compat import tracing
 
@@ -194,3 +214,17 @@ def test_a_graph_body_reuses_its_plan_with_no_trace(monkeypatch):
             assert traces
             traces.clear()
     assert part.calls == 1 and not traces
+
+
+def test_graph_key_memo_lets_the_module_die():
+    import gc
+    import weakref
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda x: x.sin())(torch.ones(3))
+    _cache.graph_key(gm)
+    dead = weakref.ref(gm)
+    del gm
+    gc.collect()
+    assert dead() is None

@@ -305,7 +305,7 @@ def test_xla_matches_cpu_and_grads_land_on_each_layer():
     want = train_step(run_loop, layers, x, mask)
     layers_x = copy.deepcopy(layers).to(dev)
     layers_x.zero_grad()
-    out = scan_layers(layers_x, x.to(dev), attn_mask=mask.to(dev))
+    out = scan_layers(layers_x, x.to(dev), attn_mask=mask.to(dev), unroll=1)  # None: 8 layers run straight-line
     out.pow(2).mean().backward()
     grads_x = [p.grad for p in layers_x.parameters()]
     hlo = torch_xla._XLAC._get_xla_tensors_hlo(grads_x)
@@ -314,6 +314,25 @@ def test_xla_matches_cpu_and_grads_land_on_each_layer():
     assert " slice(" not in hlo[hlo.index("ENTRY"):]
     torch_xla.sync()  # one graph for all gradients, not one per .cpu()
     assert_trees_close((out.detach().cpu(), [g.cpu() for g in grads_x]), want, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("depth, storage, whiles", [(8, False, 0), (9, False, 2), (8, True, 2)])
+def test_xla_default_runs_stacks_of_up_to_8_layers_straight_line(depth, storage, whiles):
+    """unroll=None: a stack of at most 8 layers runs every layer in one iteration, which XLA gets
+    as straight-line code (no While); a deeper one, or one in stacked storage (chosen for its
+    compile time), is a forward and a backward While."""
+    if torch_xla is None:
+        pytest.skip("torch_xla is not installed")
+    torch.manual_seed(depth)
+    layers, x = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(depth)), torch.randn(3, 4)
+    want = train_step(lambda l, h, **kw: run_loop(l, h), layers, x, None)
+    layers_x = copy.deepcopy(layers)
+    layers_x = (torch_scan_hop.stack_layers(layers_x) if storage else layers_x).to(torch_xla.device())
+    out = scan_layers(layers_x, x.to(torch_xla.device()))
+    out.pow(2).mean().backward()
+    grads = [p.grad for p in layers_x.parameters()]
+    assert torch_xla._XLAC._get_xla_tensors_hlo(grads).count(" while(") == whiles
+    assert_trees_close((out.detach().cpu(), [g.cpu() for g in grads]), want, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager"])

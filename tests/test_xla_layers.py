@@ -4,8 +4,12 @@ A steady call skips work the first one did (Dynamo's capture, the plan and While
 by graph) and takes cheaper routes for what it still does every call (the
 attribute comparison across layers, the weight stack, the gradient rows). These
 check that a changed weight, a changed attribute or a frozen layer is still seen,
-and that every step's values and gradients are the Python loop's.
+and that every step's values and gradients are the Python loop's. Each runs twice: with
+the default unroll (so short a stack runs straight-line, no While) and with unroll=1 (one
+While).
 """
+import sys
+
 import pytest
 import torch
 from conftest import assert_trees_close
@@ -13,6 +17,12 @@ from conftest import assert_trees_close
 from torch_scan_hop import ScanError, scan_layers
 
 torch_xla = pytest.importorskip("torch_xla")
+UNROLL = None
+
+
+@pytest.fixture(autouse=True, params=[None, 1], ids=["default", "while"])
+def _unroll(request, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "UNROLL", request.param)
 
 
 class Scaled(torch.nn.Module):
@@ -30,7 +40,7 @@ def make(depth=4):
 
 
 def step(layers, x, stacked):
-    h = scan_layers(layers, x) if stacked else x
+    h = scan_layers(layers, x, unroll=UNROLL) if stacked else x
     if not stacked:
         for layer in layers:
             h = layer(h)
@@ -71,7 +81,7 @@ def test_each_gradient_is_one_buffer_and_accumulates_like_the_loop():
     for _ in range(3):
         both(layers, x)
     layers.zero_grad(set_to_none=True)
-    scan_layers(layers, x).pow(2).mean().backward()
+    scan_layers(layers, x, unroll=UNROLL).pow(2).mean().backward()
     grads = [p.grad for p in layers.parameters()]
     met.clear_counters()
     torch_xla.sync()
@@ -149,4 +159,4 @@ class _Stack(torch.nn.Module):
         self.layers = layers
 
     def forward(self, x):
-        return scan_layers(self.layers, x)
+        return scan_layers(self.layers, x, unroll=UNROLL)

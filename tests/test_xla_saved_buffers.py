@@ -11,6 +11,9 @@ own value (``xla/lower.py``, ``_fill``). These read the OPTIMIZED HLO XLA
 compiled (its dump, in a child interpreter started with XLA_FLAGS, see
 _isolated.py) and check values and gradients against the Python loop, including
 the wrap-around write of the carried rows (every length, order and unroll).
+With ``unroll`` covering every layer the step has no While and no stacked buffer
+at all (csrc/hlo_straight.h): each saved activation and each gradient row reaches
+its reader directly, as in the Python loop's graph.
 """
 import glob
 import os
@@ -91,7 +94,7 @@ def check_layer_stack():
         layers.zero_grad(set_to_none=True)
         h = x
         if stacked:
-            h = scan_layers(layers, h)
+            h = scan_layers(layers, h, unroll=1)  # one While (unroll=None runs so short a stack straight-line)
         else:
             for layer in layers:
                 h = layer(h)
@@ -112,6 +115,64 @@ def check_layer_stack():
 
 def test_layer_stack_step_copies_no_carry_and_no_stacked_buffer():
     _isolated.call("test_xla_saved_buffers", "check_layer_stack", env=_ENV)
+
+
+def stacked_values(text, rows):
+    """Each While, and each instruction of a layer-stacked shape (a saved activation, a weight or
+    bias or their gradients stacked over the layers), in an optimized HLO module's text."""
+    stacked = {f"f32[{DEPTH},{rows},{WIDTH}]", f"f32[{DEPTH},{WIDTH},{WIDTH}]", f"f32[{DEPTH},{WIDTH}]"}
+    comps, _ = computations(text)
+    return [f"{comp}: {name} = {shape} {opcode}" for comp, instructions in comps.items()
+            for name, shape, opcode in instructions if opcode == "while" or shape in stacked]
+
+
+def check_straight_layer_stack(unroll, rows):
+    """In the child: scan_layers(..., unroll=unroll) training steps == the loop's, and nothing in
+    their optimized HLO is a While or stacked over the layers. Each case its own ``rows``: torch_xla
+    would reuse the other's compiled graph, and XLA dump nothing."""
+    import torch
+    import torch_xla
+    from conftest import assert_trees_close
+
+    from torch_scan_hop import scan_layers
+
+    dump = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", "")).group(1)
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU())
+                                 for _ in range(DEPTH)).to(torch_xla.device())
+    x = torch.randn(rows, WIDTH).to(torch_xla.device())
+
+    def step(stacked):
+        layers.zero_grad(set_to_none=True)
+        h = x
+        if stacked:
+            h = scan_layers(layers, h, unroll=unroll)
+        else:
+            for layer in layers:
+                h = layer(h)
+        h.pow(2).mean().backward()
+        torch_xla.sync()
+        return h.cpu(), [p.grad.cpu() for p in layers.parameters()]
+
+    want = step(False)
+    assert_trees_close(step(True), want, atol=1e-6, rtol=1e-5)  # the first call, on the make_fx path
+    # from here on the dump holds the steady step only (the first call's graph also returns the
+    # weight stacks, still alive at its sync: a one-off, not this check's concern)
+    shutil.rmtree(dump, ignore_errors=True)
+    for _ in range(2):  # Dynamo's capture, then a call on its guards
+        assert_trees_close(step(True), want, atol=1e-6, rtol=1e-5)
+    texts = []
+    for path in glob.glob(os.path.join(dump, "*cpu_after_optimizations.txt")):
+        with open(path) as f:
+            texts.append(f.read())
+    assert texts, f"no optimized module in {dump} (is XLA_FLAGS honoured?)"
+    found = [line for t in texts for line in stacked_values(t, rows)]
+    assert not found, "a While or a layer-stacked buffer in the straight-line step:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("unroll, rows", [(DEPTH, ROWS), (None, ROWS // 2)], ids=["unroll_depth", "default"])
+def test_straight_layer_stack_step_stacks_nothing(unroll, rows):  # None: so short a stack runs straight-line
+    _isolated.call("test_xla_saved_buffers", "check_straight_layer_stack", unroll, rows, env=_ENV)
 
 
 @pytest.mark.parametrize("length", [1, 2, 5])

@@ -47,8 +47,27 @@ from .stack_weights import stack_weights
 from .storage import stacked_storage
 
 
-def _stacked_state(states):
-    return {name: stack_weights([state[name] for state in states]) for name in states[0]}
+_STRAIGHT_DEPTH = 8  # on XLA, stacks up to this deep run straight-line unless unroll is given
+
+
+def _resolve_unroll(unroll, depth, tensors, stacked):
+    """``unroll=None``: on XLA a stack of at most ``_STRAIGHT_DEPTH`` layers without stacked
+    storage runs every layer in one iteration, which the lowering emits as straight-line
+    code (csrc/hlo_straight.h): XLA then hands each saved activation to its reader instead
+    of stacking it, and a step costs what the Python loop's does (depth 8 of
+    benchmarks/xla_long.py: 1.25x -> 1.05x the loop; the decoder of benchmarks/layers.py:
+    0.88x -> 0.72x), for an XLA compile of that many body copies (the decoder's first two
+    calls at depth 8: about the same; +60% at 16). Under ``stack_layers`` the first XLA
+    compile at depth 8 took 9.4 s straight-line against 3.6 s, for 0.79x instead of
+    0.82x: stacked storage is chosen for its compile time, so it keeps the While, as do
+    deeper stacks and every other path (unroll 1)."""
+    if unroll is not None:
+        return unroll
+    return depth if depth <= _STRAIGHT_DEPTH and stacked is None and _compat.on_xla(tensors) else 1
+
+
+def _stacked_state(states, static_rows=False):
+    return {name: stack_weights([state[name] for state in states], static_rows) for name in states[0]}
 
 
 def _from_storage(layers, stacked, ref_state, token, trained_stacks):
@@ -232,7 +251,7 @@ def _tree_agrees(ref, module):
         (a is None) == (b is None) and (a is None or _tree_agrees(b, a)) for a, b in zip(kids.values(), ref_kids.values()))
 
 
-def scan_layers(layers, *inputs, remat="save_all", unroll=1, **broadcast_kwargs):
+def scan_layers(layers, *inputs, remat="save_all", unroll=None, **broadcast_kwargs):
     """``for layer in layers: inputs = layer(*inputs, **broadcast_kwargs)`` as one scan.
 
     ``layers.scan_layers``: an ``nn.ModuleList`` (or sequence) of modules with identical
@@ -251,6 +270,10 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=1, **broadcast_kwargs)
     ``h, attn = scan_layers(model.h, h, output_attentions=True)[:2]``; ``(h,) =
     scan_layers(model.h, h)`` for a layer returning ``(hidden_states,)``. Any other tuple
     is a ScanError naming the layer, what it returned and what it was given.
+
+    ``unroll``: layers per loop iteration, as in ``scan``. ``None`` is 1, except on XLA for a
+    stack of at most 8 layers without ``stack_layers`` storage, which runs straight-line
+    (``_resolve_unroll``).
     """
     container, layers = layers, list(layers)
     if not all(isinstance(m, torch.nn.Module) for m in layers):
@@ -274,7 +297,11 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=1, **broadcast_kwargs)
         over_rows = trained_stacks and differentiates_stacks(container, layers) and _all_attributes_agree(layers)
         if not over_rows:
             return _eager_loop(layers, inputs, remat, broadcast_kwargs)
-    xs = _stacked_state(states) if stacked is None else _from_storage(layers, stacked, states[0], token, trained_stacks)
+    unroll = _resolve_unroll(unroll, len(layers), flat_inputs + list(states[0].values()), stacked)
+    # one iteration of every layer: no While on XLA (a bad unroll is scan's ScanError)
+    straight = isinstance(unroll, int) and not isinstance(unroll, bool) and unroll >= len(layers)
+    xs = _stacked_state(states, straight) if stacked is None else _from_storage(
+        layers, stacked, states[0], token, trained_stacks)
     template = layers[0]
     single = len(inputs) == 1
     if not dynamo and not over_rows:  # checked here, in Python: the traced body then reads no peer

@@ -11,6 +11,12 @@
   wrote every layer's gradient twice (``aten.index`` by a 0-d index, the
   other copy-free form, adds five IR nodes per row to normalize the index).
   Under SPMD each row gets the sharding of the weight it is the gradient of.
+  A scan that runs straight-line (``unroll`` covering every layer, csrc/hlo_straight.h)
+  makes its gradient stack a concatenation of per-layer rows: there the rows are
+  static slices (``static_rows``), which XLA resolves to each row itself, where a
+  gather by an index tensor is a copy out of a 2 MB concatenation per weight at
+  depth 8 of benchmarks/xla_long.py (the compile cost of a slice is per layer, and
+  such a stack is short).
 * Eager on XLA (a plain ``scan_layers`` call, outside torch.compile) the stack
   is a plain ``autograd.Function`` with the same backward: through the custom
   op's Python autograd wrapper a stack of 64 weights cost 0.34 ms per call,
@@ -26,10 +32,11 @@ from ..core import dtensors as dt
 from ..xla import sharding
 
 
-def stack_weights(tensors):
+def stack_weights(tensors, static_rows=False):
     """``torch.stack(tensors)``, the gradient of the result flowing back to each tensor.
     DTensors (FSDP2's sharded parameters) are stacked locally: the stack is laid out as
-    they are, a sharded dim shifted by the new dim 0 (no communication)."""
+    they are, a sharded dim shifted by the new dim 0 (no communication). ``static_rows``:
+    the scan runs straight-line on XLA (see the module docstring)."""
     if dt.is_dtensor(tensors[0]):
         return dt.stack_locals(tensors, stack_weights)
     compiling = _compat.is_dynamo_compiling() and not _compat.is_exporting()
@@ -37,7 +44,7 @@ def stack_weights(tensors):
     if compiling:
         return stack_weights_op(tensors)
     if needs_grad and _compat.on_xla(tensors):
-        return _StackOnXla.apply(*tensors)
+        return _StackOnXla.apply(static_rows, *tensors)
     return torch.stack(tensors)
 
 
@@ -46,16 +53,17 @@ class _StackOnXla(torch.autograd.Function):
     without the custom op's per-call wrapping (see the module docstring)."""
 
     @staticmethod
-    def forward(*tensors):
+    def forward(static_rows, *tensors):
         return torch.stack(tensors)
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # this form, not forward(ctx, ...): torch.func accepts it
-        _setup_context(ctx, (inputs,), output)  # the custom op's: its one input is the list
+        _setup_context(ctx, (inputs[1:],), output)  # the custom op's: its one input is the list
+        ctx.static_rows = inputs[0]
 
     @staticmethod
     def backward(ctx, grad):
-        return tuple(_stack_weights_backward(ctx, grad))
+        return (None, *_stack_weights_backward(ctx, grad))
 
 
 @torch.library.custom_op("torch_scan_hop::stack_weights", mutates_args=())
@@ -69,19 +77,21 @@ def _stack_weights_fake(tensors):
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.n = len(inputs[0])
+    ctx.n, ctx.static_rows = len(inputs[0]), False
     ctx.shardings = sharding.of(inputs[0])  # XLA SPMD: each layer's gradient sharded as its weight
 
 
-def rows_of(t):
-    """``t``'s rows along dim 0: views, or on XLA gathered rows (see above)."""
+def rows_of(t, static=False):
+    """``t``'s rows along dim 0: views, or on XLA gathered rows, or static ones (see above)."""
     if _compat.on_xla([t]):
+        if static:
+            return [torch.select_copy(t, 0, i) for i in range(t.shape[0])]
         return [torch.squeeze_copy(t.index_select(0, row), 0) for row in _row_indices(t.device, t.shape[0])]
     return list(t.unbind(0))
 
 
 def _stack_weights_backward(ctx, grad):
-    return [sharding.like(row, s) for row, s in zip(rows_of(grad), ctx.shardings)]
+    return [sharding.like(row, s) for row, s in zip(rows_of(grad, ctx.static_rows), ctx.shardings)]
 
 
 stack_weights_op.register_autograd(_stack_weights_backward, setup_context=_setup_context)
