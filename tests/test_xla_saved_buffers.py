@@ -75,26 +75,36 @@ ENTRY %main (p: f32[64,16]) -> f32[3,64,16] {
     assert copies(text, "f32[3,64,16]") == ["loop.1: copy.9 = f32[64,16]", "main: copy.7 = f32[3,64,16]"]
 
 
-def check_layer_stack():
-    """In the child: a scan_layers training step == the loop's; then read the optimized HLO."""
+def _dump_folder():
+    return re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", "")).group(1)  # the parent's _DUMP
+
+
+def _optimized_modules(dump):
+    texts = []
+    for path in glob.glob(os.path.join(dump, "*cpu_after_optimizations.txt")):
+        with open(path) as f:
+            texts.append(f.read())
+    return texts
+
+
+def _layer_stack_training_step(rows, unroll):
+    """In the child: ``step(stacked)``, one training step of a GELU layer stack on XLA (the loop's,
+    or scan_layers' with ``unroll``), returning its output and gradients on the CPU."""
     import torch
     import torch_xla
-    from conftest import assert_trees_close
 
     from torch_scan_hop import scan_layers
 
-    dump = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", "")).group(1)  # the parent's _DUMP
-    shutil.rmtree(dump, ignore_errors=True)
     torch.manual_seed(0)
     layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU())
                                  for _ in range(DEPTH)).to(torch_xla.device())
-    x = torch.randn(ROWS, WIDTH).to(torch_xla.device())
+    x = torch.randn(rows, WIDTH).to(torch_xla.device())
 
     def step(stacked):
         layers.zero_grad(set_to_none=True)
         h = x
         if stacked:
-            h = scan_layers(layers, h, unroll=1)  # one While (unroll=None runs so short a stack straight-line)
+            h = scan_layers(layers, h, unroll=unroll)
         else:
             for layer in layers:
                 h = layer(h)
@@ -102,11 +112,18 @@ def check_layer_stack():
         torch_xla.sync()
         return h.cpu(), [p.grad.cpu() for p in layers.parameters()]
 
+    return step
+
+
+def check_layer_stack():
+    """In the child: a scan_layers training step == the loop's; then read the optimized HLO."""
+    from conftest import assert_trees_close
+
+    dump = _dump_folder()
+    shutil.rmtree(dump, ignore_errors=True)
+    step = _layer_stack_training_step(ROWS, unroll=1)  # one While (unroll=None runs so short a stack straight-line)
     assert_trees_close(step(True), step(False), atol=1e-6, rtol=1e-5)
-    texts = []
-    for path in glob.glob(os.path.join(dump, "*cpu_after_optimizations.txt")):
-        with open(path) as f:
-            texts.append(f.read())
+    texts = _optimized_modules(dump)
     scans = [t for t in texts if "scan_loop" in t]
     assert scans, f"no optimized module with a scan While in {dump} (is XLA_FLAGS honoured?)"
     found = [line for t in scans for line in copies(t, f"f32[{DEPTH},{ROWS},{WIDTH}]")]
@@ -130,30 +147,10 @@ def check_straight_layer_stack(unroll, rows):
     """In the child: scan_layers(..., unroll=unroll) training steps == the loop's, and nothing in
     their optimized HLO is a While or stacked over the layers. Each case its own ``rows``: torch_xla
     would reuse the other's compiled graph, and XLA dump nothing."""
-    import torch
-    import torch_xla
     from conftest import assert_trees_close
 
-    from torch_scan_hop import scan_layers
-
-    dump = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", "")).group(1)
-    torch.manual_seed(0)
-    layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU())
-                                 for _ in range(DEPTH)).to(torch_xla.device())
-    x = torch.randn(rows, WIDTH).to(torch_xla.device())
-
-    def step(stacked):
-        layers.zero_grad(set_to_none=True)
-        h = x
-        if stacked:
-            h = scan_layers(layers, h, unroll=unroll)
-        else:
-            for layer in layers:
-                h = layer(h)
-        h.pow(2).mean().backward()
-        torch_xla.sync()
-        return h.cpu(), [p.grad.cpu() for p in layers.parameters()]
-
+    dump = _dump_folder()
+    step = _layer_stack_training_step(rows, unroll)
     want = step(False)
     assert_trees_close(step(True), want, atol=1e-6, rtol=1e-5)  # the first call, on the make_fx path
     # from here on the dump holds the steady step only (the first call's graph also returns the
@@ -161,10 +158,7 @@ def check_straight_layer_stack(unroll, rows):
     shutil.rmtree(dump, ignore_errors=True)
     for _ in range(2):  # Dynamo's capture, then a call on its guards
         assert_trees_close(step(True), want, atol=1e-6, rtol=1e-5)
-    texts = []
-    for path in glob.glob(os.path.join(dump, "*cpu_after_optimizations.txt")):
-        with open(path) as f:
-            texts.append(f.read())
+    texts = _optimized_modules(dump)
     assert texts, f"no optimized module in {dump} (is XLA_FLAGS honoured?)"
     found = [line for t in texts for line in stacked_values(t, rows)]
     assert not found, "a While or a layer-stacked buffer in the straight-line step:\n" + "\n".join(found)
