@@ -321,13 +321,18 @@ def test_traced_graph_runs_when_the_new_carry_changes_layout(tracing_mode):
 
     c, xs = torch.randn(2, 3, dtype=torch.float64), torch.randn(4, 2, 3, dtype=torch.float64)
     gm = make_fx(f, tracing_mode=tracing_mode)(c, xs)
-    cg, xg = c.clone().requires_grad_(), xs.clone().requires_grad_()
-    got = gm(cg, xg)
-    cr, xr = c.clone().requires_grad_(), xs.clone().requires_grad_()
-    want = reference_scan(body, cr, xr)
+    _assert_values_and_grads_of_the_loop(gm, lambda c, xs: reference_scan(body, c, xs), c, xs)
+
+
+def _assert_values_and_grads_of_the_loop(run, loop, *inputs):
+    """``run(*inputs)`` and ``loop(*inputs)``, each on its own copies requiring grad: the same
+    (carry, ys), and the same gradients of the inputs."""
+    got_in = [t.clone().requires_grad_() for t in inputs]
+    want_in = [t.clone().requires_grad_() for t in inputs]
+    got, want = run(*got_in), loop(*want_in)
     assert_trees_close(got, want, atol=1e-12, rtol=1e-12)
     loss = lambda out: out[0].sin().sum() + out[1].sum()  # noqa: E731
-    assert_trees_close(torch.autograd.grad(loss(got), (cg, xg)), torch.autograd.grad(loss(want), (cr, xr)),
+    assert_trees_close(torch.autograd.grad(loss(got), got_in), torch.autograd.grad(loss(want), want_in),
                        atol=1e-12, rtol=1e-12)
 
 
@@ -366,11 +371,4 @@ def test_traced_graph_runs_on_an_init_that_is_not_dense(where, fresh_dynamo):
         run = make_fx(lambda base, xs: f(scan, base, xs))(base, xs)
     else:
         run = torch.compile(lambda base, xs: f(scan, base, xs), backend=where, fullgraph=True)
-    bg, xg = base.clone().requires_grad_(), xs.clone().requires_grad_()
-    got = run(bg, xg)
-    br, xr = base.clone().requires_grad_(), xs.clone().requires_grad_()
-    want = f(reference_scan, br, xr)
-    assert_trees_close(got, want, atol=1e-12, rtol=1e-12)
-    loss = lambda out: out[0].sin().sum() + out[1].sum()  # noqa: E731
-    assert_trees_close(torch.autograd.grad(loss(got), (bg, xg)), torch.autograd.grad(loss(want), (br, xr)),
-                       atol=1e-12, rtol=1e-12)
+    _assert_values_and_grads_of_the_loop(run, lambda base, xs: f(reference_scan, base, xs), base, xs)
