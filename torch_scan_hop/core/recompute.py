@@ -40,7 +40,7 @@ from . import cheap, keep, revolve
 from . import remat as policies
 from .policy_ops import OpKeeps, saves_op
 from .schedule import sqrt_block
-from .trees import ScanError, map_tensors, own_copy
+from .trees import ScanError, map_tensors, own_copy, requiring_grad
 
 
 def _map_tensors(fn, value):
@@ -67,7 +67,6 @@ def _detached(value):
     """The step inputs as fresh leaves with their requires_grad flags, so a re-run
     builds a graph of its own and saves what the forward saved."""
     return map_tensors(lambda t: t.detach().requires_grad_(True) if t.requires_grad else t.detach(), value)
-
 
 
 class _Replay(_compat.TorchDispatchMode):
@@ -149,8 +148,7 @@ class StepReplay:
         with torch.no_grad(), (self.rng_at(prev) if len(self.rng) > 1 else contextlib.nullcontext()):
             for p in range(prev, pos):
                 carry = self.step(own_copy(carry), *self.rest[p])[0]
-        flags = iter([t.requires_grad for t in _leaves(written, [])])
-        self.carries[pos] = map_tensors(lambda t: t.requires_grad_(next(flags)), carry)
+        self.carries[pos] = requiring_grad(carry, [t.requires_grad for t in _leaves(written, [])])
         self.carry_versions[pos] = _versions(self.carries[pos])
 
     def _step_on_hooks(self, pos, carry, rest):

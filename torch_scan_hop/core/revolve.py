@@ -19,7 +19,7 @@ from math import comb
 
 import torch
 
-from .trees import map_tensors, own_copy
+from .trees import own_copy, requiring_grad
 
 
 def descent(start, n, free):
@@ -51,12 +51,8 @@ def advance(engine, pos):
         for p in range(start, pos):
             carry = engine.run_step(p, own_copy(carry))[0]  # (a kept carry stays as it was)
             if not torch.is_grad_enabled():  # as in the forward, so the re-run saves what it saved
-                carry = _requiring_grad(carry, iter(engine.carry_flags[p + 1]))
+                carry = requiring_grad(carry, engine.carry_flags[p + 1])
             if p + 1 in marks:
                 carries[p + 1] = carry
     return carry
 
-
-def _requiring_grad(value, flags):
-    """``value`` with the tensors ``flags`` marks (one flag per tensor, in order) requiring grad."""
-    return map_tensors(lambda t: t.requires_grad_(True) if next(flags) else t, value)

@@ -298,3 +298,10 @@ def own_copy(carry):
     raise on a re-run's leaf inside the backward. One copy of the carry per re-run step, small
     next to a body's work; it keeps the autograd link (create_graph)."""
     return map_tensors(torch.Tensor.clone, carry)
+
+
+def requiring_grad(value, flags):
+    """``value`` with the tensors ``flags`` marks (one flag per tensor, in order) requiring grad
+    (tensors computed without a tape: a re-run then saves what the forward saved)."""
+    flags = iter(flags)
+    return map_tensors(lambda t: t.requires_grad_(True) if next(flags) else t, value)
