@@ -31,7 +31,7 @@ kernel(...)``, pointer arguments as tensors (their data pointer), ``int64_t`` as
 import ast
 import re
 
-from .wrapper_text import _FOR, STEPS_CALL, _body_end
+from .wrapper_text import _FOR, STEPS_CALL, _body_end, unbuilt
 
 _MIN_STEPS = 64  # as loop_blas: below it one more C++ build on a cold cache does not pay back
 _DEF = re.compile(r"^(\w+) = async_compile\.cpp_pybinding\((\[[^\]]*\]), r?'''$")
@@ -326,9 +326,9 @@ def _source(plan, kernels, params):
 
 def _skip_unused_builds(lines, kernels):
     """Kernels no statement calls any more (only in comments now) are not built: their
-    definition becomes a tuple of its signature and source, as ``wrapper_text`` does."""
+    definition builds nothing (``wrapper_text.unbuilt``)."""
     for name, (_, _, at) in kernels.items():
         used = re.compile(rf"\b{name}\b")
         if any(used.search(line) for j, line in enumerate(lines) if j != at and not line.lstrip().startswith("#")):
             continue
-        lines[at] = lines[at].replace("async_compile.cpp_pybinding(", "(", 1)
+        lines[at] = unbuilt(lines[at])
