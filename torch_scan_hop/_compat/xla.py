@@ -5,6 +5,7 @@ Only torch_xla 2.9 exists for these (no torch_xla build for torch 2.14 in
 our environments): every adapter here serves torch_xla 2.9 and imports
 torch_xla only when called.
 """
+import os
 
 
 def xlac():
@@ -76,6 +77,14 @@ def annotate_sharding(tensor, mesh, partition_spec):
     mesh = xs.Mesh.from_str(mesh)
     out = xs.annotate_custom_sharding(tensor.clone(), mesh, ast.literal_eval(partition_spec))
     return getattr(out, "global_tensor", out)
+
+
+def spmd_active():
+    """Is XLA SPMD on? Off it, no tensor carries a sharding. torch_xla 2.9-2.x keeps
+    the switch in an environment variable (``runtime.use_spmd`` sets it; ``is_spmd``
+    reads it): a dict lookup, where asking each tensor costs a C++ call per tensor."""
+    flag = os.environ.get("XLA_USE_SPMD", "")
+    return flag == "true" or (flag.isdigit() and int(flag) > 0)  # torch_xla's utils.check_env_flag
 
 
 def op_sharding(tensor):

@@ -43,7 +43,7 @@ from .layer_state import (
 )
 from .outputs import join_output, layer_name, split_output, stack_extras
 from .ownership import container_of, container_token, owner_of
-from .stack_weights import stack_weights
+from .stack_weights import stack_state, stack_weights
 from .storage import stacked_storage
 
 
@@ -64,10 +64,6 @@ def _resolve_unroll(unroll, depth, tensors, stacked):
     if unroll is not None:
         return unroll
     return depth if depth <= _STRAIGHT_DEPTH and stacked is None and _compat.on_xla(tensors) else 1
-
-
-def _stacked_state(states, static_rows=False):
-    return {name: stack_weights([state[name] for state in states], static_rows) for name in states[0]}
 
 
 def _from_storage(layers, stacked, ref_state, token, trained_stacks):
@@ -300,7 +296,7 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=None, **broadcast_kwar
     unroll = _resolve_unroll(unroll, len(layers), flat_inputs + list(states[0].values()), stacked)
     # one iteration of every layer: no While on XLA (a bad unroll is scan's ScanError)
     straight = isinstance(unroll, int) and not isinstance(unroll, bool) and unroll >= len(layers)
-    xs = _stacked_state(states, straight) if stacked is None else _from_storage(
+    xs = stack_state(states, straight) if stacked is None else _from_storage(
         layers, stacked, states[0], token, trained_stacks)
     template = layers[0]
     single = len(inputs) == 1

@@ -32,6 +32,27 @@ from ..core import dtensors as dt
 from ..xla import sharding
 
 
+def stack_state(states, static_rows=False):
+    """``{name: stack_weights([state[name] for state in states])}`` for every name of
+    ``states[0]``. Eager on XLA, one ``_StackManyOnXla`` stacks every name that needs a
+    gradient: each ``autograd.Function.apply`` costs ~0.1 ms of Python per call (torch
+    binds the forward's signature anew each time a Function has ``setup_context``), and
+    a stack per name paid it once per parameter name of the layer."""
+    groups = {name: [state[name] for state in states] for name in states[0]}
+    many = [name for name, group in groups.items() if _stacks_on_xla(group)]
+    out = {name: stack_weights(group, static_rows) for name, group in groups.items() if name not in many}
+    if many:
+        flat = [t for name in many for t in groups[name]]
+        out.update(zip(many, _StackManyOnXla.apply(static_rows, tuple(len(states) for _ in many), *flat)))
+    return {name: out[name] for name in groups}  # the layer's own order
+
+
+def _stacks_on_xla(tensors):
+    """Would ``stack_weights`` take ``_StackOnXla`` for these tensors?"""
+    return (not dt.is_dtensor(tensors[0]) and not _compat.is_dynamo_compiling() and torch.is_grad_enabled()
+            and any(t.requires_grad for t in tensors) and _compat.on_xla(tensors))
+
+
 def stack_weights(tensors, static_rows=False):
     """``torch.stack(tensors)``, the gradient of the result flowing back to each tensor.
     DTensors (FSDP2's sharded parameters) are stacked locally: the stack is laid out as
@@ -39,11 +60,9 @@ def stack_weights(tensors, static_rows=False):
     the scan runs straight-line on XLA (see the module docstring)."""
     if dt.is_dtensor(tensors[0]):
         return dt.stack_locals(tensors, stack_weights)
-    compiling = _compat.is_dynamo_compiling() and not _compat.is_exporting()
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    if compiling:
+    if _compat.is_dynamo_compiling() and not _compat.is_exporting():
         return stack_weights_op(tensors)
-    if needs_grad and _compat.on_xla(tensors):
+    if _stacks_on_xla(tensors):
         return _StackOnXla.apply(static_rows, *tensors)
     return torch.stack(tensors)
 
@@ -64,6 +83,33 @@ class _StackOnXla(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return (None, *_stack_weights_backward(ctx, grad))
+
+
+class _StackManyOnXla(torch.autograd.Function):
+    """Several ``_StackOnXla`` in one: ``sizes`` splits the flat tensors into the groups
+    stacked (one per parameter name), and the backward hands each group its rows."""
+
+    @staticmethod
+    def forward(static_rows, sizes, *tensors):
+        return tuple(torch.stack(group) for group in _split(tensors, sizes))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.static_rows, ctx.sizes = inputs[0], inputs[1]
+        ctx.shardings = sharding.of(inputs[2:])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        rows = [row for g in grads for row in rows_of(g, ctx.static_rows)]
+        return (None, None, *(sharding.like(row, s) for row, s in zip(rows, ctx.shardings)))
+
+
+def _split(flat, sizes):
+    out, start = [], 0
+    for n in sizes:
+        out.append(flat[start:start + n])
+        start += n
+    return out
 
 
 @torch.library.custom_op("torch_scan_hop::stack_weights", mutates_args=())

@@ -24,7 +24,7 @@ def _spmd_tensor(t):
 
 
 def _recordable():
-    return "torch_xla" in sys.modules and not _compat.dispatch_modes_active() \
+    return "torch_xla" in sys.modules and _compat.xla.spmd_active() and not _compat.dispatch_modes_active() \
         and not _compat.functorch_transforms_active()
 
 
