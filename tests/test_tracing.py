@@ -75,6 +75,15 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
     clone_default = torch.ops.aten.clone.default(arg1_1);  arg1_1 = None
     return [add, add_1, mean, clone_default]""")
 
+    def test_one_iteration_means_a_single_block_of_every_step(self):
+        """``schedule.one_iteration``: the XLA lowering's straight-line case (one segment whose
+        block is every step), which scan_layers asks before choosing its gradient rows."""
+        from torch_scan_hop.core import schedule
+
+        cases = [(8, 8, True), (8, 9, True), (8, 4, False), (8, 1, False), (7, 3, False), (1, 1, True),
+                 (0, 4, False), (8, True, False)]
+        self.assertEqual([schedule.one_iteration(n, k) for n, k, _ in cases], [want for _, _, want in cases])
+
     def test_unrolled_reverse_graph_runs_blocks_then_remainder(self):
         """The layout of _schedule.segments: 7 steps as blocks of 3 over indices 1..6, run first
         (one reverse=True node, each block last slice first), then index 0; ys back in index order."""

@@ -39,6 +39,17 @@ def step_index(step, length, reverse=False):
     return length - 1 - step if reverse else step
 
 
+def one_iteration(length, unroll):
+    """Does ``unroll`` run every step in one loop iteration (``segments`` is a single
+    block of ``length`` steps)? On XLA such a scan is straight-line code, no While
+    (csrc/hlo_straight.h reads the same segments); ``scan_layers`` asks it to pick
+    the gradient rows that suit straight-line code."""
+    if not isinstance(length, int) or isinstance(unroll, bool) or not isinstance(unroll, int) or length == 0:
+        return False
+    blocks = segments(length, unroll)
+    return len(blocks) == 1 and blocks[0].unroll == length
+
+
 def step_order(length, reverse=False):
     """The indices in the order the steps run (the Python loop's order)."""
     return range(length - 1, -1, -1) if reverse else range(length)

@@ -24,6 +24,7 @@ import torch
 
 from .. import _compat
 from ..api import scan
+from ..core import schedule
 from ..core.trees import ScanError, flatten
 from ..op.loop import remat_step
 from .checks import (
@@ -295,7 +296,7 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=None, **broadcast_kwar
             return _eager_loop(layers, inputs, remat, broadcast_kwargs)
     unroll = _resolve_unroll(unroll, len(layers), flat_inputs + list(states[0].values()), stacked)
     # one iteration of every layer: no While on XLA (a bad unroll is scan's ScanError)
-    straight = isinstance(unroll, int) and not isinstance(unroll, bool) and unroll >= len(layers)
+    straight = schedule.one_iteration(len(layers), unroll)
     xs = stack_state(states, straight) if stacked is None else _from_storage(
         layers, stacked, states[0], token, trained_stacks)
     template = layers[0]
