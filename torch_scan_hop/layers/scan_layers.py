@@ -24,6 +24,7 @@ import torch
 
 from .. import _compat
 from ..api import scan
+from ..core.torch_xla_keywords import check_purity_flag, remat_from_partition_fn
 from ..core.trees import ScanError, flatten
 from ..op.loop import remat_step
 from .checks import (
@@ -251,7 +252,8 @@ def _tree_agrees(ref, module):
         (a is None) == (b is None) and (a is None or _tree_agrees(b, a)) for a, b in zip(kids.values(), ref_kids.values()))
 
 
-def scan_layers(layers, *inputs, remat="save_all", unroll=None, **broadcast_kwargs):
+def scan_layers(layers, *inputs, remat="save_all", unroll=None, partition_fn=None, is_layer_pure=None,
+                **broadcast_kwargs):
     """``for layer in layers: inputs = layer(*inputs, **broadcast_kwargs)`` as one scan.
 
     ``layers.scan_layers``: an ``nn.ModuleList`` (or sequence) of modules with identical
@@ -274,7 +276,13 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=None, **broadcast_kwar
     ``unroll``: layers per loop iteration, as in ``scan``. ``None`` is 1, except on XLA for a
     stack of at most 8 layers without ``stack_layers`` storage, which runs straight-line
     (``_resolve_unroll``).
+
+    ``partition_fn`` and ``is_layer_pure`` are torch_xla.experimental.scan_layers' keywords, taken
+    here rather than passed to the layers: ``partition_fn`` is ``remat``, ``is_layer_pure`` is ignored
+    (``core/torch_xla_keywords.py``).
     """
+    check_purity_flag(is_layer_pure, "is_layer_pure", "scan_layers")
+    remat = remat_from_partition_fn(remat, partition_fn, "scan_layers")
     container, layers = layers, list(layers)
     if not all(isinstance(m, torch.nn.Module) for m in layers):
         raise ScanError("scan_layers: every element of layers must be an nn.Module.")
