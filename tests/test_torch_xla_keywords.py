@@ -123,3 +123,58 @@ def test_on_xla():
     partition_fn, calls = counting(default_partition)
     layers = layers_vs_loop(dev, partition_fn=partition_fn, is_layer_pure=True, unroll=1)
     assert calls and all(seen == [] for layer in layers for seen in layer.seen)
+
+
+class Triple(torch.nn.Module):
+    """torch_xla's test_tuple_layers module: three inputs, three outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, y, z):
+        return self.lin(x).sin(), self.lin(y).cos(), self.lin(z)
+
+
+def test_scan_layers_one_tuple_for_several_inputs_names_the_fix():
+    """torch_xla's scan_layers(layers, (a, b, c)) unpacks the tuple; ours takes scan_layers(layers, a, b, c)."""
+    layers = torch.nn.ModuleList(Triple() for _ in range(2))
+    inputs = tuple(torch.randn(2, 4) for _ in range(3))
+    with pytest.raises(ScanError, match=r"got one tuple of 3; pass them as scan_layers\(layers, \*inputs\)"):
+        scan_layers(layers, inputs)
+    loop_layers = copy.deepcopy(layers)
+    a = [t.clone().requires_grad_() for t in inputs]
+    b = [t.clone().requires_grad_() for t in inputs]
+    out = scan_layers(layers, *a)
+    sum(o.sum() for o in out).backward()
+    ref = tuple(b)
+    for layer in loop_layers:
+        ref = layer(*ref)
+    sum(o.sum() for o in ref).backward()
+    assert_trees_close([*out, *(t.grad for t in a), *(p.grad for p in layers.parameters())],
+                       [*ref, *(t.grad for t in b), *(p.grad for p in loop_layers.parameters())])
+
+
+class Pair(torch.nn.Module):
+    """Takes ONE tuple input and returns one: not refused."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, pair):
+        return torch.tanh(self.lin(pair[0]) + pair[1]), pair[1] * 2
+
+
+def test_scan_layers_one_tuple_for_a_tuple_taking_layer_is_kept():
+    layers = torch.nn.ModuleList(Pair() for _ in range(2))
+    loop_layers = copy.deepcopy(layers)
+    a, b = torch.randn(2, 4), torch.randn(2, 4)
+    out = scan_layers(layers, (a, b))
+    ref = (a, b)
+    for layer in loop_layers:
+        ref = layer(ref)
+    sum(o.sum() for o in out).backward()
+    sum(o.sum() for o in ref).backward()
+    assert_trees_close([*out, *(p.grad for p in layers.parameters())],
+                       [*ref, *(p.grad for p in loop_layers.parameters())])

@@ -31,6 +31,7 @@ from .checks import (
     check_no_hooks,
     check_no_hooks_traced,
     check_no_running_stat_updates,
+    check_one_tuple_is_not_several_inputs,
     differentiates_stacks,
 )
 from .fsdp import check_fsdp, gathered_state
@@ -290,6 +291,7 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=None, partition_fn=Non
         raise ScanError("scan_layers: pass the hidden state as a positional input: scan_layers(layers, x).")
     if not layers:
         return _as_output(inputs)
+    check_one_tuple_is_not_several_inputs(layers[0], inputs, broadcast_kwargs)
     dynamo = _compat.is_dynamo_compiling()
     # torch.export keeps the per-call stack: its program then lifts the layers' registered parameters
     stacked = None if _compat.is_exporting() else stacked_storage(container)
