@@ -5,6 +5,7 @@ from . import _compat
 from .core.op_args import example_args
 from .core.remat import as_token, check_remat, normalize
 from .core.schedule import sqrt_split
+from .core.torch_xla_keywords import check_purity_flag, remat_from_partition_fn
 from .core.trees import (
     LEAF,
     ScanError,
@@ -56,7 +57,8 @@ def _check_options(fn, reverse, remat, unroll):
         raise ScanError(f"scan: unroll must be None or an int >= 1, got {shown(unroll)}.")
 
 
-def scan(fn, init, xs=None, *, length=None, reverse=False, dim=0, remat="save_all", unroll=None):
+def scan(fn, init, xs=None, *, length=None, reverse=False, dim=0, remat="save_all", unroll=None,
+         partition_fn=None, is_fn_pure=None):
     """Loop ``fn(carry, x) -> (new_carry, y)`` over ``xs`` along ``dim``.
 
     Returns ``(final_carry, ys)`` with the ys stacked along dim 0 in input order
@@ -69,7 +71,13 @@ def scan(fn, init, xs=None, *, length=None, reverse=False, dim=0, remat="save_al
     over are lifted into the op's ``additional_inputs`` and receive gradients,
     ``remat`` picks what the partitioned backward saves and ``unroll`` how many
     body calls each loop iteration makes.
+
+    ``partition_fn`` and ``is_fn_pure`` are torch_xla.experimental.scan's keywords, for drop-in
+    use: ``partition_fn`` is ``remat`` (``core/torch_xla_keywords.py``), ``is_fn_pure`` is ignored.
     """
+    if partition_fn is not None or is_fn_pure is not None:
+        check_purity_flag(is_fn_pure, "is_fn_pure", "scan")
+        remat = remat_from_partition_fn(remat, partition_fn, "scan")
     if (type(init) is type(xs) is torch.Tensor and length is None and unroll is None and type(dim) is int
             and dim == 0 and type(reverse) is bool and type(remat) is str and remat == "save_all"
             and callable(fn) and xs.dim() > 0 and _compat.runs_eagerly((init, xs))):

@@ -1,7 +1,10 @@
 """What a scanned ``scan_layers`` asks of the layers themselves: no module hooks (the
 traced body runs layer 0's code, not the modules' ``__call__``), no running statistics
-updated in place, and (eager, stacked grads) whether the loop may run over the stacks.
+updated in place, and (eager, stacked grads) whether the loop may run over the stacks; and
+that one tuple input is not meant as several (torch_xla's convention).
 """
+import inspect
+
 import torch
 
 from .. import _compat
@@ -92,3 +95,22 @@ def _hooked_submodule(module, prefix):
             if found is not None:
                 return found
     return None
+
+
+def check_one_tuple_is_not_several_inputs(layer, inputs, kwargs):
+    """``torch_xla.experimental.scan_layers(layers, (a, b))`` unpacks a tuple input into the layer's
+    positional arguments (``torch.func.functional_call`` does); ours takes them as
+    ``scan_layers(layers, a, b)`` and hands one tuple input to the layer as it is. A layer that then
+    lacks positional arguments would fail inside the scan with a bare TypeError; this names the fix."""
+    if len(inputs) != 1 or type(inputs[0]) is not tuple or len(inputs[0]) < 2:
+        return
+    try:
+        params = inspect.signature(layer.forward).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C forward: nothing to read
+        return
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p.name for p in params if p.kind in positional and p.default is p.empty and p.name not in kwargs]
+    if len(required) > 1:
+        raise ScanError(f"scan_layers: the layers' forward takes {len(required)} positional inputs "
+                        f"({', '.join(required)}) but got one tuple of {len(inputs[0])}; pass them as "
+                        "scan_layers(layers, *inputs) (torch_xla's scan_layers unpacks a tuple input, ours does not).")

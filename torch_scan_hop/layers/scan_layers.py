@@ -25,12 +25,14 @@ import torch
 from .. import _compat
 from ..api import scan
 from ..core import schedule
+from ..core.torch_xla_keywords import check_purity_flag, remat_from_partition_fn
 from ..core.trees import ScanError, flatten
 from ..op.loop import remat_step
 from .checks import (
     check_no_hooks,
     check_no_hooks_traced,
     check_no_running_stat_updates,
+    check_one_tuple_is_not_several_inputs,
     differentiates_stacks,
 )
 from .fsdp import check_fsdp, gathered_state
@@ -248,7 +250,8 @@ def _tree_agrees(ref, module):
         (a is None) == (b is None) and (a is None or _tree_agrees(b, a)) for a, b in zip(kids.values(), ref_kids.values()))
 
 
-def scan_layers(layers, *inputs, remat="save_all", unroll=None, **broadcast_kwargs):
+def scan_layers(layers, *inputs, remat="save_all", unroll=None, partition_fn=None, is_layer_pure=None,
+                **broadcast_kwargs):
     """``for layer in layers: inputs = layer(*inputs, **broadcast_kwargs)`` as one scan.
 
     ``layers.scan_layers``: an ``nn.ModuleList`` (or sequence) of modules with identical
@@ -271,7 +274,13 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=None, **broadcast_kwar
     ``unroll``: layers per loop iteration, as in ``scan``. ``None`` is 1, except on XLA for a
     stack of at most 8 layers without ``stack_layers`` storage, which runs straight-line
     (``_resolve_unroll``).
+
+    ``partition_fn`` and ``is_layer_pure`` are torch_xla.experimental.scan_layers' keywords, taken
+    here rather than passed to the layers: ``partition_fn`` is ``remat``, ``is_layer_pure`` is ignored
+    (``core/torch_xla_keywords.py``).
     """
+    check_purity_flag(is_layer_pure, "is_layer_pure", "scan_layers")
+    remat = remat_from_partition_fn(remat, partition_fn, "scan_layers")
     container, layers = layers, list(layers)
     if not all(isinstance(m, torch.nn.Module) for m in layers):
         raise ScanError("scan_layers: every element of layers must be an nn.Module.")
@@ -279,6 +288,7 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=None, **broadcast_kwar
         raise ScanError("scan_layers: pass the hidden state as a positional input: scan_layers(layers, x).")
     if not layers:
         return _as_output(inputs)
+    check_one_tuple_is_not_several_inputs(layers[0], inputs, broadcast_kwargs)
     dynamo = _compat.is_dynamo_compiling()
     # torch.export keeps the per-call stack: its program then lifts the layers' registered parameters
     stacked = None if _compat.is_exporting() else stacked_storage(container)
