@@ -120,9 +120,28 @@ def trace_aten_graph(fn, args, *, force_enable_grad=False):
     from .hop import without_effectful_checks
 
     fn = without_effectful_checks(fn)
-    if under_make_fx() or detect_fake_mode(args) is not None:
+    if under_make_fx():
+        if _of_another_fake_mode(args):
+            return _trace_fresh(fn, args, force_enable_grad)
+        return materialize_as_graph(fn, tuple(args), force_enable_grad=force_enable_grad)
+    if detect_fake_mode(args) is not None:
         return materialize_as_graph(fn, tuple(args), force_enable_grad=force_enable_grad)
     return _trace_fresh(fn, args, force_enable_grad)
+
+
+def _of_another_fake_mode(args):
+    """True when ``args`` are fake tensors of a fake mode other than the running make_fx's.
+
+    Upstream's front end ``torch._higher_order_ops.scan.scan`` compiles itself with
+    Dynamo even inside a make_fx trace; Dynamo's fake run of our node then hands us
+    Dynamo's own fake tensors. Re-entering the outer tracer on them mixes two fake
+    modes ("Mixing fake modes NYI"); a trace of their own (make_fx adopts their mode)
+    is what the outer trace later sees run. torch 2.9-2.14: the tracer's mode is
+    ``_CURRENT_MAKE_FX_TRACER.fake_tensor_mode`` on both (None when tracing real).
+    """
+    outer = getattr(_proxy_tensor._CURRENT_MAKE_FX_TRACER, "fake_tensor_mode", None)
+    modes = {id(a.fake_mode) for a in args if isinstance(a, FakeTensor)}
+    return bool(modes) and modes != {id(outer)}
 
 
 def data_dependence_errors():
