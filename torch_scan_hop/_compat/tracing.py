@@ -130,18 +130,20 @@ def trace_aten_graph(fn, args, *, force_enable_grad=False):
 
 
 def _of_another_fake_mode(args):
-    """True when ``args`` are fake tensors of a fake mode other than the running make_fx's.
+    """True when ``args`` are fake tensors of another fake mode than the one the running
+    make_fx (``tracing_mode`` fake or symbolic) made for itself.
 
     Upstream's front end ``torch._higher_order_ops.scan.scan`` compiles itself with
     Dynamo even inside a make_fx trace; Dynamo's fake run of our node then hands us
     Dynamo's own fake tensors. Re-entering the outer tracer on them mixes two fake
     modes ("Mixing fake modes NYI"); a trace of their own (make_fx adopts their mode)
-    is what the outer trace later sees run. torch 2.9-2.14: the tracer's mode is
-    ``_CURRENT_MAKE_FX_TRACER.fake_tensor_mode`` on both (None when tracing real).
+    is what the outer trace later sees run. A make_fx on real tensors has no mode of
+    its own (None): export runs it under its ambient fake mode, whose tensors must be
+    traced into the export graph, so that case re-enters as before.
+    torch 2.9-2.14: ``_CURRENT_MAKE_FX_TRACER.fake_tensor_mode`` on both.
     """
     outer = getattr(_proxy_tensor._CURRENT_MAKE_FX_TRACER, "fake_tensor_mode", None)
-    modes = {id(a.fake_mode) for a in args if isinstance(a, FakeTensor)}
-    return bool(modes) and modes != {id(outer)}
+    return outer is not None and any(isinstance(a, FakeTensor) and a.fake_mode is not outer for a in args)
 
 
 def data_dependence_errors():
