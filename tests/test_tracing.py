@@ -381,3 +381,34 @@ def test_traced_graph_runs_on_an_init_that_is_not_dense(where, fresh_dynamo):
     else:
         run = torch.compile(lambda base, xs: f(scan, base, xs), backend=where, fullgraph=True)
     _assert_values_and_grads_of_the_loop(run, lambda base, xs: f(reference_scan, base, xs), base, xs)
+
+
+@pytest.mark.parametrize("tracing_mode", ["fake", "symbolic"])
+@pytest.mark.parametrize("traced", ["forward", "forward_and_backward"])
+def test_make_fx_of_upstreams_front_end_on_inputs_that_require_grad(tracing_mode, traced, fresh_dynamo):
+    """Upstream's ``torch._higher_order_ops.scan.scan`` compiles itself with Dynamo, whose fake
+    run of our node uses Dynamo's own fake tensors while the outer make_fx is still on: the
+    autograd rule's body trace re-entered the outer tracer on them ("Mixing fake modes NYI";
+    torch 2.9's own scan op traces it, pytorch's test_scan_simple_graph on inputs that
+    require grad). The traced graph: the loop's values and gradients."""
+    from torch._higher_order_ops.scan import scan as upstream_scan
+
+    def body(c, x):
+        return torch.tanh(c * x), c + x
+
+    def loss(out):
+        return out[0].sin().sum() + out[1].sum()
+
+    def run(scan_fn):
+        if traced == "forward":
+            return lambda c, xs: scan_fn(body, c, xs, reverse=True)
+        return lambda c, xs: torch.autograd.grad(loss(scan_fn(body, c, xs, reverse=True)), (c, xs))
+
+    c = torch.randn(1, 3, 2, dtype=torch.float64, requires_grad=True)  # torch 2.14+: a size-1 dim
+    xs = torch.randn(4, 3, 2, dtype=torch.float64, requires_grad=True)  # takes the joint trace there
+    gm = make_fx(run(upstream_scan), tracing_mode=tracing_mode)(c, xs)
+    loop = run(lambda fn, c, xs, reverse: reference_scan(fn, c, xs, reverse=reverse))
+    if traced == "forward":
+        _assert_values_and_grads_of_the_loop(gm, loop, c.detach(), xs.detach())
+    else:
+        assert_trees_close(gm(c, xs), loop(c, xs), atol=1e-12, rtol=1e-12)

@@ -120,9 +120,30 @@ def trace_aten_graph(fn, args, *, force_enable_grad=False):
     from .hop import without_effectful_checks
 
     fn = without_effectful_checks(fn)
-    if under_make_fx() or detect_fake_mode(args) is not None:
+    if under_make_fx():
+        if _of_another_fake_mode(args):
+            return _trace_fresh(fn, args, force_enable_grad)
+        return materialize_as_graph(fn, tuple(args), force_enable_grad=force_enable_grad)
+    if detect_fake_mode(args) is not None:
         return materialize_as_graph(fn, tuple(args), force_enable_grad=force_enable_grad)
     return _trace_fresh(fn, args, force_enable_grad)
+
+
+def _of_another_fake_mode(args):
+    """True when ``args`` are fake tensors of another fake mode than the one the running
+    make_fx (``tracing_mode`` fake or symbolic) made for itself.
+
+    Upstream's front end ``torch._higher_order_ops.scan.scan`` compiles itself with
+    Dynamo even inside a make_fx trace; Dynamo's fake run of our node then hands us
+    Dynamo's own fake tensors. Re-entering the outer tracer on them mixes two fake
+    modes ("Mixing fake modes NYI"); a trace of their own (make_fx adopts their mode)
+    is what the outer trace later sees run. A make_fx on real tensors has no mode of
+    its own (None): export runs it under its ambient fake mode, whose tensors must be
+    traced into the export graph, so that case re-enters as before.
+    torch 2.9-2.14: ``_CURRENT_MAKE_FX_TRACER.fake_tensor_mode`` on both.
+    """
+    outer = getattr(_proxy_tensor._CURRENT_MAKE_FX_TRACER, "fake_tensor_mode", None)
+    return outer is not None and any(isinstance(a, FakeTensor) and a.fake_mode is not outer for a in args)
 
 
 def data_dependence_errors():
