@@ -85,6 +85,7 @@ class StepReplay:
 
     def __init__(self, step, policy, length, sqrt=False, min_cut=False, slots=None):
         policy = policies.nothing_saveable if min_cut else policy
+        _drain_at_exit()  # this scan's nodes carry our hooks: an error in ANY backward node may strand them
         self.step, self.policy = step, policy
         self.selective = policy.save is not policies.nothing_saveable.save
         self.by_ops = self.selective and policy.reads_ops  # else names only: no dispatch mode
@@ -308,13 +309,6 @@ class StepReplay:
     # ---------------------------------------------------------------- backward
 
     def _unpack(self, handle):
-        try:
-            return self._unpacked(handle)
-        except BaseException:
-            _drain_at_exit()
-            raise
-
-    def _unpacked(self, handle):
         if isinstance(handle, cheap.Kept):
             return handle.get()
         if isinstance(handle, cheap.Handle):
@@ -411,9 +405,12 @@ _draining = []
 
 
 def _drain_at_exit():
-    """An error raised while the backward unpacks a saved value can leave nodes in the autograd
-    engine's queue, whose Python hooks then run after the interpreter is gone: a segfault at
-    exit (torch 2.9-2.15). One small backward at exit, while Python still runs, clears them."""
+    """An error raised anywhere in a backward through a remat scan (our unpack hook, the body's
+    own custom backward, anomaly mode's NaN check, a KeyboardInterrupt) can leave nodes carrying
+    our saved-tensor hooks in the autograd engine's ready queue, destroyed only after the
+    interpreter is gone: a segfault at exit (torch 2.15; 2.9 survives). One small backward at
+    exit, while Python still runs, pops and frees them. Registered once per process, when the
+    first remat scan runs: no engine hook tells us that a backward failed."""
     if not _draining:
         _draining.append(True)
         atexit.register(_small_backward)
