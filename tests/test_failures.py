@@ -5,7 +5,7 @@ body's forward and backward, checks that the next correct call still gives the l
 and gradients (no poisoned cache or state), and exits right after a failed backward: the
 child must exit with code 0. torch 2.15 died at exit with SIGSEGV after an error in any node
 of a backward through a remat scan (the nodes, holding our saved-tensor hooks, were stranded
-in the engine's queue; core/recompute.py's _drain_at_exit).
+in the engine's queue; core/recompute.py's drain_at_exit).
 """
 import os
 import subprocess

@@ -85,7 +85,6 @@ class StepReplay:
 
     def __init__(self, step, policy, length, sqrt=False, min_cut=False, slots=None):
         policy = policies.nothing_saveable if min_cut else policy
-        _drain_at_exit()  # this scan's nodes carry our hooks: an error in ANY backward node may strand them
         self.step, self.policy = step, policy
         self.selective = policy.save is not policies.nothing_saveable.save
         self.by_ops = self.selective and policy.reads_ops  # else names only: no dispatch mode
@@ -404,13 +403,17 @@ class StepReplay:
 _draining = []
 
 
-def _drain_at_exit():
+def drain_at_exit():
     """An error raised anywhere in a backward through a remat scan (our unpack hook, the body's
     own custom backward, anomaly mode's NaN check, a KeyboardInterrupt) can leave nodes carrying
     our saved-tensor hooks in the autograd engine's ready queue, destroyed only after the
     interpreter is gone: a segfault at exit (torch 2.15; 2.9 survives). One small backward at
     exit, while Python still runs, pops and frees them. Registered once per process, when the
-    first remat scan runs: no engine hook tells us that a backward failed."""
+    first remat step is built (``op.loop.remat_step``: this engine's steps and scan_layers'
+    per-layer torch.utils.checkpoint, whose hooks torch 2.15 strands the same way): no engine
+    hook tells us that a backward failed. Not covered: a backward that failed in another thread
+    strands them in that thread's queue, freed after its Python state is gone (an abort at times;
+    torch's own bug, plain torch.utils.checkpoint has it too)."""
     if not _draining:
         _draining.append(True)
         atexit.register(_small_backward)
