@@ -200,6 +200,27 @@ def test_permuted_saved_values_match_the_loop(mode, reverse):
         assert torch.autograd.gradcheck(lambda i, x: scan(body, i, x, reverse=reverse)[0], (init, xs))
 
 
+def test_a_compiled_scan_under_anomaly_mode_matches_the_loop():
+    # the joint's backward was traced with anomaly mode's NaN check on: a data-dependent read of
+    # a fake value, which failed every traced scan (a ScanError blaming the body; on XLA an
+    # AttributeError); now the joint is traced without it. (make_fx of a whole training step
+    # under anomaly mode fails in torch itself, on the loop too: its own backward is traced.)
+    torch.manual_seed(0)
+    w = torch.randn(3, 3, dtype=D, requires_grad=True)
+    init, xs = torch.randn(4, 3, dtype=D, requires_grad=True), torch.randn(5, 4, 3, dtype=D, requires_grad=True)
+    body = _permuted_body(w)
+
+    def grads(run):
+        def f(init, xs):
+            c, ys = run(body, init, xs)
+            return torch.autograd.grad(c.pow(2).sum() + ys.sin().sum(), [init, xs, w])
+        return f
+
+    with torch.autograd.set_detect_anomaly(True):
+        got = _modes()["aot_eager"](grads(scan), init, xs)
+    torch.testing.assert_close(got, grads(reference_scan)(init, xs))
+
+
 def seed_body():
     torch.manual_seed(0)
     w = torch.randn(4, 4, requires_grad=True)

@@ -195,3 +195,11 @@ def test_chained_scans_values_and_grads(remat):
         out = _two_layers(scan, *dev_leaves, init.to(DEV), xs.to(DEV), remat)
         got = torch.autograd.grad(weighted_sum(out), dev_leaves)
         assert_trees_close(to_cpu((out, got)), (want_out, want), atol=1e-5, rtol=1e-5)
+
+
+def test_a_scan_under_anomaly_mode_matches_the_loop():
+    # anomaly mode's NaN check ran inside the joint's trace, on fake values: an AttributeError
+    # (torch formatting its data-dependent error) for every scan on XLA; see test_autograd
+    with torch.autograd.set_detect_anomaly(True):
+        assert_matches_loop(_linear(lambda c, w, b: torch.nn.functional.linear(c, w, b)), [W, BIAS], INIT, XS,
+                            grad=True, atol=1e-4, rtol=1e-4)

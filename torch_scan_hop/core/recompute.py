@@ -308,13 +308,6 @@ class StepReplay:
     # ---------------------------------------------------------------- backward
 
     def _unpack(self, handle):
-        try:
-            return self._unpacked(handle)
-        except BaseException:
-            _drain_at_exit()
-            raise
-
-    def _unpacked(self, handle):
         if isinstance(handle, cheap.Kept):
             return handle.get()
         if isinstance(handle, cheap.Handle):
@@ -410,10 +403,17 @@ class StepReplay:
 _draining = []
 
 
-def _drain_at_exit():
-    """An error raised while the backward unpacks a saved value can leave nodes in the autograd
-    engine's queue, whose Python hooks then run after the interpreter is gone: a segfault at
-    exit (torch 2.9-2.15). One small backward at exit, while Python still runs, clears them."""
+def drain_at_exit():
+    """An error raised anywhere in a backward through a remat scan (our unpack hook, the body's
+    own custom backward, anomaly mode's NaN check, a KeyboardInterrupt) can leave nodes carrying
+    our saved-tensor hooks in the autograd engine's ready queue, destroyed only after the
+    interpreter is gone: a segfault at exit (torch 2.15; 2.9 survives). One small backward at
+    exit, while Python still runs, pops and frees them. Registered once per process, when the
+    first remat step is built (``op.loop.remat_step``: this engine's steps and scan_layers'
+    per-layer torch.utils.checkpoint, whose hooks torch 2.15 strands the same way): no engine
+    hook tells us that a backward failed. Not covered: a backward that failed in another thread
+    strands them in that thread's queue, freed after its Python state is gone (an abort at times;
+    torch's own bug, plain torch.utils.checkpoint has it too)."""
     if not _draining:
         _draining.append(True)
         atexit.register(_small_backward)

@@ -31,7 +31,7 @@ from torch.utils import checkpoint as _ckpt
 from .. import _compat
 from ..core import dtensors as dt
 from ..core.op_args import slice_example
-from ..core.recompute import StepReplay
+from ..core.recompute import StepReplay, drain_at_exit
 from ..core.remat import as_policy, binomial_slots, nothing_saveable
 from ..core.schedule import step_order
 from ..core.trees import LEAF, ScanError, check_carry, check_pair, flatten_y
@@ -53,6 +53,7 @@ def remat_step(step, remat, length=None):
     policy = as_policy(remat)
     if policy is None or _compat.functorch_transforms_active():
         return step
+    drain_at_exit()  # the steps' nodes carry saved-tensor hooks: see there
     if length is not None:
         return StepReplay(step, policy, length, sqrt=remat == "sqrt", min_cut=remat == "min_cut",
                           slots=binomial_slots(remat))

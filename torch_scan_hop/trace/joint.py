@@ -173,6 +173,15 @@ def _flag_orbit(state, outputs, carried, num_carry):
     return FlagOrbit(tuple(steps), seen[state], num_carry)
 
 
+def _no_anomaly_check():
+    """The joint's backward traced with anomaly mode off. Its check of each node's output for
+    NaN reads a value: on the trace's fake tensors a data-dependent guard, which failed EVERY
+    traced scan under ``torch.autograd.set_detect_anomaly(True)`` (torch.compile: a ScanError
+    blaming the body; XLA: an AttributeError from torch formatting that error). Where the graph
+    runs, anomaly mode still checks the scan's backward node as a whole."""
+    return torch.autograd.set_detect_anomaly(False, check_nan=False)
+
+
 def _joint_fn(combine_fn, grad_mask, stash):
     """primals, tangents -> (*outputs, *grads): the shape AOTAutograd's partitioners expect."""
     num_primals = len(grad_mask)
@@ -187,8 +196,9 @@ def _joint_fn(combine_fn, grad_mask, stash):
         wanted = [reach for reach, m in zip(wrt, grad_mask) if m]
         used = [w for reach in wanted for w in reach if w.requires_grad]
         found = {}
-        if pairs and used:
-            grads = torch.autograd.grad([o for o, _ in pairs], used, [t for _, t in pairs], allow_unused=True)
+        if pairs and used:  # anomaly mode off: its NaN check would read fake values (see _no_anomaly_check)
+            with _no_anomaly_check():
+                grads = torch.autograd.grad([o for o, _ in pairs], used, [t for _, t in pairs], allow_unused=True)
             found = {id(w): g for w, g in zip(used, grads) if g is not None}
         grads = [_sum([found[id(w)] for w in reach if id(w) in found]) for reach in wanted]
         grads = [torch.zeros_like(p) if g is None else g

@@ -1,0 +1,199 @@
+"""Failure injections run in a child interpreter by test_failures.py (one child per route).
+
+``main(route)`` makes the body raise in its forward or backward (a custom autograd.Function),
+under anomaly mode's NaN check, with an Exception, a KeyboardInterrupt or a BaseException of
+its own, along each route; every case must raise, and the next correct call in the same
+process must give the loop's values and gradients. A line per case that does not, then
+``end``; the child then exits after a failed backward, which must not crash the interpreter.
+"""
+import sys
+
+import torch
+from conftest import reference_scan
+
+import torch_scan_hop as tsh
+from torch_scan_hop import checkpoint_name, scan, scan_layers
+
+T = 5
+INJECT = {"traced": False, "fwd": None, "bwd": None, "nan": None, "exc": ValueError, "nf": 0, "nb": 0}
+
+
+class Injected(BaseException):
+    """A BaseException of the user's own (not an Exception): must pass through as it is."""
+
+
+class Probe(torch.autograd.Function):
+    """The identity, whose backward raises (or returns NaN) at its ``INJECT["bwd"]``-th call."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        if INJECT["traced"]:  # traced once: no counter (Dynamo refuses the mutation)
+            if INJECT["bwd"] is not None:
+                raise ValueError("injected in the backward")
+            return g * float("nan") if INJECT["nan"] is not None else g
+        n, INJECT["nb"] = INJECT["nb"], INJECT["nb"] + 1
+        if INJECT["bwd"] == n:
+            raise INJECT["exc"]("injected in the backward")
+        return g * float("nan") if INJECT["nan"] == n else g
+
+
+def _fires_in_forward():
+    if INJECT["traced"]:
+        return INJECT["fwd"] is not None
+    n, INJECT["nf"] = INJECT["nf"], INJECT["nf"] + 1
+    return INJECT["fwd"] == n
+
+
+def problem(device="cpu"):
+    g = torch.Generator().manual_seed(0)
+    w, init, xs = (torch.randn(*s, dtype=torch.float64, generator=g).to(device).requires_grad_()
+                   for s in ((4, 4), (3, 4), (T, 3, 4)))
+
+    def body(c, x):
+        if _fires_in_forward():
+            raise INJECT["exc"]("injected in the forward")
+        h = checkpoint_name(torch.sin(Probe.apply(torch.tanh(c @ w + x))) * 2, "a")
+        return h, (h * h).sum(-1)
+
+    return body, (init, xs), [init, xs, w]
+
+
+class Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=torch.float64)
+
+    def forward(self, h):
+        if _fires_in_forward():
+            raise INJECT["exc"]("injected in the forward")
+        return Probe.apply(torch.tanh(self.lin(h)))
+
+
+def layers_problem(remat):
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList([Layer() for _ in range(T)])
+    h = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+
+    def loop(h):
+        for m in layers:
+            h = m(h)
+        return h, h.sum(-1)
+    def run(h):
+        out = scan_layers(layers, h, remat=remat)
+        return out, out.sum(-1)
+    return (lambda _, h: loop(h)), (lambda _, h: run(h)), (None, h), [h, *layers.parameters()]
+
+
+INJECTIONS = {
+    "forward at step 0": dict(fwd=0), "forward mid": dict(fwd=T // 2), "forward last": dict(fwd=T - 1),
+    "forward in a re-run": dict(fwd=T), "backward at step 0": dict(bwd=0), "backward mid": dict(bwd=T // 2),
+    "backward last": dict(bwd=T - 1), "assert in the backward": dict(bwd=1, exc=AssertionError),
+    "KeyboardInterrupt in the forward": dict(fwd=1, exc=KeyboardInterrupt),
+    "KeyboardInterrupt in the backward": dict(bwd=1, exc=KeyboardInterrupt),
+    "BaseException in the backward": dict(bwd=1, exc=Injected), "NaN under anomaly mode": dict(nan=1, anomaly=True),
+    "NaN at step 0 under anomaly mode": dict(nan=0, anomaly=True),
+}
+TRACED = ("forward at step 0", "backward at step 0", "NaN under anomaly mode")
+
+
+def _loss_and_grads(run, args, inputs):
+    carry, ys = run(*args)
+    loss = carry.sum() + ys.sum()
+    return [loss.detach(), *torch.autograd.grad(loss, inputs)]
+
+
+def _set(**kw):
+    INJECT.update({"fwd": None, "bwd": None, "nan": None, "exc": ValueError, "nf": 0, "nb": 0, **kw})
+
+
+def check(name, loop, run, args, inputs, injections, failures):
+    """Each injection on ``run``, then a correct call against ``loop``; a line per failure."""
+    want = _loss_and_grads(loop, args, inputs)
+    for inj in injections:
+        kw = dict(INJECTIONS[inj])
+        anomaly = kw.pop("anomaly", False)
+        _set(**kw)
+        try:
+            with torch.autograd.set_detect_anomaly(anomaly):
+                _loss_and_grads(run, args, inputs)
+            raised = False
+        except BaseException:  # noqa: BLE001  (KeyboardInterrupt and the user's own included)
+            raised = True
+        _set()
+        may_not_raise = inj == "forward in a re-run" or (INJECT["traced"] and inj != "forward at step 0")
+        if not raised and not may_not_raise:
+            failures.append(f"{name}, {inj}: nothing raised")
+        try:
+            got = _loss_and_grads(run, args, inputs)
+            if not all(torch.allclose(a.cpu(), b.cpu()) for a, b in zip(got, want)):
+                failures.append(f"{name}, {inj}: the next call differs from the loop")
+        except BaseException as e:  # noqa: BLE001
+            failures.append(f"{name}, {inj}: the next call raised {type(e).__name__}: {e}")
+
+
+def _policies():
+    return {"save_all": "save_all", "recompute_all": "recompute_all", "min_cut": "min_cut",
+            "dots_saveable": tsh.dots_saveable, "names": tsh.save_only_these_names("a"), "sqrt": "sqrt",
+            "binomial": ("binomial", 2), "offload": tsh.dots_saveable.with_offload("cpu")}
+
+
+def eager(failures):
+    injections = list(INJECTIONS)
+    for name, policy in _policies().items():
+        body, args, inputs = problem()
+        check(f"eager {name}", lambda *a: reference_scan(body, *a), lambda *a: scan(body, *a, remat=policy), args,
+              inputs, injections, failures)
+    for name, kw in (("reverse sqrt", dict(reverse=True, remat="sqrt")),
+                     ("unroll 2 recompute_all", dict(unroll=2, remat="recompute_all"))):
+        body, args, inputs = problem()
+        check(name, lambda *a: reference_scan(body, *a, reverse=kw.get("reverse", False)),
+              lambda *a: scan(body, *a, **kw), args, inputs, ["backward mid", "KeyboardInterrupt in the backward"],
+              failures)
+    for remat in ("save_all", "recompute_all"):
+        loop, run, args, inputs = layers_problem(remat)
+        check(f"scan_layers {remat}", loop, run, args, inputs, ["forward mid", "backward mid"], failures)
+
+
+def compiled(failures):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    body, args, inputs = problem()
+    check("make_fx", lambda *a: reference_scan(body, *a), lambda *a: make_fx(lambda *b: scan(body, *b))(*a)(*a),
+          args, inputs, ["forward at step 0", "backward at step 0"], failures)
+    INJECT["traced"] = True
+    compiled_scan = torch.compile(lambda *a: scan(body, *a), backend="aot_eager", fullgraph=True)
+    check("aot_eager", lambda *a: reference_scan(body, *a), compiled_scan, args, inputs, TRACED, failures)
+    INJECT["traced"] = False
+
+
+def xla(failures):
+    import torch_xla.core.xla_model as xm
+
+    for remat in ("save_all", "recompute_all"):
+        body, args, inputs = problem(xm.xla_device())
+        check(f"xla {remat}", lambda *a: reference_scan(body, *a), lambda *a: scan(body, *a, remat=remat), args,
+              inputs, ["forward at step 0", "backward at step 0", "NaN at step 0 under anomaly mode"], failures)
+
+
+def end_on_a_failed_backward():
+    """Leave the process right after a backward that raised (what crashed torch 2.15 at exit)."""
+    for policy in ("names", "recompute_all"):
+        body, args, inputs = problem()
+        _set(bwd=T // 2)
+        try:
+            _loss_and_grads(lambda *a: scan(body, *a, remat=policy), args, inputs)
+        except ValueError:
+            pass
+
+
+def main(route):
+    failures = []
+    {"eager": eager, "compiled": compiled, "xla": xla}[route](failures)
+    print("\n".join(failures))
+    print("end")
+    sys.stdout.flush()
+    end_on_a_failed_backward()
