@@ -174,9 +174,9 @@ def test_permuted_saved_values_are_saved_contiguous_and_permuted_back():
     assert any(n.target is torch.ops.aten.permute.default for n in step_saved)
 
 
-@pytest.mark.parametrize("mode", ["eager", "make_fx", "aot_eager", "inductor"])
-@pytest.mark.parametrize("reverse", [False, True])
-def test_permuted_saved_values_match_the_loop(mode, reverse):
+def _permuted_problem(reverse=False):
+    """(body, init, xs, grads): ``grads(run)`` is the gradients of a loss of ``run``'s scan
+    (ours or the reference loop) of ``_permuted_body`` with respect to init, xs and its weight."""
     torch.manual_seed(0)
     w = torch.randn(3, 3, dtype=D, requires_grad=True)
     init, xs = torch.randn(4, 3, dtype=D, requires_grad=True), torch.randn(5, 4, 3, dtype=D, requires_grad=True)
@@ -187,7 +187,13 @@ def test_permuted_saved_values_match_the_loop(mode, reverse):
             c, ys = run(body, init, xs, reverse=reverse)
             return torch.autograd.grad(c.pow(2).sum() + ys.sin().sum(), [init, xs, w])
         return f
+    return body, init, xs, grads
 
+
+@pytest.mark.parametrize("mode", ["eager", "make_fx", "aot_eager", "inductor"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_permuted_saved_values_match_the_loop(mode, reverse):
+    body, init, xs, grads = _permuted_problem(reverse)
     if mode in ("aot_eager", "inductor"):
         torch._dynamo.reset()
         compiled = torch.compile(lambda i, x: scan(body, i, x, reverse=reverse), backend=mode)
@@ -205,17 +211,7 @@ def test_a_compiled_scan_under_anomaly_mode_matches_the_loop():
     # a fake value, which failed every traced scan (a ScanError blaming the body; on XLA an
     # AttributeError); now the joint is traced without it. (make_fx of a whole training step
     # under anomaly mode fails in torch itself, on the loop too: its own backward is traced.)
-    torch.manual_seed(0)
-    w = torch.randn(3, 3, dtype=D, requires_grad=True)
-    init, xs = torch.randn(4, 3, dtype=D, requires_grad=True), torch.randn(5, 4, 3, dtype=D, requires_grad=True)
-    body = _permuted_body(w)
-
-    def grads(run):
-        def f(init, xs):
-            c, ys = run(body, init, xs)
-            return torch.autograd.grad(c.pow(2).sum() + ys.sin().sum(), [init, xs, w])
-        return f
-
+    _, init, xs, grads = _permuted_problem()
     with torch.autograd.set_detect_anomaly(True):
         got = _modes()["aot_eager"](grads(scan), init, xs)
     torch.testing.assert_close(got, grads(reference_scan)(init, xs))
