@@ -186,7 +186,6 @@ class BodyHlo:
     hoisted: List[torch.Tensor]  # device data the body made, appended to the pass-through inputs
     uses_seed: bool  # the last x is the per-step RNG seed vector
     y_carry: List[int]  # per y: the carry it is (the step's carry input, unchanged), or -1
-    y_carry: List[int]  # per y: the carry it is (the step's carry input, unchanged), or -1
 
 
 def _xla():
