@@ -5,7 +5,7 @@ from . import _compat
 from .core.op_args import example_args
 from .core.remat import as_token, check_remat, normalize
 from .core.schedule import sqrt_split
-from .core.torch_xla_keywords import check_purity_flag, remat_from_partition_fn
+from .core.torch_xla_keywords import remat_with_torch_xla_keywords
 from .core.trees import (
     LEAF,
     ScanError,
@@ -76,8 +76,7 @@ def scan(fn, init, xs=None, *, length=None, reverse=False, dim=0, remat="save_al
     use: ``partition_fn`` is ``remat`` (``core/torch_xla_keywords.py``), ``is_fn_pure`` is ignored.
     """
     if partition_fn is not None or is_fn_pure is not None:
-        check_purity_flag(is_fn_pure, "is_fn_pure", "scan")
-        remat = remat_from_partition_fn(remat, partition_fn, "scan")
+        remat = remat_with_torch_xla_keywords(remat, partition_fn, "is_fn_pure", is_fn_pure, "scan")
     if (type(init) is type(xs) is torch.Tensor and length is None and unroll is None and type(dim) is int
             and dim == 0 and type(reverse) is bool and type(remat) is str and remat == "save_all"
             and callable(fn) and xs.dim() > 0 and _compat.runs_eagerly((init, xs))):

@@ -44,8 +44,8 @@ def one_iteration(length, unroll):
     block of ``length`` steps)? On XLA such a scan is straight-line code, no While
     (csrc/hlo_straight.h reads the same segments); ``scan_layers`` asks it to pick
     the gradient rows that suit straight-line code."""
-    if not isinstance(length, int) or isinstance(unroll, bool) or not isinstance(unroll, int) or length == 0:
-        return False
+    if not isinstance(length, int) or isinstance(unroll, bool) or not isinstance(unroll, int):
+        return False  # a symbolic length has one segment of single steps; a bad unroll is scan's error
     blocks = segments(length, unroll)
     return len(blocks) == 1 and blocks[0].unroll == length
 

@@ -21,6 +21,13 @@ from .trees import ScanError, shown
 _STOCK = ("save_all", "min_cut")
 
 
+def remat_with_torch_xla_keywords(remat, partition_fn, purity_name, purity, where):
+    """``remat`` with torch_xla's ``partition_fn`` folded in, once its purity flag
+    (``is_fn_pure`` / ``is_layer_pure``, named ``purity_name``) is checked."""
+    check_purity_flag(purity, purity_name, where)
+    return remat_from_partition_fn(remat, partition_fn, where)
+
+
 def remat_from_partition_fn(remat, partition_fn, where):
     """``remat`` with torch_xla's ``partition_fn`` folded in (None: not given)."""
     if partition_fn is None:

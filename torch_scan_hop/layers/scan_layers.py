@@ -25,7 +25,7 @@ import torch
 from .. import _compat
 from ..api import scan
 from ..core import schedule
-from ..core.torch_xla_keywords import check_purity_flag, remat_from_partition_fn
+from ..core.torch_xla_keywords import remat_with_torch_xla_keywords
 from ..core.trees import ScanError, flatten
 from ..op.loop import remat_step
 from .checks import (
@@ -279,8 +279,7 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=None, partition_fn=Non
     here rather than passed to the layers: ``partition_fn`` is ``remat``, ``is_layer_pure`` is ignored
     (``core/torch_xla_keywords.py``).
     """
-    check_purity_flag(is_layer_pure, "is_layer_pure", "scan_layers")
-    remat = remat_from_partition_fn(remat, partition_fn, "scan_layers")
+    remat = remat_with_torch_xla_keywords(remat, partition_fn, "is_layer_pure", is_layer_pure, "scan_layers")
     container, layers = layers, list(layers)
     if not all(isinstance(m, torch.nn.Module) for m in layers):
         raise ScanError("scan_layers: every element of layers must be an nn.Module.")
