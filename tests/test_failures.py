@@ -32,7 +32,8 @@ def test_an_error_in_a_scan_leaves_the_process_working_and_able_to_exit(route):
     (tests/_exit_race.py, imported first, makes that meeting certain)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
                PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
-    out = subprocess.run([sys.executable, "-c", ("import _exit_race; " if route == "threads" else "") + f"import failure_cases; failure_cases.main({route!r})"],
+    first = "import _exit_race; " if route == "threads" else ""  # before anything registers an atexit handler
+    out = subprocess.run([sys.executable, "-c", f"{first}import failure_cases; failure_cases.main({route!r})"],
                          capture_output=True, text=True, timeout=600, cwd=HERE, env=env)
     failures = out.stdout.rsplit("end\n", 1)[0].strip()
     assert out.stdout.endswith("end\n") and not failures, failures or out.stderr[-3000:]
