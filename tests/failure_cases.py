@@ -6,6 +6,7 @@ its own, along each route; every case must raise, and the next correct call in t
 process must give the loop's values and gradients. A line per case that does not, then
 ``end``; the child then exits after a failed backward, which must not crash the interpreter.
 """
+import functools
 import sys
 
 import torch
@@ -190,9 +191,99 @@ def end_on_a_failed_backward():
             pass
 
 
+class Raises(torch.autograd.Function):
+    """The identity, whose backward always raises (a thread's own injection: INJECT is shared)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("injected in a thread's backward")
+
+
+def _failing_problem():
+    """problem()'s body, raising in the backward of step T // 2 while ``fail[0]``."""
+    body, (init, xs), inputs = problem()  # INJECT left at rest: its body is safe to share between threads
+    fail = [True]
+
+    def failing(c, x_and_i):
+        c, y = body(c, x_and_i[0])
+        return (Raises.apply(c) if fail[0] and int(x_and_i[1]) == T // 2 else c), y
+    return failing, fail, (init, (xs, torch.arange(T))), inputs
+
+
+def fail_then_match(name, policy, failures):
+    """In this thread: a backward that raises, then a correct call against the loop."""
+    from _exit_race import hold_thread_end
+
+    failing, fail, args, inputs = _failing_problem()
+    try:
+        _loss_and_grads(lambda *a: scan(failing, *a, remat=policy), args, inputs)
+        failures.append(f"{name}: nothing raised")
+    except ValueError:
+        pass
+    hold_thread_end()
+    fail[0] = False
+    got, want = (_loss_and_grads(f, args, inputs) for f in (lambda *a: scan(failing, *a, remat=policy),
+                                                              lambda *a: reference_scan(failing, *a)))
+    if not all(torch.allclose(a, b) for a, b in zip(got, want)):
+        failures.append(f"{name}: the next call differs from the loop")
+
+
+def _backward_from_threads(policy, n, failures):
+    """One forward here; its backward from n threads at once (torch's multithreaded backward).
+    Covered where the failure comes after the backward reached our unpack hook in that thread
+    (here: steps T-1 .. T//2+1 unpacked first); see core/drain.py for the case it does not."""
+    from _exit_race import hold_thread_end
+
+    failing, _, args, inputs = _failing_problem()
+    carry, ys = scan(failing, *args, remat=policy)
+    loss = carry.sum() + ys.sum()
+
+    def backward():
+        try:
+            torch.autograd.grad(loss, inputs, retain_graph=True)
+            failures.append(f"backward from threads {policy}: nothing raised")
+        except ValueError:
+            pass
+        hold_thread_end()
+    _run_threads([backward] * n)
+
+
+def _run_threads(fns):
+    import threading
+
+    ts = [threading.Thread(target=f) for f in fns]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
+_POOL = []  # alive until exit: its workers end in threading's exit hook, just before the interpreter finalizes
+
+
+def threads(failures):
+    """Backwards that fail in threads other than the main one; every thread here ends at exit's
+    doorstep (tests/_exit_race.py), where their stranded autograd tasks aborted the process."""
+    import concurrent.futures
+
+    for policy in ("save_all", "recompute_all", "names"):
+        _run_threads([functools.partial(fail_then_match, f"a thread {policy}", _policies()[policy], failures)])
+    _run_threads([functools.partial(fail_then_match, f"threads at once {p}", _policies()[p], failures)
+                  for p in ("save_all", "recompute_all", "sqrt", "min_cut")])
+    _POOL.append(concurrent.futures.ThreadPoolExecutor(2))
+    for policy in ("recompute_all", "dots_saveable"):
+        _POOL[0].submit(fail_then_match, f"a pool {policy}", _policies()[policy], failures).result()
+    _backward_from_threads("recompute_all", 3, failures)
+    _backward_from_threads("sqrt", 2, failures)
+
+
 def main(route):
     failures = []
-    {"eager": eager, "compiled": compiled, "xla": xla}[route](failures)
+    {"eager": eager, "compiled": compiled, "xla": xla, "threads": threads}[route](failures)
     print("\n".join(failures))
     print("end")
     sys.stdout.flush()

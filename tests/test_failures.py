@@ -5,7 +5,9 @@ body's forward and backward, checks that the next correct call still gives the l
 and gradients (no poisoned cache or state), and exits right after a failed backward: the
 child must exit with code 0. torch 2.15 died at exit with SIGSEGV after an error in any node
 of a backward through a remat scan (the nodes, holding our saved-tensor hooks, were stranded
-in the engine's queue; core/recompute.py's drain_at_exit).
+in the engine's queue; core/drain.py's drain_at_exit). Both torches aborted (SIGABRT) when a
+thread whose backward had failed ended just before the interpreter finalized (route "threads";
+core/drain.py's drain_at_thread_end).
 """
 import os
 import subprocess
@@ -24,11 +26,14 @@ def _xla():
     return ()
 
 
-@pytest.mark.parametrize("route", ["eager", "compiled", pytest.param("xla", marks=_xla())])
+@pytest.mark.parametrize("route", ["eager", "compiled", pytest.param("xla", marks=_xla()), "threads"])
 def test_an_error_in_a_scan_leaves_the_process_working_and_able_to_exit(route):
+    """"threads": backwards that fail in other threads, whose ends meet the interpreter's exit
+    (tests/_exit_race.py, imported first, makes that meeting certain)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
                PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
-    out = subprocess.run([sys.executable, "-c", f"import failure_cases; failure_cases.main({route!r})"],
+    first = "import _exit_race; " if route == "threads" else ""  # before anything registers an atexit handler
+    out = subprocess.run([sys.executable, "-c", f"{first}import failure_cases; failure_cases.main({route!r})"],
                          capture_output=True, text=True, timeout=600, cwd=HERE, env=env)
     failures = out.stdout.rsplit("end\n", 1)[0].strip()
     assert out.stdout.endswith("end\n") and not failures, failures or out.stderr[-3000:]

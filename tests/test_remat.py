@@ -378,7 +378,7 @@ def test_a_body_modifying_its_carry_in_place_matches_the_loop(policy):
 def test_an_error_inside_the_backward_leaves_the_process_able_to_exit():
     # An error raised while the backward unpacks a value (here: the kept carry found written, with the
     # forward's restore turned off) left exp's node in the engine's queue, and the interpreter died at
-    # exit (SIGSEGV) before recompute.drain_at_exit. A child raises it under every policy and exits.
+    # exit (SIGSEGV) before drain.drain_at_exit. A child raises it under every policy and exits.
     code = ("import torch, test_remat as t\n"
             "from torch_scan_hop.core import recompute\n"
             "recompute.StepReplay._restore_kept_carry = lambda self, pos: None\n"

@@ -30,13 +30,13 @@ deterministic; otherwise, and for ``sqrt``, binomial and offloading policies:
 With ``create_graph=True`` (double backward) a step is re-run on its original
 inputs, so the second-order graph reaches the forward's graph.
 """
-import atexit
 import contextlib
 
 import torch
 
 from .. import _compat
 from . import cheap, keep, revolve
+from .drain import drain_at_thread_end
 from . import remat as policies
 from .policy_ops import OpKeeps, saves_op
 from .schedule import sqrt_block
@@ -308,6 +308,7 @@ class StepReplay:
     # ---------------------------------------------------------------- backward
 
     def _unpack(self, handle):
+        drain_at_thread_end()  # the backward may run in a thread the forward did not: core/drain.py
         if isinstance(handle, cheap.Kept):
             return handle.get()
         if isinstance(handle, cheap.Handle):
@@ -398,29 +399,6 @@ class StepReplay:
                             f"{self.counts[pos]} in the forward; the body must run the same ops when it is "
                             "re-run (use remat='save_all' for a body that does not).")
         return values, new_carry
-
-
-_draining = []
-
-
-def drain_at_exit():
-    """An error raised anywhere in a backward through a remat scan (our unpack hook, the body's
-    own custom backward, anomaly mode's NaN check, a KeyboardInterrupt) can leave nodes carrying
-    our saved-tensor hooks in the autograd engine's ready queue, destroyed only after the
-    interpreter is gone: a segfault at exit (torch 2.15; 2.9 survives). One small backward at
-    exit, while Python still runs, pops and frees them. Registered once per process, when the
-    first remat step is built (``op.loop.remat_step``: this engine's steps and scan_layers'
-    per-layer torch.utils.checkpoint, whose hooks torch 2.15 strands the same way): no engine
-    hook tells us that a backward failed. Not covered: a backward that failed in another thread
-    strands them in that thread's queue, freed after its Python state is gone (an abort at times;
-    torch's own bug, plain torch.utils.checkpoint has it too)."""
-    if not _draining:
-        _draining.append(True)
-        atexit.register(_small_backward)
-
-
-def _small_backward():
-    torch.ones(1, requires_grad=True).sum().backward()
 
 
 _STALE = "stale"  # a kept value the body modified in place afterwards

@@ -31,7 +31,8 @@ from torch.utils import checkpoint as _ckpt
 from .. import _compat
 from ..core import dtensors as dt
 from ..core.op_args import slice_example
-from ..core.recompute import StepReplay, drain_at_exit
+from ..core.drain import drain_at_exit, drain_at_thread_end
+from ..core.recompute import StepReplay
 from ..core.remat import as_policy, binomial_slots, nothing_saveable
 from ..core.schedule import step_order
 from ..core.trees import LEAF, ScanError, check_carry, check_pair, flatten_y
@@ -53,7 +54,7 @@ def remat_step(step, remat, length=None):
     policy = as_policy(remat)
     if policy is None or _compat.functorch_transforms_active():
         return step
-    drain_at_exit()  # the steps' nodes carry saved-tensor hooks: see there
+    drain_at_exit()  # the steps' nodes carry saved-tensor hooks: see core/drain.py
     if length is not None:
         return StepReplay(step, policy, length, sqrt=remat == "sqrt", min_cut=remat == "min_cut",
                           slots=binomial_slots(remat))
@@ -99,6 +100,7 @@ def run_flat(combine_fn, init, xs, additional_inputs, reverse=False, remat=None)
     ``view``s may hold only for them: xs laid out otherwise (a vmap's batch dim
     moved behind the scan dim, ``dim=1``) are made dense first.
     """
+    drain_at_thread_end()  # a failed backward must not kill the process: see core/drain.py
     num_carry, length = len(init), xs[0].shape[0]
     if length == 0:
         return [c.clone() for c in init] + empty_flat_ys(combine_fn, init, xs, additional_inputs)
@@ -212,6 +214,7 @@ def run_tree(fn, init, inputs, reverse=False, remat="save_all"):
     The steps iterate the slices as ``for x in xs`` does, calling ``fn`` itself
     (no wrapper per step): at T=256 a wrapper call per step is ~5% of the loop.
     """
+    drain_at_thread_end()  # a failed backward must not kill the process: see core/drain.py
     if inputs.length == 0:
         return init, empty_tree_ys(fn, inputs)
     slices = _x_slices(inputs)

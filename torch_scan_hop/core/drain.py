@@ -1,0 +1,63 @@
+"""Autograd work a failed backward leaves queued must be freed while Python still runs.
+
+When a node raises in a backward, the engine stops its graph and the tasks still queued in
+the ready queue of the thread that called ``backward`` (for CPU work: a C++ ``thread_local``
+of that thread) stay there. They hold nodes and gradient tensors whose Python objects (our
+saved-tensor hooks, custom ``autograd.Function``s, tensors Python created) need the GIL to
+be freed. The next backward in that thread pops them first (a task whose graph is gone has
+the highest priority) and frees them; without one they are freed
+
+- in the main thread, after the interpreter is gone: torch 2.15 segfaulted at exit (the
+  saved-tensor hooks' destructor); ``drain_at_exit`` runs one small backward at exit;
+- in another thread, by the C++ ``thread_local`` destructors when the thread ends, after its
+  Python state is gone: each takes the GIL, and if the interpreter starts finalizing in the
+  meantime (the thread was joined just before exit: a ThreadPoolExecutor's workers at exit,
+  ``t.join()`` as a script's last line) ``take_gil`` ends the thread with ``pthread_exit``
+  inside a destructor: ``std::terminate``, SIGABRT (torch 2.9 and 2.15; a plain Python loop
+  does it too). ``drain_at_thread_end`` runs one small backward when the thread's Python
+  state is cleared, before those destructors.
+
+No engine hook says that a backward failed, so the drains are armed where a scan runs: once
+per process (exit) and once per thread (thread end), a dict lookup per call after that.
+"""
+import atexit
+import threading
+
+import torch
+
+_draining = []
+_thread = threading.local()
+
+
+def _small_backward():
+    torch.ones(1, requires_grad=True).sum().backward()
+
+
+def drain_at_exit():
+    """Registered once per process, when the first remat step is built (``op.loop.remat_step``:
+    this engine's steps and scan_layers' per-layer torch.utils.checkpoint, whose hooks torch 2.15
+    strands the same way)."""
+    if not _draining:
+        _draining.append(True)
+        atexit.register(_small_backward)
+
+
+class _SmallBackwardAtThreadEnd:
+    """Held by a ``threading.local``: freed, and so run, while the thread's Python state is
+    cleared (the thread is still current and holds the GIL), before its C++ thread_locals go."""
+
+    __slots__ = ()
+
+    def __del__(self):
+        try:
+            _small_backward()
+        except BaseException:  # noqa: BLE001  (nothing to report to at a thread's end)
+            pass
+
+
+def drain_at_thread_end():
+    """Armed by every eager scan (``op.loop``): one small backward when this thread ends.
+    The main thread is ``drain_at_exit``'s (its thread state is cleared during finalization)."""
+    if "armed" in _thread.__dict__:
+        return
+    _thread.armed = None if threading.current_thread() is threading.main_thread() else _SmallBackwardAtThreadEnd()
