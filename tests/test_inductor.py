@@ -403,3 +403,19 @@ def test_gradients_through_a_scan_in_a_scan_body(backend):
     got = torch.autograd.grad(torch.compile(lambda c0, xss: loss(scan, c0, xss), backend=backend)(c0, xss), (c0, w))
     want = torch.autograd.grad(loss(reference_scan, c0, xss), (c0, w))
     assert_trees_close(got, want, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("where", ["carry", "ys", "closure"])
+def test_a_complex_scan_is_a_scan_error_naming_the_leaf(where):
+    """Inductor's pattern passes skip nodes with complex values, so no pass lowered such a scan:
+    upstream's then failed with a bare "scan is not lowered to while_loop"."""
+    z = torch.randn(2, 3, dtype=torch.complex64)
+    if where == "carry":
+        init, fn, name = z, lambda c, x: (c * x, x), r"init leaf 0 is torch.complex64 of shape \(2, 3\)"
+    elif where == "ys":
+        init, fn, name = torch.randn(2, 3), lambda c, x: (c * x, torch.polar(c.abs(), x)), r"ys leaf 0 .* \(4, 2, 3\)"
+    else:
+        init, fn, name = torch.randn(2, 3), lambda c, x: (c * x + (z * x).real, c), "closed-over tensor 0"
+    f = torch.compile(lambda init, xs: scan(fn, init, xs), backend="inductor", fullgraph=True)
+    with pytest.raises(Exception, match=rf"inductor cannot compile a scan whose inputs or outputs are complex \({name}"):
+        f(init, torch.randn(4, 2, 3))

@@ -19,7 +19,7 @@ import torch
 
 from .. import _compat
 from ..core.schedule import segments, step_index
-from ..core.trees import split_counts
+from ..core.trees import ScanError, split_counts
 from . import body_passes, buffer_pool, counter as loop_counter, host_rows, workarounds
 
 _installed = False
@@ -35,6 +35,7 @@ def install():
         return
 
     def before_upstream(gm):
+        _refuse_complex_scans(gm)
         workarounds.materialize_expanded_operands(gm)
         _lower_scans(gm)
 
@@ -57,6 +58,26 @@ def install():
     _compat.loop_blas.call_blas_for_mm_in_python_loops(_compat.inductor_loop.counted_loop_trip_counts)
     _compat.inductor.skip_output_asserts_of(torch.ops.torch_scan_hop.stacked_buffers.default)
     _installed = True
+
+
+def _refuse_complex_scans(gm):
+    """Inductor's pattern passes skip a node with a complex input or output (it leaves complex
+    ops to eager kernels), so no pass lowers such a scan and upstream's then failed with a bare
+    "scan is not lowered to while_loop". Say which leaf and what to do instead."""
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan):
+        init, xs, lifted = node.args[1:4]
+        named = [*((f"init leaf {i}", v) for i, v in enumerate(init)),
+                 *((f"xs leaf {i}", v) for i, v in enumerate(xs)),
+                 *((f"closed-over tensor {i}", v) for i, v in enumerate(lifted)),
+                 *((f"ys leaf {i}", v) for i, v in enumerate(node.meta["val"][len(init):]))]
+        for name, value in named:
+            value = value.meta.get("val") if isinstance(value, torch.fx.Node) else value
+            if isinstance(value, torch.Tensor) and value.is_complex():
+                raise ScanError(
+                    f"scan: inductor cannot compile a scan whose inputs or outputs are complex ({name} is "
+                    f"{value.dtype} of shape {tuple(value.shape)}): it leaves complex tensors to eager kernels. "
+                    "Carry and stack them as real pairs (torch.view_as_real outside the body, "
+                    "torch.view_as_complex inside it), or compile with backend='aot_eager'.")
 
 
 def _is_ours_to_lower(match):
