@@ -419,3 +419,25 @@ def test_a_complex_scan_is_a_scan_error_naming_the_leaf(where):
     f = torch.compile(lambda init, xs: scan(fn, init, xs), backend="inductor", fullgraph=True)
     with pytest.raises(Exception, match=rf"inductor cannot compile a scan whose inputs or outputs are complex \({name}"):
         f(init, torch.randn(4, 2, 3))
+
+
+@pytest.mark.parametrize("second", ["same", "view"])
+def test_one_value_returned_as_two_carries(second):
+    """``return (h, h), y``: inductor's while_loop refused carries that alias ("Output aliasing is
+    currently not supported in compiled torch.while_loop"); the loop allows it."""
+    def body(c, x):
+        h = torch.tanh(c[0] * c[1] + x)
+        return (h, h if second == "same" else h.view(3, 2).view(2, 3)), h.sum()
+
+    def f(a, b, xs):
+        return scan(body, (a, b), xs, reverse=True)
+
+    def loss_and_grads(fn, a, b, xs):
+        a, b, xs = (t.clone().requires_grad_() for t in (a, b, xs))
+        (c0, c1), ys = fn(a, b, xs)
+        return (c0, c1, ys), torch.autograd.grad((c0 * 2 + c1).sum() + ys.sum(), (a, b, xs))
+
+    a, b, xs = torch.randn(2, 3), torch.randn(2, 3), torch.randn(5, 2, 3)
+    want = loss_and_grads(lambda a, b, xs: reference_scan(body, (a, b), xs, reverse=True), a, b, xs)
+    got = loss_and_grads(torch.compile(f, backend="inductor", fullgraph=True), a, b, xs)
+    assert_trees_close(got, want, atol=1e-5, rtol=1e-5)

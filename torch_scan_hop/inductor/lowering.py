@@ -229,6 +229,18 @@ def _in_layout_of(new, old):
     return torch.ops.prims.copy_strided.default(new, old.stride())
 
 
+def _unaliased(carries):
+    """``carries`` with each one that is (a view of) an earlier one cloned. A body may return one
+    value as two carries (``return (h, h), y``), as in eager; inductor's while_loop refuses outputs
+    that alias ("Output aliasing is currently not supported in compiled torch.while_loop")."""
+    seen, out = set(), []
+    for c in carries:
+        key = id(c if c._base is None else c._base) if isinstance(c, torch.Tensor) else None
+        out.append(c.clone() if key is not None and key in seen else c)
+        seen.add(key)
+    return out
+
+
 def _in_traced_layout(init):
     """``init`` in the layout the body was traced on: ``example_args`` cloned it, which
     makes a non-dense init (a slice of a wider tensor) dense, and the body's ``reshape``
@@ -299,7 +311,7 @@ def _while_loop(body, ys_vals, counts, reverse, dead=frozenset()):
                     host_rows.copy_row(buf, i, y)
                 else:
                     buf.select(0, i).copy_(y)
-            new_carry = [_in_layout_of(new, old) for new, old in zip(out[:nc], carry)]
+            new_carry = [_in_layout_of(new, old) for new, old in zip(_unaliased(out[:nc]), carry)]
             loop_counter.step(counter, operators)
             return (counter, *bufs, *new_carry)
 
