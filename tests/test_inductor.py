@@ -441,3 +441,24 @@ def test_one_value_returned_as_two_carries(second):
     want = loss_and_grads(lambda a, b, xs: reference_scan(body, (a, b), xs, reverse=True), a, b, xs)
     got = loss_and_grads(torch.compile(f, backend="inductor", fullgraph=True), a, b, xs)
     assert_trees_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_transposed_y_under_sqrt_remat():
+    """``remat="sqrt"`` (two scans) with a transposed y: a backward loop's carry started from a
+    transposed gradient that inductor realized contiguous while the body kept the transposed
+    strides ("Expected carried_inputs and body_output to have same metadata")."""
+    w = torch.randn(3, 3, requires_grad=True)
+
+    def body(c, x):
+        return torch.tanh(c @ w + x), c.t()
+
+    def loss_and_grads(fn, init, xs):
+        init, xs = init.clone().requires_grad_(), xs.clone().requires_grad_()
+        c, ys = fn(init, xs)
+        weights = torch.arange(ys.numel(), dtype=ys.dtype).reshape(ys.shape)
+        return (c, ys), torch.autograd.grad(c.sum() + (ys * weights).sum(), (init, xs, w))
+
+    init, xs = torch.randn(2, 3), torch.randn(5, 2, 3)
+    want = loss_and_grads(lambda i, x: reference_scan(body, i, x), init, xs)
+    f = torch.compile(lambda i, x: scan(body, i, x, remat="sqrt"), backend="inductor", fullgraph=True)
+    assert_trees_close(loss_and_grads(f, init, xs), want, atol=1e-4, rtol=1e-5)

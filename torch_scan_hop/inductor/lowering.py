@@ -246,12 +246,18 @@ def _in_traced_layout(init):
     makes a non-dense init (a slice of a wider tensor) dense, and the body's ``reshape``
     may be a ``view`` only that layout allows (inductor: "Cannot view a tensor with shape
     ... and strides ..."). Static sizes and strides only: an ``empty_like`` of symbolic ones
-    here would make symbols the graph does not track (a symbolic non-dense init stays as it is)."""
+    here would make symbols the graph does not track (a symbolic non-dense init stays as it is).
+    A non-contiguous init is pinned to that layout even where its strides already match: inductor
+    may give the value it comes from (a transposed gradient) a flexible layout and realize the
+    loop's input contiguous, while the body keeps the traced strides ("Expected carried_inputs
+    and body_output to have same metadata ... stride: (3, 1) vs (1, 2)")."""
     if not isinstance(init, torch.Tensor) or not all(type(v) is int for v in (*init.shape, *init.stride())):
         return init
     with _compat.disable_proxy_modes_tracing():
         traced = torch.empty_like(init)  # clone's layout, nothing recorded
-    return _in_layout_of(init, traced)
+    if init.is_contiguous() or not _same_strides(init, traced):
+        return _in_layout_of(init, traced)
+    return torch.ops.prims.copy_strided.default(init, traced.stride())
 
 
 def _preallocate(ys_vals, symbols):
