@@ -114,3 +114,35 @@ def test_export_follows_the_schedule(reverse, length, unroll, nodes):
     ep = torch.export.export(Cell(), (h0, xs), strict=False)
     assert len(scan_nodes(ep.graph_module)) == nodes
     assert_trees_close(round_trip(ep).module()(h0, xs), Cell()(h0, xs), atol=1e-6, rtol=1e-5)
+
+
+class NoGradInBody(torch.nn.Module):
+    """A body with a ``torch.no_grad()`` region: its value feeds the carry but not the gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(3, 3))
+
+    def forward(self, h0, xs):
+        def cell(h, x):
+            with torch.no_grad():
+                s = h * 2
+            return torch.tanh(h @ self.w + x + s), s
+        return scan(cell, h0, xs)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_export_of_a_body_with_a_no_grad_region_loads(strict):
+    """The body's grad-mode switches belong to its subgraph; non-strict export also recorded them
+    in the outer graph as an empty region that torch.export.load refused."""
+    torch.manual_seed(0)
+    model = NoGradInBody()
+    h0, xs = torch.randn(2, 3), torch.randn(5, 2, 3)
+    ep = torch.export.export(model, (h0, xs), strict=strict)
+    assert [n.target for n in ep.graph_module.graph.nodes if n.op == "call_function"
+            and "set_grad" in str(n.target)] == []
+    loaded = round_trip(ep)
+    assert_trees_close(loaded.module()(h0, xs), model(h0, xs), atol=1e-6, rtol=1e-5)
+    h = h0.clone().requires_grad_()
+    want = torch.autograd.grad(model(h, xs)[0].sum(), h)
+    assert_trees_close(torch.autograd.grad(loaded.module()(h, xs)[0].sum(), h), want, atol=1e-6, rtol=1e-5)

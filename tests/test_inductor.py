@@ -403,3 +403,62 @@ def test_gradients_through_a_scan_in_a_scan_body(backend):
     got = torch.autograd.grad(torch.compile(lambda c0, xss: loss(scan, c0, xss), backend=backend)(c0, xss), (c0, w))
     want = torch.autograd.grad(loss(reference_scan, c0, xss), (c0, w))
     assert_trees_close(got, want, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("where", ["carry", "ys", "closure"])
+def test_a_complex_scan_is_a_scan_error_naming_the_leaf(where):
+    """Inductor's pattern passes skip nodes with complex values, so no pass lowered such a scan:
+    upstream's then failed with a bare "scan is not lowered to while_loop"."""
+    z = torch.randn(2, 3, dtype=torch.complex64)
+    if where == "carry":
+        init, fn, name = z, lambda c, x: (c * x, x), r"init leaf 0 is torch.complex64 of shape \(2, 3\)"
+    elif where == "ys":
+        init, fn, name = torch.randn(2, 3), lambda c, x: (c * x, torch.polar(c.abs(), x)), r"ys leaf 0 .* \(4, 2, 3\)"
+    else:
+        init, fn, name = torch.randn(2, 3), lambda c, x: (c * x + (z * x).real, c), "closed-over tensor 0"
+    f = torch.compile(lambda init, xs: scan(fn, init, xs), backend="inductor", fullgraph=True)
+    with pytest.raises(Exception, match=rf"inductor cannot compile a scan whose inputs or outputs are complex \({name}"):
+        f(init, torch.randn(4, 2, 3))
+
+
+@pytest.mark.parametrize("second", ["same", "view"])
+def test_one_value_returned_as_two_carries(second):
+    """``return (h, h), y``: inductor's while_loop refused carries that alias ("Output aliasing is
+    currently not supported in compiled torch.while_loop"); the loop allows it."""
+    def body(c, x):
+        h = torch.tanh(c[0] * c[1] + x)
+        return (h, h if second == "same" else h.view(3, 2).view(2, 3)), h.sum()
+
+    def f(a, b, xs):
+        return scan(body, (a, b), xs, reverse=True)
+
+    def loss_and_grads(fn, a, b, xs):
+        a, b, xs = (t.clone().requires_grad_() for t in (a, b, xs))
+        (c0, c1), ys = fn(a, b, xs)
+        return (c0, c1, ys), torch.autograd.grad((c0 * 2 + c1).sum() + ys.sum(), (a, b, xs))
+
+    a, b, xs = torch.randn(2, 3), torch.randn(2, 3), torch.randn(5, 2, 3)
+    want = loss_and_grads(lambda a, b, xs: reference_scan(body, (a, b), xs, reverse=True), a, b, xs)
+    got = loss_and_grads(torch.compile(f, backend="inductor", fullgraph=True), a, b, xs)
+    assert_trees_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_transposed_y_under_sqrt_remat():
+    """``remat="sqrt"`` (two scans) with a transposed y: a backward loop's carry started from a
+    transposed gradient that inductor realized contiguous while the body kept the transposed
+    strides ("Expected carried_inputs and body_output to have same metadata")."""
+    w = torch.randn(3, 3, requires_grad=True)
+
+    def body(c, x):
+        return torch.tanh(c @ w + x), c.t()
+
+    def loss_and_grads(fn, init, xs):
+        init, xs = init.clone().requires_grad_(), xs.clone().requires_grad_()
+        c, ys = fn(init, xs)
+        weights = torch.arange(ys.numel(), dtype=ys.dtype).reshape(ys.shape)
+        return (c, ys), torch.autograd.grad(c.sum() + (ys * weights).sum(), (init, xs, w))
+
+    init, xs = torch.randn(2, 3), torch.randn(5, 2, 3)
+    want = loss_and_grads(lambda i, x: reference_scan(body, i, x), init, xs)
+    f = torch.compile(lambda i, x: scan(body, i, x, remat="sqrt"), backend="inductor", fullgraph=True)
+    assert_trees_close(loss_and_grads(f, init, xs), want, atol=1e-4, rtol=1e-5)

@@ -123,10 +123,38 @@ def trace_aten_graph(fn, args, *, force_enable_grad=False):
     if under_make_fx():
         if _of_another_fake_mode(args):
             return _trace_fresh(fn, args, force_enable_grad)
-        return materialize_as_graph(fn, tuple(args), force_enable_grad=force_enable_grad)
+        with _outer_grad_mode_recorders_suspended():
+            return materialize_as_graph(fn, tuple(args), force_enable_grad=force_enable_grad)
     if detect_fake_mode(args) is not None:
         return materialize_as_graph(fn, tuple(args), force_enable_grad=force_enable_grad)
     return _trace_fresh(fn, args, force_enable_grad)
+
+
+@contextlib.contextmanager
+def _outer_grad_mode_recorders_suspended():
+    """The outer pre-dispatch trace's torch-function mode (export's) off the stack while a body
+    is traced into a subgraph.
+
+    That mode records ``torch._C._set_grad_enabled`` calls (a body's ``torch.no_grad()``) as
+    graph nodes. The re-entered body trace has its own, which records them into the body, then
+    runs the call, which reaches the outer mode below it: the outer graph got a stray grad-mode
+    region of its own, which ``torch.export.load`` rejects ("Node.meta
+    wrap_with_set_grad_enabled is missing val field"). Other torch-function modes stay.
+    torch 2.9-2.15: ``proxy_tensor.PreDispatchTorchFunctionMode`` and ``torch._C``'s
+    ``_len_torch_function_stack`` / ``_pop_torch_function_stack`` / ``_push_on_torch_function_stack``.
+    """
+    recorder = _proxy_tensor.PreDispatchTorchFunctionMode
+    popped = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
+    kept = [m for m in reversed(popped) if not isinstance(m, recorder)]  # bottom first
+    for mode in kept:
+        torch._C._push_on_torch_function_stack(mode)
+    try:
+        yield
+    finally:
+        for _ in kept:
+            torch._C._pop_torch_function_stack()
+        for mode in reversed(popped):
+            torch._C._push_on_torch_function_stack(mode)
 
 
 def _of_another_fake_mode(args):

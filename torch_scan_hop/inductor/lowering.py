@@ -19,7 +19,7 @@ import torch
 
 from .. import _compat
 from ..core.schedule import segments, step_index
-from ..core.trees import split_counts
+from ..core.trees import ScanError, split_counts
 from . import body_passes, buffer_pool, counter as loop_counter, host_rows, workarounds
 
 _installed = False
@@ -35,6 +35,7 @@ def install():
         return
 
     def before_upstream(gm):
+        _refuse_complex_scans(gm)
         workarounds.materialize_expanded_operands(gm)
         _lower_scans(gm)
 
@@ -57,6 +58,26 @@ def install():
     _compat.loop_blas.call_blas_for_mm_in_python_loops(_compat.inductor_loop.counted_loop_trip_counts)
     _compat.inductor.skip_output_asserts_of(torch.ops.torch_scan_hop.stacked_buffers.default)
     _installed = True
+
+
+def _refuse_complex_scans(gm):
+    """Inductor's pattern passes skip a node with a complex input or output (it leaves complex
+    ops to eager kernels), so no pass lowers such a scan and upstream's then failed with a bare
+    "scan is not lowered to while_loop". Say which leaf and what to do instead."""
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan):
+        init, xs, lifted = node.args[1:4]
+        named = [*((f"init leaf {i}", v) for i, v in enumerate(init)),
+                 *((f"xs leaf {i}", v) for i, v in enumerate(xs)),
+                 *((f"closed-over tensor {i}", v) for i, v in enumerate(lifted)),
+                 *((f"ys leaf {i}", v) for i, v in enumerate(node.meta["val"][len(init):]))]
+        for name, value in named:
+            value = value.meta.get("val") if isinstance(value, torch.fx.Node) else value
+            if isinstance(value, torch.Tensor) and value.is_complex():
+                raise ScanError(
+                    f"scan: inductor cannot compile a scan whose inputs or outputs are complex ({name} is "
+                    f"{value.dtype} of shape {tuple(value.shape)}): it leaves complex tensors to eager kernels. "
+                    "Carry and stack them as real pairs (torch.view_as_real outside the body, "
+                    "torch.view_as_complex inside it), or compile with backend='aot_eager'.")
 
 
 def _is_ours_to_lower(match):
@@ -208,17 +229,35 @@ def _in_layout_of(new, old):
     return torch.ops.prims.copy_strided.default(new, old.stride())
 
 
+def _unaliased(carries):
+    """``carries`` with each one that is (a view of) an earlier one cloned. A body may return one
+    value as two carries (``return (h, h), y``), as in eager; inductor's while_loop refuses outputs
+    that alias ("Output aliasing is currently not supported in compiled torch.while_loop")."""
+    seen, out = set(), []
+    for c in carries:
+        key = id(c if c._base is None else c._base) if isinstance(c, torch.Tensor) else None
+        out.append(c.clone() if key is not None and key in seen else c)
+        seen.add(key)
+    return out
+
+
 def _in_traced_layout(init):
     """``init`` in the layout the body was traced on: ``example_args`` cloned it, which
     makes a non-dense init (a slice of a wider tensor) dense, and the body's ``reshape``
     may be a ``view`` only that layout allows (inductor: "Cannot view a tensor with shape
     ... and strides ..."). Static sizes and strides only: an ``empty_like`` of symbolic ones
-    here would make symbols the graph does not track (a symbolic non-dense init stays as it is)."""
+    here would make symbols the graph does not track (a symbolic non-dense init stays as it is).
+    A non-contiguous init is pinned to that layout even where its strides already match: inductor
+    may give the value it comes from (a transposed gradient) a flexible layout and realize the
+    loop's input contiguous, while the body keeps the traced strides ("Expected carried_inputs
+    and body_output to have same metadata ... stride: (3, 1) vs (1, 2)")."""
     if not isinstance(init, torch.Tensor) or not all(type(v) is int for v in (*init.shape, *init.stride())):
         return init
     with _compat.disable_proxy_modes_tracing():
         traced = torch.empty_like(init)  # clone's layout, nothing recorded
-    return _in_layout_of(init, traced)
+    if init.is_contiguous() or not _same_strides(init, traced):
+        return _in_layout_of(init, traced)
+    return torch.ops.prims.copy_strided.default(init, traced.stride())
 
 
 def _preallocate(ys_vals, symbols):
@@ -278,7 +317,7 @@ def _while_loop(body, ys_vals, counts, reverse, dead=frozenset()):
                     host_rows.copy_row(buf, i, y)
                 else:
                     buf.select(0, i).copy_(y)
-            new_carry = [_in_layout_of(new, old) for new, old in zip(out[:nc], carry)]
+            new_carry = [_in_layout_of(new, old) for new, old in zip(_unaliased(out[:nc]), carry)]
             loop_counter.step(counter, operators)
             return (counter, *bufs, *new_carry)
 
