@@ -48,6 +48,10 @@ def _make_tracker_class():
             except unsupported as e:  # the same message as torch 2.9's hard error
                 raise compile_error(f"{_GRAPH_BREAK} Got {_graph_break_message(e)}",
                                     getattr(e, "real_stack", None)) from e
+            except Exception as e:
+                if not dyn.is_data_dependence_error(e):
+                    raise
+                raise compile_error(_DATA_DEPENDENT + f" (torch: {type(e).__name__}: {_first_line(e)})") from e
 
         @dyn.hard_error(reason=_GRAPH_BREAK)
         def _call_ours(self, tx, args, kwargs):
@@ -84,6 +88,18 @@ def _make_tracker_class():
             return dyn.call_and_unflatten(tx, self.value, p_args, options, spec)
 
     return ScanVariable
+
+
+_DATA_DEPENDENT = (
+    "scan under torch.compile: the body's shapes or control flow depend on a tensor's values (a size from "
+    "nonzero() or a boolean mask, a Python loop over a tensor's elements, .item()), as in a mixture-of-experts "
+    "router that gathers each expert's tokens; a scan body must be one graph of fixed shapes. Compute every "
+    "expert on every token and mask the results (torch.where), or run the stack eagerly or with a Python loop")
+
+
+def _first_line(e):
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def _example(var):
