@@ -147,3 +147,32 @@ def test_a_body_whose_shapes_depend_on_values_is_a_scan_error_under_compile(body
     for x in xs:
         want, _ = body(want, x)
     torch.testing.assert_close(scan(body, c0, xs)[0], want)
+
+
+def _split_by_counts(c, x):  # GraniteMoE's experts: the tokens split by per-expert counts from .tolist()
+    top = (x[:, 0] > 0).long()
+    counts = torch.zeros(2, dtype=torch.long).scatter_add(0, top, torch.ones_like(top)).tolist()
+    parts = x.index_select(0, top.argsort()).split(counts)
+    return c + parts[0].sum(0) - parts[1].sum(0), c.clone()
+
+
+@pytest.mark.parametrize("mode", ["make_fx", "compile", "xla"])
+def test_sizes_from_tolist_in_the_body_are_a_scan_error(mode, fresh_dynamo):
+    """make_fx traced the body (an unbacked size per expert), and the scan failed later with
+    "AttributeError: 'SymBool' object has no attribute 'shape'" (a saved symbolic value stacked as
+    a y); on XLA, Hugging Face's GraniteMoE failed with a RuntimeError from an ATen kernel."""
+    c0, xs = torch.zeros(3, requires_grad=True), torch.randn(4, 5, 3, requires_grad=True)
+    with raises(r"data-dependent|depend on a tensor's values|captured whole"):
+        if mode == "make_fx":
+            make_fx(lambda c, xs: scan(_split_by_counts, c, xs), tracing_mode="fake")(c0, xs)
+        elif mode == "compile":
+            torch.compile(lambda c, xs: scan(_split_by_counts, c, xs), backend="aot_eager", fullgraph=True)(c0, xs)
+        else:
+            torch_xla = pytest.importorskip("torch_xla")
+            dev = torch_xla.device()
+            scan(_split_by_counts, c0.detach().to(dev).requires_grad_(), xs.detach().to(dev).requires_grad_())
+    got = scan(_split_by_counts, c0, xs)[0]  # eager: the loop
+    want = c0
+    for x in xs:
+        want, _ = _split_by_counts(want, x)
+    torch.testing.assert_close(got, want)

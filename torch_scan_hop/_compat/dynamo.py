@@ -34,17 +34,18 @@ def unsupported_error_classes():
 
 def is_data_dependence_error(e):
     """Did tracing a body fail because it depends on a tensor's values (a shape from
-    ``nonzero``, a loop over a tensor, ``.item()``)? Dynamo reports it as a UserError
-    ("data-dependent expression", 2.9-2.15), as the symbolic-shapes errors themselves, or,
-    when the body made unbacked sizes that no output carries (an MoE router's per-expert
-    token lists), as PendingUnbackedSymbolNotFound once the scan's output is recorded."""
+    ``nonzero``, a loop over a tensor, ``.item()``)? Besides what a trace raises for it
+    (``unbacked.is_data_dependence_error``), Dynamo reports it as a UserError ("data-dependent
+    expression", 2.9-2.15), or, when the body made unbacked sizes that no output carries (an
+    MoE router's per-expert token lists), as PendingUnbackedSymbolNotFound once the scan's
+    output is recorded."""
     from torch._dynamo.exc import UserError
-    from torch._subclasses.fake_tensor import DataDependentOutputException
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, PendingUnbackedSymbolNotFound
+    from torch.fx.experimental.symbolic_shapes import PendingUnbackedSymbolNotFound
 
-    if isinstance(e, (DataDependentOutputException, GuardOnDataDependentSymNode, PendingUnbackedSymbolNotFound)):
-        return True
-    return isinstance(e, UserError) and "data-dependent" in str(e)
+    from .unbacked import is_data_dependence_error as raised_by_a_trace
+
+    return raised_by_a_trace(e) or isinstance(e, PendingUnbackedSymbolNotFound) or (
+        isinstance(e, UserError) and "data-dependent" in str(e))
 
 
 def tracker_base():

@@ -49,6 +49,9 @@ def _make_tracker_class():
                 raise compile_error(f"{_GRAPH_BREAK} Got {_graph_break_message(e)}",
                                     getattr(e, "real_stack", None)) from e
             except Exception as e:
+                ours = _scan_error_within(e)  # raised by our op's fake run: Dynamo wraps it
+                if ours is not None:
+                    raise compile_error(str(ours)) from e
                 if not dyn.is_data_dependence_error(e):
                     raise
                 raise compile_error(_DATA_DEPENDENT + f" (torch: {type(e).__name__}: {_first_line(e)})") from e
@@ -95,6 +98,18 @@ _DATA_DEPENDENT = (
     "nonzero() or a boolean mask, a Python loop over a tensor's elements, .item()), as in a mixture-of-experts "
     "router that gathers each expert's tokens; a scan body must be one graph of fixed shapes. Compute every "
     "expert on every token and mask the results (torch.where), or run the stack eagerly or with a Python loop")
+
+
+def _scan_error_within(e):
+    """A ScanError that ``e`` is or wraps (Dynamo re-raises an error of an op's fake run as a
+    TorchRuntimeError whose cause is the original)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, ScanError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _first_line(e):
