@@ -13,22 +13,11 @@ def data_dependence_errors():
 
 
 def first_value_dependent_node(gm):
-    """The first node of ``gm`` whose value has a size (or is a scalar) known only from tensor
-    values at run time: an unbacked symbol (``nonzero``, a boolean mask, ``.item()``,
-    ``.tolist()``) that its inputs do not already carry. None if there is none."""
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-    def unbacked(node):
-        val = node.meta.get("val")
-        try:
-            return free_unbacked_symbols(val) if val is not None else set()
-        except Exception:  # a value free_unbacked_symbols does not know: nothing to report
-            return set()
-
-    given = set()
-    for node in gm.graph.find_nodes(op="placeholder"):
-        given |= unbacked(node)
-    return next((n for n in gm.graph.nodes if n.op == "call_function" and unbacked(n) - given), None)
+    """The first node of ``gm`` that introduces a size or scalar known only from tensor values at
+    run time (``nonzero``, a boolean mask, ``.item()``, ``.tolist()``): make_fx records the unbacked
+    symbols a node binds in ``meta["unbacked_bindings"]`` (2.9-2.15). Read from there, not by
+    walking the values' sizes: that walk changed what a later ``torch.export`` serialized."""
+    return next((n for n in gm.graph.nodes if n.op == "call_function" and n.meta.get("unbacked_bindings")), None)
 
 
 def is_data_dependence_error(e):
