@@ -109,3 +109,70 @@ def test_carry_error_under_make_fx():
 
     with raises(re.escape("carry leaf carry changed across an iteration: shape () vs init's (2,)")):
         make_fx(f, tracing_mode="fake")(torch.zeros(2), torch.zeros(3, 2))
+
+
+def _routed_rows(c, x):  # a mixture-of-experts router: each expert gathers its tokens (a size from nonzero)
+    idx = (x[:, 0] > 0).nonzero().squeeze(-1)
+    out = torch.zeros_like(x).index_add(0, idx, torch.tanh(x.index_select(0, idx)))
+    return c + out.sum(0), out
+
+
+def _loop_over_a_tensor(c, x):
+    for i in (x[:, 0] > 0).nonzero():
+        c = c + x[i[0]]
+    return c, c.clone()
+
+
+def _boolean_mask(c, x):
+    return c + x[x > 0].sum(), c.clone()
+
+
+def _item(c, x):
+    return c * x.sum().item(), c.clone()
+
+
+@pytest.mark.parametrize("body", [_routed_rows, _loop_over_a_tensor, _boolean_mask, _item])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_body_whose_shapes_depend_on_values_is_a_scan_error_under_compile(body, backend, fresh_dynamo):
+    """torch 2.15's Dynamo captures .item(), nonzero() and boolean masks in a body with unbacked
+    sizes (2.9 breaks the graph there, which was already a ScanError): the scan then failed with an
+    InternalTorchDynamoError (PendingUnbackedSymbolNotFound) or a UserError about torch._check,
+    which said nothing about the scan. Hugging Face MoE layers (Mixtral, Qwen2-MoE, OLMoE,
+    GraniteMoE) under scan_layers hit it. Eager runs it (the loop)."""
+    c0, xs = torch.zeros(3), torch.randn(4, 5, 3)
+    f = torch.compile(lambda c, xs: scan(body, c, xs), backend=backend, fullgraph=True)
+    with raises(r"depend on a tensor's values|captured whole"):
+        f(c0, xs)
+    want = c0
+    for x in xs:
+        want, _ = body(want, x)
+    torch.testing.assert_close(scan(body, c0, xs)[0], want)
+
+
+def _split_by_counts(c, x):  # GraniteMoE's experts: the tokens split by per-expert counts from .tolist()
+    top = (x[:, 0] > 0).long()
+    counts = torch.zeros(2, dtype=torch.long).scatter_add(0, top, torch.ones_like(top)).tolist()
+    parts = x.index_select(0, top.argsort()).split(counts)
+    return c + parts[0].sum(0) - parts[1].sum(0), c.clone()
+
+
+@pytest.mark.parametrize("mode", ["make_fx", "compile", "xla"])
+def test_sizes_from_tolist_in_the_body_are_a_scan_error(mode, fresh_dynamo):
+    """make_fx traced the body (an unbacked size per expert), and the scan failed later with
+    "AttributeError: 'SymBool' object has no attribute 'shape'" (a saved symbolic value stacked as
+    a y); on XLA, Hugging Face's GraniteMoE failed with a RuntimeError from an ATen kernel."""
+    c0, xs = torch.zeros(3, requires_grad=True), torch.randn(4, 5, 3, requires_grad=True)
+    with raises(r"data-dependent|depend on a tensor's values|captured whole"):
+        if mode == "make_fx":
+            make_fx(lambda c, xs: scan(_split_by_counts, c, xs), tracing_mode="fake")(c0, xs)
+        elif mode == "compile":
+            torch.compile(lambda c, xs: scan(_split_by_counts, c, xs), backend="aot_eager", fullgraph=True)(c0, xs)
+        else:
+            torch_xla = pytest.importorskip("torch_xla")
+            dev = torch_xla.device()
+            scan(_split_by_counts, c0.detach().to(dev).requires_grad_(), xs.detach().to(dev).requires_grad_())
+    got = scan(_split_by_counts, c0, xs)[0]  # eager: the loop
+    want = c0
+    for x in xs:
+        want, _ = _split_by_counts(want, x)
+    torch.testing.assert_close(got, want)

@@ -1,5 +1,6 @@
 """scan_layers: a stack of identical modules as one scan; grads on each layer's own parameters."""
 import copy
+import functools
 
 import pytest
 import torch
@@ -159,6 +160,70 @@ def test_layers_that_differ_in_a_plain_attribute_the_body_reads(mode):
         run(layers, h)
     layers[1].drop.train()
     assert_trees_close(run(layers, h), run_loop(layers, h), atol=1e-6, rtol=1e-5)
+
+
+class CallableAttributes(torch.nn.Module):
+    """Callables each layer builds in ``__init__``: a partial, as Hugging Face activations hold
+    (``functools.partial(gelu, approximate="tanh")`` in Gemma's and Starcoder2's MLPs), and
+    optionally a lambda and a nested def closing over a per-layer value."""
+
+    def __init__(self, approximate="tanh", shift=0.5, closures=True):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.act = functools.partial(torch.nn.functional.gelu, approximate=approximate)
+        self.closures = closures
+        if closures:
+            self.shifted = lambda h: h + shift
+
+            def scaled(h, k=2.0):
+                return h * k
+            self.scaled = scaled
+
+    def forward(self, h):
+        h = self.act(self.lin(h))
+        return self.scaled(self.shifted(h)) if self.closures else h
+
+
+def _run_traced(mode, layers, h, compiled=None):
+    if mode == "compile":
+        return (compiled or torch.compile(lambda l, h: scan_layers(l, h), backend="eager", fullgraph=True))(layers, h)
+    if mode == "make_fx":
+        return make_fx(lambda h: scan_layers(layers, h))(h)(h)
+    import torch_xla
+    dev = torch_xla.device()
+    out = scan_layers(layers.to(dev), h.to(dev)).cpu()
+    layers.cpu()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["compile", "make_fx", "xla"])
+def test_callables_each_layer_builds_alike_are_the_same_attribute(mode):
+    """A partial made per layer with equal contents acts as layer 0's: accepted (it was refused
+    as 'functools.partial(...) but layer 0's is functools.partial(...)', which kept Gemma and
+    Starcoder2 out of scan_layers); one that differs is refused by name, also after a compiled
+    call. A lambda or nested def per layer: accepted where its closure can be compared (make_fx,
+    XLA), and under torch.compile refused with what to do, as before."""
+    if mode == "xla":
+        pytest.importorskip("torch_xla")
+    torch._dynamo.reset()
+    tol = dict(atol=1e-7 if mode == "xla" else 1e-12, rtol=1e-7)
+    h = torch.randn(2, 3, dtype=torch.float64)
+    layers = torch.nn.ModuleList(CallableAttributes(closures=False) for _ in range(3)).double()
+    compiled = torch.compile(lambda l, h: scan_layers(l, h), backend="eager", fullgraph=True)
+    assert_trees_close(_run_traced(mode, layers, h, compiled), run_loop(layers, h), **tol)
+    layers[2].act = functools.partial(torch.nn.functional.gelu, approximate="none")
+    with pytest.raises(ScanError, match=r"layer 2's attribute 'act' is functools.partial"):
+        _run_traced(mode, layers, h, compiled)
+
+    layers = torch.nn.ModuleList(CallableAttributes() for _ in range(3)).double()
+    if mode == "compile":
+        with pytest.raises(ScanError, match=r"'scaled'.*assign one function to every layer"):
+            _run_traced(mode, layers, h)
+        return
+    assert_trees_close(_run_traced(mode, layers, h), run_loop(layers, h), **tol)
+    layers[1].shifted = CallableAttributes(shift=1.5).shifted
+    with pytest.raises(ScanError, match=r"layer 1's attribute 'shifted'"):
+        _run_traced(mode, layers, h)
 
 
 class NamesLikeTheView(torch.nn.Module):

@@ -115,7 +115,6 @@ from .tracing import (  # noqa: F401
     FunctionalTensor,
     ProxyTorchDispatchMode,
     allow_scalar_outputs,
-    data_dependence_errors,
     detached_examples,
     detect_fake_mode,
     disable_functional_mode,
@@ -133,3 +132,4 @@ from .tracing import (  # noqa: F401
     under_make_fx,
     unset_fake_temporarily,
 )
+from .unbacked import data_dependence_errors, first_value_dependent_node, is_data_dependence_error  # noqa: F401

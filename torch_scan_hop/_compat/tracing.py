@@ -174,15 +174,6 @@ def _of_another_fake_mode(args):
     return outer is not None and any(isinstance(a, FakeTensor) and a.fake_mode is not outer for a in args)
 
 
-def data_dependence_errors():
-    """What a trace raises when the traced function reads a tensor's value as a
-    Python value (``if t.sum() > 0``, ``.item()``, ``bool(t)``)."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-
-    return (DataDependentOutputException, GuardOnDataDependentSymNode)
-
-
 def _trace_fresh(fn, args, force_enable_grad):
     with contextlib.ExitStack() as stack:
         stack.enter_context(tracing_lock())

@@ -6,6 +6,9 @@ the scanned body reads has one value in every layer (the body runs layer 0's cod
 Used by ``scan_layers`` when it stacks per call and by ``stack_layers`` when it
 stacks once.
 """
+import functools
+import types
+
 import torch
 
 from .. import _compat
@@ -57,19 +60,63 @@ def check_peers_agree(name, value, others):
                 f"scan_layers: layer {i}'s attribute {name!r} is {_show(other)} but layer 0's is "
                 f"{_show(value)}; the scanned body runs layer 0's code with layer 0's attributes, so all "
                 "layers must agree on the ones it reads (keep per-layer values in parameters or buffers, "
-                "or use a Python loop).")
+                "or use a Python loop)." + _per_layer_function_hint(value, other))
 
 
-def same_value(a, b):
+def _per_layer_function_hint(value, other):
+    if not (type(value) is type(other) is types.FunctionType and value.__code__ is other.__code__):
+        return ""
+    return (" Under torch.compile a function made per layer (a lambda or nested def in __init__) is "
+            "the same only as the same object: assign one function to every layer.")
+
+
+def same_value(a, b, depth=0):
+    """Would layer 0's ``a`` act as the other layer's ``b``? Equal values, or the same callable
+    built per layer: Hugging Face activations hold a ``functools.partial(gelu, approximate="tanh")``
+    made in each layer's ``__init__`` (Gemma, Starcoder2), and ``partial`` has no ``==``. ``depth``
+    bounds the walk into callables (a function whose closure holds itself)."""
     if a is b:
         return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return False  # a plain tensor attribute per layer: only the same tensor is the same
+    if depth < 4 and type(a) is functools.partial and type(b) is functools.partial:
+        return _same_partial(a, b, depth + 1)
+    if depth < 4 and type(a) is types.FunctionType and type(b) is types.FunctionType:
+        # Dynamo cannot read closure cells, and would not guard a comparison made outside its
+        # trace: under torch.compile only the same function object is the same
+        return not _compat.is_dynamo_compiling() and _same_function(a, b, depth + 1)
     try:
         same = a == b
         return same if isinstance(same, bool) else False
     except Exception:  # an object without a usable ==: only identity counts
         return False
+
+
+def _same_all(xs, ys, depth):
+    return len(xs) == len(ys) and all(same_value(x, y, depth) for x, y in zip(xs, ys))
+
+
+def _same_partial(a, b, depth):
+    return (same_value(a.func, b.func, depth) and _same_all(a.args, b.args, depth)
+            and sorted(a.keywords) == sorted(b.keywords)
+            and all(same_value(a.keywords[k], b.keywords[k], depth) for k in a.keywords))
+
+
+def _same_function(a, b, depth):
+    """One ``def`` or ``lambda`` made per layer: the same code, globals and defaults, and closures
+    holding the same values (a closure over the layer itself is not: the layers differ)."""
+    cells_a, cells_b = a.__closure__ or (), b.__closure__ or ()
+    return (a.__code__ is b.__code__ and a.__globals__ is b.__globals__
+            and _same_all(a.__defaults__ or (), b.__defaults__ or (), depth)
+            and same_value(a.__kwdefaults__, b.__kwdefaults__, depth)
+            and _same_all([_cell(c) for c in cells_a], [_cell(c) for c in cells_b], depth))
+
+
+def _cell(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return MISSING
 
 
 def _show(v):

@@ -48,6 +48,13 @@ def _make_tracker_class():
             except unsupported as e:  # the same message as torch 2.9's hard error
                 raise compile_error(f"{_GRAPH_BREAK} Got {_graph_break_message(e)}",
                                     getattr(e, "real_stack", None)) from e
+            except Exception as e:
+                ours = _scan_error_within(e)  # raised by our op's fake run: Dynamo wraps it
+                if ours is not None:
+                    raise compile_error(str(ours)) from e
+                if not dyn.is_data_dependence_error(e):
+                    raise
+                raise compile_error(_DATA_DEPENDENT + f" (torch: {type(e).__name__}: {_first_line(e)})") from e
 
         @dyn.hard_error(reason=_GRAPH_BREAK)
         def _call_ours(self, tx, args, kwargs):
@@ -84,6 +91,30 @@ def _make_tracker_class():
             return dyn.call_and_unflatten(tx, self.value, p_args, options, spec)
 
     return ScanVariable
+
+
+_DATA_DEPENDENT = (
+    "scan under torch.compile: the body's shapes or control flow depend on a tensor's values (a size from "
+    "nonzero() or a boolean mask, a Python loop over a tensor's elements, .item()), as in a mixture-of-experts "
+    "router that gathers each expert's tokens; a scan body must be one graph of fixed shapes. Compute every "
+    "expert on every token and mask the results (torch.where), or run the stack eagerly or with a Python loop")
+
+
+def _scan_error_within(e):
+    """A ScanError that ``e`` is or wraps (Dynamo re-raises an error of an op's fake run as a
+    TorchRuntimeError whose cause is the original)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, ScanError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _first_line(e):
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def _example(var):

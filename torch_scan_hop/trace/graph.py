@@ -17,7 +17,18 @@ def trace_graph(fn, args, *, force_enable_grad=False):
     if force_enable_grad:  # differentiating: torch_xla's custom ops need their formulas
         register_missing()
     with _data_dependence_as_scan_error(), _in_place_sharding_as_scan_error():
-        return _compat.trace_aten_graph(fn, args, force_enable_grad=force_enable_grad)
+        gm = _compat.trace_aten_graph(fn, args, force_enable_grad=force_enable_grad)
+    _refuse_value_dependent_sizes(gm)
+    return gm
+
+
+def _refuse_value_dependent_sizes(gm):
+    """A trace may succeed on a body whose sizes depend on tensor values (``.tolist()`` split
+    sizes: an MoE router's per-expert token counts); one graph for every step cannot hold them,
+    and the scan then failed far from the cause (a saved SymBool stacked as a y)."""
+    node = _compat.first_value_dependent_node(gm)
+    if node is not None:
+        raise ScanError(_DATA_DEPENDENT + f" (the traced body's {node.target} gives a value-dependent size)")
 
 
 @contextlib.contextmanager
@@ -43,10 +54,15 @@ def _data_dependence_as_scan_error():
     ``bool(flag)``) cannot become one graph: say so in the user's terms."""
     try:
         yield
-    except _compat.data_dependence_errors() as e:
-        raise ScanError(
-            "scan: the body reads the value of a tensor as a Python value (data-dependent control "
-            "flow such as `if t.sum() > 0`, `.item()`, `bool(t)`), which a traced scan (make_fx, "
-            "torch.compile, export, XLA) cannot capture as one graph. Use torch.where / masking "
-            f"instead, or run eagerly. (torch: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-        ) from e
+    except Exception as e:
+        if not _compat.is_data_dependence_error(e):
+            raise
+        raise ScanError(_DATA_DEPENDENT + f" (torch: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                        ) from e
+
+
+_DATA_DEPENDENT = (
+    "scan: the body reads the value of a tensor as a Python value (data-dependent control "
+    "flow such as `if t.sum() > 0`, `.item()`, `bool(t)`, sizes from `.tolist()` or `nonzero()`), which a "
+    "traced scan (make_fx, torch.compile, export, XLA) cannot capture as one graph. Use torch.where / "
+    "masking instead, or run eagerly.")

@@ -1,0 +1,28 @@
+"""What tracing raises or records when a function depends on tensor values (torch 2.9-2.15):
+a size from ``nonzero`` or a boolean mask, ``.item()``, ``.tolist()``, ``if t.sum() > 0``.
+A scan body must be one graph of fixed shapes; these tell the callers when it is not."""
+
+
+def data_dependence_errors():
+    """What a trace raises when the traced function reads a tensor's value as a
+    Python value (``if t.sum() > 0``, ``.item()``, ``bool(t)``)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return (DataDependentOutputException, GuardOnDataDependentSymNode)
+
+
+def first_value_dependent_node(gm):
+    """The first node of ``gm`` that introduces a size or scalar known only from tensor values at
+    run time (``nonzero``, a boolean mask, ``.item()``, ``.tolist()``): make_fx records the unbacked
+    symbols a node binds in ``meta["unbacked_bindings"]`` (2.9-2.15). Read from there, not by
+    walking the values' sizes: that walk changed what a later ``torch.export`` serialized."""
+    return next((n for n in gm.graph.nodes if n.op == "call_function" and n.meta.get("unbacked_bindings")), None)
+
+
+def is_data_dependence_error(e):
+    """``data_dependence_errors``, or the C++ check an ATen kernel without symbolic sizes makes
+    when handed an unbacked size (``split_with_sizes`` of a ``.tolist()``: an MoE router's per-expert
+    token counts, which Dynamo captured as unbacked scalars)."""
+    return isinstance(e, data_dependence_errors()) or (
+        isinstance(e, RuntimeError) and "expected to contain only concrete integers" in str(e))
