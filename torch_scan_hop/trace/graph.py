@@ -28,7 +28,8 @@ def _refuse_value_dependent_sizes(gm):
     and the scan then failed far from the cause (a saved SymBool stacked as a y)."""
     node = _compat.first_value_dependent_node(gm)
     if node is not None:
-        raise ScanError(_DATA_DEPENDENT + f" (the traced body's {node.target} gives a value-dependent size)")
+        raise ScanError(_DATA_DEPENDENT + f" (the traced body's {node.target} reads a tensor's value: .item(), "
+                        ".tolist(), nonzero() or a boolean mask)")
 
 
 @contextlib.contextmanager
