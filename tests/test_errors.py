@@ -176,3 +176,22 @@ def test_sizes_from_tolist_in_the_body_are_a_scan_error(mode, fresh_dynamo):
     for x in xs:
         want, _ = _split_by_counts(want, x)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("where, leaf", [("carry", "carry leaf 1"), ("x", "x leaf 0")])
+def test_an_in_place_write_to_an_input_names_the_leaf_under_compile(where, leaf, fresh_dynamo):
+    """make_fx and export named the mutated leaf; under torch.compile the message was Dynamo's generic
+    "Encountered input mutation during higher order op tracing ... Please open an issue"."""
+    def body(c, x):
+        if where == "carry":
+            c["b"].add_(x)
+        else:
+            x.mul_(2)
+        return {"a": c["a"] + x, "b": c["b"]}, c["a"].sum()
+
+    init, xs = {"a": torch.zeros(3), "b": torch.zeros(3)}, torch.randn(4, 3)
+    f = torch.compile(lambda c, xs: scan(body, c, xs), backend="eager", fullgraph=True)
+    with raises(re.escape(f"fn mutates its input in place ({leaf})")):
+        f(init, xs)
+    with raises(re.escape(f"fn mutates its input in place ({leaf})")):
+        make_fx(lambda c, xs: scan(body, c, xs))(init, xs)

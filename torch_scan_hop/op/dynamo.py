@@ -13,6 +13,7 @@ so no Python-side state has to leave the speculated body. Tensors the body
 closes over (and module parameters) become explicit additional inputs.
 A graph break inside the body is a hard error naming the body.
 """
+import re
 import warnings
 
 import torch
@@ -21,6 +22,7 @@ from .. import _compat
 from ..core.op_args import slice_example
 from ..core.remat import RematPolicy, as_token
 from ..core.trees import ScanError
+from ..trace.body_checks import input_name, mutation_message
 from ..trace.flat_body import _ERROR
 
 _GRAPH_BREAK = ("torch_scan_hop.scan: the body fn must be captured whole by torch.compile "
@@ -74,10 +76,14 @@ def _make_tracker_class():
                     sub_args += [dyn.inlined(tx, slice_example)(v) for v in xs_vars]
                     sub_args += [v.call_method(tx, "clone", args=(), kwargs={}) for v in add_vars]
                 carry_grad = _require_grad(sub_args[:len(init_vars)], carry_grad)
-                (_, spec), graph, freevars = dyn.speculate_subgraph(
-                    tx, combine_fn, sub_args, description="torch_scan_hop.scan body",
-                    source_target=self.value, set_subgraph_inputs="flatten_manual",
-                    should_flatten_outputs=True, supports_input_mutation=False, supports_aliasing=True)
+                try:
+                    (_, spec), graph, freevars = dyn.speculate_subgraph(
+                        tx, combine_fn, sub_args, description="torch_scan_hop.scan body",
+                        source_target=self.value, set_subgraph_inputs="flatten_manual",
+                        should_flatten_outputs=True, supports_input_mutation=False, supports_aliasing=True)
+                except Exception as e:
+                    _raise_if_input_mutation(e, len(init_vars), len(xs_vars))
+                    raise
                 grown = _carries_requiring_grad(graph, carry_grad)
                 if grown == carry_grad:
                     break
@@ -115,6 +121,16 @@ def _scan_error_within(e):
 def _first_line(e):
     text = str(e).strip()
     return text.splitlines()[0] if text else ""
+
+
+def _raise_if_input_mutation(e, num_carry, num_x):
+    """Dynamo refuses a body that writes into an input with its own generic message ("Input mutation
+    detected at [child_1]"); the ScanError names the leaf, as make_fx's check does. The subgraph's
+    inputs are the flattened carries, x slices and additional inputs, named child, child_1, ..."""
+    found = re.search(r"[Ii]nput mutation detected at \[child(?:_(\d+))?\]", f"{e} {getattr(e, 'msg', '')}")
+    if found is not None:
+        leaf = input_name(int(found.group(1) or 0), num_carry, num_x)
+        raise compile_error(mutation_message(leaf)) from e
 
 
 def _example(var):

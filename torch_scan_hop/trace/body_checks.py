@@ -24,7 +24,7 @@ def check_body_carry(init, new_carry):
             )
 
 
-def _input_name(i, num_carry, num_x):
+def input_name(i, num_carry, num_x):
     if i < num_carry:
         return f"carry leaf {i}"
     if i < num_carry + num_x:
@@ -41,11 +41,13 @@ def check_graph_mutation(gm, num_carry, num_x):
     """Raise if the traced body ``gm`` writes into one of its inputs."""
     mutated, _ = _compat.input_mutations_and_outputs(gm)
     if mutated:
-        names = ", ".join(_input_name(i, num_carry, num_x) for i in mutated)
-        raise ScanError(
-            f"scan: fn mutates its input in place ({names}). Scan bodies must be functional: "
-            "use out-of-place ops (c = c + x, not c += x / c.add_(x))."
-        )
+        names = ", ".join(input_name(i, num_carry, num_x) for i in mutated)
+        raise ScanError(mutation_message(names))
+
+
+def mutation_message(names):
+    return (f"scan: fn mutates its input in place ({names}). Scan bodies must be functional: "
+            "use out-of-place ops (c = c + x, not c += x / c.add_(x)).")
 
 
 _CHECKED = "_torch_scan_hop_no_input_mutation"  # attribute set on a graph known not to mutate its inputs
