@@ -132,4 +132,4 @@ from .tracing import (  # noqa: F401
     under_make_fx,
     unset_fake_temporarily,
 )
-from .unbacked import data_dependence_errors, first_value_dependent_node, is_data_dependence_error  # noqa: F401
+from .unbacked import first_value_dependent_node, is_data_dependence_error  # noqa: F401

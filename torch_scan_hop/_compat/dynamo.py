@@ -32,22 +32,6 @@ def unsupported_error_classes():
     return (Unsupported, ObservedException)
 
 
-def is_data_dependence_error(e):
-    """Did tracing a body fail because it depends on a tensor's values (a shape from
-    ``nonzero``, a loop over a tensor, ``.item()``)? Besides what a trace raises for it
-    (``unbacked.is_data_dependence_error``), Dynamo reports it as a UserError ("data-dependent
-    expression", 2.9-2.15), or, when the body made unbacked sizes that no output carries (an
-    MoE router's per-expert token lists), as PendingUnbackedSymbolNotFound once the scan's
-    output is recorded."""
-    from torch._dynamo.exc import UserError
-    from torch.fx.experimental.symbolic_shapes import PendingUnbackedSymbolNotFound
-
-    from .unbacked import is_data_dependence_error as raised_by_a_trace
-
-    return raised_by_a_trace(e) or isinstance(e, PendingUnbackedSymbolNotFound) or (
-        isinstance(e, UserError) and "data-dependent" in str(e))
-
-
 def tracker_base():
     """The base class of HOP trackers, with graph breaks in the body made hard
     errors. 2.14 reads the class attributes ``_HOP_NAME`` and

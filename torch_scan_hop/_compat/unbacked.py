@@ -3,15 +3,6 @@ a size from ``nonzero`` or a boolean mask, ``.item()``, ``.tolist()``, ``if t.su
 A scan body must be one graph of fixed shapes; these tell the callers when it is not."""
 
 
-def data_dependence_errors():
-    """What a trace raises when the traced function reads a tensor's value as a
-    Python value (``if t.sum() > 0``, ``.item()``, ``bool(t)``)."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-
-    return (DataDependentOutputException, GuardOnDataDependentSymNode)
-
-
 def first_value_dependent_node(gm):
     """The first node of ``gm`` that introduces a size or scalar known only from tensor values at
     run time (``nonzero``, a boolean mask, ``.item()``, ``.tolist()``): make_fx records the unbacked
@@ -21,8 +12,18 @@ def first_value_dependent_node(gm):
 
 
 def is_data_dependence_error(e):
-    """``data_dependence_errors``, or the C++ check an ATen kernel without symbolic sizes makes
-    when handed an unbacked size (``split_with_sizes`` of a ``.tolist()``: an MoE router's per-expert
-    token counts, which Dynamo captured as unbacked scalars)."""
-    return isinstance(e, data_dependence_errors()) or (
-        isinstance(e, RuntimeError) and "expected to contain only concrete integers" in str(e))
+    """Did tracing a body fail because it depends on a tensor's values? What a trace raises for it
+    (``if t.sum() > 0``, ``.item()``, ``bool(t)``); the C++ check an ATen kernel without symbolic
+    sizes makes when handed an unbacked size (``split_with_sizes`` of a ``.tolist()``: an MoE
+    router's per-expert token counts); and under Dynamo a UserError ("data-dependent expression")
+    or, when the body made unbacked sizes that no output carries, PendingUnbackedSymbolNotFound
+    once the scan's output is recorded (torch 2.9-2.15)."""
+    from torch._dynamo.exc import UserError
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, PendingUnbackedSymbolNotFound
+
+    if isinstance(e, (DataDependentOutputException, GuardOnDataDependentSymNode, PendingUnbackedSymbolNotFound)):
+        return True
+    if isinstance(e, UserError):
+        return "data-dependent" in str(e)
+    return isinstance(e, RuntimeError) and "expected to contain only concrete integers" in str(e)

@@ -24,6 +24,7 @@ from ..core.remat import RematPolicy, as_token
 from ..core.trees import ScanError
 from ..trace.body_checks import input_name, mutation_message
 from ..trace.flat_body import _ERROR
+from ..trace.graph import data_dependence_message
 
 _GRAPH_BREAK = ("torch_scan_hop.scan: the body fn must be captured whole by torch.compile "
                 "(no graph breaks inside the scanned function)")
@@ -54,9 +55,9 @@ def _make_tracker_class():
                 ours = _scan_error_within(e)  # raised by our op's fake run: Dynamo wraps it
                 if ours is not None:
                     raise compile_error(str(ours)) from e
-                if not dyn.is_data_dependence_error(e):
+                if not _compat.is_data_dependence_error(e):
                     raise
-                raise compile_error(_DATA_DEPENDENT + f" (torch: {type(e).__name__}: {_first_line(e)})") from e
+                raise compile_error(data_dependence_message(e)) from e
 
         @dyn.hard_error(reason=_GRAPH_BREAK)
         def _call_ours(self, tx, args, kwargs):
@@ -99,13 +100,6 @@ def _make_tracker_class():
     return ScanVariable
 
 
-_DATA_DEPENDENT = (
-    "scan under torch.compile: the body's shapes or control flow depend on a tensor's values (a size from "
-    "nonzero() or a boolean mask, a Python loop over a tensor's elements, .item()), as in a mixture-of-experts "
-    "router that gathers each expert's tokens; a scan body must be one graph of fixed shapes. Compute every "
-    "expert on every token and mask the results (torch.where), or run the stack eagerly or with a Python loop")
-
-
 def _scan_error_within(e):
     """A ScanError that ``e`` is or wraps (Dynamo re-raises an error of an op's fake run as a
     TorchRuntimeError whose cause is the original)."""
@@ -116,11 +110,6 @@ def _scan_error_within(e):
         seen.add(id(e))
         e = e.__cause__ or e.__context__
     return None
-
-
-def _first_line(e):
-    text = str(e).strip()
-    return text.splitlines()[0] if text else ""
 
 
 def _raise_if_input_mutation(e, num_carry, num_x):

@@ -28,8 +28,8 @@ def _refuse_value_dependent_sizes(gm):
     and the scan then failed far from the cause (a saved SymBool stacked as a y)."""
     node = _compat.first_value_dependent_node(gm)
     if node is not None:
-        raise ScanError(_DATA_DEPENDENT + f" (the traced body's {node.target} reads a tensor's value: .item(), "
-                        ".tolist(), nonzero() or a boolean mask)")
+        raise ScanError(data_dependence_message(
+            f"the traced body's {node.target} reads a tensor's value: .item(), .tolist(), nonzero() or a boolean mask"))
 
 
 @contextlib.contextmanager
@@ -58,12 +58,20 @@ def _data_dependence_as_scan_error():
     except Exception as e:
         if not _compat.is_data_dependence_error(e):
             raise
-        raise ScanError(_DATA_DEPENDENT + f" (torch: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-                        ) from e
+        raise ScanError(data_dependence_message(e)) from e
 
 
-_DATA_DEPENDENT = (
-    "scan: the body reads the value of a tensor as a Python value (data-dependent control "
-    "flow such as `if t.sum() > 0`, `.item()`, `bool(t)`, sizes from `.tolist()` or `nonzero()`), which a "
-    "traced scan (make_fx, torch.compile, export, XLA) cannot capture as one graph. Use torch.where / "
-    "masking instead, or run eagerly.")
+def data_dependence_message(detail):
+    """The one message for a body that depends on tensor values, whichever path found it;
+    ``detail`` is what found it: a string, or torch's exception (its first line is shown)."""
+    if isinstance(detail, BaseException):
+        lines = str(detail).strip().splitlines()
+        detail = f"torch: {type(detail).__name__}: {lines[0] if lines else ''}"
+    return (
+        "scan: the body reads the value of a tensor as a Python value, so its shapes or control flow "
+        "depend on a tensor's values (data-dependent: `if t.sum() > 0`, `.item()`, `bool(t)`, a Python "
+        "loop over a tensor, sizes from `nonzero()`, a boolean mask or `.tolist()`, as in a "
+        "mixture-of-experts router that gathers each expert's tokens), which a traced scan (make_fx, "
+        "torch.compile, export, XLA) cannot capture as one graph of fixed shapes. Use torch.where / "
+        "masking instead (for a router: every expert on every token, masked), or run eagerly. "
+        f"({detail})")
