@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import linecache
 import math
+import os
 import random
 
 import torch
@@ -18,6 +19,8 @@ import torch.utils._pytree as pytree
 from conftest import reference_scan
 
 B, D = 2, 3  # the body works on (B, D) float values
+# where problems live (loop and scan alike): SCAN_FUZZ_DEVICE=cuda runs the differential suite on a GPU
+FUZZ_DEVICE = os.environ.get("SCAN_FUZZ_DEVICE", "cpu")
 Pair = collections.namedtuple("Pair", ["a", "b"])
 PER_STEP = {"BD": (B, D), "D": (D,), "B": (B,), "S": ()}
 TO_BD = {(B, D): "{}", (D,): "{}.expand(2, 3)", (): "{}.expand(2, 3)", (B,): "{}.unsqueeze(-1).expand(2, 3)"}
@@ -327,7 +330,7 @@ class Instance:
         return [t for t in leaves + params if t.requires_grad]
 
 
-def compile_source(p, device="cpu"):
+def compile_source(p, device=FUZZ_DEVICE):
     filename = f"<fuzz body seed {p.seed}>"
     linecache.cache[filename] = (len(p.source), None, p.source.splitlines(True), filename)
     from torch_scan_hop import scan as inner_scan
@@ -337,7 +340,7 @@ def compile_source(p, device="cpu"):
     return ns["make_body"]
 
 
-def materialize(p, device="cpu"):
+def materialize(p, device=FUZZ_DEVICE):
     g = torch.Generator().manual_seed(p.seed)
 
     def tensor(leaf, shape, scale=0.5):
@@ -370,7 +373,7 @@ def run_loop(p, body, init, xs):
     """``loop`` of another body and inputs (the same problem)."""
     if p.length > 0:
         return reference_scan(body, init, xs, length=p.length, reverse=p.reverse, dim=p.dim)
-    x = tmap(lambda l: torch.zeros(l.shape, dtype=l.dtype(p.dtype)), p.xs)
+    x = tmap(lambda l: torch.zeros(l.shape, dtype=l.dtype(p.dtype), device=FUZZ_DEVICE), p.xs)
     with torch.no_grad():
         _, y = body(init, x)
     return init, tmap(lambda t: t.new_empty((0, *t.shape)), y)
@@ -398,7 +401,7 @@ def vector_function(p, inst, run, batched=None):
     if batched is not None:
         rng = random.Random(p.seed + 3)
         chosen = [i for i in chosen if rng.random() < 0.6]
-    v = torch.cat([fixed[i].reshape(-1) for i in chosen] + [torch.zeros(1, dtype=p.dtype)])
+    v = torch.cat([fixed[i].reshape(-1) for i in chosen] + [torch.zeros(1, dtype=p.dtype, device=FUZZ_DEVICE)])
     seen = []
 
     def f(v):

@@ -198,3 +198,30 @@ def test_rows_written_by_aten_give_the_loops_values_and_grads(monkeypatch, fresh
         got, codes = run_and_get_code(lambda: grads(torch.compile(scan, backend="inductor")))
     _assert_close(got, grads(reference_scan))
     assert any("host_row_copy" in code for code in codes)
+
+
+def test_an_op_without_meta_kernel_reading_an_x_slice_compiles(fresh_dynamo):
+    """``aten._standard_gamma_grad`` has no Meta kernel, as ``aten._thnn_fused_gru_cell`` (GRUCell
+    on CUDA) has none: FakeTensor runs such an op's real kernel, and refused to when it read the
+    loop's ``x`` slice, whose offset is symbolic. It compiles, with the loop's values, forward and
+    reverse; a slice read only by ops with Meta kernels is not copied."""
+    from torch._inductor.utils import run_and_get_code
+
+    w = torch.randn(D, D)
+
+    def body(c, x):
+        g = torch._standard_gamma_grad(x, torch.tanh(c @ w) + 2.0)
+        return c + 0.01 * g, g.sum(-1)
+
+    def plain(c, x):
+        return torch.tanh(c @ w + x), c.sum(-1)
+
+    c0, xs = torch.randn(B, D), torch.rand(S, B, D) + 1.0
+    for reverse in (False, True):
+        want = reference_scan(body, c0, xs, reverse=reverse)
+        got, codes = run_and_get_code(torch.compile(lambda c, x: scan(body, c, x, reverse=reverse),
+                                                    backend="inductor", fullgraph=True), c0, xs)
+        _assert_close(list(got), list(want))
+        assert any("_standard_gamma_grad" in code for code in codes)
+    _, codes = run_and_get_code(torch.compile(lambda c, x: scan(plain, c, x), backend="inductor"), c0, xs)
+    assert not any("clone" in code for code in codes)

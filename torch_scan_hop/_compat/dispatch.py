@@ -199,3 +199,12 @@ def empty_strided(size, stride, dtype, device):
     if device.type == "cpu":
         return torch._C._dynamo.guards._empty_strided_cpu(size, stride, dtype)
     return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+
+def has_meta_kernel(op):
+    """``op`` (an OpOverload) has a Meta kernel of its own. Without one, FakeTensor runs the
+    real kernel on zeros, and it refuses to when an input has a symbolic stride or offset.
+
+    torch 2.9-2.15: ``torch._C._dispatch_has_kernel_for_dispatch_key`` (not the computed table,
+    which also counts fallbacks that raise)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta")

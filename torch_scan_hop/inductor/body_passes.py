@@ -7,6 +7,8 @@ kernel absorbs the difference.
 """
 import torch
 
+from .. import _compat
+
 aten = torch.ops.aten
 
 
@@ -62,3 +64,41 @@ def _pointwise_use(use):
     if getattr(use.target, "is_view", False):
         return bool(use.users) and all(_pointwise_use(u) for u in use.users)
     return torch.Tag.pointwise in tags
+
+
+def copy_slices_into_unfaked_ops(body, num_carry, num_xs):
+    """Give an op with no Meta kernel a contiguous copy of each ``x`` slice it reads.
+
+    In the loop each ``x`` is ``xs.select(0, i)`` at the loop index ``i``: a view whose
+    storage offset is symbolic. FakeTensor knows an op without a Meta kernel only by running
+    its real kernel on zeros, and refuses to when an input's strides or offset are symbolic:
+    e.g. ``nn.GRUCell`` on CUDA (``aten._thnn_fused_gru_cell`` and its backward, which reads a
+    saved workspace row) failed to compile with ``UnsupportedOperatorException``, while the
+    compiled Python loop ran. A copy has offset 0; it costs one row copy per step, for these
+    ops only. Returns how many copies were inserted."""
+    placeholders = body.graph.find_nodes(op="placeholder")
+    slices = set(placeholders[num_carry:num_carry + num_xs])
+    copies = 0
+    for node in list(body.graph.nodes):
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if _compat.dispatch.has_meta_kernel(node.target) or node.target._schema.is_mutable:
+            continue
+        for arg in {a for a in node.all_input_nodes if _root_of_views(a) in slices}:
+            with body.graph.inserting_before(node):
+                copy = body.graph.call_function(aten.clone.default, (arg,),
+                                                {"memory_format": torch.contiguous_format})
+            val = arg.meta.get("val")
+            copy.meta["val"] = val.new_empty(val.shape) if isinstance(val, torch.Tensor) else val
+            node.replace_input_with(arg, copy)
+            copies += 1
+    if copies:
+        body.graph.lint()
+        body.recompile()
+    return copies
+
+
+def _root_of_views(node):
+    while node.op == "call_function" and getattr(node.target, "is_view", False) and node.args:
+        node = node.args[0]
+    return node

@@ -90,6 +90,7 @@ def _lower_scans(gm):
         node = match.nodes[0]
         body = getattr(gm, combine.target)
         body_passes.unfuse_bias_adds(body)
+        body_passes.copy_slices_into_unfaked_ops(body, len(init), len(xs))
         ys_vals = node.meta["val"][len(init):]
         flat = [*init, *xs, *lifted]
         counts = (len(init), len(xs), len(lifted))
