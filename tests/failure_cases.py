@@ -279,6 +279,33 @@ def threads(failures):
         _POOL[0].submit(fail_then_match, f"a pool {policy}", _policies()[policy], failures).result()
     _backward_from_threads("recompute_all", 3, failures)
     _backward_from_threads("sqrt", 2, failures)
+    _alive_at_exit(failures)
+
+
+def _alive_at_exit(failures):
+    """A daemon thread that trained through scans and is still running at exit: the finalizing
+    interpreter clears its Python state (as it does the engine's CUDA threads', where the
+    backward's hooks run), and the drain armed there ran a backward then: SIGABRT
+    (THPVariable_clear's assert, torch 2.11 and 2.15)."""
+    import threading
+
+    ready = threading.Event()
+
+    def train():
+        for policy in ("save_all", "recompute_all", "sqrt", "min_cut"):
+            try:
+                body, args, inputs = problem()
+                got = _loss_and_grads(lambda *a, p=policy: scan(body, *a, remat=_policies()[p]), args, inputs)
+                want = _loss_and_grads(lambda *a: reference_scan(body, *a), args, inputs)
+                if not all(torch.allclose(a, b) for a, b in zip(got, want)):
+                    failures.append(f"alive at exit {policy}: differs from the loop")
+            except Exception as e:  # noqa: BLE001
+                failures.append(f"alive at exit {policy}: {type(e).__name__}: {e}")
+        ready.set()
+        threading.Event().wait()  # never set: alive at exit
+
+    threading.Thread(target=train, daemon=True).start()
+    ready.wait()
 
 
 def main(route):

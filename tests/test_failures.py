@@ -7,7 +7,10 @@ child must exit with code 0. torch 2.15 died at exit with SIGSEGV after an error
 of a backward through a remat scan (the nodes, holding our saved-tensor hooks, were stranded
 in the engine's queue; core/drain.py's drain_at_exit). Both torches aborted (SIGABRT) when a
 thread whose backward had failed ended just before the interpreter finalized (route "threads";
-core/drain.py's drain_at_thread_end).
+core/drain.py's drain_at_thread_end), and torch 2.11 and 2.15 aborted at exit when a thread that
+had run a scan was still alive then (a daemon thread; on CUDA the engine's device threads,
+where a remat backward's hooks run): the drain armed there ran a backward while the
+interpreter finalized.
 """
 import os
 import subprocess

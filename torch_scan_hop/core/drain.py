@@ -15,12 +15,15 @@ the highest priority) and frees them; without one they are freed
   ``t.join()`` as a script's last line) ``take_gil`` ends the thread with ``pthread_exit``
   inside a destructor: ``std::terminate``, SIGABRT (torch 2.9 and 2.15; a plain Python loop
   does it too). ``drain_at_thread_end`` runs one small backward when the thread's Python
-  state is cleared, before those destructors.
+  state is cleared, before those destructors; not when the finalizing interpreter clears it
+  (a daemon thread alive at exit, or the engine's CUDA threads): a backward then aborted the
+  process (``THPVariable_clear``'s use_count assert, torch 2.11 and 2.15).
 
 No engine hook says that a backward failed, so the drains are armed where a scan runs: once
 per process (exit) and once per thread (thread end), a dict lookup per call after that.
 """
 import atexit
+import sys
 import threading
 
 import torch
@@ -49,6 +52,8 @@ class _SmallBackwardAtThreadEnd:
     __slots__ = ()
 
     def __del__(self):
+        if sys.is_finalizing():  # a thread still alive at exit: its state is cleared by the
+            return  # finalizing interpreter, where a backward aborted (THPVariable_clear's assert)
         try:
             _small_backward()
         except BaseException:  # noqa: BLE001  (nothing to report to at a thread's end)
@@ -60,4 +65,12 @@ def drain_at_thread_end():
     The main thread is ``drain_at_exit``'s (its thread state is cleared during finalization)."""
     if "armed" in _thread.__dict__:
         return
-    _thread.armed = None if threading.current_thread() is threading.main_thread() else _SmallBackwardAtThreadEnd()
+    _thread.armed = _SmallBackwardAtThreadEnd() if _ends_before_exit(threading.current_thread()) else None
+
+
+def _ends_before_exit(thread):
+    """A thread Python started, other than the main one. Not the autograd engine's device
+    threads (CUDA: the backward's saved-tensor hooks run there), which C++ started: they
+    live until the process ends, and their Python state is cleared only by the finalizing
+    interpreter."""
+    return thread is not threading.main_thread() and not isinstance(thread, threading._DummyThread)
