@@ -104,7 +104,7 @@ class StepReplay:
         self.rest, self.carries, self.counts, self.kept = [], {}, [], []
         self.carry_versions = {}  # position -> the versions of its kept carry's tensors when kept
         self.copy_carries = False  # the body wrote into a kept carry: keep copies from then on
-        self.devices = None  # the carry's CUDA tensors (RNG states to keep), found at step 0
+        self.devices = None  # the carry's CUDA device indices (RNG states to keep), found at step 0
         self.rng = []  # (position, cpu state, (devices, device states)) at step 0 and where it changed
         self.cached = {}  # position -> [values of the re-run, how many still to hand out]
         self.decisions = {}
@@ -221,11 +221,12 @@ class StepReplay:
     def _rng_now(self):
         """The CPU RNG state and that of the carry's CUDA devices (found at step 0)."""
         devices = self.devices
-        return torch.get_rng_state(), (torch.utils.checkpoint.get_device_states(*devices) if devices else ([], []))
+        return torch.get_rng_state(), (devices, [torch.cuda.get_rng_state(d) for d in devices])
 
     def _note_rng(self, pos, carry, now=None):
         if self.devices is None:
-            self.devices = [t for t in _leaves(carry, []) if t.device.type == "cuda"]
+            # device indices, not the tensors: the step-0 carry stays free to go
+            self.devices = sorted({t.get_device() for t in _leaves(carry, []) if t.device.type == "cuda"})
         state, device_states = now or self._rng_now()
         if self.rng:
             _, last, (_, last_dev) = self.rng[-1]
