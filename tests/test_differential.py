@@ -289,8 +289,9 @@ def _run_func(p, mode, transform, traced):
         ref, _, ref_seen = vector_function(q, materialize(q), run_loop, batched=transform == "vmap")
         g = torch.Generator().manual_seed(q.seed + 2)
         size = ref(v).numel()
-        r = (torch.randn(size, generator=g, dtype=torch.float64).to(q.dtype),
-             torch.randn(v.shape, generator=g, dtype=torch.float64).to(q.dtype), torch.stack([v, v * 0.5 + 0.25]))
+        r = (torch.randn(size, generator=g, dtype=torch.float64).to(v.device, q.dtype),
+             torch.randn(v.shape, generator=g, dtype=torch.float64).to(v.device, q.dtype),
+             torch.stack([v, v * 0.5 + 0.25]))
         want = torch.stack([ref(b) for b in r[2]]) if transform == "vmap" else FUNC[transform](ref, v, r)
         apply = lambda v, *r: FUNC[transform](ours, v, r)  # noqa: E731
         # vmap cannot run the loop (an in-place op on an unbatched value): ours may say the same, or,
