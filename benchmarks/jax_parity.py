@@ -87,6 +87,7 @@ def body_of(body, params, tanh):
 # ---- the jax side -------------------------------------------------------------------------------
 
 def jax_worker(cases, repeat):
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the comparison is on the CPU, single-threaded
     import jax
     import jax.numpy as jnp
 

@@ -8,6 +8,7 @@ the loop cannot pin down, against the scan users port from: how ys stack under `
 once as data and interpreted twice, with torch and with jax.numpy, so both sides run the same
 arithmetic. float64 on both sides (jax's x64 mode is switched on for these tests only).
 """
+import os
 import random
 
 import pytest
@@ -15,6 +16,9 @@ import torch
 
 from torch_scan_hop import scan
 
+# the reference runs on the CPU: a jax built for CUDA otherwise takes 75% of the GPU's memory at
+# its first array (60 GB on an H100, which starved every other test process of the machine)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 jax = pytest.importorskip("jax", reason="jax is the `test` extra's (Python >= 3.11); without it there is no reference")
 jnp = pytest.importorskip("jax.numpy")
 
