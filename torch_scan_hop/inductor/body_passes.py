@@ -30,16 +30,12 @@ def unfuse_bias_adds(body):
         with body.graph.inserting_before(node):
             mm = body.graph.call_function(aten.mm.default, (a, b))
             add = body.graph.call_function(aten.add.Tensor, (mm, bias))
-        val = node.meta.get("val")
-        mm.meta["val"] = val.new_empty(val.shape) if val is not None else None
+        mm.meta["val"] = _contiguous_like(node.meta.get("val"))
         add.meta.update(node.meta)
         node.replace_all_uses_with(add)
         body.graph.erase_node(node)
         rewritten += 1
-    if rewritten:
-        body.graph.lint()
-        body.recompile()
-    return rewritten
+    return _recompiled_if(body, rewritten)
 
 
 def _is_plain_cpu_addmm(node):
@@ -88,14 +84,22 @@ def copy_slices_into_unfaked_ops(body, num_carry, num_xs):
             with body.graph.inserting_before(node):
                 copy = body.graph.call_function(aten.clone.default, (arg,),
                                                 {"memory_format": torch.contiguous_format})
-            val = arg.meta.get("val")
-            copy.meta["val"] = val.new_empty(val.shape) if isinstance(val, torch.Tensor) else val
+            copy.meta["val"] = _contiguous_like(arg.meta.get("val"))
             node.replace_input_with(arg, copy)
             copies += 1
-    if copies:
+    return _recompiled_if(body, copies)
+
+
+def _contiguous_like(val):
+    """A new node's example value: a contiguous fake tensor shaped like ``val``."""
+    return val.new_empty(val.shape) if isinstance(val, torch.Tensor) else val
+
+
+def _recompiled_if(body, changes):
+    if changes:
         body.graph.lint()
         body.recompile()
-    return copies
+    return changes
 
 
 def _root_of_views(node):
