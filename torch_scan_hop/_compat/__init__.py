@@ -93,6 +93,7 @@ from .functorch import (  # noqa: F401
     functorch_unwrap,
     is_batched_here,
     is_functorch_wrapped,
+    is_vmap_inplace_error,
 )
 from .hop import (  # noqa: F401
     HigherOrderOperator,

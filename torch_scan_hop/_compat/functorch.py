@@ -88,3 +88,9 @@ def forward_ad_disabled():
     from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
     return _set_fwd_grad_enabled(False)
+
+
+def is_vmap_inplace_error(e):
+    """vmap's refusal of an in-place op on an unbatched tensor by a batched one. torch 2.9 to
+    2.15 raise a RuntimeError whose text starts "vmap: inplace arithmetic"."""
+    return isinstance(e, RuntimeError) and str(e).startswith("vmap: inplace arithmetic")

@@ -18,7 +18,7 @@ import torch
 from .. import _compat
 from ..core.op_args import split_out
 from .hop import scan_op
-from .loop import run_flat
+from .loop import run_flat, shape_run
 
 
 def _unwrap(t, level):
@@ -119,12 +119,37 @@ def scan_vmap(interpreter, combine_fn, init, xs, additional_inputs, **options):
     lifted_b = [_to_front(v, d, False, batch_size) for v, d in lifted_u]
     carry_dims = [0 if b else None for b in carry_batched]
     body = _batched_body(combine_fn, tuple(carry_dims + x_dims + lifted_dims), carry_dims, interpreter.randomness())
-    with interpreter.lower():
-        out = scan_op(body, init_b, xs_b, tuple(lifted_b), **options)
+    try:
+        with interpreter.lower():
+            out = scan_op(body, init_b, xs_b, tuple(lifted_b), **options)
+    except RuntimeError as e:
+        if not (_compat.is_vmap_inplace_error(e) and _no_step(xs_u)):
+            raise
+        return _no_step_outputs(interpreter, combine_fn, init_u, examples)
     carry, ys = split_out(out, len(init))
     # ys are all batched (at 0 per step, so at 1 once stacked behind the scan dim)
     return [*(c if d is None else _compat.add_batch_dim(c, 0, level) for c, d in zip(carry, carry_dims)),
             *(_compat.add_batch_dim(y, 1, level) for y in ys)]
+
+
+def _no_step(xs_u):
+    """The scan has no step (its xs are empty along the scan dim)."""
+    return any(isinstance(v, torch.Tensor) and next(n for i, n in enumerate(v.shape) if i != d) == 0
+               for v, d in xs_u)
+
+
+def _no_step_outputs(interpreter, combine_fn, init_u, examples):
+    """A scan with no step whose body vmap refuses to batch (an in-place op on an unbatched
+    value by a batched one): the loop never calls it, so neither does this. The final carry
+    is init; the empty ys take the shapes of one unbatched step on fake stand-ins, as
+    ``op.loop.empty_tree_ys`` does in eager."""
+    with shape_run():
+        ys = list(combine_fn(*(_fake_input(a, None, 0) for group in examples for a in group)))[len(init_u):]
+    level = interpreter.level()
+    with interpreter.lower():
+        carry = [v.clone() for v, _ in init_u]
+        empty = [torch.empty((0, *y.shape), dtype=y.dtype, device=y.device) for y in ys]
+    return [*(c if d is None else _compat.add_batch_dim(c, d, level) for c, (_, d) in zip(carry, init_u)), *empty]
 
 
 def _batched_body(combine_fn, in_dims, carry_dims, randomness):

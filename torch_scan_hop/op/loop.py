@@ -160,7 +160,7 @@ def shape_run():
         yield mode
 
 
-def stand_in(mode, t, sliced=False):
+def stand_in(mode, t, sliced=False, batched=True):
     """A fake tensor for ``t`` (for one slice of it when ``sliced``) in the fake run that
     learns a zero-length scan's ys, computing nothing.
 
@@ -177,14 +177,15 @@ def stand_in(mode, t, sliced=False):
     The empty ys built from the run hold no values, so the transforms take them as constants:
     empty tangents under jvp, no gradient, a vmap's batch dim added when they leave it. A
     slice of a plain tensor keeps the slice's strides (``for x in xs``'s), without the
-    slicing that an empty ``xs`` cannot do."""
+    slicing that an empty ``xs`` cannot do. ``batched=False``: a plain fake tensor of what
+    the body sees, for a wrapper too (``empty_tree_ys``)."""
     if not isinstance(t, torch.Tensor):
         return t
     if dt.is_dtensor(t):
         return mode.from_tensor(slice_example(t) if sliced else t)
     shape = t.shape[1:] if sliced else t.shape
     if _compat.is_functorch_wrapped(t):
-        return t.new_empty(shape)
+        return t.new_empty(shape) if batched else torch.empty(shape, dtype=t.dtype, device=t.device)
     if sliced:
         return torch.empty_strided(shape, t.stride()[1:], dtype=t.dtype, device=t.device)
     return mode.from_tensor(t)
@@ -246,11 +247,27 @@ def run_tree(fn, init, inputs, reverse=False, remat="save_all"):
 
 def empty_tree_ys(fn, inputs):
     """The ys pytree of a zero-length scan: fn runs once under a fake tensor
-    mode (nothing is computed) to learn the structure, shapes and dtypes."""
+    mode (nothing is computed) to learn the structure, shapes and dtypes.
+
+    Under vmap the stand-ins are batched where the inputs are (``stand_in``). If the body
+    then meets vmap's in-place refusal, it runs again on unbatched stand-ins: the loop never
+    calls it at length 0, so a body that refuses one batching must still get its empty ys
+    (one mixing a batched closure into an unbatched x slice in place, ``v.clone().mul_(x)``;
+    the other way round, ``a.clone().mul_(a @ W)`` with ``a`` a batched carry, is why the
+    first run batches). An empty y holds no value, so its per-example shape is all it needs."""
+    try:
+        return _empty_ys(fn, inputs, batched=True)
+    except RuntimeError as e:
+        if not _compat.is_vmap_inplace_error(e):
+            raise
+    return _empty_ys(fn, inputs, batched=False)
+
+
+def _empty_ys(fn, inputs, batched):
     with shape_run() as mode:
-        carry = inputs.init_spec.unflatten([stand_in(mode, t) for t in inputs.init_leaves])
+        carry = inputs.init_spec.unflatten([stand_in(mode, t, batched=batched) for t in inputs.init_leaves])
         x = None if inputs.xs_spec is None else inputs.xs_spec.unflatten(
-            [stand_in(mode, t, sliced=True) for t in inputs.xs_leaves])
+            [stand_in(mode, t, sliced=True, batched=batched) for t in inputs.xs_leaves])
         new_carry, y = check_pair(fn(carry, x))
         check_carry(new_carry, inputs)
         y_leaves, y_spec = flatten_y(y)
