@@ -202,9 +202,16 @@ def empty_strided(size, stride, dtype, device):
 
 
 def has_meta_kernel(op):
-    """``op`` (an OpOverload) has a Meta kernel of its own. Without one, FakeTensor runs the
-    real kernel on zeros, and it refuses to when an input has a symbolic stride or offset.
+    """FakeTensor can run ``op`` without its real kernel: it has a Meta kernel, or a composite
+    one (views, most ops defined by others). Without either, FakeTensor runs the real kernel
+    on zeros, and refuses to when an input has a symbolic stride or offset (GRUCell's
+    ``aten._thnn_fused_gru_cell`` on CUDA, ``aten._standard_gamma_grad``).
 
-    torch 2.9-2.15: ``torch._C._dispatch_has_kernel_for_dispatch_key`` (not the computed table,
-    which also counts fallbacks that raise)."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta")
+    torch 2.9-2.15: ``torch._C._dispatch_has_kernel_for_dispatch_key`` (the registered
+    kernels, not the computed table, which also counts fallbacks that raise)."""
+    name = op.name()
+    return any(torch._C._dispatch_has_kernel_for_dispatch_key(name, key) for key in _FAKE_CAPABLE_KEYS)
+
+
+_FAKE_CAPABLE_KEYS = ("Meta", "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional",
+                      "CompositeImplicitAutograd")

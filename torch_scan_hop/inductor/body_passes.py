@@ -63,7 +63,7 @@ def _pointwise_use(use):
 
 
 def copy_slices_into_unfaked_ops(body, num_carry, num_xs):
-    """Give an op with no Meta kernel a contiguous copy of each ``x`` slice it reads.
+    """Give an op with no Meta (or composite) kernel a contiguous copy of each ``x`` slice it reads.
 
     In the loop each ``x`` is ``xs.select(0, i)`` at the loop index ``i``: a view whose
     storage offset is symbolic. FakeTensor knows an op without a Meta kernel only by running
