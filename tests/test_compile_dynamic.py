@@ -114,3 +114,24 @@ def test_symbolic_make_fx_of_a_training_step_runs_other_lengths():
     for n in (5, 7):
         xs = torch.randn(n, 2, 4)
         assert_trees_close(list(gm(c0, xs)), list(step(c0, xs)), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_dynamic_length_argument_of_zero_then_others(reverse):
+    """``xs=None`` and ``length`` an argument of a ``dynamic=True`` compile: a length of 0 (then a
+    symbolic size whose example is 0) gives init and empty ys, and other lengths after it their
+    loop's values. torch 2.15 failed the first call in inductor: the loop's step was traced,
+    and its ``select`` at index L-1 failed the bounds check for an example L of 0."""
+    from conftest import reference_scan
+
+    def body(c, _):
+        return torch.tanh(c * 1.5 + 0.1), c.sum(-1)
+
+    f = torch.compile(lambda c, n: scan(body, c, None, length=n, reverse=reverse), backend="inductor",
+                      dynamic=True, fullgraph=True)
+    c0 = torch.randn(2, 3)
+    for n in (0, 3, 0, 5):
+        got = f(c0, n)
+        want = reference_scan(body, c0, None, length=n, reverse=reverse)  # its ys: None at length 0
+        assert_trees_close(got if n else got[0], want if n else want[0])
+        assert got[1].shape == (n, 2)

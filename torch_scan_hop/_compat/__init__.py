@@ -133,4 +133,4 @@ from .tracing import (  # noqa: F401
     under_make_fx,
     unset_fake_temporarily,
 )
-from .unbacked import first_value_dependent_node, is_data_dependence_error  # noqa: F401
+from .unbacked import first_value_dependent_node, is_data_dependence_error, is_zero_here  # noqa: F401

@@ -27,3 +27,13 @@ def is_data_dependence_error(e):
     if isinstance(e, UserError):
         return "data-dependent" in str(e)
     return isinstance(e, RuntimeError) and "expected to contain only concrete integers" in str(e)
+
+
+def is_zero_here(n):
+    """``n == 0`` for an int or a backed symbolic size, with a guard on that answer (a symbolic
+    length whose example is 0 then compiles a no-step scan, and another length recompiles);
+    False where the answer is known only at run time (an unbacked size). torch 2.9-2.15:
+    ``torch.fx.experimental.symbolic_shapes.guard_or_false``."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    return guard_or_false(n == 0)

@@ -300,7 +300,9 @@ def _while_loop(body, ys_vals, counts, reverse, dead=frozenset()):
             stacked = dict(zip(kept, bufs))
             return [*carry, *(stacked[k] if k in stacked else carry[0] for k in range(len(ys_vals)))]
 
-        if not segments(length):  # no step: the bounds asserts would fail statically
+        # no step: the bounds asserts would fail statically; a symbolic length whose example
+        # is 0 too (torch 2.15 traced the step and its select failed the index check)
+        if _compat.is_zero_here(length) or not segments(length):
             return outputs([c.clone() for c in init], ys)
 
         def cond(counter, *_rest):
