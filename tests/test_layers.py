@@ -435,3 +435,36 @@ def test_attention_mask_is_a_constant_not_a_differentiable_carry(mode):
     assert_trees_close(train_step(lambda l, x, attn_mask: run(l, x, attn_mask), layers, h, mask),
                        train_step(lambda l, x, attn_mask: run_loop(l, x, mask=attn_mask), layers, h, mask),
                        atol=1e-5, rtol=1e-4)
+
+
+class _Sinusoid(torch.nn.Module):
+    """GPT-J's attention keeps its position table as a plain tensor attribute built per layer."""
+
+    def __init__(self, as_buffer):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        table = torch.sin(torch.arange(12.0)).reshape(3, 4)  # alike in every layer
+        if as_buffer:
+            self.register_buffer("table", table, persistent=False)
+        else:
+            self.table = table
+
+    def forward(self, h):
+        return torch.tanh(self.lin(h) + self.table)
+
+
+@pytest.mark.parametrize("as_buffer", [False, True])
+def test_a_plain_tensor_attribute_per_layer_is_named_with_the_buffer_fix(as_buffer):
+    """Under torch.compile a plain tensor attribute made per layer (alike, other objects) is a
+    ScanError that names it and says to register it as a buffer; as a buffer it runs as the loop."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(_Sinusoid(as_buffer) for _ in range(3))
+    h = torch.randn(3, 4)
+    f = torch.compile(lambda h: scan_layers(layers, h), backend="aot_eager", fullgraph=True)
+    if not as_buffer:
+        with pytest.raises(ScanError, match=r"layer 1's attribute 'table' is a plain tensor .* alike .*"
+                                            r"register_buffer\('table', t, persistent=False\)"):
+            f(h)
+        return
+    assert_trees_close(f(h), run_loop(layers, h))

@@ -55,12 +55,25 @@ def check_peers_agree(name, value, others):
     if _is_plain(value) and [type(o) for o in others].count(kind) == n and others.count(value) == n:
         return  # all equal, found with no call per layer (each costs Dynamo a trace, 64 at depth 64)
     for i, other in enumerate(others, start=1):
+        if not same_value(other, value) and _both_tensors_alike(value, other):
+            raise ScanError(
+                f"scan_layers: layer {i}'s attribute {name!r} is a plain tensor (not a parameter or buffer) "
+                f"and not layer 0's, though alike ({_show(value)}, {value.dtype}); the scanned body runs layer "
+                "0's code with layer 0's attributes, and a plain tensor is the same attribute only as the "
+                "same object (values are not compared, nor guarded on later calls): "
+                f"register it as a buffer in each layer (self.register_buffer({name.rsplit('.', 1)[-1]!r}, t, "
+                "persistent=False): then every layer's is used), or give every layer the same tensor object.")
         if not same_value(other, value):
             raise ScanError(
                 f"scan_layers: layer {i}'s attribute {name!r} is {_show(other)} but layer 0's is "
                 f"{_show(value)}; the scanned body runs layer 0's code with layer 0's attributes, so all "
                 "layers must agree on the ones it reads (keep per-layer values in parameters or buffers, "
                 "or use a Python loop)." + _per_layer_function_hint(value, other))
+
+
+def _both_tensors_alike(a, b):
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+            and a.dtype == b.dtype and a.device == b.device)
 
 
 def _per_layer_function_hint(value, other):
