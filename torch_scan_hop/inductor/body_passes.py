@@ -76,9 +76,9 @@ def copy_slices_into_unfaked_ops(body, num_carry, num_xs):
     slices = set(placeholders[num_carry:num_carry + num_xs])
     copies = 0
     for node in list(body.graph.nodes):
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        if node.op != "call_function" or not _compat.is_op_overload(node.target):
             continue
-        if _compat.dispatch.has_meta_kernel(node.target) or node.target._schema.is_mutable:
+        if _compat.dispatch.has_meta_kernel(node.target) or _compat.op_schema(node.target).is_mutable:
             continue
         for arg in {a for a in node.all_input_nodes if _root_of_views(a) in slices}:
             with body.graph.inserting_before(node):
