@@ -13,7 +13,9 @@ _isolated.py) and check values and gradients against the Python loop, including
 the wrap-around write of the carried rows (every length, order and unroll).
 With ``unroll`` covering every layer the step has no While and no stacked buffer
 at all (csrc/hlo_straight.h): each saved activation and each gradient row reaches
-its reader directly, as in the Python loop's graph.
+its reader directly, as in the Python loop's graph. A saved carry input that the
+step before's saved values rebuild (a layer's input is GELU of the previous
+pre-activation) is not stacked at all (trace/shift.py): one fill fewer.
 """
 import glob
 import os
@@ -189,3 +191,71 @@ def test_saved_carry_rows_match_the_loop(length, reverse, unroll):
 
     assert_matches_loop(make_body, [w], torch.randn(4, 8, generator=g), xs, grad=True, reverse=reverse,
                         unroll=unroll)
+
+
+def check_one_activation_stack(shift):
+    """In the child: a GELU layer stack saves each layer's input (for its weight gradient) and its
+    pre-activation (for GELU's); the input of layer i is GELU of layer i-1's pre-activation, so the
+    backward rebuilds it and the forward fills and writes one [depth, rows, width] buffer, not two
+    (trace/shift.py). ``shift=False`` patches that off: the check sees the two it finds then."""
+    import torch_scan_hop.trace.shift as shift_module
+    from conftest import assert_trees_close
+
+    if not shift:
+        shift_module.use_shift = lambda *args: False
+    dump = _dump_folder()
+    shutil.rmtree(dump, ignore_errors=True)
+    rows = ROWS + 8 * shift  # a graph of its own per case: torch_xla would reuse the other's
+    step = _layer_stack_training_step(rows, unroll=1)
+    assert_trees_close(step(True), step(False), atol=1e-6, rtol=1e-5)
+    stacked = f"f32[{DEPTH},{rows},{WIDTH}]"
+    fills = [f"{comp}: {name}" for t in _optimized_modules(dump) if "scan_loop" in t
+             for comp, instructions in computations(t)[0].items()
+             for name, shape, opcode in instructions if opcode == "broadcast" and shape == stacked]
+    assert len(fills) == (1 if shift else 2), f"fills of stacked activations: {fills}"
+
+
+@pytest.mark.parametrize("shift", [True, False], ids=["rebuilt", "patched_off"])
+def test_layer_stack_fills_one_activation_stack(shift):
+    _isolated.call("test_xla_saved_buffers", "check_one_activation_stack", shift, env=_ENV)
+
+
+def _shift_bodies():
+    """Bodies whose saved carry input the backward rebuilds from the step before (and one it
+    cannot): (make_body, closures, init, xs) with small random tensors."""
+    import torch
+
+    F = torch.nn.functional
+    g = torch.Generator().manual_seed(7)
+    rand = lambda *shape: torch.randn(*shape, generator=g) * 0.5  # noqa: E731
+
+    def gelu_layers():
+        return lambda: lambda h, x: (F.gelu(F.linear(h, x[0], x[1])), h.sum(-1)), [], rand(4, 8), \
+            lambda n: (rand(n, 8, 8), rand(n, 8))
+
+    def two_carries(s, w):  # c: sigmoid * closure, through views; d: residual, stays stacked
+        def body(carry, x):
+            c, d = carry
+            c2 = (torch.sigmoid(c @ w + x) * s).reshape(8, 4).t().reshape(4, 8)
+            return (c2, d + torch.sin(d @ w)), c2.sum(-1) + d.sum(-1)
+        return body
+
+    return {
+        "gelu_layers": gelu_layers(),
+        "tanh_rnn": (lambda w: lambda c, x: (torch.tanh(c @ w + x), (c, c * 2)), [rand(8, 8)], rand(4, 8),
+                     lambda n: rand(n, 4, 8)),
+        "two_carries": (two_carries, [rand(8), rand(8, 8)], (rand(4, 8), rand(4, 8)), lambda n: rand(n, 4, 8)),
+    }
+
+
+@pytest.mark.parametrize("name", ["gelu_layers", "tanh_rnn", "two_carries"])
+@pytest.mark.parametrize("length", [1, 2, 3, 5])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("unroll", [1, 2])
+def test_rebuilt_carries_match_the_loop(name, length, reverse, unroll):
+    """Values and gradients (closures, init, xs) with the saved carries rebuilt: the first step's
+    from the init, the others' from the step before, in either order, unrolled or not."""
+    from xla_util import assert_matches_loop
+
+    make_body, closures, init, xs = _shift_bodies()[name]
+    assert_matches_loop(make_body, closures, init, xs(length), grad=True, reverse=reverse, unroll=unroll)

@@ -17,7 +17,7 @@ import torch
 
 from .. import _compat
 from ..core.op_args import example_args
-from ..trace import cache
+from ..trace import cache, shift
 from ..trace.body_checks import mark_functional
 from ..trace.lift import source_of
 from ..trace.partition import FwdBwd, partition_step, trace_step
@@ -57,12 +57,15 @@ def _fwd_step_graph(fb: FwdBwd, step_saved):
 
 
 class ScanGradPlan:
-    """Index bookkeeping between the forward scan, the saved values and the backward scan."""
+    """Index bookkeeping between the forward scan, the saved values and the backward scan.
+    ``shifts``: saved carries the backward rebuilds from the previous step's saved
+    values instead of reading a stack of their own (``trace.shift``)."""
 
-    def __init__(self, fb: FwdBwd, reverse):
-        self.fb, self.reverse = fb, reverse
+    def __init__(self, fb: FwdBwd, reverse, shifts=()):
+        self.fb, self.reverse, self.shifts = fb, reverse, list(shifts)
         kinds = fb.saved_from
-        self.step_saved = [i for i, (k, _) in enumerate(kinds) if k in ("step", "carry")]
+        shifted = {s.saved for s in self.shifts}
+        self.step_saved = [i for i, (k, _) in enumerate(kinds) if k in ("step", "carry") and i not in shifted]
         self.x_needed = sorted({j for k, j in kinds if k == "x"})
         self.lifted_needed = sorted({j for k, j in kinds if k == "lifted"})
         self.sym_saved = [i for i, (k, _) in enumerate(kinds) if k == "sym"]
@@ -77,6 +80,20 @@ class ScanGradPlan:
         self.length_only = not (self.step_saved or self.x_needed or self.y_grad)
 
         self.bwd_step = mark_functional(_bwd_step_graph(self))
+        self._shifted = None if shifts else ()
+
+    @property
+    def stacked_leaves(self):
+        """Positions in ``step_saved`` of the stacks the shifted carries are rebuilt from."""
+        return sorted({self.step_saved.index(leaf) for s in self.shifts for leaf in s.leaves})
+
+    def shifted(self):
+        """This plan with its shiftable saved carries rebuilt (None if there is none)."""
+        if self._shifted == ():
+            found = shift.find_shifts(self.fb)
+            found = [s for s in found if set(s.lifted) <= set(self.lifted_needed)]
+            self._shifted = ScanGradPlan(self.fb, self.reverse, found) if found else None
+        return self._shifted
 
 
 def _bwd_step_graph(plan):
@@ -101,10 +118,13 @@ def _bwd_step_graph(plan):
     xs = dict(zip(plan.x_needed, inputs("x", len(plan.x_needed))))
     g_y = dict(zip(plan.y_grad, inputs("g_y", len(plan.y_grad))))
     inputs("length_only", int(plan.length_only))  # the zero-width xs slice when nothing is per step
+    prev_first = inputs("shift_row", 2) if plan.shifts else None
     lifted = dict(zip(plan.lifted_needed, inputs("lifted", len(plan.lifted_needed))))
     syms = iter(inputs("sym", len(plan.sym_saved)))
-    saved = [next(step) if k in ("step", "carry") else next(syms) if k == "sym" else (xs[j] if k == "x" else lifted[j])
-             for k, j in fb.saved_from]
+    rebuilt = _rebuild_shifted(plan, graph, inputs, prev_first, lifted)
+    saved = [rebuilt[i] if i in rebuilt else next(step) if k in ("step", "carry")
+             else next(syms) if k == "sym" else (xs[j] if k == "x" else lifted[j])
+             for i, (k, j) in enumerate(fb.saved_from)]
     tangents = [None] * fb.num_carry + [g_y.get(j) for j in range(fb.num_y)]
     for i, g in zip(plan.carry_grad, g_carry):
         tangents[i] = g
@@ -117,10 +137,23 @@ def _bwd_step_graph(plan):
     return torch.fx.GraphModule(fb.bwd, graph)
 
 
+def _rebuild_shifted(plan, graph, inputs, prev_first, lifted):
+    """Saved index -> node rebuilding it (``shift.rebuild_carries``); the stacks of
+    the leaves and the inits come last, after the sym sizes."""
+    if not plan.shifts:
+        return {}
+    stacks = inputs("shift_stack", len(plan.stacked_leaves))
+    inits = inputs("shift_init", len(plan.shifts))
+    by_saved = {plan.step_saved[pos]: node for pos, node in zip(plan.stacked_leaves, stacks)}
+    return shift.rebuild_carries(graph, plan.shifts, *prev_first, by_saved, inits, lifted)
+
+
 class ScanAutogradFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan, unroll, num_init, num_xs, *flat):
         init, xs, lifted = flat[:num_init], flat[num_init:num_init + num_xs], flat[num_init + num_xs:]
+        if shift.use_shift(flat, unroll, xs[0].shape[0]):
+            plan = plan.shifted() or plan
         out = scan_op(plan.fwd_step, init, xs, lifted, reverse=plan.reverse, unroll=unroll)
         ctx.unroll, ctx.length, ctx.xs_device = unroll, xs[0].shape[0], xs[0].device
         num_out = num_init + plan.fb.num_y
@@ -130,7 +163,7 @@ class ScanAutogradFn(torch.autograd.Function):
         ctx.plan, ctx.num_init, ctx.num_xs = plan, num_init, num_xs
         # additional inputs may be SymInts (Dynamo lifts free symbols): only tensors are saved
         ctx.lifted_scalars = [None if isinstance(a, torch.Tensor) else a for a in lifted]
-        ctx.save_for_backward(*step_saved, *(xs[i] for i in plan.x_needed),
+        ctx.save_for_backward(*step_saved, *(init[s.carry] for s in plan.shifts), *(xs[i] for i in plan.x_needed),
                               *(lifted[i] for i in plan.lifted_needed if isinstance(lifted[i], torch.Tensor)),
                               *(a for a in lifted if isinstance(a, torch.Tensor)))
         ctx.out_meta = [(r.shape, r.dtype, r.device) for r in result]
@@ -142,8 +175,9 @@ class ScanAutogradFn(torch.autograd.Function):
     def backward(ctx, *grads):
         plan = ctx.plan
         saved = list(ctx.saved_tensors)
-        n_step, n_x, n_l = len(plan.step_saved), len(plan.x_needed), len(plan.lifted_needed)
-        step_saved, xs_needed = saved[:n_step], saved[n_step:n_step + n_x]
+        n_step, n_x, n_l = len(plan.step_saved) + len(plan.shifts), len(plan.x_needed), len(plan.lifted_needed)
+        step_saved, inits = saved[:len(plan.step_saved)], saved[len(plan.step_saved):n_step]
+        xs_needed = saved[n_step:n_step + n_x]
         lifted = _with_scalars(saved[n_step + n_x + n_l:], ctx.lifted_scalars)
         lifted_needed = [lifted[i] for i in plan.lifted_needed]
         num_init = ctx.num_init
@@ -155,8 +189,12 @@ class ScanAutogradFn(torch.autograd.Function):
                   for i in plan.lifted_grad]
         per_step = [torch.empty((ctx.length, 0), device=ctx.xs_device)] if plan.length_only else [
             *step_saved, *xs_needed, *g_y]
+        shifted = []
+        if plan.shifts:
+            per_step += shift.previous_rows(ctx.length, plan.reverse, ctx.xs_device)
+            shifted = [*(step_saved[i] for i in plan.stacked_leaves), *inits]
         out = scan_op(plan.bwd_step, [*g_carry, *g_sum0], per_step,
-                      (*lifted_needed, *ctx.sym_sizes), reverse=not plan.reverse, unroll=ctx.unroll)
+                      (*lifted_needed, *ctx.sym_sizes, *shifted), reverse=not plan.reverse, unroll=ctx.unroll)
         it = iter(out)
         g_init = dict(zip(plan.carry_grad, [next(it) for _ in plan.carry_grad]))
         g_lifted = dict(zip(plan.lifted_grad, [next(it) for _ in plan.lifted_grad]))
