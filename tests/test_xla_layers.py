@@ -80,13 +80,22 @@ def test_each_gradient_is_one_buffer_and_accumulates_like_the_loop():
     layers, x = make(), torch.randn(6, 8).to(torch_xla.device())
     for _ in range(3):
         both(layers, x)
-    layers.zero_grad(set_to_none=True)
-    scan_layers(layers, x, unroll=UNROLL).pow(2).mean().backward()
-    grads = [p.grad for p in layers.parameters()]
-    met.clear_counters()
-    torch_xla.sync()
-    torch_xla._XLAC._xla_wait_device_ops([])
-    assert met.counter_value("CreateDataHandles") == len(grads)  # the step's only live results
+    def results_of_a_step(stacked):
+        layers.zero_grad(set_to_none=True)
+        h = scan_layers(layers, x, unroll=UNROLL) if stacked else x
+        for layer in [] if stacked else layers:
+            h = layer(h)
+        h.pow(2).mean().backward()
+        del h
+        met.clear_counters()
+        torch_xla.sync()
+        torch_xla._XLAC._xla_wait_device_ops([])
+        return met.counter_value("CreateDataHandles")
+
+    if UNROLL is None:  # so short a stack runs the layers' own loop on XLA: the loop's step
+        assert results_of_a_step(True) == results_of_a_step(False)
+    else:
+        assert results_of_a_step(True) == len(list(layers.parameters()))  # the step's only live results
     got, want = both(layers, x, accumulate=True)  # .grad already set: rows are added to it
     assert_trees_close(got, want, atol=1e-6, rtol=1e-5)
 
@@ -100,6 +109,57 @@ def test_a_frozen_layer_gets_no_gradient_and_the_others_theirs():
         got, want = both(layers, x)
         assert got[1][2] is None and want[1][2] is None  # layer 1's weight
         assert_trees_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def _step_graph(layers, x, stacked, unroll=None):
+    """The IR graph hash of a training step's gradients (and its output), before the sync."""
+    layers.zero_grad(set_to_none=True)
+    h = scan_layers(layers, x, unroll=unroll) if stacked else x
+    for layer in [] if stacked else layers:
+        h = layer(h)
+    h.pow(2).mean().backward()
+    graph = torch_xla._XLAC._get_graph_hash([h, *(p.grad for p in layers.parameters())])
+    torch_xla.sync()
+    return graph
+
+
+def test_a_short_stack_runs_the_loops_own_step_by_default():
+    """On XLA a stack of at most 8 alike layers runs the layers' own loop under unroll=None: the
+    step's graph is the loop's, node for node (the straight-line scan's HLO is too, after XLA's
+    passes, but its host path added ~8% at depth 8). Layers that differ in an attribute, remat,
+    and an explicit unroll keep the scan."""
+    layers, x = make(), torch.randn(6, 8).to(torch_xla.device())
+    loop = _step_graph(layers, x, False)
+    assert _step_graph(layers, x, True) == loop
+    assert _step_graph(layers, x, True, unroll=len(layers)) != loop
+    assert_trees_close(*both(layers, x), atol=1e-6, rtol=1e-5)
+    layers[1].act.eval()  # an attribute differs (GELU does not read it): the scan runs, as the loop
+    assert _step_graph(layers, x, True) != loop
+    assert_trees_close(*both(layers, x), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("where", ["layer", "submodule", "every_layer"])
+@pytest.mark.parametrize("kind", ["forward", "forward_pre", "backward"])
+def test_hooks_are_refused_on_a_short_stack_too(where, kind):
+    """A hook makes the layers differ (the attribute check tests the empty hook containers of
+    all modules together, then each one): the scan decides, and refuses hooks by layer, as on
+    every traced path; the layers' own loop would have run them."""
+    layers, x = make(), torch.randn(6, 8).to(torch_xla.device())
+    both(layers, x)
+    hook = {"forward": lambda m, args, out: out, "forward_pre": lambda m, args: None,
+            "backward": lambda m, gin, gout: None}[kind]
+    register = {"forward": "register_forward_hook", "forward_pre": "register_forward_pre_hook",
+                "backward": "register_full_backward_hook"}[kind]
+    targets = {"layer": [layers[2]], "submodule": [layers[1].lin], "every_layer": list(layers)}[where]
+    handles = [getattr(m, register)(hook) for m in targets]
+    try:
+        with pytest.raises(ScanError, match=r"has module hooks"):
+            both(layers, x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    got, want = both(layers, x)
+    assert_trees_close(got, want, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("change", ["float", "gelu", "training", "set"])
