@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torch_scan_hop.trace.partition import partition_body
-from torch_scan_hop.trace.shift import find_shifts, previous_rows
+from torch_scan_hop.trace.shift import find_shifts, previous_rows, worth_it
 
 F = torch.nn.functional
 
@@ -96,3 +96,9 @@ def test_previous_rows(reverse):
         assert prev.tolist() == [1, 2, 3, 3] and first.tolist() == [False, False, False, True]
     else:
         assert prev.tolist() == [0, 0, 1, 2] and first.tolist() == [True, False, False, False]
+
+
+def test_worth_it_from_one_kibibyte_rows():
+    assert worth_it(torch.empty(4, 64)) and worth_it(torch.empty(2, 256, dtype=torch.float16))
+    assert not worth_it(torch.empty(4, 63)) and not worth_it(torch.empty(4, 8))
+    assert not worth_it(None)

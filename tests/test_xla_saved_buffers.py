@@ -221,29 +221,31 @@ def test_layer_stack_fills_one_activation_stack(shift):
 
 def _shift_bodies():
     """Bodies whose saved carry input the backward rebuilds from the step before (and one it
-    cannot): (make_body, closures, init, xs) with small random tensors."""
+    cannot): (make_body, closures, init, xs) with small random tensors; carries of 4 x 64 float32
+    rows, 1 KiB (smaller ones keep their stack: ``shift.worth_it``); weights scaled by 1/sqrt(W)."""
     import torch
 
     F = torch.nn.functional
+    W = 64
     g = torch.Generator().manual_seed(7)
     rand = lambda *shape: torch.randn(*shape, generator=g) * 0.5  # noqa: E731
 
     def gelu_layers():
-        return lambda: lambda h, x: (F.gelu(F.linear(h, x[0], x[1])), h.sum(-1)), [], rand(4, 8), \
-            lambda n: (rand(n, 8, 8), rand(n, 8))
+        return lambda: lambda h, x: (F.gelu(F.linear(h, x[0], x[1])), h.sum(-1)), [], rand(4, W), \
+            lambda n: (rand(n, W, W) / 8, rand(n, W))
 
     def two_carries(s, w):  # c: sigmoid * closure, through views; d: residual, stays stacked
         def body(carry, x):
             c, d = carry
-            c2 = (torch.sigmoid(c @ w + x) * s).reshape(8, 4).t().reshape(4, 8)
+            c2 = (torch.sigmoid(c @ w + x) * s).reshape(W, 4).t().reshape(4, W)
             return (c2, d + torch.sin(d @ w)), c2.sum(-1) + d.sum(-1)
         return body
 
     return {
         "gelu_layers": gelu_layers(),
-        "tanh_rnn": (lambda w: lambda c, x: (torch.tanh(c @ w + x), (c, c * 2)), [rand(8, 8)], rand(4, 8),
-                     lambda n: rand(n, 4, 8)),
-        "two_carries": (two_carries, [rand(8), rand(8, 8)], (rand(4, 8), rand(4, 8)), lambda n: rand(n, 4, 8)),
+        "tanh_rnn": (lambda w: lambda c, x: (torch.tanh(c @ w + x), (c, c * 2)), [rand(W, W) / 8], rand(4, W),
+                     lambda n: rand(n, 4, W)),
+        "two_carries": (two_carries, [rand(W), rand(W, W) / 8], (rand(4, W), rand(4, W)), lambda n: rand(n, 4, W)),
     }
 
 
@@ -258,3 +260,26 @@ def test_rebuilt_carries_match_the_loop(name, length, reverse, unroll):
 
     make_body, closures, init, xs = _shift_bodies()[name]
     assert_matches_loop(make_body, closures, init, xs(length), grad=True, reverse=reverse, unroll=unroll)
+
+
+@pytest.mark.parametrize("name", ["gelu_layers", "tanh_rnn", "two_carries", "small_rows"])
+def test_each_body_rebuilds_its_carry(name, monkeypatch):
+    """The cases above do take the rebuilt path (a fresh plan, the backward's builder watched);
+    rows under 1 KiB keep their stack (``shift.worth_it``)."""
+    import torch
+
+    import torch_scan_hop.trace.shift as shift
+    from torch_scan_hop.trace import cache
+    from xla_util import assert_matches_loop
+
+    rebuilt = []
+    real = shift.rebuild_carries
+    monkeypatch.setattr(shift, "rebuild_carries", lambda graph, shifts, *a: rebuilt.append(shifts) or real(graph, shifts, *a))
+    cache.clear()
+    if name == "small_rows":
+        make_body, closures, init, xs = (lambda w: lambda c, x: (torch.tanh(c @ w + x), c.sum(-1)),
+                                         [torch.randn(8, 8) / 3], torch.randn(4, 8), lambda n: torch.randn(n, 4, 8))
+    else:
+        make_body, closures, init, xs = _shift_bodies()[name]
+    assert_matches_loop(make_body, closures, init, xs(3), grad=True)
+    assert len(rebuilt) == (0 if name == "small_rows" else 1)

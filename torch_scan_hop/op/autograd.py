@@ -91,7 +91,8 @@ class ScanGradPlan:
         """This plan with its shiftable saved carries rebuilt (None if there is none)."""
         if self._shifted == ():
             found = shift.find_shifts(self.fb)
-            found = [s for s in found if set(s.lifted) <= set(self.lifted_needed)]
+            found = [s for s in found if set(s.lifted) <= set(self.lifted_needed)
+                     and shift.worth_it(self.fb.out_vals[s.carry])]
             self._shifted = ScanGradPlan(self.fb, self.reverse, found) if found else None
         return self._shifted
 
