@@ -102,10 +102,8 @@ class Stack(torch.nn.Module):
         super().__init__()
         self.layers, self.static = layers, static
 
-    unroll = None  # check_xla: 1, the scan (by default so short a stack runs its own loop on XLA)
-
     def forward(self, h, tensors):
-        return scan_layers(self.layers, h, **tensors, **self.static, unroll=self.unroll)
+        return scan_layers(self.layers, h, **tensors, **self.static)
 
     def loop(self, h, tensors):
         return own_loop(self.layers, h, {**tensors, **self.static})
@@ -234,7 +232,6 @@ def check_xla(name):
     stack, inputs, _ = build(name)
     want = value_and_grads(stack, stack.loop, fresh(inputs))
     stack = copy.deepcopy(stack).to(dev)
-    stack.unroll = 1
     inputs = pytree.tree_map(lambda t: t.detach().to(dev).requires_grad_(t.requires_grad), inputs)
     got = value_and_grads(stack, stack, inputs)
     torch_xla.sync()  # one graph for every output and gradient (each .cpu() alone compiles its own)

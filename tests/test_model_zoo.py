@@ -181,10 +181,8 @@ class GPT(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(DecoderBlock(D, 4) for _ in range(depth))
 
-    unroll = None  # check_xla: 1, the scan (by default so short a stack runs its own loop on XLA)
-
     def forward(self, h, mask):
-        return scan_layers(self.layers, h, attn_mask=mask, unroll=self.unroll)
+        return scan_layers(self.layers, h, attn_mask=mask)
 
     def loop(self, h, mask):
         return run_loop(self.layers, h, attn_mask=mask)
@@ -293,8 +291,6 @@ def check_xla(name):
     dev = torch_xla.device()
     model, inputs = build(name)
     model = copy.deepcopy(model).to(dev)
-    if hasattr(model, "unroll"):
-        model.unroll = 1
     inputs = pytree.tree_map(lambda t: t.detach().to(dev).requires_grad_(t.requires_grad), inputs)
     got = value_and_grads(model, model, inputs)
     torch_xla.sync()  # one graph for every output: each .cpu() alone would compile its own

@@ -155,7 +155,7 @@ def test_scan_layers_sees_a_changed_attribute_and_parameter(traces):
         h = x
         for layer in ref:
             h = layer(h)
-        got = scan_layers(layers, x.to(DEV), unroll=1)  # the scan (not the layers' own loop)
+        got = scan_layers(layers, x.to(DEV))
         grads = torch.autograd.grad(got.sum(), list(layers.parameters()))
         want = torch.autograd.grad(h.sum(), list(ref.parameters()))
         assert_trees_close([got.cpu(), *(g.cpu() for g in grads)], [h, *want], atol=1e-4, rtol=1e-4)
@@ -177,8 +177,7 @@ def test_scan_layers_refuses_a_layer_whose_read_attribute_changed_after_a_cached
     torch.manual_seed(0)
     layers = torch.nn.ModuleList(_Block() for _ in range(3)).to(DEV)
     x = torch.randn(2, 4).to(DEV)
-    for unroll in (None, 1):  # by default the layers' own loop while they agree, then the scan
-        scan_layers(layers, x, unroll=unroll).sum().backward()
+    scan_layers(layers, x).sum().backward()
     layers[2].note = "unread"  # differs, but the body never reads it
     scan_layers(layers, x).sum().backward()
     layers[2].gain = 0.5  # read by every step: layer 0's value would be used silently
@@ -214,8 +213,7 @@ class _SuperCalling(_Block):
 
 def test_layers_calling_super_run_on_xla_and_match_the_loop():
     """Dynamo cannot trace zero-argument ``super()`` on the layer view: such a
-    stack takes the make_fx path (traced every call) and still gives the loop's values.
-    (``unroll=1``: by default so short a stack of alike layers runs their own loop.)"""
+    stack takes the make_fx path (traced every call) and still gives the loop's values."""
     torch.manual_seed(0)
     layers = torch.nn.ModuleList(_SuperCalling() for _ in range(3))
     x = torch.randn(2, 4)
@@ -224,7 +222,7 @@ def test_layers_calling_super_run_on_xla_and_match_the_loop():
         want = layer(want)
     layers.to(DEV)
     for _ in range(2):
-        assert_trees_close(scan_layers(layers, x.to(DEV), unroll=1).cpu(), want.detach(), atol=1e-5, rtol=1e-5)
+        assert_trees_close(scan_layers(layers, x.to(DEV)).cpu(), want.detach(), atol=1e-5, rtol=1e-5)
     assert any(code.co_name == "step" for code, _ in xla_eager._refused)
 
 

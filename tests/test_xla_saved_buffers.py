@@ -166,8 +166,9 @@ def check_straight_layer_stack(unroll, rows):
     assert not found, "a While or a layer-stacked buffer in the straight-line step:\n" + "\n".join(found)
 
 
-def test_straight_layer_stack_step_stacks_nothing():  # (unroll=None runs so short a stack's own loop)
-    _isolated.call("test_xla_saved_buffers", "check_straight_layer_stack", DEPTH, ROWS, env=_ENV)
+@pytest.mark.parametrize("unroll, rows", [(DEPTH, ROWS), (None, ROWS // 2)], ids=["unroll_depth", "default"])
+def test_straight_layer_stack_step_stacks_nothing(unroll, rows):  # None: so short a stack runs straight-line
+    _isolated.call("test_xla_saved_buffers", "check_straight_layer_stack", unroll, rows, env=_ENV)
 
 
 @pytest.mark.parametrize("length", [1, 2, 5])

@@ -69,19 +69,6 @@ def _resolve_unroll(unroll, depth, tensors, stacked):
     return depth if depth <= _STRAIGHT_DEPTH and stacked is None and _compat.on_xla(tensors) else 1
 
 
-def _loop_on_xla(layers, remat, dynamo, tensors, stacked):
-    """Run the layers' own loop? On XLA, for a stack that ``unroll=None`` would run straight-line,
-    saving everything, outside Dynamo and SPMD (where the scan gives each gradient its weight's
-    sharding, ``xla/sharding.py``), when every layer's attributes agree with layer 0's (else the
-    scan decides: it refuses a difference its body reads, by name). Straight-line code is the
-    loop's HLO (XLA hands each saved activation to its reader either way), so what the scan added
-    there was host time: the weight stacks, the op's dispatch rules, the gradient rows, ~1.6 ms of
-    a 19 ms step at depth 8 of benchmarks/xla_long.py (1.05-1.07x the loop); the attribute check
-    left costs ~0.08 ms."""
-    return remat == "save_all" and not dynamo and _resolve_unroll(None, len(layers), tensors, stacked) > 1 \
-        and not _compat.xla.spmd_active() and _all_attributes_agree(layers)
-
-
 def _from_storage(layers, stacked, ref_state, token, trained_stacks):
     """The scanned weights from stacked storage: the stacked tensors themselves (no copy; their
     gradient is handed to the layers by ``layers.storage``, to those whose flag asks for it), detached
@@ -297,9 +284,8 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=None, partition_fn=Non
     is a ScanError naming the layer, what it returned and what it was given.
 
     ``unroll``: layers per loop iteration, as in ``scan``. ``None`` is 1, except on XLA for a
-    stack of at most 8 layers without ``stack_layers`` storage, which runs the layers' own loop
-    where they agree in every attribute (``_loop_on_xla``: the same graph, less host time) and
-    else straight-line (``_resolve_unroll``).
+    stack of at most 8 layers without ``stack_layers`` storage, which runs straight-line
+    (``_resolve_unroll``).
 
     ``partition_fn`` and ``is_layer_pure`` are torch_xla.experimental.scan_layers' keywords, taken
     here rather than passed to the layers: ``partition_fn`` is ``remat``, ``is_layer_pure`` is ignored
@@ -321,8 +307,6 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=None, partition_fn=Non
     # stacked storage was checked for identical structure when made: layer 0's state suffices here
     states = layer_states(layers) if stacked is None else [layer_state(layers[0], "", {})]
     flat_inputs = [t for t in flatten((inputs, broadcast_kwargs))[0] if isinstance(t, torch.Tensor)]
-    if unroll is None and _loop_on_xla(layers, remat, dynamo, flat_inputs + list(states[0].values()), stacked):
-        return _eager_loop(layers, inputs, remat, broadcast_kwargs)
     trained_stacks = stacked is not None and container.grads_mode == "stacked"
     over_rows = False  # eager, over the stacks' rows: hooks and running stats already ruled out
     if (not callable(remat) and _compat.runs_eagerly(flat_inputs + list(states[0].values()))
