@@ -284,3 +284,34 @@ def test_each_body_rebuilds_its_carry(name, monkeypatch):
         make_body, closures, init, xs = _shift_bodies()[name]
     assert_matches_loop(make_body, closures, init, xs(3), grad=True)
     assert len(rebuilt) == (0 if name == "small_rows" else 1)
+
+
+def test_rebuilt_carry_under_the_openxla_backend(monkeypatch):
+    """torch.compile(backend="openxla") traces the same rule on fake XLA tensors: the rebuilt
+    carry's backward is traced into its graph and gives the loop's value and gradient."""
+    import torch
+
+    import torch_scan_hop.trace.shift as shift
+    from torch_scan_hop import scan
+    from xla_util import DEV
+
+    rebuilt = []
+    real = shift.rebuild_carries
+    monkeypatch.setattr(shift, "rebuild_carries", lambda graph, shifts, *a: rebuilt.append(1) or real(graph, shifts, *a))
+    torch.manual_seed(4)
+    w_cpu = (torch.randn(64, 64) / 8).requires_grad_()
+
+    def loss(w, c0, xs):
+        c, ys = scan(lambda c, x: (torch.nn.functional.gelu(c @ w + x), c.sum(-1)), c0, xs, reverse=True)
+        return c.sum() + ys.sum()
+
+    c0, xs = torch.zeros(4, 64), torch.randn(6, 4, 64)
+    want = loss(w_cpu, c0, xs)
+    (g_want,) = torch.autograd.grad(want, w_cpu)
+    torch._dynamo.reset()
+    w = w_cpu.detach().to(DEV).requires_grad_()
+    got = torch.compile(loss, backend="openxla")(w, c0.to(DEV), xs.to(DEV))
+    got.backward()
+    assert rebuilt
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w.grad.cpu(), g_want, atol=1e-5, rtol=1e-5)
