@@ -87,6 +87,35 @@ def test_bad_options():
         scan(lambda c, x: (c, x), torch.zeros(()), torch.zeros(2), reverse="yes")
 
 
+_FRONT_END = {  # name -> a call whose inputs or options the front end refuses, before any trace
+    "init_int": lambda x: scan(lambda c, x: (c, x), {"n": 0}, x),
+    "xs_float": lambda x: scan(lambda c, x: (c, x), x[0], (x, [1.0, 2.0])),
+    "xs_lengths": lambda x: scan(lambda c, x: (c, None), x[0], {"a": x, "b": x[:1]}),
+    "length_disagrees": lambda x: scan(lambda c, x: (c, None), x[0], x, length=5),
+    "no_xs_no_length": lambda x: scan(lambda c, x: (c, None), x[0]),
+    "dim": lambda x: scan(lambda c, x: (c, None), x[0], x, dim=3),
+    "fn": lambda x: scan(None, x[0], x),
+    "remat": lambda x: scan(lambda c, x: (c, x), x[0], x, remat="everything"),
+    "unroll": lambda x: scan(lambda c, x: (c, x), x[0], x, unroll=0),
+    "reverse": lambda x: scan(lambda c, x: (c, x), x[0], x, reverse="yes"),
+}
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("case", list(_FRONT_END))
+def test_front_end_errors_are_scan_errors_under_fullgraph(case, dynamic, fresh_dynamo):
+    """Under torch.compile(fullgraph=True) the front end's ScanError (raised by Python that Dynamo
+    traces) was Dynamo's Unsupported "Observed exception", our text in its debug context: it is
+    now the ScanError, with eager's message (shapes as (?, ?): a size may be symbolic there)."""
+    call, x = _FRONT_END[case], torch.zeros(3, 2)
+    with pytest.raises(ScanError) as eager:
+        call(x)
+    with pytest.raises(ScanError) as compiled:
+        torch.compile(call, backend="eager", fullgraph=True, dynamic=dynamic)(x)
+    first_line = lambda e: str(e.value).splitlines()[0]  # noqa: E731
+    assert first_line(compiled) == re.sub(r"shape \(3, 2\)", "shape (?, ?)", first_line(eager))
+
+
 @pytest.mark.parametrize("option", ["length", "unroll", "dim", "reverse"])
 def test_a_tensor_option_is_named_under_torch_compile(option, fresh_dynamo):
     """An option given as a tensor: under fullgraph the ScanError's text used the tensor's repr,
@@ -94,7 +123,7 @@ def test_a_tensor_option_is_named_under_torch_compile(option, fresh_dynamo):
     kw = {option: torch.tensor(3)}
     xs = None if option == "length" else torch.zeros(2, 1)
     f = torch.compile(lambda c: scan(lambda c, x: (c, c), c, xs, **kw), backend="eager", fullgraph=True)
-    with pytest.raises(Exception, match=rf"{option} must be .*, got a tensor of shape \(\) and dtype torch.int64"):
+    with pytest.raises(ScanError, match=rf"{option} must be .*, got a tensor of shape \(\) and dtype torch.int64"):
         f(torch.zeros(()))
 
 

@@ -468,3 +468,18 @@ def test_a_plain_tensor_attribute_per_layer_is_named_with_the_buffer_fix(as_buff
             f(h)
         return
     assert_trees_close(f(h), run_loop(layers, h))
+
+
+@pytest.mark.parametrize("case", ["shapes", "not_a_module", "no_input"])
+def test_call_errors_are_scan_errors_under_fullgraph(case):
+    """scan_layers' checks of the call (module elements, an input, layer structure) raise in Python
+    that Dynamo traces: under fullgraph that was Dynamo's "Observed exception"; now the ScanError."""
+    torch._dynamo.reset()
+    layers = {"shapes": [torch.nn.Linear(4, 4), torch.nn.Linear(4, 5)],
+              "not_a_module": [torch.nn.Linear(4, 4), torch.tanh], "no_input": [torch.nn.Linear(4, 4)]}[case]
+    call = (lambda h: scan_layers(layers)) if case == "no_input" else (lambda h: scan_layers(layers, h))
+    with pytest.raises(ScanError) as eager:
+        call(torch.zeros(2, 4))
+    with pytest.raises(ScanError) as compiled:
+        torch.compile(call, backend="eager", fullgraph=True)(torch.zeros(2, 4))
+    assert str(compiled.value).splitlines()[0] == str(eager.value).splitlines()[0]

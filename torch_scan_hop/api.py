@@ -17,6 +17,7 @@ from .core.trees import (
     prepare_inputs,
     shown,
 )
+from .op.dynamo import surface
 from .op.hop import scan_op
 from .op.loop import run_tree
 from .trace import cache
@@ -83,9 +84,12 @@ def scan(fn, init, xs=None, *, length=None, reverse=False, dim=0, remat="save_al
         # The most common call (one tensor carry and xs, defaults, plain eager): the options
         # and inputs need no check beyond the condition above, and the loop starts at once.
         return run_tree(fn, init, ScanInputs([init], LEAF, [xs], LEAF, xs.shape[0]), reverse, remat)
-    remat = normalize(remat)
-    _check_options(fn, reverse, remat, unroll)
-    inputs = prepare_inputs(init, xs, length, dim)
+    try:
+        remat = normalize(remat)
+        _check_options(fn, reverse, remat, unroll)
+        inputs = prepare_inputs(init, xs, length, dim)
+    except ScanError as e:
+        surface(e)  # under torch.compile, as a ScanError rather than Dynamo's "Observed exception"
     leaves = [*inputs.init_leaves, *inputs.xs_leaves]
     if not callable(remat) and _compat.runs_eagerly(leaves):
         return run_tree(fn, init, inputs, reverse, remat)  # plain eager, the common case: the loop

@@ -94,9 +94,20 @@ def _leaf_paths(tree, root):
     return [root + pytree.keystr(p) for p, leaf in leaves_with_path if leaf is not None]
 
 
+def shape_text(t):
+    """``(2, 3)`` for an error message; ``(?, ?)`` under torch.compile, where a size may be
+    symbolic (dynamic=True), which Dynamo can neither print nor tell from an int, and a text
+    holding one cannot be raised as a ScanError (``op.dynamo.surface``)."""
+    if _compat.is_dynamo_compiling():
+        sizes = ["?"] * t.dim()
+    else:
+        sizes = [str(d) for d in t.shape]
+    return "(" + ", ".join(sizes) + ("," if len(sizes) == 1 else "") + ")"
+
+
 def _describe(v):
     if isinstance(v, torch.Tensor):
-        return f"Tensor(shape={tuple(v.shape)}, dtype={v.dtype})"
+        return f"Tensor(shape={shape_text(v)}, dtype={v.dtype})"
     return f"{type(v).__name__} {v!r}"
 
 
@@ -172,7 +183,7 @@ def shown(value):
     """``value`` for an error message: a tensor by its shape and dtype (its repr is long, and
     Dynamo cannot trace ``repr`` of a tensor: under ``fullgraph`` the message would be lost)."""
     if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype} (pass a Python value)"
+        return f"a tensor of shape {shape_text(value)} and dtype {value.dtype} (pass a Python value)"
     return repr(value)
 
 
@@ -209,7 +220,7 @@ def _prepare_inputs(init, xs, length, dim) -> ScanInputs:
         if x.dim() == 0 or not -x.dim() <= dim < x.dim():
             path = _leaf_paths(xs, "xs")[k]
             raise ScanError(
-                f"scan: dim={dim} is out of range for {path} with shape {tuple(x.shape)} "
+                f"scan: dim={dim} is out of range for {path} with shape {shape_text(x)} "
                 f"({x.dim()} dims); every xs leaf needs the scanned dim."
             )
         moved.append(x if dim in (0, -x.dim()) else torch.movedim(x, dim, 0))

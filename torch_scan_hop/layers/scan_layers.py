@@ -27,6 +27,7 @@ from ..api import scan
 from ..core import schedule
 from ..core.torch_xla_keywords import remat_with_torch_xla_keywords
 from ..core.trees import ScanError, flatten
+from ..op.dynamo import surface
 from ..op.loop import remat_step
 from .checks import (
     check_no_hooks,
@@ -262,6 +263,15 @@ def _tree_agrees(ref, module):
         (a is None) == (b is None) and (a is None or _tree_agrees(b, a)) for a, b in zip(kids.values(), ref_kids.values()))
 
 
+def _check_call(layers, inputs, broadcast_kwargs):
+    if not all(isinstance(m, torch.nn.Module) for m in layers):
+        raise ScanError("scan_layers: every element of layers must be an nn.Module.")
+    if not inputs:
+        raise ScanError("scan_layers: pass the hidden state as a positional input: scan_layers(layers, x).")
+    if layers:
+        check_one_tuple_is_not_several_inputs(layers[0], inputs, broadcast_kwargs)
+
+
 def scan_layers(layers, *inputs, remat="save_all", unroll=None, partition_fn=None, is_layer_pure=None,
                 **broadcast_kwargs):
     """``for layer in layers: inputs = layer(*inputs, **broadcast_kwargs)`` as one scan.
@@ -291,21 +301,20 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=None, partition_fn=Non
     here rather than passed to the layers: ``partition_fn`` is ``remat``, ``is_layer_pure`` is ignored
     (``core/torch_xla_keywords.py``).
     """
-    remat = remat_with_torch_xla_keywords(remat, partition_fn, "is_layer_pure", is_layer_pure, "scan_layers")
     container, layers = layers, list(layers)
-    if not all(isinstance(m, torch.nn.Module) for m in layers):
-        raise ScanError("scan_layers: every element of layers must be an nn.Module.")
-    if not inputs:
-        raise ScanError("scan_layers: pass the hidden state as a positional input: scan_layers(layers, x).")
-    if not layers:
-        return _as_output(inputs)
-    check_one_tuple_is_not_several_inputs(layers[0], inputs, broadcast_kwargs)
+    try:  # the checks of the call itself; under torch.compile their ScanError is surfaced as one
+        remat = remat_with_torch_xla_keywords(remat, partition_fn, "is_layer_pure", is_layer_pure, "scan_layers")
+        _check_call(layers, inputs, broadcast_kwargs)
+        if not layers:
+            return _as_output(inputs)
+        # torch.export keeps the per-call stack: its program then lifts the layers' registered parameters
+        stacked = None if _compat.is_exporting() else stacked_storage(container)
+        # stacked storage was checked for identical structure when made: layer 0's state suffices here
+        states = layer_states(layers) if stacked is None else [layer_state(layers[0], "", {})]
+    except ScanError as e:
+        surface(e)
     dynamo = _compat.is_dynamo_compiling()
-    # torch.export keeps the per-call stack: its program then lifts the layers' registered parameters
-    stacked = None if _compat.is_exporting() else stacked_storage(container)
     token = None if stacked is None else container_token(container)
-    # stacked storage was checked for identical structure when made: layer 0's state suffices here
-    states = layer_states(layers) if stacked is None else [layer_state(layers[0], "", {})]
     flat_inputs = [t for t in flatten((inputs, broadcast_kwargs))[0] if isinstance(t, torch.Tensor)]
     trained_stacks = stacked is not None and container.grads_mode == "stacked"
     over_rows = False  # eager, over the stacks' rows: hooks and running stats already ruled out

@@ -264,6 +264,22 @@ def compile_error(message, real_stack=None):
     return _ScanCompileError(message, real_stack)
 
 
+@torch.compiler.assume_constant_result  # Dynamo calls it in Python while tracing: its raise is real
+def _raise_compile_error(message):
+    raise compile_error(message)
+
+
+def surface(e):
+    """Re-raise ScanError ``e`` so that torch.compile(fullgraph=True) shows it. A ScanError raised
+    by traced Python (the front end's checks of init, xs, length, options) is an exception Dynamo
+    simulates; with no handler in the compiled function it became Dynamo's Unsupported "Observed
+    exception", our message left in its debug context. Raised from a function Dynamo runs in
+    Python, it is a real ScanError that Dynamo lets through. Outside Dynamo: ``e`` itself."""
+    if _compat.is_dynamo_compiling():
+        _raise_compile_error(e.args[0])
+    raise e
+
+
 def as_scan_error(e):
     """Dynamo's hard error for a graph break in the body, as a ScanError."""
     return e if isinstance(e, ScanError) else compile_error(e.msg, e.real_stack)
