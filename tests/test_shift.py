@@ -81,6 +81,7 @@ def test_dropout_is_rebuilt_from_its_saved_mask():
     ("x_slice", lambda c, x, w: (torch.tanh(c @ w) + x,)),  # and an x slice
     ("matmul", lambda c, x, w: ((torch.tanh(c @ w) @ w),)),  # costly: stays saved
     ("random", lambda c, x, w: (torch.tanh(c @ w) + torch.rand(4, 8),)),  # not saved: drawn again
+    ("as_strided", lambda c, x, w: (torch.tanh(c @ w).as_strided((4, 8), (1, 4)),)),  # reads the layout
 
 ])
 def test_not_rebuilt(name, body):
