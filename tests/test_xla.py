@@ -12,6 +12,7 @@ from torch_scan_hop import scan
 
 torch_xla = pytest.importorskip("torch_xla", reason="torch_xla is not installed: the XLA tests need the [xla] extra (torch 2.9)")
 import torch_xla.core.xla_model as xm  # noqa: E402
+from xla_util import assert_openxla_matches_eager  # noqa: E402
 
 DEV = torch_xla.device()
 D = torch.float32
@@ -369,16 +370,8 @@ def test_openxla_backend_uses_the_while_lowering_forward_and_training(monkeypatc
         c, ys = scan(lambda c, x: (torch.tanh(c @ w + x), c.sum(-1)), c0, xs, reverse=True)
         return c.sum() + ys.sum()
 
-    c0, xs = torch.zeros(2, 8), torch.randn(6, 2, 8)
-    want = loss(w_cpu, c0, xs)
-    (g_want,) = torch.autograd.grad(want, w_cpu)
-    torch._dynamo.reset()
-    w = w_cpu.detach().to(DEV).requires_grad_()
-    got = torch.compile(loss, backend="openxla")(w, c0.to(DEV), xs.to(DEV))
-    got.backward()
+    assert_openxla_matches_eager(loss, w_cpu, torch.zeros(2, 8), torch.randn(6, 2, 8))
     assert lowered  # the scan ran as our XLA While, not as an unrolled loop
-    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(w.grad.cpu(), g_want, atol=1e-5, rtol=1e-5)
 
 
 class _Round(torch.autograd.Function):

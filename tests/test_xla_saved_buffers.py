@@ -293,7 +293,7 @@ def test_rebuilt_carry_under_the_openxla_backend(monkeypatch):
 
     import torch_scan_hop.trace.shift as shift
     from torch_scan_hop import scan
-    from xla_util import DEV
+    from xla_util import assert_openxla_matches_eager
 
     rebuilt = []
     real = shift.rebuild_carries
@@ -305,13 +305,5 @@ def test_rebuilt_carry_under_the_openxla_backend(monkeypatch):
         c, ys = scan(lambda c, x: (torch.nn.functional.gelu(c @ w + x), c.sum(-1)), c0, xs, reverse=True)
         return c.sum() + ys.sum()
 
-    c0, xs = torch.zeros(4, 64), torch.randn(6, 4, 64)
-    want = loss(w_cpu, c0, xs)
-    (g_want,) = torch.autograd.grad(want, w_cpu)
-    torch._dynamo.reset()
-    w = w_cpu.detach().to(DEV).requires_grad_()
-    got = torch.compile(loss, backend="openxla")(w, c0.to(DEV), xs.to(DEV))
-    got.backward()
+    assert_openxla_matches_eager(loss, w_cpu, torch.zeros(4, 64), torch.randn(6, 4, 64))
     assert rebuilt
-    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(w.grad.cpu(), g_want, atol=1e-5, rtol=1e-5)

@@ -91,3 +91,16 @@ def run_isolated(code, timeout=300):
                PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
     return proc.returncode, proc.stdout + proc.stderr
+
+
+def assert_openxla_matches_eager(loss, w_cpu, c0, xs):
+    """``torch.compile(loss, backend="openxla")(w, c0, xs)`` on XLA == eager ``loss`` on the CPU,
+    value and gradient with respect to ``w``."""
+    want = loss(w_cpu, c0, xs)
+    (g_want,) = torch.autograd.grad(want, w_cpu)
+    torch._dynamo.reset()
+    w = w_cpu.detach().to(DEV).requires_grad_()
+    got = torch.compile(loss, backend="openxla")(w, c0.to(DEV), xs.to(DEV))
+    got.backward()
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w.grad.cpu(), g_want, atol=1e-5, rtol=1e-5)
