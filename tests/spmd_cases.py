@@ -191,6 +191,41 @@ def check_scan_layers_sharded_weights():
             assert spec(p.grad) == spec(p), (name, spec(p.grad), spec(p))
 
 
+def check_rebuilt_carry_in_sharded_layers():
+    """A GELU layer stack with weights sharded ("fsdp", "tensor") and a sharded input, one While:
+    each layer's saved input is rebuilt from the previous pre-activation (trace/shift.py) under
+    SPMD too; values, gradients and the gradients' shardings as the loop's."""
+    import torch_scan_hop.trace.shift as shift
+
+    rebuilt, real = [], shift.rebuild_carries
+    shift.rebuild_carries = lambda graph, shifts, *a: rebuilt.append(1) or real(graph, shifts, *a)
+    try:
+        torch.manual_seed(3)
+        make = lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())  # noqa: E731
+        cpu = torch.nn.ModuleList([make() for _ in range(4)])
+        model = torch.nn.ModuleList([make() for _ in range(4)])
+        model.load_state_dict(cpu.state_dict())
+        model = model.to(DEV)
+        for layer in model:
+            xs.mark_sharding(layer[0].weight, MESH, ("fsdp", "tensor"))
+        x = torch.randn(16, 64)
+        xd = on_xla(x, ("fsdp", None))
+        out = scan_layers(model, xd, unroll=1)
+        weighted_sum(out).backward()
+        want = cpu_x = x.clone().requires_grad_()
+        for layer in cpu:
+            want = layer(want)
+        weighted_sum(want).backward()
+        assert_trees_close(to_cpu((out, xd.grad)), (want, cpu_x.grad), atol=1e-5, rtol=1e-5)
+        for (name, p), (_, q) in zip(model.named_parameters(), cpu.named_parameters()):
+            torch.testing.assert_close(p.grad.cpu(), q.grad, atol=1e-5, rtol=1e-5)
+            if p.dim() == 2:
+                assert spec(p.grad) == spec(p), (name, spec(p.grad), spec(p))
+        assert rebuilt
+    finally:
+        shift.rebuild_carries = real
+
+
 def check_cumsum_output_shardings():
     """Sharded init and xs (1D mesh): the outputs come out sharded like them."""
     mesh = xs.get_1d_mesh("model")

@@ -55,6 +55,10 @@ def test_scan_layers_over_sharded_weights():
     spmd("check_scan_layers_sharded_weights")
 
 
+def test_rebuilt_carry_in_sharded_layers():
+    spmd("check_rebuilt_carry_in_sharded_layers")
+
+
 def test_scan_cumsum_outputs_sharded_like_inputs():
     spmd("check_cumsum_output_shardings")
 

@@ -122,12 +122,11 @@ def worth_it(carry):
 
 
 def use_shift(flat, unroll, length):
-    """Rebuild shifted carries on this call? On XLA's While, without SPMD (a gather
-    of a sharded stack is left to a later round)."""
+    """Rebuild shifted carries on this call? On XLA's While (SPMD included: the row is read
+    along the unsharded step dim)."""
     if not isinstance(length, int) or length < 2 or unroll >= length:
         return False  # straight-line code (unroll >= length) has no stacked buffers to save
-    on_xla = any(isinstance(t, torch.Tensor) and t.device.type == "xla" for t in flat)
-    return on_xla and not _compat.xla.spmd_active()
+    return any(isinstance(t, torch.Tensor) and t.device.type == "xla" for t in flat)
 
 
 def previous_rows(length, reverse, device):
