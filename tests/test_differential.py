@@ -87,6 +87,9 @@ REGRESSIONS = [
     # length 0: vmap refuses the body (a batched x slice into an unbatched one in place), which the
     # loop never runs there: eager, make_fx and compile must still give the empty ys
     ("func_vmap", 30001), ("func_vmap_make_fx", 30001), ("func_vmap_compile", 30001),
+    # XLA, unroll=3 over 7 steps: the last step's saved amax was 1 ulp off its saved input's maximum
+    # (two fusions of one expression), so amax's gradient found no maximum: now recomputed backward
+    ("xla", 300028),
 ]
 
 

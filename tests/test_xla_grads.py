@@ -203,3 +203,46 @@ def test_a_scan_under_anomaly_mode_matches_the_loop():
     with torch.autograd.set_detect_anomaly(True):
         assert_matches_loop(_linear(lambda c, w, b: torch.nn.functional.linear(c, w, b)), [W, BIAS], INIT, XS,
                             grad=True, atol=1e-4, rtol=1e-4)
+
+
+_EXTREMUM_XS = [[-0.1038, -0.5035], [-0.3825, -0.8972], [0.2187, 0.1114], [0.8624, -0.2886],
+                [-1.0426, 0.4791], [-0.4999, 0.1041], [-0.3595, -0.0585]]
+
+
+@pytest.mark.parametrize("reduce", ["amax", "amin", "max", "min"])
+@pytest.mark.parametrize("unroll", [1, 2, 3])
+def test_gradient_of_a_max_of_a_saved_value_in_unrolled_steps(reduce, unroll):
+    """Fuzz seed 300028 (xla): at the last step of 7 with unroll 2 or 3, XLA computed the saved
+    amax and its saved input in two fusions, 1 ulp apart; amax's gradient compares them exactly,
+    found no maximum, and that step's gradient was lost (6.3 off). The backward now recomputes
+    a saved max / min from its saved input (trace/peephole.recompute_saved_extrema)."""
+    init = torch.tensor([0.0606, 0.0940, 0.1413], dtype=torch.float64)
+    xs = torch.tensor(_EXTREMUM_XS, dtype=torch.float64)
+    sign = 1 if reduce in ("amax", "max") else -1
+
+    def body(carry, x):
+        v2 = x.unsqueeze(-1).expand(2, 3).sum(-1, keepdim=True) * 0.3 + carry.expand(2, 3)
+        return v2.mean(0) * 0.5, getattr(v2.abs() * sign, reduce)()
+
+    def grads(device, loop):
+        x = xs.clone().to(device).requires_grad_()
+        if loop:
+            c, ys = reference_scan(body, init, x)
+        else:
+            c, ys = scan(body, init.to(device), x, unroll=unroll)
+        w = torch.arange(1.0, 8.0, dtype=torch.float64).to(device)
+        return torch.autograd.grad(c.sum() + (ys * w).sum(), [x])[0].cpu()
+
+    torch.testing.assert_close(grads(DEV, False), grads("cpu", True), atol=1e-10, rtol=1e-10)
+
+
+def test_a_saved_max_is_recomputed_from_its_saved_input():
+    """The forward saves abs(v) (sgn's and amax's input) but not amax(abs(v)) beside it."""
+    from torch_scan_hop.trace.partition import partition_body
+
+    c, x = torch.randn(3), torch.randn(2)
+    fb = partition_body(lambda c, x: (c * 0.5, (x.unsqueeze(-1) + c).abs().amax()), [c], [x], [], [True, True])
+    (outs,) = fb.fwd.graph.find_nodes(op="output")[0].args
+    saved = outs[fb.num_carry + fb.num_y:]
+    assert not any(n.target is torch.ops.aten.amax.default for n in saved), saved
+    assert any(n.target is torch.ops.aten.amax.default for n in fb.bwd.graph.nodes)

@@ -21,7 +21,7 @@ import torch
 from .. import _compat
 from .graph import trace_graph
 from .joint import flags_and_joint
-from .peephole import drop_aliases, save_dense_layouts, simplify
+from .peephole import drop_aliases, recompute_saved_extrema, save_dense_layouts, simplify
 from .remat import drop_names, partition_fn
 
 
@@ -375,6 +375,7 @@ def partition_step(step: JointStep, remat="save_all") -> FwdBwd:
     fwd, bwd = _inline_constant_saves(fwd, bwd, num_out)
     fwd, bwd = simplify(drop_names(fwd), keep_detach=True), simplify(drop_names(bwd))
     fwd, bwd = _dedupe_saves(fwd, bwd, num_out)
+    fwd, bwd = recompute_saved_extrema(fwd, bwd, num_out)
     fwd, bwd = save_dense_layouts(fwd, bwd, num_out)
     return FwdBwd(
         fwd=fwd, bwd=bwd, num_carry=num_carry, num_x=num_x, num_lifted=step.num_lifted,

@@ -138,3 +138,45 @@ def _save_dense_layouts(fwd, bwd, num_outputs):
         for gm in (fwd, bwd):
             gm.recompile()
     return fwd, bwd
+
+
+_EXTREMA = (aten.amax.default, aten.amin.default, aten.max.default, aten.min.default)
+
+
+def _is_extremum(node):
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _EXTREMA \
+        and bool(node.args)
+
+
+def recompute_saved_extrema(fwd, bwd, num_outputs):
+    """A saved max / min (``amax``, ``amin``, full ``max`` / ``min``) whose input is saved too is
+    recomputed in the backward from that saved input. Their gradient finds the input's maxima
+    by exact equality with the result (``eq(self, result)``, then a count). Inside XLA's While
+    the two saved values could come from separately fused copies of the same expression, one
+    rounded differently: at the last step of an unrolled scan the saved amax was 1 ulp off every
+    element of its saved input, the count 0, and the step's gradient lost. Recomputed from the
+    saved input, the result is one of its elements. Expects ``saved i is backward input i``."""
+    fwd_out = fwd.graph.find_nodes(op="output")[0]
+    (outs,) = fwd_out.args
+    saved = list(outs[num_outputs:])
+    inputs = list(bwd.graph.find_nodes(op="placeholder"))[:len(saved)]
+    placeholder_of = dict(zip(saved, inputs))
+    drop = [i for i, node in enumerate(saved) if _is_extremum(node) and node.args[0] in placeholder_of
+            and not _is_extremum(node.args[0])]  # (whose own placeholder stays)
+    if not drop:
+        return fwd, bwd
+    last = list(bwd.graph.find_nodes(op="placeholder"))[-1]  # the new nodes after every input
+    for i in drop:
+        node, ph = saved[i], inputs[i]
+        with bwd.graph.inserting_after(last):
+            again = bwd.graph.call_function(node.target, (placeholder_of[node.args[0]], *node.args[1:]),
+                                            dict(node.kwargs))
+        again.meta = dict(ph.meta)
+        ph.replace_all_uses_with(again)
+        bwd.graph.erase_node(ph)
+        last = again
+    fwd_out.args = (tuple(outs[:num_outputs]) + tuple(n for i, n in enumerate(saved) if i not in drop),)
+    for gm in (fwd, bwd):
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return fwd, bwd
