@@ -450,3 +450,13 @@ def test_ops_xla_cannot_run_in_a_while_are_clear_errors_not_crashes():
     body = lambda c, x: (c + x[0, 0], torch.logdet(c @ c.T + torch.eye(3, dtype=c.dtype, device=c.device)))  # noqa: E731
     with pytest.raises(torch_scan_hop.ScanError, match=r"backward of aten::logdet"):
         scan(body, c0, torch.ones(4, 3, 3, dtype=torch.float64, device=DEV))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_body_with_no_carry_and_no_y(grad):
+    """Every leaf of the carry and of y None: nothing to return. Building the While for it raised
+    torch_xla's "No XlaOp with handle 0" (fuzz seeds 400009, 400085); it returns the Nones, as the loop."""
+    w = torch.randn(3, 3).to(DEV).requires_grad_(grad)
+    xs = torch.randn(4, 2, 3).to(DEV).requires_grad_(grad)
+    carry, ys = scan(lambda c, x: ({"h": None}, None) if (x @ w).sum() is not None else None, {"h": None}, xs)
+    assert carry == {"h": None} and ys is None

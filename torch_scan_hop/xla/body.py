@@ -261,12 +261,15 @@ def as_aten_graph(body, init, xs, additional_inputs):
     return trace_graph(body, examples)
 
 
-def lower_body(combine_fn, init, xs, additional_inputs) -> BodyHlo:
-    """Stage out one step of ``combine_fn`` as HLO (nothing runs on the device)."""
+def lower_body(combine_fn, init, xs, additional_inputs):
+    """Stage out one step of ``combine_fn`` as HLO (nothing runs on the device); None for a
+    step with no output at all."""
     combine_fn = as_aten_graph(combine_fn, init, xs, additional_inputs)
     check_runs_on_xla(combine_fn)
     combine_fn = keep_on_device(combine_fn)
     groups, outs = _run_on_placeholders(combine_fn, init, xs, additional_inputs)
+    if not outs:
+        return None  # no carry and no y (every leaf None): XLA has no computation to build
     ctx = _compat.xla.lowering_context("scan_body")
     ctx.build(outs)
     params, hoisted, uses_seed = _param_sources(ctx, groups, outs, len(xs), len(additional_inputs))

@@ -50,6 +50,8 @@ def _hlo_scan():
 
 def _lower(combine_fn, init, xs, additional_inputs, reverse, unroll):
     body = lower_body(combine_fn, init, xs, additional_inputs)
+    if body is None:  # nothing to return: the loop's steps have no visible effect
+        return LoweredScan(None, [], [], False)
     length = int(xs[0].shape[0])
     xs_shapes = [_shape(x.dtype, x.shape) for x in xs]
     if body.uses_seed:
@@ -97,6 +99,8 @@ def scan_on_xla(combine_fn, init, xs, additional_inputs, reverse, unroll):
     device = xla_device([*init, *xs, *additional_inputs])
     init, xs, additional_inputs = (on_device(group, device) for group in (init, xs, additional_inputs))
     lowered = lowered_scan(combine_fn, init, xs, tuple(additional_inputs), reverse, unroll)
+    if lowered.computation is None:
+        return []  # a body with no carry and no y (every leaf None) returns nothing
     length = xs[0].shape[0]
     seeds = []
     if lowered.uses_seed:
