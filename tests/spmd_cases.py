@@ -174,11 +174,12 @@ def _sharded_layers(n, d=16, dtype=torch.float32):
     return cpu, model
 
 
-def check_scan_layers_sharded_weights():
-    cpu, model = _sharded_layers(4)
-    x = torch.randn(8, 16)
+def _check_sharded_stack_step(cpu, model, x, **options):
+    """scan_layers(model, x sharded ("fsdp", None), **options), a weighted-sum backward: output,
+    input and weight gradients as the loop's over ``cpu``, each 2-d weight's gradient sharded
+    like the weight."""
     xd = on_xla(x, ("fsdp", None))
-    out = scan_layers(model, xd)
+    out = scan_layers(model, xd, **options)
     weighted_sum(out).backward()
     want = cpu_x = x.clone().requires_grad_()
     for layer in cpu:
@@ -189,6 +190,11 @@ def check_scan_layers_sharded_weights():
         torch.testing.assert_close(p.grad.cpu(), q.grad, atol=1e-5, rtol=1e-5)
         if p.dim() == 2:
             assert spec(p.grad) == spec(p), (name, spec(p.grad), spec(p))
+
+
+def check_scan_layers_sharded_weights():
+    cpu, model = _sharded_layers(4)
+    _check_sharded_stack_step(cpu, model, torch.randn(8, 16))
 
 
 def check_rebuilt_carry_in_sharded_layers():
@@ -208,19 +214,7 @@ def check_rebuilt_carry_in_sharded_layers():
         model = model.to(DEV)
         for layer in model:
             xs.mark_sharding(layer[0].weight, MESH, ("fsdp", "tensor"))
-        x = torch.randn(16, 64)
-        xd = on_xla(x, ("fsdp", None))
-        out = scan_layers(model, xd, unroll=1)
-        weighted_sum(out).backward()
-        want = cpu_x = x.clone().requires_grad_()
-        for layer in cpu:
-            want = layer(want)
-        weighted_sum(want).backward()
-        assert_trees_close(to_cpu((out, xd.grad)), (want, cpu_x.grad), atol=1e-5, rtol=1e-5)
-        for (name, p), (_, q) in zip(model.named_parameters(), cpu.named_parameters()):
-            torch.testing.assert_close(p.grad.cpu(), q.grad, atol=1e-5, rtol=1e-5)
-            if p.dim() == 2:
-                assert spec(p.grad) == spec(p), (name, spec(p.grad), spec(p))
+        _check_sharded_stack_step(cpu, model, torch.randn(16, 64), unroll=1)
         assert rebuilt
     finally:
         shift.rebuild_carries = real

@@ -79,13 +79,10 @@ class ScanGradPlan:
         # the backward scan needs an xs even when no value is per step (c * 2 + x)
         self.length_only = not (self.step_saved or self.x_needed or self.y_grad)
 
+        # positions in step_saved of the stacks the shifted carries are rebuilt from
+        self.stacked_leaves = sorted({self.step_saved.index(leaf) for s in self.shifts for leaf in s.leaves})
         self.bwd_step = mark_functional(_bwd_step_graph(self))
         self._shifted = None if shifts else ()
-
-    @property
-    def stacked_leaves(self):
-        """Positions in ``step_saved`` of the stacks the shifted carries are rebuilt from."""
-        return sorted({self.step_saved.index(leaf) for s in self.shifts for leaf in s.leaves})
 
     def shifted(self):
         """This plan with its shiftable saved carries rebuilt (None if there is none)."""

@@ -15,8 +15,9 @@ step writes a row, the backward copies it out for its dot. The ``g`` it adds is
 one fused pass that replaces that copy. jax.lax.scan shows the same on a stack
 of Linear + GELU layers: 8-10% per training step.
 
-Used where it pays and is checked: the While lowering on XLA without SPMD
-(``use_shift``); make_fx and inductor keep every saved carry.
+Used where it pays and is checked: the While lowering on XLA, SPMD included, for
+rows of at least 1 KiB (``use_shift``, ``worth_it``); make_fx and inductor keep
+every saved carry.
 """
 import dataclasses
 from typing import List
@@ -52,9 +53,9 @@ def _cheap(node):
 
 
 def _recipe_nodes(out, leaf_of, lifted_of):
-    """The nodes between the saved leaves / lifted inputs and ``out``, in graph
-    order, or None where ``out`` needs anything else (a carry, an x slice, a
-    costly or random op)."""
+    """The nodes between the saved leaves / lifted inputs and ``out`` (a set in
+    the walk's order; ``_build_recipe`` copies them in graph order), or None where
+    ``out`` needs anything else (a carry, an x slice, a costly or random op)."""
     found, stack = {}, [out]
     while stack:
         node = stack.pop()
@@ -126,7 +127,7 @@ def use_shift(flat, unroll, length):
     along the unsharded step dim)."""
     if not isinstance(length, int) or length < 2 or unroll >= length:
         return False  # straight-line code (unroll >= length) has no stacked buffers to save
-    return any(isinstance(t, torch.Tensor) and t.device.type == "xla" for t in flat)
+    return _compat.on_xla([t for t in flat if isinstance(t, torch.Tensor)])  # (flat may hold SymInts)
 
 
 def previous_rows(length, reverse, device):
