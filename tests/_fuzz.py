@@ -206,14 +206,17 @@ class _BodyWriter:
     def pick(self):
         return self.rng.choice(self.floats[-3:] if self.rng.random() < 0.7 else self.floats)
 
+    # Comparisons cut at 0.0123, not 0: bodies make exact zeros by structure (a layer_norm row's
+    # sum or middle entry, a cancelling difference), whose sign is then rounding, and XLA, inductor
+    # and eager round differently. No op makes 0.0123 exactly.
     def op(self):
         r, a, b, c = self.rng, self.pick(), self.pick(), self.pick()
         ops = ["torch.tanh({a})", "torch.sigmoid({a})", "{a} + {b}", "{a} * {b}", "{a} * 0.5 - 0.25",
                "{a}.sum(-1, keepdim=True) * 0.3 + {b}", "{a}.mean(0, keepdim=True).expand(2, 3)",
-               "torch.where({a} > 0, {b}, {c})", "torch.cat([{a}, {b}], -1)[:, 1:4]",
+               "torch.where({a} > 0.0123, {b}, {c})", "torch.cat([{a}, {b}], -1)[:, 1:4]",
                "torch.stack([{a}, {b}]).sum(0)", "{a}[:, %s]" % r.sample(range(3), 3), "{a}.flip(-1)",
                "{a}.roll(1, 0)", "{a}.to(torch.%s).to(%s)" % (r.choice(["float64", "float32"]), self.dt()),
-               "({a} > 0).to(%s) * {b}" % self.dt(), "torch.softmax({a}, -1)", "{a}.detach() * {b}",
+               "({a} > 0.0123).to(%s) * {b}" % self.dt(), "torch.softmax({a}, -1)", "{a}.detach() * {b}",
                "{a}.clone().mul_({b})", "{a} * torch.arange(3, dtype=%s, device={a}.device)" % self.dt(),
                "{a}.t().t() * {b}", "torch.cat(torch.split({a}, [1, 2], -1)[::-1], -1)",
                "torch.einsum('bd->db', {a}).T + torch.einsum('bd,de->be', {b}, {c}.T @ {a})",
@@ -295,18 +298,18 @@ class _BodyWriter:
             if r.random() < 0.12:
                 return path  # passed through unchanged
             if leaf.kind == "int":
-                return r.choice([f"{path} + 1", f"{path} + ({a} > 0).sum()"]
+                return r.choice([f"{path} + 1", f"{path} + ({a} > 0.0123).sum()"]
                                 + [f"{path} + {i}.sum()" for i in self.ints])
             if leaf.kind == "bool":
-                return r.choice([f"{path} | ({a}.sum() > 0)", f"~{path}"])
+                return r.choice([f"{path} | ({a}.sum() > 0.0123)", f"~{path}"])
             return {(B, D): "torch.tanh({})", (D,): "torch.tanh({}).mean(0)", (): "torch.tanh({}).mean()",
                     (B,): "torch.tanh({}).mean(-1)"}[leaf.shape].format(a)
         return out
 
     def y_leaf(self):
         r, a = self.rng, self.pick()
-        choices = [f"{a}", f"{a}.sum(-1)", f"{a}.mean()", f"{a}.mean(0)", f"({a} > 0).sum(-1)",
-                   f"{a}.argmax(-1)", f"{a}[:, 0] > 0"]
+        choices = [f"{a}", f"{a}.sum(-1)", f"{a}.mean()", f"{a}.mean(0)", f"({a} > 0.0123).sum(-1)",
+                   f"{a}.argmax(-1)", f"{a}[:, 0] > 0.0123"]
         choices += self.x_paths + [f"{path}" for path, _ in leaf_paths(self.p.carry, "carry")]
         choices += [f"{n}.sum(0) * 2" for n, *_ in self.p.closures]
         return r.choice(choices)
