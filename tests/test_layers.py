@@ -134,6 +134,48 @@ def test_layer_methods_may_call_super(mode):
     assert_trees_close(run(h), run_loop(layers, h))
 
 
+class WrapsForwardInSubclasses(torch.nn.Module):
+    """transformers 5's GradientCheckpointingLayer: every subclass's forward is wrapped, and
+    the wrapper asks ``type(self).forward is wrapper`` (is it the outermost one?)."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        forward = cls.forward
+
+        @functools.wraps(forward)
+        def outermost_only(self, *args, **kwargs):
+            scale = 2.0 if type(self).forward is outermost_only else 1.0  # eager: the layer's own class
+            return forward(self, *args, **kwargs) * scale
+
+        cls.forward = outermost_only
+
+
+class WrappedLayer(WrapsForwardInSubclasses):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, h):
+        return torch.tanh(self.lin(h))
+
+
+@pytest.mark.parametrize("mode", ["compile", "make_fx"])
+def test_layer_code_reading_type_self_forward(mode):
+    """Traced, the layer's code runs on a view of layer 0, whose type is not the layer's class:
+    ``type(self).forward`` must still resolve (it raised AttributeError), and it is not the
+    layer class's function, so such a wrapper runs as an inner one (transformers then leaves
+    checkpointing to the scan's remat)."""
+    layers = torch.nn.ModuleList([WrappedLayer() for _ in range(3)])
+    h = torch.randn(2, 3)
+    want = h
+    for layer in layers:
+        want = type(layer).forward.__wrapped__(layer, want)  # the inner forward, as traced
+    fn = lambda h: scan_layers(layers, h)  # noqa: E731
+    torch._dynamo.reset()
+    run = torch.compile(fn, backend="aot_eager", fullgraph=True) if mode == "compile" else make_fx(fn)(h)
+    assert_trees_close(run(h), want)
+
+
 @pytest.mark.parametrize("mode", ["eager", "compile", "make_fx"])
 def test_layers_that_differ_in_a_plain_attribute_the_body_reads(mode):
     """Eager runs each real layer (the loop is right); a traced stack runs layer
