@@ -21,6 +21,7 @@ Nothing else in torch_scan_hop imports a private torch name
 - ``defects``: the mechanics of the torch 2.9 workarounds (an inductor IR patch, a fake rule);
 - ``nn``: ``nn.Module`` internals (state dicts, hooks);
 - ``distributed``: FSDP2's hooks and policies (scan_layers over ``fully_shard`` layers);
+- ``transformers``: Hugging Face transformers' output-capturing hooks (which of them are inert);
 - ``xla``: ``torch_xla._XLAC`` and torch_xla's private ops.
 
 - ``dynamo``: the Dynamo internals of op.dynamo's VariableTracker.
@@ -45,6 +46,7 @@ from . import (  # noqa: F401
     loop_blas,
     nn,
     tracing,
+    transformers,
     wrapper_text,
     xla,
 )

@@ -190,6 +190,14 @@ def hook_guards_skipped():
 
 # --- guards installed by hand (stacked storage's parameter check) -------------------------
 
+@functools.lru_cache(maxsize=None)
+def guards_context_vars():
+    """Dynamo traces ``ContextVar.get`` with a guard on its value (torch >= 2.15:
+    ``ContextVarGetSource``); before, the call is a graph break."""
+    import torch._dynamo.source as source
+    return hasattr(source, "ContextVarGetSource")
+
+
 def module_and_source(var):
     """``(module, source)`` for a tracker of an nn.Module Dynamo reached through a
     source (an argument, an attribute), else None (2.9-2.14: Unspecialized/NNModuleVariable

@@ -47,10 +47,13 @@ def differentiates_stacks(container, layers):
 
 def check_no_hooks(layers):
     """A traced scan runs the layers' code, not their ``__call__``: hooks would
-    silently not run, so they are refused (eager runs them: it is the loop)."""
-    message = _hooks_message(layers)
+    silently not run, so they are refused (eager runs them: it is the loop).
+    transformers' output-capturing hooks pass while they are inert (their key not
+    being collected now), as they would return at once in the loop too."""
+    message, keys = _traced_hooks(layers)
     if message:
         raise ScanError(message)
+    check_not_collecting(keys)
 
 
 def check_no_hooks_traced(layers, token):
@@ -59,39 +62,79 @@ def check_no_hooks_traced(layers, token):
     added after compiling is not seen, for a compiled loop as well), so the
     check is made once, in Python, when the body is traced: walking every
     layer's modules in traced code made the trace grow with depth (~1.5 s from
-    8 to 64 layers). Needs a stacked container (its token finds the layers)."""
-    if token is None or not _compat.dynamo.hook_guards_skipped() or not _hook_free_when_traced(token):
+    8 to 64 layers). Needs a stacked container (its token finds the layers).
+    Whether transformers collects outputs is read in traced code: it changes
+    from call to call (a guard), the hooks do not."""
+    keys = None
+    if token is not None and _compat.dynamo.hook_guards_skipped():
+        keys = _capture_keys_when_traced(token)
+    if keys is None:
         check_no_hooks(layers)  # traced: raises the ScanError naming the hooked layer
+    else:
+        check_not_collecting(keys)
 
 
 @torch.compiler.assume_constant_result  # runs in Python when traced; the token is guarded, the result not
-def _hook_free_when_traced(token):
-    return _hooks_message(list(container_of(token))) is None
+def _capture_keys_when_traced(token):
+    """The inert-when-idle capture hooks' keys of the token's layers, None if any other hook."""
+    message, keys = _traced_hooks(list(container_of(token)))
+    return None if message else keys
+
+
+def check_not_collecting(keys):
+    """A transformers model collecting, now, an output its layers' capture hooks record: the
+    traced scan would leave that output empty, so it is refused by name."""
+    collected = _compat.transformers.collected_keys(keys)
+    if collected is None:
+        raise ScanError(
+            f"scan_layers: the layers carry transformers' output-capturing hooks ({list(keys)}); under "
+            "torch.compile this torch (before 2.15) cannot read whether a model collects those outputs now, "
+            "so a compiled scan_layers could leave them empty. Compile the whole model (its forward then sets "
+            "what it collects where Dynamo reads it), use torch >= 2.15, or run the layers eagerly.")
+    if collected:
+        raise ScanError(
+            f"scan_layers: the transformers model running it collects {list(collected)} through forward hooks "
+            "on its layers (output_attentions / output_hidden_states / output_router_logits); a traced "
+            "scan_layers (torch.compile, export, XLA) does not run module hooks, so they would come back "
+            "empty. Call the model without those outputs, or run the layers eagerly.")
 
 
 def _hooks_message(layers):
+    """Why the layers cannot run without their hooks, counting every hook (eager: the stacks'
+    rows may only replace the layers' own calls when no hook would be skipped)."""
+    return _traced_hooks(layers, capture_ok=False)[0]
+
+
+def _traced_hooks(layers, capture_ok=True):
+    """(why the layers' hooks stop a traced scan or None, the keys of the transformers capture
+    hooks passed over: inert unless their model collects them, checked per call)."""
     if _compat.global_module_hooks_registered():
         return ("scan_layers: global nn.Module hooks are registered; a traced scan_layers "
-                "(torch.compile, export, XLA) does not run module hooks. Remove them or use a loop.")
+                "(torch.compile, export, XLA) does not run module hooks. Remove them or use a loop."), ()
+    keys = [] if capture_ok else None
     for i, layer in enumerate(layers):
-        name = _hooked_submodule(layer, "")
+        name = _hooked_submodule(layer, "", keys)
         if name is not None:
             where = f"layer {i}" + (f" ({name})" if name else "")
             return (f"scan_layers: {where} has module hooks; a traced scan_layers (torch.compile, "
                     "export, XLA) runs layer 0's code, not the modules' __call__, so hooks would not "
-                    "run. Remove them or use a Python loop.")
-    return None
+                    "run. Remove them or use a Python loop."), ()
+    return None, tuple(sorted(set(keys or ())))
 
 
-def _hooked_submodule(module, prefix):
+def _hooked_submodule(module, prefix, keys=None):
     """The dotted name of the first module in ``module``'s tree with hooks ("" for
-    itself), else None. A plain dict walk: Dynamo traces it once per layer, and the
-    ``named_modules`` generator cost several times more to trace at depth 64."""
+    itself), else None; with a ``keys`` list, transformers' capture hooks are passed
+    over and their keys added to it. A plain dict walk: Dynamo traces it once per
+    layer, and the ``named_modules`` generator cost several times more to trace at depth 64."""
     if _compat.nn.module_has_hooks(module) and not _compat.distributed.only_fsdp_hooks(module):
-        return prefix[:-1]  # FSDP2's hooks are done in the traced body (``layers.fsdp``)
+        found = None if keys is None else _compat.transformers.capture_keys(module)
+        if found is None:
+            return prefix[:-1]  # FSDP2's hooks are done in the traced body (``layers.fsdp``)
+        keys.extend(found)
     for name, sub in _compat.nn.child_modules(module).items():
         if sub is not None:
-            found = _hooked_submodule(sub, prefix + name + ".")
+            found = _hooked_submodule(sub, prefix + name + ".", keys)
             if found is not None:
                 return found
     return None
