@@ -208,7 +208,8 @@ class _BodyWriter:
 
     # Comparisons cut at 0.0123, not 0: bodies make exact zeros by structure (a layer_norm row's
     # sum or middle entry, a cancelling difference), whose sign is then rounding, and XLA, inductor
-    # and eager round differently. No op makes 0.0123 exactly.
+    # and eager round differently. No op makes 0.0123 exactly. For the same reason argmax ys
+    # break ties (a row of structural zeros) by position, 0.0123 apart.
     def op(self):
         r, a, b, c = self.rng, self.pick(), self.pick(), self.pick()
         ops = ["torch.tanh({a})", "torch.sigmoid({a})", "{a} + {b}", "{a} * {b}", "{a} * 0.5 - 0.25",
@@ -309,7 +310,7 @@ class _BodyWriter:
     def y_leaf(self):
         r, a = self.rng, self.pick()
         choices = [f"{a}", f"{a}.sum(-1)", f"{a}.mean()", f"{a}.mean(0)", f"({a} > 0.0123).sum(-1)",
-                   f"{a}.argmax(-1)", f"{a}[:, 0] > 0.0123"]
+                   f"({a} + 0.0123 * torch.arange(3, device={a}.device)).argmax(-1)", f"{a}[:, 0] > 0.0123"]
         choices += self.x_paths + [f"{path}" for path, _ in leaf_paths(self.p.carry, "carry")]
         choices += [f"{n}.sum(0) * 2" for n, *_ in self.p.closures]
         return r.choice(choices)
