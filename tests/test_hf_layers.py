@@ -371,6 +371,12 @@ def _collecting(keys):
     return output_capturing._active_collector, {k: [] for k in keys}
 
 
+def _collecting(keys):
+    """transformers 5's collector as a model's forward sets it around its layers' loop."""
+    from transformers.utils import output_capturing
+    return output_capturing._active_collector, {k: [] for k in keys}
+
+
 class Collecting(torch.nn.Module):
     """What transformers 5's ``capture_outputs`` does around a model's forward: the collector
     of ``keys`` set (compiled: in a plain attribute Dynamo reads) while the stack runs."""
@@ -389,45 +395,98 @@ class Collecting(torch.nn.Module):
             var.reset(token)
 
 
+class Collecting(torch.nn.Module):
+    """What transformers 5's ``capture_outputs`` does around a model's forward: the collector
+    of ``keys`` set (compiled: in a plain attribute Dynamo reads) while the stack runs, and
+    what it collected returned with the stack's output."""
+
+    def __init__(self, stack, keys):
+        super().__init__()
+        self.stack, self.keys = stack, keys
+
+    def forward(self, *inputs):
+        var, collector = _collecting(self.keys)
+        token = var.set(collector)
+        try:
+            out = tuple(s(*i) for s, i in zip(self.stack, inputs)) if isinstance(
+                self.stack, torch.nn.ModuleList) else self.stack(*inputs)
+        finally:
+            var.reset(token)
+        return out if not self.keys else (out, tuple(tuple(collector[k]) for k in self.keys))
+
+
 @pytest.mark.skipif(not V5, reason="transformers 4 has no output-capturing hooks: its layers return "
                     "their attentions (test_eager, test_export)")
-@pytest.mark.parametrize("name", ["gpt2", "bart"])
+@pytest.mark.parametrize("name", ["gpt2", "bart", "qwen2_moe"])
 def test_capture_hooks(name):
-    """The model's first call with output_attentions installed forward hooks on every layer.
-    Idle (no model collecting), a traced scan_layers runs (test_export, test_inductor: built
-    the same way); while the model collects, eager scan_layers is the loop and its hooks
-    record what the model's own run records, and a traced one is a ScanError naming the
-    outputs it would leave empty."""
+    """The model's first call asking for attentions (router logits) installed forward hooks on
+    every layer and attention module, which record while a model collects. Eager scan_layers
+    is the loop, hooks and all; traced, the body records what each collecting hook is given
+    and the hooks run after the scan, layer by layer: the model's lists come out as the
+    loop's (values and gradients through them), under export, compile and compiled whole."""
     stack, inputs, (_, own) = build(name)
     assert any(len(m._forward_hooks) for m in stack.layers.modules())
-    want = value_and_grads(stack, stack.loop, fresh(inputs))
-    for keys in ([], ["attentions"]):  # as a model compiled whole sets its collector: Dynamo reads it
+    keys = {"gpt2": ["attentions", "hidden_states"], "bart": ["attentions", "cross_attentions"],
+            "qwen2_moe": ["router_logits"]}[name]
+    model = Collecting(stack, keys)
+    loop = Collecting(Loop(stack), keys)
+    with torch.no_grad():
+        (_, got) = model(*inputs)
+    for k, o in zip(keys, own if name != "gpt2" else own + (None,)):
+        if o is not None:
+            assert_trees_close(got[keys.index(k)], tuple(o), **TOL)  # eager: the model's own outputs
+    want = value_and_grads(loop, loop, fresh(inputs))
+    ep = torch.export.export(model, pytree.tree_map(torch.Tensor.detach, inputs))
+    with torch.no_grad():
+        assert_trees_close(ep.module()(*fresh(inputs)), want[0], **TOL)
+    if name != "qwen2_moe":  # routing under compile: test_moe_experts_traced
         torch._dynamo.reset()
-        whole = torch.compile(Collecting(stack, keys), backend="aot_eager")
-        if keys:
-            with pytest.raises(ScanError, match=r"collects \['attentions'\]"):
-                whole(*inputs)
-        else:
-            assert_trees_close(value_and_grads(stack, whole, inputs), want, **TOL)
-    torch._dynamo.reset()
-    compiled = torch.compile(stack, backend="aot_eager")
-    if not _compat.dynamo.guards_context_vars():  # alone, the collector is a ContextVar
-        with pytest.raises(ScanError, match="cannot read whether a model collects"):
-            compiled(*inputs)
-        return
-    got = value_and_grads(stack, compiled, inputs)  # idle: compiled, no hook would have run
-    assert_trees_close(got, want, **TOL)
-    var, collector = _collecting(["attentions"] + (["cross_attentions"] if name == "bart" else []))
-    token = var.set(collector)
-    try:
-        with torch.no_grad():
-            stack(*inputs)
-        assert_trees_close(tuple(collector["attentions"]), own[0], **TOL)
-        if name == "bart":
-            assert_trees_close(tuple(collector["cross_attentions"]), own[1], **TOL)
-        with pytest.raises(ScanError, match=r"collects \['attentions'"):
-            torch.export.export(stack, pytree.tree_map(torch.Tensor.detach, inputs))
-        with pytest.raises(ScanError, match=r"collects \['attentions'"):
+        assert_trees_close(value_and_grads(model, torch.compile(model, backend="aot_eager"), inputs), want, **TOL)
+    if _compat.dynamo.guards_context_vars():  # alone, the collector is a ContextVar: read and guarded
+        torch._dynamo.reset()
+        compiled = torch.compile(stack, backend="aot_eager")
+        idle = value_and_grads(stack, compiled, inputs)
+        assert_trees_close(idle, value_and_grads(stack, stack.loop, fresh(inputs)), **TOL)
+        var, collector = _collecting(keys)
+        token = var.set(collector)
+        try:
             compiled(*fresh(inputs))  # the same compiled function: not the idle graph again
-    finally:
-        var.reset(token)
+        finally:
+            var.reset(token)
+        assert_trees_close(tuple(tuple(collector[k]) for k in keys), want[0][1], **TOL)
+    else:
+        torch._dynamo.reset()
+        with pytest.raises(ScanError, match="cannot read whether a model collects"):
+            torch.compile(stack, backend="aot_eager")(*inputs)
+
+
+class Loop(torch.nn.Module):
+    def __init__(self, stack):
+        super().__init__()
+        self.stack = stack
+
+    def forward(self, *inputs):
+        return self.stack.loop(*inputs)
+
+
+@pytest.mark.skipif(not V5, reason="transformers 4 has no output-capturing hooks")
+def test_capture_hooks_xla():
+    pytest.importorskip("torch_xla", reason="torch_xla is not installed")
+    _isolated.call("test_hf_layers", "check_capture_xla", "gpt2")  # in a child interpreter
+
+
+def check_capture_xla(name):
+    """test_capture_hooks on XLA: attentions and hidden states collected through a traced
+    scan_layers (one While or straight-line), values and gradients as the loop's on the CPU."""
+    import torch_xla
+    dev = torch_xla.device()
+    stack, inputs, _ = build(name)
+    keys = ["attentions", "hidden_states"]
+    loop = Collecting(Loop(stack), keys)
+    want = value_and_grads(loop, loop, fresh(inputs))
+    model = Collecting(copy.deepcopy(stack).to(dev), keys)
+    inputs = pytree.tree_map(lambda t: t.detach().to(dev).requires_grad_(t.requires_grad), inputs)
+    got = value_and_grads(model, model, inputs)
+    torch_xla.sync()
+    assert len(got[0][1][0]) == len(stack.layers) and len(got[0][1][1]) == len(stack.layers) + 1
+    assert_trees_close(pytree.tree_map(lambda t: t if t is None else t.detach().cpu(), got), want, **TOL)

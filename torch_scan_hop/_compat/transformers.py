@@ -14,6 +14,8 @@ transformers' private names, kept in this one file.
 """
 import sys
 
+import torch
+
 from . import dispatch, dynamo
 
 _HOOK_MODULE = "transformers.utils.output_capturing"
@@ -25,10 +27,23 @@ def is_capture_hook(hook):
     return getattr(hook, "__module__", None) == _HOOK_MODULE and getattr(hook, "__name__", None) == _HOOK_NAME
 
 
-def capture_key(hook):
+@torch.compiler.assume_constant_result  # Dynamo: read in Python (reading a closure cell in traced code
+def capture_key(hook):                   # made Dynamo fail to inline the hook later: "Expected CellVariable")
     """The output a capture hook records ("attentions", "hidden_states", ...): its closure's ``key``."""
     names = hook.__code__.co_freevars
     return hook.__closure__[names.index("key")].cell_contents if "key" in names else None
+
+
+@torch.compiler.assume_constant_result  # as capture_key
+def capture_index(hook):
+    """Which element of a tuple output a capture hook records (its closure's ``index``)."""
+    names = hook.__code__.co_freevars
+    return hook.__closure__[names.index("index")].cell_contents if "index" in names else 0
+
+
+def capture_hooks(module):
+    """``module``'s capture hooks, in the order they run."""
+    return [h for h in module._forward_hooks.values() if is_capture_hook(h)]
 
 
 def capture_keys(module):

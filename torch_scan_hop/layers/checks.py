@@ -48,12 +48,12 @@ def differentiates_stacks(container, layers):
 def check_no_hooks(layers):
     """A traced scan runs the layers' code, not their ``__call__``: hooks would
     silently not run, so they are refused (eager runs them: it is the loop).
-    transformers' output-capturing hooks pass while they are inert (their key not
-    being collected now), as they would return at once in the loop too."""
+    transformers' output-capturing hooks pass: returns the keys of theirs that a model
+    collects now, which the traced body then records (``layers.capture``)."""
     message, keys = _traced_hooks(layers)
     if message:
         raise ScanError(message)
-    check_not_collecting(keys)
+    return collected_now(keys)
 
 
 def check_no_hooks_traced(layers, token):
@@ -69,9 +69,8 @@ def check_no_hooks_traced(layers, token):
     if token is not None and _compat.dynamo.hook_guards_skipped():
         keys = _capture_keys_when_traced(token)
     if keys is None:
-        check_no_hooks(layers)  # traced: raises the ScanError naming the hooked layer
-    else:
-        check_not_collecting(keys)
+        return check_no_hooks(layers)  # traced: raises the ScanError naming the hooked layer
+    return collected_now(keys)
 
 
 @torch.compiler.assume_constant_result  # runs in Python when traced; the token is guarded, the result not
@@ -81,9 +80,8 @@ def _capture_keys_when_traced(token):
     return None if message else keys
 
 
-def check_not_collecting(keys):
-    """A transformers model collecting, now, an output its layers' capture hooks record: the
-    traced scan would leave that output empty, so it is refused by name."""
+def collected_now(keys):
+    """Which of the layers' capture hook ``keys`` a transformers model collects now."""
     collected = _compat.transformers.collected_keys(keys)
     if collected is None:
         raise ScanError(
@@ -91,12 +89,7 @@ def check_not_collecting(keys):
             "torch.compile this torch (before 2.15) cannot read whether a model collects those outputs now, "
             "so a compiled scan_layers could leave them empty. Compile the whole model (its forward then sets "
             "what it collects where Dynamo reads it), use torch >= 2.15, or run the layers eagerly.")
-    if collected:
-        raise ScanError(
-            f"scan_layers: the transformers model running it collects {list(collected)} through forward hooks "
-            "on its layers (output_attentions / output_hidden_states / output_router_logits); a traced "
-            "scan_layers (torch.compile, export, XLA) does not run module hooks, so they would come back "
-            "empty. Call the model without those outputs, or run the layers eagerly.")
+    return collected
 
 
 def _hooks_message(layers):

@@ -29,6 +29,7 @@ from ..core.torch_xla_keywords import remat_with_torch_xla_keywords
 from ..core.trees import ScanError, flatten
 from ..op.dynamo import surface
 from ..op.loop import remat_step
+from .capture import StepRecords, capture_plan, replay
 from .checks import (
     check_no_hooks,
     check_no_hooks_traced,
@@ -131,11 +132,12 @@ class _LayerView:
     Dynamo can trace (it cannot enumerate a module's ``__dict__``).
     """
 
-    def __init__(self, module, state, prefix="", peers=(), checked=None, parent=None):
+    def __init__(self, module, state, prefix="", peers=(), checked=None, parent=None, recorder=None):
         # names no module attribute is likely to have: the view answers these itself
         self._view_m, self._view_state, self._view_prefix = module, state, prefix
         self._view_peers, self._view_parent = peers, parent
         self._view_checked = {} if checked is None else checked  # names compared with the peers, whole tree
+        self._view_recorder = recorder  # capture.StepRecords while a transformers model collects, else None
 
     def __getattr__(self, name):
         d = self.__dict__
@@ -148,7 +150,7 @@ class _LayerView:
         if name in children:
             sub = children[name]  # its peers are found when it first reads a plain attribute
             return None if sub is None else view_of(
-                sub, state, prefix + name + ".", None, d["_view_checked"], (d, name))
+                sub, state, prefix + name + ".", None, d["_view_checked"], (d, name), d["_view_recorder"])
         if name == "_modules":  # torch's containers read their children from this attribute
             return {k: getattr(self, k) for k in children}
         attr = getattr(type(module), name, None)
@@ -163,7 +165,11 @@ class _LayerView:
         return value
 
     def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
+        out = self.forward(*args, **kwargs)
+        recorder = self.__dict__["_view_recorder"]
+        if recorder is not None:  # what this module's collecting hooks would be given (layers.capture)
+            recorder.record(self.__dict__["_view_prefix"], args, out)
+        return out
 
     @property
     def forward(self):
@@ -203,10 +209,10 @@ def _view_type(cls):
     return type(f"{cls.__name__}View", (_LayerView,), {"__class__": cls})
 
 
-def view_of(module, state, prefix="", peers=(), checked=None, parent=None):
+def view_of(module, state, prefix="", peers=(), checked=None, parent=None, recorder=None):
     """The view of ``module`` (Dynamo traces the plain _LayerView only)."""
     cls = _LayerView if _compat.is_dynamo_compiling() else _view_type(type(module))
-    return cls(module, state, prefix, peers, checked, parent)
+    return cls(module, state, prefix, peers, checked, parent, recorder)
 
 
 def _as_output(inputs):
@@ -339,23 +345,33 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=None, partition_fn=Non
         layers, stacked, states[0], token, trained_stacks)
     template = layers[0]
     single = len(inputs) == 1
+    plan = None  # the transformers capture hooks a model collects now: recorded by the body
+    if not over_rows:
+        try:  # Dynamo: read in traced code (a guard), the hooks themselves once (checks.check_no_hooks_traced)
+            collected = check_no_hooks_traced(layers, token) if dynamo else check_no_hooks(layers)
+        except ScanError as e:
+            surface(e)
+        plan = capture_plan(template, collected) if collected else None
     if not dynamo and not over_rows:  # checked here, in Python: the traced body then reads no peer
-        check_no_hooks(layers)
         check_no_running_stat_updates(template)  # other layers agree with layer 0 or are refused as read
     peers = () if over_rows or (not dynamo and _all_attributes_agree(layers)) else layers[1:]
     sharded = check_fsdp(template)
 
     def step(h, params):
         if dynamo:  # in the body: under torch.compile only errors raised there stay ScanErrors
-            check_no_hooks_traced(layers, token)
             check_no_running_stat_updates(template)
             if trained_stacks:
                 check_flags_traced(container, token)
         args = (h,) if single else tuple(h)
         if sharded:  # FSDP2's unshard, for this step's layer (its gradient reduce-scattered back)
             params = gathered_state(params)
-        out = view_of(template, params, peers=peers)(*args, **broadcast_kwargs)  # kwargs: closed over
-        return split_output(out, h, len(inputs), layer_name(layers, 0))  # extras: the scan's ys
+        records = None if plan is None else StepRecords(plan)
+        out = view_of(template, params, peers=peers, recorder=records)(*args, **broadcast_kwargs)  # kwargs: closed over
+        out, extras = split_output(out, h, len(inputs), layer_name(layers, 0))  # extras: the scan's ys
+        return out, (extras if records is None else (extras, records.outputs()))
 
     out, extras = scan(step, _as_output(inputs), xs, remat=remat, unroll=unroll)
+    if plan is not None:
+        extras, recorded = extras
+        replay(layers, plan, recorded)
     return join_output(out, extras, len(inputs))
