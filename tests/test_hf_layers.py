@@ -460,6 +460,22 @@ def test_capture_hooks(name):
             torch.compile(stack, backend="aot_eager")(*inputs)
 
 
+@pytest.mark.skipif(not V5, reason="transformers 4 has no output-capturing hooks")
+def test_capture_hooks_on_stacked_storage():
+    """As test_capture_hooks, the layers on stack_layers storage (under Dynamo the hooks are then
+    found through the container's token, once): compiled while collecting, the loop's lists."""
+    stack, inputs, _ = build("gpt2")
+    keys = ["attentions", "hidden_states"]
+    loop = Collecting(Loop(stack), keys)
+    want = value_and_grads(loop, loop, fresh(inputs))
+    stacked = copy.deepcopy(stack)
+    stack_layers(stacked.layers)
+    model = Collecting(stacked, keys)
+    torch._dynamo.reset()
+    got = value_and_grads(model, torch.compile(model, backend="aot_eager"), fresh(inputs))
+    assert_trees_close(got, want, **TOL)
+
+
 class Loop(torch.nn.Module):
     def __init__(self, stack):
         super().__init__()
