@@ -379,24 +379,6 @@ def _collecting(keys):
 
 class Collecting(torch.nn.Module):
     """What transformers 5's ``capture_outputs`` does around a model's forward: the collector
-    of ``keys`` set (compiled: in a plain attribute Dynamo reads) while the stack runs."""
-
-    def __init__(self, stack, keys):
-        super().__init__()
-        self.stack, self.keys = stack, keys
-
-    def forward(self, *inputs):
-        var, collector = _collecting(self.keys)
-        token = var.set(collector)
-        try:
-            return tuple(s(*i) for s, i in zip(self.stack, inputs)) if isinstance(
-                self.stack, torch.nn.ModuleList) else self.stack(*inputs)
-        finally:
-            var.reset(token)
-
-
-class Collecting(torch.nn.Module):
-    """What transformers 5's ``capture_outputs`` does around a model's forward: the collector
     of ``keys`` set (compiled: in a plain attribute Dynamo reads) while the stack runs, and
     what it collected returned with the stack's output."""
 
