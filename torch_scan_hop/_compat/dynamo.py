@@ -188,8 +188,6 @@ def hook_guards_skipped():
     return bool(getattr(torch._dynamo.config, "skip_nnmodule_hook_guards", False))
 
 
-# --- guards installed by hand (stacked storage's parameter check) -------------------------
-
 @functools.lru_cache(maxsize=None)
 def guards_context_vars():
     """Dynamo traces ``ContextVar.get`` with a guard on its value (torch >= 2.15:
@@ -197,6 +195,8 @@ def guards_context_vars():
     import torch._dynamo.source as source
     return hasattr(source, "ContextVarGetSource")
 
+
+# --- guards installed by hand (stacked storage's parameter check) -------------------------
 
 def module_and_source(var):
     """``(module, source)`` for a tracker of an nn.Module Dynamo reached through a

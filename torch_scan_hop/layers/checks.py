@@ -120,10 +120,11 @@ def _hooked_submodule(module, prefix, keys=None):
     itself), else None; with a ``keys`` list, transformers' capture hooks are passed
     over and their keys added to it. A plain dict walk: Dynamo traces it once per
     layer, and the ``named_modules`` generator cost several times more to trace at depth 64."""
+    # FSDP2's hooks are done in the traced body (``layers.fsdp``)
     if _compat.nn.module_has_hooks(module) and not _compat.distributed.only_fsdp_hooks(module):
         found = None if keys is None else _compat.transformers.capture_keys(module)
         if found is None:
-            return prefix[:-1]  # FSDP2's hooks are done in the traced body (``layers.fsdp``)
+            return prefix[:-1]
         keys.extend(found)
     for name, sub in _compat.nn.child_modules(module).items():
         if sub is not None:
