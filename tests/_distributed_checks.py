@@ -316,6 +316,74 @@ def fsdp_uneven_shards_compiled():
     _train_like_loop(True, per_layer=True, steps=2, d=5)  # fc2's 5 rows: 3 on rank 0, 2 on rank 1
 
 
+class Skip(Exception):
+    """A check that cannot run with what is installed: the test skips it, saying why."""
+
+
+def _output_capturing():
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:
+        raise Skip("transformers 5 (its output-capturing hooks) is not installed") from None
+    return output_capturing
+
+
+class Collecting(Model):
+    """A transformers 5 model's forward while asked for outputs: the collector set around the
+    layers (inside the FSDP2 root's forward, whose hooks Dynamo leaves to eager); the loss also
+    reads what was collected, so gradients flow through the captured outputs."""
+
+    KEYS = ("hidden_states", "fc1")
+
+    def forward(self, x):
+        var = _output_capturing()._active_collector
+        collector = {k: [] for k in self.KEYS}
+        token = var.set(collector)
+        try:
+            loss = super().forward(x)
+        finally:
+            var.reset(token)
+        got = [collector[k] for k in self.KEYS]
+        return loss + sum(t.square().mean() for ts in got for t in ts), got
+
+
+@check
+def fsdp_layers_with_capture_hooks_compiled():
+    """Layers holding both FSDP2's hooks and transformers 5's capture hooks (a sharded
+    transformers model once asked for hidden states), told apart hook by hook: compiled, the
+    gathers are done in the body and the captures recorded, so the collected outputs, loss and
+    sharded gradients are the loop's."""
+    oc = _output_capturing()
+    torch.manual_seed(0)
+    base = Collecting(scanned=False)
+    for layer in base.layers:
+        oc.install_output_capuring_hook(layer, "hidden_states", 0)
+        oc.install_output_capuring_hook(layer.fc1, "fc1", 0)
+    ref = sharded(copy.deepcopy(base))
+    model = copy.deepcopy(base)
+    model.scanned = True
+    model = sharded(model)
+    hooks = list(model.layers[0]._forward_hooks.values()) + list(model.layers[0]._forward_pre_hooks.values())
+    assert {getattr(h, "__name__", "") for h in hooks} >= {"output_capturing_hook", "_pre_forward"}, hooks
+    run = torch.compile(model, backend="aot_eager")
+    torch.manual_seed(10 + dist.get_rank())
+    for step in range(2):
+        x = torch.randn(4, 8)
+        (want, want_got), (got, got_got) = ref(x), run(x)
+        assert_close(got, want, f"step {step} loss")
+        for k, w, g in zip(Collecting.KEYS, want_got, got_got):
+            assert len(g) == len(w), f"{k}: collected {len(g)} outputs, the loop {len(w)}"
+            for i, (a, b) in enumerate(zip(g, w)):
+                assert_close(a, b, f"step {step} {k}[{i}]")
+        want.backward()
+        got.backward()
+        for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+            assert isinstance(q.grad, DTensor) and q.grad.placements == p.grad.placements, (name, q.grad)
+            assert_close(q.grad, p.grad, f"step {step} grad of {name}")
+        for m in (ref, model):
+            m.zero_grad()
+
+
 @check
 def fsdp_mixed_precision_is_a_scan_error():
     torch.manual_seed(0)
@@ -352,6 +420,8 @@ def main(rank, world, port, out):
         try:
             fn()
             results[name] = None
+        except Skip as e:
+            results[name] = {"skip": str(e)}
         except BaseException as e:  # noqa: BLE001  (reported per check; the process goes on)
             results[name] = f"{type(e).__name__}: {str(e)[:3000]}\n{traceback.format_exc()[-4000:]}"
         dist.barrier()  # the ranks stay in step whatever a check did

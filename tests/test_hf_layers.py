@@ -372,12 +372,6 @@ def _collecting(keys):
     return output_capturing._active_collector, {k: [] for k in keys}
 
 
-def _collecting(keys):
-    """transformers 5's collector as a model's forward sets it around its layers' loop."""
-    from transformers.utils import output_capturing
-    return output_capturing._active_collector, {k: [] for k in keys}
-
-
 class Collecting(torch.nn.Module):
     """What transformers 5's ``capture_outputs`` does around a model's forward: the collector
     of ``keys`` set (compiled: in a plain attribute Dynamo reads) while the stack runs, and

@@ -18,18 +18,12 @@ def is_fsdp_module(module):
     return FSDPModule is not None and isinstance(module, FSDPModule)
 
 
-def _is_fsdp_hook(hook):
+def is_fsdp_hook(hook):
+    """``hook`` is one of FSDP2's own (its function lives in FSDP2's package)."""
     fn = getattr(hook, "__func__", hook)
     while hasattr(fn, "__wrapped__"):
         fn = fn.__wrapped__
     return (getattr(fn, "__module__", None) or "").startswith(_FSDP_PACKAGE)
-
-
-def only_fsdp_hooks(module):
-    """Every forward / backward hook ``module`` has is one of FSDP2's own."""
-    return all(_is_fsdp_hook(h) for hooks in (module._forward_hooks, module._forward_pre_hooks,
-                                              module._backward_hooks, module._backward_pre_hooks)
-               for h in hooks.values())
 
 
 def _param_groups(state):

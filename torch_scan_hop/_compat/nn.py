@@ -24,6 +24,16 @@ def module_has_hooks(module):
             + len(module._backward_pre_hooks)) > 0
 
 
+def module_hooks(module):
+    """``(kind, hook)`` for every hook registered on ``module`` itself, kind being
+    "forward", "forward_pre", "backward" or "backward_pre" (torch 2.9-2.14: the
+    ``_forward_hooks``... dicts, no public query)."""
+    return [(kind, h) for kind, hooks in (("forward", module._forward_hooks), ("forward_pre", module._forward_pre_hooks),
+                                          ("backward", module._backward_hooks),
+                                          ("backward_pre", module._backward_pre_hooks))
+            for h in hooks.values()]
+
+
 def own_parameters(module):
     """``{name: parameter or None}`` registered on ``module`` itself, in order,
     None entries included (``named_parameters`` skips them and recurses)."""

@@ -46,17 +46,6 @@ def capture_hooks(module):
     return [h for h in module._forward_hooks.values() if is_capture_hook(h)]
 
 
-def capture_keys(module):
-    """The keys of ``module``'s capture hooks, or None when it has any other hook (or a
-    capture hook on another list than the forward hooks)."""
-    if len(module._forward_pre_hooks) + len(module._backward_hooks) + len(module._backward_pre_hooks) > 0:
-        return None
-    hooks = list(module._forward_hooks.values())
-    if not all(is_capture_hook(h) for h in hooks):
-        return None
-    return tuple(capture_key(h) for h in hooks)
-
-
 def collected_keys(keys):
     """Which of ``keys`` the transformers model running now collects (its forward sets the
     collector around the layers' loop; None outside a model's forward), or None when that

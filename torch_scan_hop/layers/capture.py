@@ -62,11 +62,14 @@ def replay(layers, plan, stacked):
     """Call each collecting hook for every layer in order with that layer's row (``stacked``:
     the scan's ys of ``StepRecords.outputs``, stacked over the layers). The output is handed
     as a tuple with the recorded element at the hook's index, so the hook reads (and skips a
-    None) exactly as in the loop; a hook whose module the body never called is not called."""
+    None) exactly as in the loop; a hook whose module the body never called is not called.
+    Each row is its own tensor, as the loop's outputs are, not a view of the stack: a user's
+    in-place change of one stays in it, and a compiled graph returning them has no aliasing
+    outputs (which AOTAutograd refuses once any input is a tensor subclass: FSDP2's DTensors)."""
     for i in range(len(layers)):
         for (_, hook, _, index), (first, value) in zip(plan, stacked):
             if first is None and value is None:
                 continue
-            row = None if value is None else value[i]
-            arg = None if first is None else first[i]
+            row = None if value is None else value[i].clone()
+            arg = None if first is None else first[i].clone()
             hook(layers[i], (arg,), (None,) * index + (row,))

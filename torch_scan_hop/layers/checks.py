@@ -116,22 +116,37 @@ def _traced_hooks(layers, capture_ok=True):
 
 
 def _hooked_submodule(module, prefix, keys=None):
-    """The dotted name of the first module in ``module``'s tree with hooks ("" for
-    itself), else None; with a ``keys`` list, transformers' capture hooks are passed
-    over and their keys added to it. A plain dict walk: Dynamo traces it once per
-    layer, and the ``named_modules`` generator cost several times more to trace at depth 64."""
-    # FSDP2's hooks are done in the traced body (``layers.fsdp``)
-    if _compat.nn.module_has_hooks(module) and not _compat.distributed.only_fsdp_hooks(module):
-        found = None if keys is None else _compat.transformers.capture_keys(module)
-        if found is None:
-            return prefix[:-1]
-        keys.extend(found)
+    """The dotted name of the first module in ``module``'s tree with a hook a traced
+    scan_layers cannot stand in for ("" for itself), else None; with a ``keys`` list,
+    transformers' capture hooks are passed over and their keys added to it. A plain dict
+    walk: Dynamo traces it once per layer, and the ``named_modules`` generator cost
+    several times more to trace at depth 64."""
+    if _compat.nn.module_has_hooks(module) and not _stood_in_for(module, keys):
+        return prefix[:-1]
     for name, sub in _compat.nn.child_modules(module).items():
         if sub is not None:
             found = _hooked_submodule(sub, prefix + name + ".", keys)
             if found is not None:
                 return found
     return None
+
+
+def _stood_in_for(module, keys):
+    """Whether a traced scan_layers does what every hook of ``module`` does, hook by hook
+    (a module may hold several kinds: an FSDP2-sharded transformers layer has both):
+    FSDP2's are done in the body (``layers.fsdp``); transformers' capture hooks, with a
+    ``keys`` list, are recorded (``layers.capture``; their keys added to ``keys``); any
+    other hook would silently not run."""
+    found = []
+    for kind, hook in _compat.nn.module_hooks(module):
+        if _compat.distributed.is_fsdp_hook(hook):
+            continue
+        if keys is None or kind != "forward" or not _compat.transformers.is_capture_hook(hook):
+            return False
+        found.append(_compat.transformers.capture_key(hook))
+    if found:
+        keys.extend(found)
+    return True
 
 
 def check_one_tuple_is_not_several_inputs(layer, inputs, kwargs):
