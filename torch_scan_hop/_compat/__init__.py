@@ -51,6 +51,7 @@ from . import (  # noqa: F401
     xla,
 )
 from .autograd import (  # noqa: F401
+    apply_unbound,
     custom_op_lacks_autograd,
     drop_checkpoint_tags,
     eager_autograd_engine,
@@ -102,6 +103,7 @@ from .hop import (  # noqa: F401
     _from_fun,
     _maybe_run_with_interpreter,
     check_input_alias_and_mutation_return_outputs,
+    dispatch_flat,
     input_mutations_and_outputs,
     install_as_upstream_scan,
     is_hop,

@@ -19,6 +19,7 @@ from torch._higher_order_ops.utils import (  # noqa: F401
     unique_graph_id,
 )
 from torch._ops import HigherOrderOperator  # noqa: F401
+from torch._ops import key_extractor as _key_extractor
 
 
 def input_mutations_and_outputs(gm):
@@ -37,6 +38,19 @@ def input_mutations_and_outputs(gm):
         vals = [n.meta.get("val", n.meta.get("example_value")) for n in gm.graph.find_nodes(op="placeholder")]
         *_, mutated, outputs = check_input_alias_and_mutation_return_outputs(gm, vals)
     return mutated, outputs
+
+
+def dispatch_flat(op, flat, args, kwargs):
+    """``HigherOrderOperator.__call__(op, *args, **kwargs)`` when the caller knows the
+    call's leaves (``flat``: the op's arguments as plain leaves, its body first): the same
+    ``__torch_function__`` test and dispatch key set, without torch's two pytree
+    flattenings of the arguments, paid at each of the op's levels (autograd,
+    functionalization, the backend: ~0.1 ms per eager XLA call).
+    torch 2.9-2.15: ``HigherOrderOperator.__call__`` is exactly this over pytree leaves."""
+    if torch.overrides.has_torch_function(flat):
+        return torch.overrides.handle_torch_function(op, flat, *args, **kwargs)
+    keys = _key_extractor([t for t in flat if isinstance(t, torch.Tensor)], op.non_fallthrough_keys)
+    return op.dispatch(keys.highestPriorityTypeId(), *args, **kwargs)
 
 
 def install_as_upstream_scan(op):

@@ -17,13 +17,14 @@ from ..core.trees import ScanError, flatten
 from ..op.loop import stack_column
 
 
-def split_output(out, hidden, n, where):
+def split_output(out, hidden, n, layers, i):
     """``(carry, extras)`` of one layer's output: ``extras`` is None for the first form, else a tuple.
 
     ``hidden``: the layer's input hidden state (``n`` positional inputs: the tuple of them);
-    ``where``: the layer, for the error ("layer 0 (GPT2Block)")."""
+    ``layers[i]``: the layer, named in the error ("layer 0 (GPT2Block)")."""
     if not isinstance(out, (tuple, list)):
         return out, None
+    where = layer_name(layers, i)
     if n > 1:
         out = tuple(out)
     in_def = flatten(hidden)[1]

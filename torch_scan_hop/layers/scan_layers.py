@@ -25,6 +25,7 @@ import torch
 from .. import _compat
 from ..api import scan
 from ..core import schedule
+from ..core.remat import as_policy
 from ..core.torch_xla_keywords import remat_with_torch_xla_keywords
 from ..core.trees import ScanError, flatten
 from ..op.dynamo import surface
@@ -46,7 +47,7 @@ from .layer_state import (
     layer_states,
     same_value,
 )
-from .outputs import join_output, layer_name, split_output, stack_extras
+from .outputs import join_output, split_output, stack_extras
 from .ownership import container_of, container_token, owner_of
 from .stack_weights import stack_state, stack_weights
 from .storage import stacked_storage
@@ -223,9 +224,10 @@ def _eager_loop(layers, inputs, remat, kwargs):
     """The loop over the real layers (hooks and all), remat per layer; extras stacked."""
     n = len(inputs)
     h, extras = _as_output(inputs), []
+    saves_all = as_policy(remat) is None  # the plain tape: each layer called as it is
     for i, layer in enumerate(layers):
-        call = remat_step(lambda h, layer=layer: layer(*((h,) if n == 1 else h), **kwargs), remat)
-        h, extra = split_output(call(h), h, n, layer_name(layers, i))
+        call = lambda h, layer=layer: layer(*((h,) if n == 1 else h), **kwargs)  # noqa: E731
+        h, extra = split_output(call(h) if saves_all else remat_step(call, remat)(h), h, n, layers, i)
         extras.append(extra)
     return join_output(h, stack_extras(extras, layers), n)
 
@@ -332,13 +334,14 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=None, partition_fn=Non
     flat_inputs = [t for t in flatten((inputs, broadcast_kwargs))[0] if isinstance(t, torch.Tensor)]
     trained_stacks = stacked is not None and container.grads_mode == "stacked"
     over_rows = False  # eager, over the stacks' rows: hooks and running stats already ruled out
-    if (not callable(remat) and _compat.runs_eagerly(flat_inputs + list(states[0].values()))
+    tensors = flat_inputs + list(states[0].values())
+    if (not callable(remat) and _compat.runs_eagerly(tensors)
             and not stacks_swapped(container, stacked)):  # a swapped stack: scanned, the layers cannot run it
         # a layer's own attribute: its own code runs it
         over_rows = trained_stacks and differentiates_stacks(container, layers) and _all_attributes_agree(layers)
         if not over_rows:
             return _eager_loop(layers, inputs, remat, broadcast_kwargs)
-    unroll = _resolve_unroll(unroll, len(layers), flat_inputs + list(states[0].values()), stacked)
+    unroll = _resolve_unroll(unroll, len(layers), tensors, stacked)
     # one iteration of every layer: no While on XLA (a bad unroll is scan's ScanError)
     straight = schedule.one_iteration(len(layers), unroll)
     xs = stack_state(states, straight) if stacked is None else _from_storage(
@@ -367,7 +370,7 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=None, partition_fn=Non
             params = gathered_state(params)
         records = None if plan is None else StepRecords(plan)
         out = view_of(template, params, peers=peers, recorder=records)(*args, **broadcast_kwargs)  # kwargs: closed over
-        out, extras = split_output(out, h, len(inputs), layer_name(layers, 0))  # extras: the scan's ys
+        out, extras = split_output(out, h, len(inputs), layers, 0)  # extras: the scan's ys
         return out, (extras if records is None else (extras, records.outputs()))
 
     out, extras = scan(step, _as_output(inputs), xs, remat=remat, unroll=unroll)

@@ -36,15 +36,14 @@ from ..xla import sharding
 def stack_state(states, static_rows=False):
     """``{name: stack_weights([state[name] for state in states])}`` for every name of
     ``states[0]``. Eager on XLA, one ``_StackManyOnXla`` stacks every name that needs a
-    gradient: each ``autograd.Function.apply`` costs ~0.1 ms of Python per call (torch
-    binds the forward's signature anew each time a Function has ``setup_context``), and
-    a stack per name paid it once per parameter name of the layer."""
+    gradient: each ``autograd.Function`` call costs Python time (``_compat.apply_unbound``),
+    and a stack per name paid it once per parameter name of the layer."""
     groups = {name: [state[name] for state in states] for name in states[0]}
     many = [name for name, group in groups.items() if _stacks_on_xla(group)]
     out = {name: stack_weights(group, static_rows) for name, group in groups.items() if name not in many}
     if many:
         flat = [t for name in many for t in groups[name]]
-        out.update(zip(many, _StackOnXla.apply(static_rows, tuple(len(states) for _ in many), *flat)))
+        out.update(zip(many, _compat.apply_unbound(_StackOnXla, static_rows, tuple(len(states) for _ in many), *flat)))
     return {name: out[name] for name in groups}  # the layer's own order
 
 
@@ -64,7 +63,7 @@ def stack_weights(tensors, static_rows=False):
     if _compat.is_dynamo_compiling() and not _compat.is_exporting():
         return stack_weights_op(tensors)
     if _stacks_on_xla(tensors):
-        return _StackOnXla.apply(static_rows, (len(tensors),), *tensors)[0]
+        return _compat.apply_unbound(_StackOnXla, static_rows, (len(tensors),), *tensors)[0]
     return torch.stack(tensors)
 
 

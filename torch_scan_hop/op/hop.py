@@ -46,7 +46,10 @@ class ScanOp(_compat.HigherOrderOperator):
             kwargs["remat"] = remat
         if unroll != 1:
             kwargs["unroll"] = unroll
-        return super().__call__(combine_fn, list(init), list(xs), tuple(additional_inputs), **kwargs)
+        args = (combine_fn, list(init), list(xs), tuple(additional_inputs))
+        if any(isinstance(a, (list, tuple, dict)) for a in flat):  # not the op's flat form: torch's own pytree walk
+            return super().__call__(*args, **kwargs)
+        return _compat.dispatch_flat(self, [combine_fn, *flat, *kwargs.values()], args, kwargs)
 
     def gen_schema(self, combine_fn, init, xs, additional_inputs, **kwargs):
         """The FunctionSchema of one call (HOP schemas depend on the body):
