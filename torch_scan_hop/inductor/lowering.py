@@ -276,6 +276,23 @@ def _preallocate(ys_vals, symbols):
     return ys
 
 
+def _loop_inputs(lifted):
+    """(the lifted inputs the ``while_loop`` takes, ``{position: object}`` of the others).
+    ``while_loop`` takes tensors and ints only (torch 2.15 checks); a scan's lifted inputs
+    may also hold an opaque object (a process group's script object, which Dynamo lifts
+    from a tensor-parallel body on torch 2.15): the loop body closes over those instead."""
+    opaque = {k: a for k, a in enumerate(lifted) if not isinstance(a, (torch.Tensor, int, torch.SymInt))}
+    return [a for k, a in enumerate(lifted) if k not in opaque], opaque
+
+
+def _with_opaque(passed, opaque):
+    """The body's lifted inputs: ``passed`` with the ``opaque`` objects back at their places."""
+    out, rest = [], iter(passed)
+    for k in range(len(passed) + len(opaque)):
+        out.append(opaque[k] if k in opaque else next(rest))
+    return out
+
+
 def _while_loop(body, ys_vals, counts, reverse, dead=frozenset()):
     """The traced replacement: preallocated ys (pooled storage), a CPU counter, and a loop body that
     runs ``body`` on the views ``x[i]`` and copies each y into ``ys[i]`` (none for the ys in
@@ -308,8 +325,11 @@ def _while_loop(body, ys_vals, counts, reverse, dead=frozenset()):
         def cond(counter, *_rest):
             return counter < length
 
+        passed, opaque = _loop_inputs(lifted)
+
         def step(counter, *rest):
-            bufs, carry, xs_, lifted_ = split_counts(rest, ny, nc, nx, nl)
+            bufs, carry, xs_, passed_ = split_counts(rest, ny, nc, nx, len(passed))
+            lifted_ = _with_opaque(passed_, opaque)
             i = step_index(counter.item(), length, reverse=reverse)
             torch.ops.aten._assert_scalar.default(i >= 0, "scan: index below 0")
             torch.ops.aten._assert_scalar.default(i < length, "scan: index past the end")
@@ -327,7 +347,7 @@ def _while_loop(body, ys_vals, counts, reverse, dead=frozenset()):
         operators = loop_counter.uses_operators(flat)
         counter = loop_counter.new_counter(operators)
         # xs are read only: loop inputs, not carried (fewer values passed per step)
-        res = torch.ops.higher_order.while_loop(cond, step, (counter, *ys, *init), (*xs, *lifted))
+        res = torch.ops.higher_order.while_loop(cond, step, (counter, *ys, *init), (*xs, *passed))
         return outputs(res[1 + ny:1 + ny + nc], res[1:1 + ny])
 
     return lowered
