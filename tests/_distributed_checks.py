@@ -316,6 +316,87 @@ def fsdp_uneven_shards_compiled():
     _train_like_loop(True, per_layer=True, steps=2, d=5)  # fc2's 5 rows: 3 on rank 0, 2 on rank 1
 
 
+def _tp_layers(depth=3, d=8):
+    """Layers each parallelized as a tensor-parallel MLP (``parallelize_module`` puts layout
+    hooks on fc1 and fc2: inputs made DTensors, outputs made local again)."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(Layer(d) for _ in range(depth))
+    for layer in layers:
+        parallelize_module(layer, MESH[0], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    return layers
+
+
+def _tp_layers_step(run, layers, x):
+    layers.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    out = run(layers, x)
+    out.square().mean().backward()
+    return [out, x.grad, *(p.grad for p in layers.parameters())]
+
+
+def _check_tp_layers(run, steps=2):
+    ref, ours = _tp_layers(), _tp_layers()
+    torch.manual_seed(3)
+    for step in range(steps):
+        x = torch.randn(4, 8)
+        want = _tp_layers_step(lambda layers, h: torch.nn.Sequential(*layers)(h), ref, x)
+        got = _tp_layers_step(run, ours, x)
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_close(g, w, f"step {step} output/gradient {i}")
+        assert all(isinstance(p.grad, DTensor) and p.grad.placements == p.placements for p in ours.parameters())
+
+
+@check
+def tensor_parallel_scan_layers_eager():
+    _check_tp_layers(scan_layers)
+
+
+@check
+def tensor_parallel_scan_layers_compiled():
+    """Layers sharded by tensor parallelism carry its layout hooks on their Linears; traced,
+    the body's view of each Linear runs them (one scan, the all-reduce inside its body)."""
+    graphs, backend = recording_backend()
+    _check_tp_layers(torch.compile(scan_layers, backend=backend, fullgraph=True))
+    fw = [gm for gm in graphs["fw"] if scan_nodes(gm)]
+    bw = [gm for gm in graphs["bw"] if scan_nodes(gm)]
+    assert len(fw) == 1 and len(bw) == 1, (len(graphs["fw"]), len(graphs["bw"]))
+    (node,) = scan_nodes(fw[0])
+    assert "_c10d_functional.all_reduce.default" in body_ops(fw[0], node), body_ops(fw[0], node)
+    (bnode,) = scan_nodes(bw[0])
+    assert any("_c10d_functional" in op for op in body_ops(bw[0], bnode)), body_ops(bw[0], bnode)
+
+
+@check
+def tensor_parallel_scan_layers_inductor():
+    """As above through inductor's loop: on torch 2.15 Dynamo lifts the process group's script
+    object into the scan's inputs, which the lowered while_loop takes by closure."""
+    _check_tp_layers(torch.compile(scan_layers, backend="inductor", fullgraph=True))
+
+
+def _tp_layers_with_layer_1(plan):
+    layers = torch.nn.ModuleList(Layer(8) for _ in range(3))
+    for i, layer in enumerate(layers):
+        own = plan if i == 1 else {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+        if own is not None:
+            parallelize_module(layer, MESH[0], own)
+    return layers
+
+
+@check
+def layers_sharded_unlike_are_a_scan_error():
+    """Traced, the layers' local shards are stacked: a layer sharded otherwise than layer 0 (or not
+    at all) is a ScanError naming it, not a stack of mismatched shards failing inside torch."""
+    for plan in (None, {"fc1": RowwiseParallel(), "fc2": ColwiseParallel()}):
+        torch._dynamo.reset()
+        try:
+            torch.compile(scan_layers, backend="aot_eager", fullgraph=True)(_tp_layers_with_layer_1(plan),
+                                                                            torch.randn(4, 8))
+        except Exception as e:  # noqa: BLE001  (torch.compile raises it as its own error type)
+            assert "layer 1's 'fc1.weight'" in str(e) and "sharded alike" in str(e), str(e)[:2000]
+        else:
+            raise AssertionError(f"no ScanError for layer 1 with {plan}")
+
+
 class Skip(Exception):
     """A check that cannot run with what is installed: the test skips it, saying why."""
 

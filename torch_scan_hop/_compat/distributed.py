@@ -26,6 +26,19 @@ def is_fsdp_hook(hook):
     return (getattr(fn, "__module__", None) or "").startswith(_FSDP_PACKAGE)
 
 
+# where torch defines the hooks that tensor parallelism puts on a module: distribute_module's
+# input_fn / output_fn wrappers (ColwiseParallel, RowwiseParallel, SequenceParallel) and
+# PrepareModuleInput / PrepareModuleOutput's own
+_TP_HOOK_MODULES = ("torch.distributed.tensor._api", "torch.distributed.tensor.parallel.style")
+
+
+def is_tensor_parallel_hook(hook):
+    """``hook`` is one of tensor parallelism's layout hooks (``parallelize_module``): it turns a
+    module's inputs and outputs into DTensors of the style's layouts and back, holding no state.
+    torch 2.9-2.15: lambdas defined in ``_TP_HOOK_MODULES``."""
+    return getattr(hook, "__name__", None) == "<lambda>" and getattr(hook, "__module__", None) in _TP_HOOK_MODULES
+
+
 def _param_groups(state):
     """torch 2.9-2.14: ``state._fsdp_param_group`` (one group or None); newer torch keeps a
     list, ``state._fsdp_param_groups``."""

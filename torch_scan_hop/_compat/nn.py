@@ -34,6 +34,17 @@ def module_hooks(module):
             for h in hooks.values()]
 
 
+def forward_pre_hooks(module):
+    """``[(hook, takes_kwargs)]`` of ``module``'s forward pre-hooks, in the order they run
+    (torch 2.9-2.15: ``_forward_pre_hooks`` and the ids in ``_forward_pre_hooks_with_kwargs``)."""
+    return [(h, i in module._forward_pre_hooks_with_kwargs) for i, h in module._forward_pre_hooks.items()]
+
+
+def forward_hooks(module):
+    """``[(hook, takes_kwargs)]`` of ``module``'s forward hooks, in the order they run."""
+    return [(h, i in module._forward_hooks_with_kwargs) for i, h in module._forward_hooks.items()]
+
+
 def own_parameters(module):
     """``{name: parameter or None}`` registered on ``module`` itself, in order,
     None entries included (``named_parameters`` skips them and recurses)."""

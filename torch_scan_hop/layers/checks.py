@@ -134,13 +134,16 @@ def _hooked_submodule(module, prefix, keys=None):
 def _stood_in_for(module, keys):
     """Whether a traced scan_layers does what every hook of ``module`` does, hook by hook
     (a module may hold several kinds: an FSDP2-sharded transformers layer has both):
-    FSDP2's are done in the body (``layers.fsdp``); transformers' capture hooks, with a
+    FSDP2's are done in the body (``layers.fsdp``); tensor parallelism's layout hooks are
+    run by the body's view of the module; transformers' capture hooks, with a
     ``keys`` list, are recorded (``layers.capture``; their keys added to ``keys``); any
     other hook would silently not run."""
     found = []
     for kind, hook in _compat.nn.module_hooks(module):
         if _compat.distributed.is_fsdp_hook(hook):
             continue
+        if kind in ("forward", "forward_pre") and _compat.distributed.is_tensor_parallel_hook(hook):
+            continue  # run by the body's view of the module (scan_layers._LayerView)
         if keys is None or kind != "forward" or not _compat.transformers.is_capture_hook(hook):
             return False
         found.append(_compat.transformers.capture_key(hook))

@@ -12,6 +12,7 @@ import types
 import torch
 
 from .. import _compat
+from ..core import dtensors as dt
 from ..core.trees import ScanError
 
 
@@ -37,7 +38,31 @@ def layer_states(layers):
             if t.shape != t0.shape or t.dtype != t0.dtype:
                 raise ScanError(f"scan_layers: layer {i}'s {name!r} is {tuple(t.shape)}/{t.dtype} but layer 0's "
                                 f"is {tuple(t0.shape)}/{t0.dtype}; all layers need the same shapes and dtypes.")
+
     return states
+
+
+def check_sharded_alike(states):
+    """Traced, the layers' DTensor weights are stacked by their local shards: every layer's
+    must be sharded as layer 0's (eager runs the loop, which needs no such thing)."""
+    ref = states[0]
+    for i in range(1, len(states)):
+        for name, t in states[i].items():
+            t0 = ref[name]
+            if dt.is_dtensor(t) != dt.is_dtensor(t0) or dt.is_dtensor(t) and _sharded_unlike(t, t0):
+                raise ScanError(f"scan_layers: layer {i}'s {name!r} is {_sharding(t)} but layer 0's is "
+                                f"{_sharding(t0)}; a traced scan_layers stacks the layers' local shards, so all "
+                                "layers need their weights sharded alike (the same parallelize_module plan or "
+                                "fully_shard on every layer).")
+
+
+def _sharded_unlike(t, t0):
+    return tuple(t.placements) != tuple(t0.placements) or t.device_mesh is not t0.device_mesh \
+        and t.device_mesh != t0.device_mesh
+
+
+def _sharding(t):
+    return f"a DTensor placed {tuple(t.placements)}" if dt.is_dtensor(t) else "a plain tensor"
 
 
 MISSING = object()

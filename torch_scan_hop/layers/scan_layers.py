@@ -43,6 +43,7 @@ from .grads import check_flags_traced, stacks_swapped
 from .layer_state import (
     MISSING,
     check_peers_agree,
+    check_sharded_alike,
     layer_state,
     layer_states,
     same_value,
@@ -166,7 +167,13 @@ class _LayerView:
         return value
 
     def __call__(self, *args, **kwargs):
+        module = self.__dict__["_view_m"]
+        layouts = _compat.nn.module_has_hooks(module)  # the tensor-parallel ones run here, as in __call__
+        if layouts:
+            args, kwargs = _run_layout_pre_hooks(module, self, args, kwargs)
         out = self.forward(*args, **kwargs)
+        if layouts:
+            out = _run_layout_hooks(module, self, args, kwargs, out)
         recorder = self.__dict__["_view_recorder"]
         if recorder is not None:  # what this module's collecting hooks would be given (layers.capture)
             recorder.record(self.__dict__["_view_prefix"], args, out)
@@ -192,6 +199,34 @@ class _LayerView:
 
     def __getitem__(self, idx):
         return list(self._modules.values())[idx]
+
+
+def _run_layout_pre_hooks(module, view, args, kwargs):
+    """``module``'s tensor-parallel forward pre-hooks (``parallelize_module``'s input layouts),
+    called on the view as ``nn.Module.__call__`` calls them: layer 0's hooks for every
+    layer, as the layers' styles agree (their sharded weights are stacked together). The
+    module's other hooks were checked already: done elsewhere in the body, or refused."""
+    for hook, takes_kwargs in _compat.nn.forward_pre_hooks(module):
+        if not _compat.distributed.is_tensor_parallel_hook(hook):
+            continue
+        if takes_kwargs:
+            result = hook(view, args, kwargs)
+            if result is not None:
+                args, kwargs = result
+        else:
+            result = hook(view, args)
+            if result is not None:
+                args = result if isinstance(result, tuple) else (result,)
+    return args, kwargs
+
+
+def _run_layout_hooks(module, view, args, kwargs, out):
+    """``module``'s tensor-parallel forward hooks (output layouts), as ``__call__`` runs them."""
+    for hook, takes_kwargs in _compat.nn.forward_hooks(module):
+        if _compat.distributed.is_tensor_parallel_hook(hook):
+            result = hook(view, args, kwargs, out) if takes_kwargs else hook(view, args, out)
+            out = out if result is None else result
+    return out
 
 
 def _peers_of(d):
@@ -341,6 +376,11 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=None, partition_fn=Non
         over_rows = trained_stacks and differentiates_stacks(container, layers) and _all_attributes_agree(layers)
         if not over_rows:
             return _eager_loop(layers, inputs, remat, broadcast_kwargs)
+    if stacked is None:
+        try:
+            check_sharded_alike(states)
+        except ScanError as e:
+            surface(e)
     unroll = _resolve_unroll(unroll, len(layers), tensors, stacked)
     # one iteration of every layer: no While on XLA (a bad unroll is scan's ScanError)
     straight = schedule.one_iteration(len(layers), unroll)
