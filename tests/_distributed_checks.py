@@ -397,6 +397,60 @@ def layers_sharded_unlike_are_a_scan_error():
             raise AssertionError(f"no ScanError for layer 1 with {plan}")
 
 
+class ScannedRNN(torch.nn.Module):
+    """A recurrent model whose body calls a submodule at every step (scan, not scan_layers)."""
+
+    def __init__(self, scanned=True):
+        super().__init__()
+        self.cell, self.scanned = torch.nn.Linear(8, 8), scanned
+
+    def forward(self, xs):
+        def body(h, x):
+            h = torch.tanh(self.cell(h) + x)
+            return h, h.sum(-1)
+
+        h, ys = (scan if self.scanned else loop)(body, torch.zeros(4, 8), xs)
+        return h.square().mean() + ys.square().mean()
+
+
+@check
+def fsdp_root_around_a_scan_compiled():
+    """fully_shard on the module that calls scan: its parameters are gathered before the scan (as
+    FSDP2 does for the loop), the body reads them whole; compiled, as the loop."""
+    torch.manual_seed(0)
+    base = ScannedRNN(scanned=False)
+    ref, model = fully_shard(copy.deepcopy(base)), copy.deepcopy(base)
+    model.scanned = True
+    model = fully_shard(model)
+    run = torch.compile(model, backend="aot_eager")
+    torch.manual_seed(10 + dist.get_rank())
+    for step in range(2):
+        xs = torch.randn(5, 4, 8)
+        want, got = ref(xs), run(xs)
+        want.backward()
+        got.backward()
+        assert_close(got, want, f"step {step} loss")
+        for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+            assert_close(q.grad, p.grad, f"step {step} grad of {name}")
+        for m in (ref, model):
+            m.zero_grad()
+
+
+@check
+def fsdp_module_called_in_a_scan_body_is_a_clear_error():
+    """A body calling a module sharded by fully_shard cannot be compiled (FSDP2's hooks run outside
+    the graph): the ScanError says so and what to do, not only Dynamo's words for a graph break."""
+    model = ScannedRNN()
+    fully_shard(model.cell)
+    fully_shard(model)
+    try:
+        torch.compile(model, backend="aot_eager")(torch.randn(5, 4, 8))
+    except ScanError as e:
+        assert "fully_shard" in str(e) and "Shard the module that calls scan" in str(e), str(e)[:3000]
+    else:
+        raise AssertionError("no ScanError")
+
+
 class Skip(Exception):
     """A check that cannot run with what is installed: the test skips it, saying why."""
 

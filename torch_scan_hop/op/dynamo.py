@@ -49,7 +49,7 @@ def _make_tracker_class():
             except uncaptured as e:  # a graph break in the body, e.g. `if c.sum() > 0:`
                 raise as_scan_error(e) from None
             except unsupported as e:  # the same message as torch 2.9's hard error
-                raise compile_error(f"{_GRAPH_BREAK} Got {_graph_break_message(e)}",
+                raise compile_error(_with_hints(f"{_GRAPH_BREAK} Got {_graph_break_message(e)}", e),
                                     getattr(e, "real_stack", None)) from e
             except Exception as e:
                 ours = _scan_error_within(e)  # raised by our op's fake run: Dynamo wraps it
@@ -282,7 +282,23 @@ def surface(e):
 
 def as_scan_error(e):
     """Dynamo's hard error for a graph break in the body, as a ScanError."""
-    return e if isinstance(e, ScanError) else compile_error(e.msg, e.real_stack)
+    return e if isinstance(e, ScanError) else compile_error(_with_hints(e.msg, e), e.real_stack)
+
+
+_FSDP_HINT = (
+    " The body calls a module sharded by FSDP2's fully_shard, whose hooks (the gather of its parameters "
+    "before its forward) torch.compile runs outside the graph, so they cannot run inside a scan's body. "
+    "Shard the module that calls scan instead (fully_shard on it, not on the module the body calls: its "
+    "parameters are then gathered once, before the scan), or use scan_layers for a stack of fully_shard layers.")
+
+
+def _with_hints(message, e):
+    """``message`` with what to do when the graph break is a known one: a body calling an FSDP2
+    module (the break is in FSDP2's hook, found on the stack Dynamo kept)."""
+    stack = getattr(e, "real_stack", None) or []
+    if any("/distributed/fsdp/" in f.filename.replace("\\", "/") for f in stack):
+        return message + _FSDP_HINT
+    return message
 
 
 def install():
