@@ -26,7 +26,9 @@ from torch.distributed.tensor import (
 )
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    PrepareModuleInput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -330,7 +332,7 @@ def _tp_layers_step(run, layers, x):
     layers.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_()
     out = run(layers, x)
-    out.square().mean().backward()
+    full(out).square().mean().backward()
     return [out, x.grad, *(p.grad for p in layers.parameters())]
 
 
@@ -371,6 +373,50 @@ def tensor_parallel_scan_layers_inductor():
     """As above through inductor's loop: on torch 2.15 Dynamo lifts the process group's script
     object into the scan's inputs, which the lowered while_loop takes by closure."""
     _check_tp_layers(torch.compile(scan_layers, backend="inductor", fullgraph=True))
+
+
+class NormBlock(torch.nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = torch.nn.LayerNorm(d), torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+
+    def forward(self, h, bias):
+        return h + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(h)))) + bias
+
+
+@check
+def sequence_parallel_scan_layers_compiled():
+    """Sequence parallelism: the hidden state between layers is a DTensor sharded along the
+    sequence (the scan's carry), the norm runs on the shards (SequenceParallel), the Linears
+    gather and scatter it, and a keyword input passes a PrepareModuleInput kwargs hook."""
+    mesh, plan = MESH[0], {
+        "": PrepareModuleInput(input_kwarg_layouts={"bias": Replicate()},
+                               desired_input_kwarg_layouts={"bias": Replicate()}, use_local_output=False),
+        "norm": SequenceParallel(), "fc1": ColwiseParallel(input_layouts=Shard(1)),
+        "fc2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
+
+    def stack():
+        torch.manual_seed(0)
+        layers = torch.nn.ModuleList(NormBlock() for _ in range(3))
+        for layer in layers:
+            parallelize_module(layer, mesh, plan)
+        return layers
+
+    torch.manual_seed(4)
+    x, bias = torch.randn(2, 4, 8), torch.randn(8)
+    x = DTensor.from_local(x.chunk(dist.get_world_size(), 1)[dist.get_rank()], mesh, [Shard(1)])
+    run = torch.compile(lambda layers, h: scan_layers(layers, h, bias=bias), backend="aot_eager", fullgraph=True)
+    want = _tp_layers_step(lambda layers, h: _loop_layers(layers, h, bias), stack(), x)
+    got = _tp_layers_step(run, stack(), x)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_close(g, w, f"output/gradient {i}")
+    assert isinstance(got[0], DTensor) and got[0].placements == (Shard(1),)
+
+
+def _loop_layers(layers, h, bias):
+    for layer in layers:
+        h = layer(h, bias=bias)
+    return h
 
 
 def _tp_layers_with_layer_1(plan):
