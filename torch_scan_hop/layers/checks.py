@@ -143,7 +143,7 @@ def _stood_in_for(module, keys):
         if _compat.distributed.is_fsdp_hook(hook):
             continue
         if kind in ("forward", "forward_pre") and _compat.distributed.is_tensor_parallel_hook(hook):
-            continue  # run by the body's view of the module (scan_layers._LayerView)
+            continue  # run by the body's view of the module (layers.view)
         if keys is None or kind != "forward" or not _compat.transformers.is_capture_hook(hook):
             return False
         found.append(_compat.transformers.capture_key(hook))

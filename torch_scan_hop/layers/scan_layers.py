@@ -7,7 +7,7 @@ the stacks). Traced (torch.compile, export, XLA),
 the parameters and buffers of the layers are stacked (``layers.stack_weights``: a
 stack whose gradient flows back to every layer's own ``.grad``) and scanned
 over; the body calls the first layer's code on one layer's slice through a
-read-only view (``_LayerView``). The traced body therefore does not depend on
+read-only view (``layers.view``). The traced body therefore does not depend on
 the depth: one trace, one compile, for 8 or 64 layers.
 
 Layers must be identical up to their weights, in every mode: same type,
@@ -18,7 +18,6 @@ every layer unchanged; tensor ones are closed over (constants of the call).
 """
 import collections
 import functools
-import types
 
 import torch
 
@@ -40,18 +39,12 @@ from .checks import (
 )
 from .fsdp import check_fsdp, gathered_state
 from .grads import check_flags_traced, stacks_swapped
-from .layer_state import (
-    MISSING,
-    check_peers_agree,
-    check_sharded_alike,
-    layer_state,
-    layer_states,
-    same_value,
-)
+from .layer_state import check_sharded_alike, layer_state, layer_states, same_value
 from .outputs import join_output, split_output, stack_extras
 from .ownership import container_of, container_token, owner_of
 from .stack_weights import stack_state, stack_weights
 from .storage import stacked_storage
+from .view import view_of
 
 
 _STRAIGHT_DEPTH = 8  # on XLA, stacks up to this deep run straight-line unless unroll is given
@@ -117,140 +110,6 @@ def layers_owners(layers, name):
     return [owner_of(layer, name) for layer in layers]
 
 
-class _LayerView:
-    """Layer 0 seen with one layer's slice of the stacked weights.
-
-    Attribute reads resolve to the slice (parameters, buffers), to views of
-    submodules, to methods of the module's class bound to the view, or else to
-    the module's own attributes. Nothing is written to the module, so the body
-    has no side effects (which Dynamo refuses inside a scan body) and no
-    parameter swapping per step. Module hooks are not run. (State is read via
-    ``self.__dict__``, which Dynamo traces on objects created in the body.)
-
-    A plain attribute the body reads (a scale, ``training``) is layer 0's for
-    every step, so it is compared with the same attribute of every layer
-    (``peers``) as it is read: a layer that differs is a ScanError naming it.
-    Checking on read covers exactly what the code uses, and is the one form
-    Dynamo can trace (it cannot enumerate a module's ``__dict__``).
-    """
-
-    def __init__(self, module, state, prefix="", peers=(), checked=None, parent=None, recorder=None):
-        # names no module attribute is likely to have: the view answers these itself
-        self._view_m, self._view_state, self._view_prefix = module, state, prefix
-        self._view_peers, self._view_parent = peers, parent
-        self._view_checked = {} if checked is None else checked  # names compared with the peers, whole tree
-        self._view_recorder = recorder  # capture.StepRecords while a transformers model collects, else None
-
-    def __getattr__(self, name):
-        d = self.__dict__
-        if "_view_m" not in d:  # Dynamo probing a not-yet-initialized stand-in
-            raise AttributeError(name)
-        module, state, prefix = d["_view_m"], d["_view_state"], d["_view_prefix"]
-        if prefix + name in state:
-            return state[prefix + name]
-        children = _compat.nn.child_modules(module)
-        if name in children:
-            sub = children[name]  # its peers are found when it first reads a plain attribute
-            return None if sub is None else view_of(
-                sub, state, prefix + name + ".", None, d["_view_checked"], (d, name), d["_view_recorder"])
-        if name == "_modules":  # torch's containers read their children from this attribute
-            return {k: getattr(self, k) for k in children}
-        attr = getattr(type(module), name, None)
-        if isinstance(attr, property):
-            return attr.fget(self)
-        if isinstance(attr, types.FunctionType):  # a method: bound to the view (partial: Dynamo traces it)
-            return functools.partial(attr, self)
-        value = getattr(module, name)
-        if prefix + name not in d["_view_checked"]:  # once per trace: a check reads the attribute of every layer
-            check_peers_agree(prefix + name, value, [getattr(p, name, MISSING) for p in _peers_of(d)])
-            d["_view_checked"][prefix + name] = True
-        return value
-
-    def __call__(self, *args, **kwargs):
-        module = self.__dict__["_view_m"]
-        layouts = _compat.nn.module_has_hooks(module)  # the tensor-parallel ones run here, as in __call__
-        if layouts:
-            args, kwargs = _run_layout_pre_hooks(module, self, args, kwargs)
-        out = self.forward(*args, **kwargs)
-        if layouts:
-            out = _run_layout_hooks(module, self, args, kwargs, out)
-        recorder = self.__dict__["_view_recorder"]
-        if recorder is not None:  # what this module's collecting hooks would be given (layers.capture)
-            recorder.record(self.__dict__["_view_prefix"], args, out)
-        return out
-
-    @property
-    def forward(self):
-        """The module class's forward bound to the view. A class attribute too: code that
-        reads ``type(self).forward`` (transformers' checkpointing wrapper asks whether it
-        is the outermost one) finds this property, not the module class's function, so
-        such a wrapper takes itself for an inner one and runs the plain forward."""
-        return self.__getattr__("forward")
-
-    def __iter__(self):  # containers (Sequential, ModuleList) iterate their children
-        return iter(self._modules.values())
-
-    def __len__(self):
-        module = self.__dict__.get("_view_m")
-        return 0 if module is None else len(_compat.nn.child_modules(module))
-
-    def __bool__(self):  # a module is truthy whatever its number of children
-        return True
-
-    def __getitem__(self, idx):
-        return list(self._modules.values())[idx]
-
-
-def _run_layout_pre_hooks(module, view, args, kwargs):
-    """``module``'s tensor-parallel forward pre-hooks (``parallelize_module``'s input layouts),
-    called on the view as ``nn.Module.__call__`` calls them: layer 0's hooks for every
-    layer, as the layers' styles agree (their sharded weights are stacked together). The
-    module's other hooks were checked already: done elsewhere in the body, or refused."""
-    for hook, takes_kwargs in _compat.nn.forward_pre_hooks(module):
-        if not _compat.distributed.is_tensor_parallel_hook(hook):
-            continue
-        if takes_kwargs:
-            result = hook(view, args, kwargs)
-            if result is not None:
-                args, kwargs = result
-        else:
-            result = hook(view, args)
-            if result is not None:
-                args = result if isinstance(result, tuple) else (result,)
-    return args, kwargs
-
-
-def _run_layout_hooks(module, view, args, kwargs, out):
-    """``module``'s tensor-parallel forward hooks (output layouts), as ``__call__`` runs them."""
-    for hook, takes_kwargs in _compat.nn.forward_hooks(module):
-        if _compat.distributed.is_tensor_parallel_hook(hook):
-            result = hook(view, args, kwargs, out) if takes_kwargs else hook(view, args, out)
-            out = out if result is None else result
-    return out
-
-
-def _peers_of(d):
-    """A view's peers: the other layers' modules at its path. A submodule view finds them
-    on first use, so one that reads no plain attribute (a Linear) reads no other layer."""
-    if d["_view_peers"] is None:
-        parent, name = d["_view_parent"]
-        d["_view_peers"] = _compat.nn.children_named(_peers_of(parent), name)
-    return d["_view_peers"]
-
-
-@functools.lru_cache(maxsize=None)
-def _view_type(cls):
-    """A _LayerView whose ``__class__`` is ``cls``: ``isinstance`` and the
-    zero-argument ``super()`` in the layer's methods then accept the view."""
-    return type(f"{cls.__name__}View", (_LayerView,), {"__class__": cls})
-
-
-def view_of(module, state, prefix="", peers=(), checked=None, parent=None, recorder=None):
-    """The view of ``module`` (Dynamo traces the plain _LayerView only)."""
-    cls = _LayerView if _compat.is_dynamo_compiling() else _view_type(type(module))
-    return cls(module, state, prefix, peers, checked, parent, recorder)
-
-
 def _as_output(inputs):
     return inputs[0] if len(inputs) == 1 else tuple(inputs)
 
@@ -275,7 +134,7 @@ _CONTAINERS = (dict, collections.OrderedDict, set)  # hook dicts, _non_persisten
 def _all_attributes_agree(layers):
     """Every plain attribute in every layer's module tree equals layer 0's.
 
-    Then the body's checks on read (``_LayerView``: under Dynamo one guard per
+    Then the body's checks on read (``layers.view``: under Dynamo one guard per
     layer and attribute read, the most of the compile time that grows with
     depth) have nothing to find. Outside Dynamo only: it cannot enumerate a
     ``__dict__``. Anything that differs (a per-layer index nobody reads, say)
