@@ -20,8 +20,10 @@ class _LayerView:
     submodules, to methods of the module's class bound to the view, or else to
     the module's own attributes. Nothing is written to the module, so the body
     has no side effects (which Dynamo refuses inside a scan body) and no
-    parameter swapping per step. Module hooks are not run. (State is read via
-    ``self.__dict__``, which Dynamo traces on objects created in the body.)
+    parameter swapping per step. Of the module hooks, only tensor parallelism's
+    layout hooks are run (``__call__``); the others were checked before the scan
+    (``layers.checks``). (State is read via ``self.__dict__``, which Dynamo traces
+    on objects created in the body.)
 
     A plain attribute the body reads (a scale, ``training``) is layer 0's for
     every step, so it is compared with the same attribute of every layer
