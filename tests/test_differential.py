@@ -92,6 +92,9 @@ REGRESSIONS = [
     ("xla", 300028),
     # XLA: a body whose carry and ys are all None ("No XlaOp with handle 0" building an empty While)
     ("xla", 400009), ("xla", 400085),
+    # inductor, dynamic length, dim=2, min_cut: torch 2.9-2.11 misread symbolically strided xs rows in
+    # the backward loop (every gradient through the carry wrong): such xs are copied contiguous first
+    ("compile_inductor_dynamic", 910003),
 ]
 
 
@@ -275,6 +278,17 @@ FUNC = {  # transform -> (f, v, r) -> its result, r: the weights, tangent and ba
 }
 
 
+def _compiled_loop_fails(ref, transform, v, r):
+    """torch.compile of the same transform of the plain loop fails too (torch 2.9-2.15 cannot
+    compile ``jvp`` through LayerNorm: an internal assert of ``_fw_primal`` in Dynamo's fake run)."""
+    torch._dynamo.reset()
+    try:
+        torch.compile(lambda v, *r: FUNC[transform](ref, v, r), backend="aot_eager", fullgraph=True)(v, *r)
+    except Exception:  # noqa: BLE001
+        return True
+    return False
+
+
 def run_func(p, mode, want_out, want_grads, weights):
     """A torch.func transform of the scan (as a function of one vector, ``vector_function``)
     against the same transform of the loop (vmap: the loop per sample), at lengths 0 and 1 and,
@@ -319,9 +333,11 @@ def _run_func(p, mode, transform, traced):
                 apply = torch.compile(apply, backend="aot_eager", fullgraph=True)
             got = apply(v, *r)
         except Exception as e:  # noqa: BLE001
-            if refused is None or refused not in str(e):
-                raise
-            continue
+            if refused is not None and refused in str(e):
+                continue
+            if traced == "compile" and _compiled_loop_fails(ref, transform, v, r):
+                continue  # torch cannot compile this transform of the loop either: no reference here
+            raise
         what = f"{transform}{' ' + traced if traced else ''} at length {q.length}"
         check(q, "eager" if not traced else mode, what, got, want)
         if traced != "compile" and set(seen) != {ref_seen[0]}:

@@ -126,6 +126,7 @@ from .tracing import (  # noqa: F401
     disable_proxy_modes_tracing,
     fresh_fake_mode,
     inside_our_trace,
+    known_contiguous,
     known_int,
     make_fx,
     pytree,

@@ -424,3 +424,16 @@ def known_int(n):
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     return isinstance(n, (int, torch.SymInt)) and statically_known_true(n < 2 ** 62)
+
+
+def known_contiguous(t):
+    """``t``'s strides are known, without a guard, to be the contiguous ones of its sizes
+    (a tensor with symbolic sizes: each stride compared as a symbolic expression)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    expected = 1
+    for size, stride in reversed(list(zip(t.shape, t.stride()))):
+        if not statically_known_true(size <= 1) and not statically_known_true(stride == expected):
+            return False
+        expected = expected * size
+    return True

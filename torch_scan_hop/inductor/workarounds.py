@@ -1,4 +1,5 @@
-"""Workarounds for six torch defects that scan's inductor loops hit (2.9; 5 also 2.15; 6 in 2.10-2.11).
+"""Workarounds for seven torch defects that scan's inductor loops hit (2.9; 5 also 2.15; 6 in 2.10-2.11;
+7 in 2.9-2.11).
 
 1. Subgraph inputs taken as donated buffers (fixed upstream by pytorch#193960).
    Compiling a backward graph, inductor marks the inputs listed in AOT's
@@ -50,6 +51,14 @@
    them in the order the body writes them, and a scan's body writes its ys rows before
    it steps its counter, so the scan's ys came back as the counter (torch 2.11, every
    compiled scan with ys). ``create`` gets that list in index order.
+
+7. Strided loop inputs with symbolic strides. Under ``dynamic=True`` a scan along another
+   dim than 0 has xs whose strides are symbolic and not the contiguous ones (a movedim of
+   the user's tensor). torch 2.9-2.11 generated a backward loop body that read the rows of
+   such xs wrongly when it recomputed a step with softmax and flip of them: every gradient
+   through the carry was wrong (fuzz seed 910003; right with static shapes, with contiguous
+   xs, and on torch 2.15). Before torch 2.15 such xs are copied contiguous first (one copy
+   per call, as big as xs).
 """
 import contextlib
 
@@ -124,13 +133,24 @@ def _contiguous_copy(graph, node):
     return clone
 
 
+def _symbolically_strided(val):
+    """Defect 7's xs: symbolic strides that are not known to be the contiguous ones."""
+    return (_STRIDED_XS_MISREAD and isinstance(val, torch.Tensor)
+            and not all(isinstance(st, int) for st in val.stride()) and not _compat.known_contiguous(val))
+
+
+_STRIDED_XS_MISREAD = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 15)  # defect 7
+
+
 def materialize_expanded_operands(gm):
-    """Give every scan node a dense copy of each expanded init or xs input."""
+    """Give every scan node a dense copy of each expanded init or xs input (defect 2) and,
+    before torch 2.15, of each xs input strided with symbolic strides (defect 7)."""
     for node in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan):
         combine, init, xs, *rest = node.args
         with gm.graph.inserting_before(node):
-            init, xs = ([_contiguous_copy(gm.graph, n) if _is_expanded(n.meta.get("val")) else n for n in group]
-                        for group in (init, xs))
+            init = [_contiguous_copy(gm.graph, n) if _is_expanded(n.meta.get("val")) else n for n in init]
+            xs = [_contiguous_copy(gm.graph, n) if _is_expanded(n.meta.get("val"))
+                  or _symbolically_strided(n.meta.get("val")) else n for n in xs]
         node.args = (combine, init, xs, *rest)
     gm.graph.lint()
 
