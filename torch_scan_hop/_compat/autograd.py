@@ -3,6 +3,7 @@ compiled autograd, selective-checkpoint storage and custom-op formulas."""
 import contextlib
 
 import torch
+from torch._functorch.utils import unwrap_dead_wrappers
 from torch.fx.experimental import proxy_tensor as _proxy_tensor
 
 
@@ -166,6 +167,4 @@ def apply_unbound(cls, *args):
     binding, ``unwrap_dead_wrappers``, then ``_FunctionBase.apply``."""
     if torch._C._are_functorch_transforms_active():
         return cls.apply(*args)
-    from torch._functorch.utils import unwrap_dead_wrappers
-
     return super(torch.autograd.Function, cls).apply(*unwrap_dead_wrappers(args))

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from . import dispatch, dynamo
+from . import dispatch, dynamo, nn
 
 _HOOK_MODULE = "transformers.utils.output_capturing"
 _HOOK_NAME = "output_capturing_hook"
@@ -43,7 +43,7 @@ def capture_index(hook):
 
 def capture_hooks(module):
     """``module``'s capture hooks, in the order they run."""
-    return [h for h in module._forward_hooks.values() if is_capture_hook(h)]
+    return [h for h, _ in nn.forward_hooks(module) if is_capture_hook(h)]
 
 
 def collected_keys(keys):

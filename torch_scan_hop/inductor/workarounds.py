@@ -133,13 +133,13 @@ def _contiguous_copy(graph, node):
     return clone
 
 
+_STRIDED_XS_MISREAD = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 15)  # defect 7
+
+
 def _symbolically_strided(val):
     """Defect 7's xs: symbolic strides that are not known to be the contiguous ones."""
     return (_STRIDED_XS_MISREAD and isinstance(val, torch.Tensor)
             and not all(isinstance(st, int) for st in val.stride()) and not _compat.known_contiguous(val))
-
-
-_STRIDED_XS_MISREAD = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 15)  # defect 7
 
 
 def materialize_expanded_operands(gm):
