@@ -77,13 +77,15 @@ def peak_alloc_mb(step):
 
 
 def run_variant(base, name, x, reps, backend):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # FSDP2's default mesh is CUDA where a GPU is seen
     model = copy.deepcopy(base)
     model.scanned = name.startswith("scan")
     for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     fwd = torch.compile(model, backend=backend) if name.endswith("compile") else model
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 

@@ -5,9 +5,13 @@
 Every check compares scan / scan_layers (eager and torch.compile) with the Python
 loop it stands for, values and gradients, on both ranks; the results (None or the
 error) are written to OUT.json. The process group is made once for all checks.
+OUT.json is rewritten after every check and names the check under way ("__running__"),
+so that a rank that dies (a segfault in torch) still says which check killed it, and
+which passed before; faulthandler prints the Python stack of such a death.
 """
 import copy
 import datetime
+import faulthandler
 import json
 import os
 import sys
@@ -248,11 +252,18 @@ class Model(torch.nn.Module):
         return self.head(h).square().mean()
 
 
+def shard(module, **kwargs):
+    """fully_shard on the checks' CPU mesh: without ``mesh=`` FSDP2 builds its default mesh, a
+    CUDA one wherever a GPU is visible, and moves the parameters there; gloo collectives on
+    those CUDA tensors then kill the process (torch 2.11 on a GPU machine)."""
+    return fully_shard(module, mesh=MESH[0], **kwargs)
+
+
 def sharded(model, per_layer=True, **kwargs):
     if per_layer:
         for layer in model.layers:
-            fully_shard(layer, **kwargs)
-    return fully_shard(model, **kwargs)
+            shard(layer, **kwargs)
+    return shard(model, **kwargs)
 
 
 def _train_like_loop(compiled, per_layer, steps=3, d=8):
@@ -465,9 +476,9 @@ def fsdp_root_around_a_scan_compiled():
     FSDP2 does for the loop), the body reads them whole; compiled, as the loop."""
     torch.manual_seed(0)
     base = ScannedRNN(scanned=False)
-    ref, model = fully_shard(copy.deepcopy(base)), copy.deepcopy(base)
+    ref, model = shard(copy.deepcopy(base)), copy.deepcopy(base)
     model.scanned = True
-    model = fully_shard(model)
+    model = shard(model)
     run = torch.compile(model, backend="aot_eager")
     torch.manual_seed(10 + dist.get_rank())
     for step in range(2):
@@ -487,8 +498,8 @@ def fsdp_module_called_in_a_scan_body_is_a_clear_error():
     """A body calling a module sharded by fully_shard cannot be compiled (FSDP2's hooks run outside
     the graph): the ScanError says so and what to do, not only Dynamo's words for a graph break."""
     model = ScannedRNN()
-    fully_shard(model.cell)
-    fully_shard(model)
+    shard(model.cell)
+    shard(model)
     try:
         torch.compile(model, backend="aot_eager")(torch.randn(5, 4, 8))
     except ScanError as e:
@@ -588,7 +599,15 @@ def stack_layers_of_sharded_layers_is_a_scan_error():
         raise AssertionError("no ScanError")
 
 
+def _write(out, results):
+    """Replace OUT.json in one step: a reader never sees half a file."""
+    with open(out + ".tmp", "w") as f:
+        json.dump(results, f)
+    os.replace(out + ".tmp", out)
+
+
 def main(rank, world, port, out):
+    faulthandler.enable()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=90))
     MESH.append(init_device_mesh("cpu", (world,)))
@@ -597,6 +616,7 @@ def main(rank, world, port, out):
     for name, fn in CHECKS.items():
         if only and name not in only.split(","):
             continue
+        _write(out, {**results, "__running__": name})
         torch._dynamo.reset()
         try:
             fn()
@@ -606,8 +626,7 @@ def main(rank, world, port, out):
         except BaseException as e:  # noqa: BLE001  (reported per check; the process goes on)
             results[name] = f"{type(e).__name__}: {str(e)[:3000]}\n{traceback.format_exc()[-4000:]}"
         dist.barrier()  # the ranks stay in step whatever a check did
-    with open(out, "w") as f:
-        json.dump(results, f)
+    _write(out, results)
     dist.destroy_process_group()
 
 

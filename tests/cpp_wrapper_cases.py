@@ -200,6 +200,26 @@ def check_aot_inductor(tmp_dir):
         assert_trees_close(got, want)
 
 
+def check_aot_inductor_without_scan(tmp_dir):
+    """The same packaging of a Python-loop RNN, no scan anywhere: where ``check_aot_inductor``
+    kills its interpreter, this one tells whether AOTInductor itself does on this machine
+    (torch 2.11+cu130 on a GPU machine segfaults loading any package)."""
+    class Loop(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, h, xs):
+            for i in range(xs.shape[0]):
+                h = torch.tanh(h @ self.w + xs[i])
+            return h
+
+    model, args = Loop(), (torch.randn(3, 4), torch.randn(5, 3, 4))
+    ep = torch.export.export(model, args)
+    runner = torch._inductor.aoti_load_package(torch._inductor.aoti_compile_and_package(ep, package_path=f"{tmp_dir}/loop.pt2"))
+    assert_trees_close(runner(*args), model(*args))
+
+
 def check_nested(how):
     """A scan whose body runs a scan (static lengths 3 and 4), values and gradients as the
     loop's: both loops are counted ``for`` loops whose per-step buffers are pooled, each

@@ -47,4 +47,14 @@ def test_nested_scans_are_counted_loops(how):
 
 
 def test_aot_inductor_packages_match_eager(tmp_path):
-    _run("check_aot_inductor", str(tmp_path))
+    try:
+        _run("check_aot_inductor", str(tmp_path))
+    except AssertionError as e:
+        if "crashed the interpreter" not in str(e):
+            raise
+        try:  # a crash: is it ours, or does AOTInductor die here without any scan?
+            _run("check_aot_inductor_without_scan", str(tmp_path))
+        except AssertionError as plain:
+            if "crashed the interpreter" in str(plain):
+                pytest.skip(f"AOTInductor crashes on this machine without any scan: {str(plain)[:300]}")
+        raise
