@@ -1,6 +1,7 @@
 """The checks of tests/test_distributed.py, run in each of 2 gloo processes on 127.0.0.1.
 
     python tests/_distributed_checks.py RANK WORLD PORT OUT.json
+    SCAN_DIST_SUITE=2d python tests/_distributed_checks.py RANK 4 PORT OUT.json   (FSDP2 + TP)
 
 Every check compares scan / scan_layers (eager and torch.compile) with the Python
 loop it stands for, values and gradients, on both ranks; the results (None or the
@@ -12,6 +13,7 @@ which passed before; faulthandler prints the Python stack of such a death.
 import copy
 import datetime
 import faulthandler
+import gc
 import json
 import os
 import sys
@@ -39,12 +41,18 @@ from torch.distributed.tensor.parallel import (
 from torch_scan_hop import ScanError, scan, scan_layers, stack_layers
 
 CHECKS = {}
-MESH = []
+CHECKS_2D = {}  # run by 4 processes on a (dp=2, tp=2) mesh: SCAN_DIST_SUITE=2d
+MESH = []  # the 1-D mesh of every rank (MESH[0]); with SCAN_DIST_SUITE=2d, then the 2-D one (MESH[1])
 ATOL = 1e-5
 
 
 def check(fn):
     CHECKS[fn.__name__] = fn
+    return fn
+
+
+def check_2d(fn):
+    CHECKS_2D[fn.__name__] = fn
     return fn
 
 
@@ -266,17 +274,32 @@ def sharded(model, per_layer=True, **kwargs):
     return shard(model, **kwargs)
 
 
-def _train_like_loop(compiled, per_layer, steps=3, d=8):
+def sharded_2d(model, per_layer=True):
+    """FSDP2 + tensor parallel, as a 2-D trainer shards: each layer's MLP parallelized over
+    "tp", then fully_shard over "dp" (the layers', then the root's)."""
+    mesh = MESH[1]
+    for layer in model.layers:
+        parallelize_module(layer, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        fully_shard(layer, mesh=mesh["dp"])
+    return fully_shard(model, mesh=mesh["dp"])
+
+
+def _data_rank():
+    """Ranks of one tensor-parallel group see the same data; data-parallel ranks their own."""
+    return MESH[1].get_coordinate()[0] if len(MESH) > 1 else dist.get_rank()
+
+
+def _train_like_loop(compiled, per_layer, steps=3, d=8, shard_model=sharded):
     torch.manual_seed(0)
     base = Model(d, scanned=False)
-    ref = sharded(copy.deepcopy(base), per_layer)
+    ref = shard_model(copy.deepcopy(base), per_layer)
     model = copy.deepcopy(base)
     model.scanned = True
-    model = sharded(model, per_layer)
+    model = shard_model(model, per_layer)
     graphs, backend = recording_backend()
     run = torch.compile(model, backend=backend) if compiled else model
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
-    torch.manual_seed(10 + dist.get_rank())  # each rank its own data, as in data parallel
+    torch.manual_seed(10 + _data_rank())  # each rank its own data, as in data parallel
     for step in range(steps):
         x = torch.randn(4, d)
         want, got = ref(x), run(x)
@@ -327,6 +350,34 @@ def fsdp_root_only_compiled():
 @check
 def fsdp_uneven_shards_compiled():
     _train_like_loop(True, per_layer=True, steps=2, d=5)  # fc2's 5 rows: 3 on rank 0, 2 on rank 1
+
+
+@check_2d
+def fsdp_tensor_parallel_scan_layers_eager():
+    _train_like_loop(False, per_layer=True, steps=2, shard_model=sharded_2d)
+
+
+@check_2d
+def fsdp_tensor_parallel_scan_layers_compiled():
+    """FSDP2 + TP traced: each step gathers its layer along "dp" only (FSDP2 lays the weights out
+    on (dp, tp), fc1's as a _StridedShard), into the tensor-parallel DTensors the view's TP hooks
+    expect; gradients reduce-scattered back along "dp", each layer's .grad in its own layout."""
+    graphs = _train_like_loop(True, per_layer=True, steps=2, shard_model=sharded_2d)
+    fw = [gm for gm in graphs["fw"] if scan_nodes(gm)]
+    bw = [gm for gm in graphs["bw"] if scan_nodes(gm)]
+    assert len(fw) == 1 and len(bw) == 1, (len(graphs["fw"]), len(graphs["bw"]))
+    (node,) = scan_nodes(fw[0])
+    body = getattr(fw[0], node.args[0].target)
+    gathers = [n for n in body.graph.nodes if str(n.target).endswith("all_gather_into_tensor.default")]
+    assert len(gathers) == 1 and gathers[0].args[1] == 2, [n.args[1:] for n in gathers]  # one, over dp's 2
+    assert "_c10d_functional.all_reduce.default" in body_ops(fw[0], node)  # fc2's output, over tp
+    (bnode,) = scan_nodes(bw[0])
+    assert "_c10d_functional.reduce_scatter_tensor.default" in body_ops(bw[0], bnode)
+
+
+@check_2d
+def fsdp_tensor_parallel_uneven_shards_compiled():
+    _train_like_loop(True, per_layer=True, steps=2, d=5, shard_model=sharded_2d)  # TP-local 5 rows: 3 + 2
 
 
 def _tp_layers(depth=3, d=8):
@@ -611,13 +662,18 @@ def main(rank, world, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=90))
     MESH.append(init_device_mesh("cpu", (world,)))
+    checks = CHECKS
+    if os.environ.get("SCAN_DIST_SUITE") == "2d":
+        MESH.append(init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp")))
+        checks = CHECKS_2D
     results = {}
     only = os.environ.get("SCAN_DIST_CHECKS")
-    for name, fn in CHECKS.items():
+    for name, fn in checks.items():
         if only and name not in only.split(","):
             continue
         _write(out, {**results, "__running__": name})
         torch._dynamo.reset()
+        gc.collect()  # earlier checks' FSDP2 modules leave FSDP's registry now, not mid-check (a guard)
         try:
             fn()
             results[name] = None

@@ -2,6 +2,7 @@
 
 One pair of gloo processes on 127.0.0.1 runs every check of ``_distributed_checks.py``
 (one process group for the module); each test reads its check's result on both ranks.
+The FSDP2 + tensor-parallel checks need a 2-D mesh: 4 processes run those.
 The processes end by themselves; past the timeout they are killed and the tests fail.
 A rank that dies fails the check it was running and those after it, with its log
 (faulthandler's stack included); the checks it had finished keep their results.
@@ -17,7 +18,6 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORLD = int(os.environ.get("SCAN_DIST_WORLD", "2"))  # CI: 2; SCAN_DIST_WORLD=4 runs the same checks on 4
-TIMEOUT_S = 240 * max(1, WORLD // 2)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo")
@@ -29,19 +29,18 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("dist")
+def _run_checks(tmp, world, **env):
+    """Every check of the suite ``env`` names, run by ``world`` gloo processes: each rank's results."""
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "_distributed_checks.py"), str(rank), str(WORLD),
+               OMP_NUM_THREADS="1", **env)
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "_distributed_checks.py"), str(rank), str(world),
                                str(port), str(tmp / f"rank{rank}.json")], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for rank in range(WORLD)]
+                              stderr=subprocess.STDOUT, text=True) for rank in range(world)]
     logs = []
     for p in procs:
         try:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
+            logs.append(p.communicate(timeout=240 * max(1, world // 2))[0])
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
@@ -57,7 +56,17 @@ def results(tmp_path_factory):
     return out
 
 
-def _checks():
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return _run_checks(tmp_path_factory.mktemp("dist"), WORLD)
+
+
+@pytest.fixture(scope="module")
+def results_2d(tmp_path_factory):
+    return _run_checks(tmp_path_factory.mktemp("dist2d"), 4, SCAN_DIST_SUITE="2d")
+
+
+def _checks(suite="CHECKS"):
     sys.path.insert(0, HERE)
     try:
         import _distributed_checks
@@ -65,11 +74,10 @@ def _checks():
         return []
     finally:
         sys.path.pop(0)
-    return list(_distributed_checks.CHECKS)
+    return list(getattr(_distributed_checks, suite))
 
 
-@pytest.mark.parametrize("name", _checks())
-def test_distributed(results, name):
+def _assert_passed(results, name):
     crashes = [res["__crashed__"] for res in results if name not in res and "__crashed__" in res]
     assert not crashes, "\n\n".join(crashes)  # checks finished before a crash keep their results
     for rank, res in enumerate(results):
@@ -77,3 +85,14 @@ def test_distributed(results, name):
         if isinstance(res[name], dict):  # the check could not run here (Skip)
             pytest.skip(res[name]["skip"])
         assert res[name] is None, f"rank {rank}: {res[name]}"
+
+
+@pytest.mark.parametrize("name", _checks())
+def test_distributed(results, name):
+    _assert_passed(results, name)
+
+
+@pytest.mark.parametrize("name", _checks("CHECKS_2D"))
+def test_distributed_2d(results_2d, name):
+    """FSDP2 + tensor parallel on a (dp=2, tp=2) mesh of 4 processes."""
+    _assert_passed(results_2d, name)

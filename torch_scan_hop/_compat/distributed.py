@@ -3,7 +3,9 @@
 Public: ``torch.distributed.fsdp.FSDPModule``. Private (torch 2.9): FSDP2's hooks
 live in ``torch.distributed.fsdp._fully_shard`` (their functions' ``__module__``),
 and an FSDP module's parameter group (``FSDPModule._get_fsdp_state()._fsdp_param_group``)
-holds its ``mp_policy``, ``offload_policy``, ``gradient_divide_factor`` and ``mesh_info``.
+holds its ``mp_policy``, ``offload_policy``, ``gradient_divide_factor`` and ``mesh_info``;
+each of its ``fsdp_params`` the ``sharded_param`` and, for FSDP + TP, the tensor-parallel
+spec it was sharded from.
 """
 
 try:
@@ -59,9 +61,9 @@ def _mp_policies(group):
 
 def fsdp_unsupported(module):
     """Why a traced scan_layers cannot stand in for FSDP2's hooks on ``module``
-    (a message), or None: it gathers each parameter in full and averages its
-    gradient over the mesh, which is FSDP2 with its default policies on its own
-    mesh (1-D FSDP or 2-D HSDP, no tensor parallel dims)."""
+    (a message), or None: it gathers each parameter along FSDP2's mesh and averages its
+    gradient there, which is FSDP2 with its default policies on its own mesh (1-D FSDP
+    or 2-D HSDP), tensor-parallel parameters included (``fsdp_meshes``)."""
     try:
         for group in _param_groups(module._get_fsdp_state()):
             why = _group_unsupported(group)
@@ -72,6 +74,22 @@ def fsdp_unsupported(module):
     return None
 
 
+def fsdp_meshes(module):
+    """``(FSDP2's mesh, the tensor-parallel mesh or None)`` of each of ``module``'s FSDP2
+    parameters (``fsdp_unsupported`` has passed it)."""
+    return [(group.mesh_info.mesh, _tensor_parallel_mesh(p)) for group in _param_groups(module._get_fsdp_state())
+            for p in group.fsdp_params]
+
+
+def _tensor_parallel_mesh(fsdp_param):
+    """The mesh of a parameter's tensor-parallel DTensor before FSDP2 sharded it, or None for
+    a plain one: FSDP2 + TP lays the sharded parameter out on (FSDP2's mesh dims, then the TP
+    mesh's), FSDP2's placements first. torch 2.9-2.11: ``_tp_spec``; later torch:
+    ``_unsharded_dtensor_spec``."""
+    spec = getattr(fsdp_param, "_tp_spec", None) or getattr(fsdp_param, "_unsharded_dtensor_spec", None)
+    return None if spec is None else spec.mesh
+
+
 def _group_unsupported(group):
     for mp in _mp_policies(group):
         if mp.param_dtype is not None or mp.reduce_dtype is not None or mp.output_dtype is not None:
@@ -80,8 +98,15 @@ def _group_unsupported(group):
         return f"an offload policy ({type(group.offload_policy).__name__})"
     if group.gradient_divide_factor is not None:
         return f"a gradient divide factor ({group.gradient_divide_factor})"
+    if type(group.mesh_info).__name__ not in ("FSDPMeshInfo", "HSDPMeshInfo"):
+        return f"a mesh layout other than FSDP's or HSDP's ({type(group.mesh_info).__name__})"
     mesh = group.mesh_info.mesh
     for fsdp_param in group.fsdp_params:
-        if fsdp_param.sharded_param.device_mesh != mesh:
-            return "parameters that are also tensor-parallel DTensors (FSDP + TP)"
+        param_mesh = fsdp_param.sharded_param.device_mesh
+        if param_mesh == mesh:
+            continue
+        tp_mesh = _tensor_parallel_mesh(fsdp_param)
+        if tp_mesh is None or param_mesh.ndim != mesh.ndim + tp_mesh.ndim:
+            return (f"a parameter laid out on {param_mesh}, neither FSDP2's mesh {mesh} nor it followed "
+                    "by one tensor-parallel mesh")
     return None

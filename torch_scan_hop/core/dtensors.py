@@ -122,6 +122,37 @@ def _one_shard_dim(t):
     return shards[0]
 
 
+def local_shape(shape, placements, coordinate, sizes):
+    """The local shape on the rank at ``coordinate`` of a mesh of ``sizes`` of a DTensor of
+    global ``shape`` laid out by ``placements`` (``torch.chunk``'s sizes, as DTensor's)."""
+    shape = list(shape)
+    for p, c, m in zip(placements, coordinate, sizes):
+        if isinstance(p, Shard):
+            chunk = -(-shape[p.dim] // m)
+            shape[p.dim] = max(0, min(chunk, shape[p.dim] - c * chunk))
+    return tuple(shape)
+
+
+def fsdp_part(t, fsdp_layout, tp_layout):
+    """An FSDP2 + TP parameter seen along FSDP2's mesh only: its local shard as a DTensor of the
+    tensor-parallel local tensor, sharded along dim 0 as FSDP2 shards it (``_StridedShard``
+    along the full mesh is ``Shard(0)`` of the TP-local tensor), so that it is stacked, sliced
+    and gathered as a plain FSDP2 parameter (Dynamo can neither build a DTensor whose
+    placements hold a ``_StridedShard`` nor, from torch 2.11, read one); its gradient flows
+    back in the parameter's own layout. ``fsdp_layout``: (FSDP2's mesh, its placements of a
+    plain parameter); ``tp_layout``: (TP mesh, this rank's coordinate there, the mesh's sizes)."""
+    fsdp_mesh, placements = fsdp_layout
+    _, coordinate, sizes = tp_layout
+    shape = local_shape(tuple(t.shape), tuple(t.placements)[fsdp_mesh.ndim:], coordinate, sizes)
+    return wrap(t.to_local(), (fsdp_mesh, placements, shape, contiguous_stride(shape)))
+
+
+def tensor_parallel_whole(local, tp_mesh, placements, shape):
+    """A gathered TP-local tensor (``fsdp_part``) as the tensor-parallel DTensor FSDP2 hands
+    the module: the TP mesh and placements, the parameter's global shape."""
+    return wrap(local, (tp_mesh, placements, shape, contiguous_stride(shape)))
+
+
 def gathered_together(ts):
     """``[gathered(t) for t in ts]`` with ONE all-gather (and one reduce-scatter of the
     gradients), as FSDP2 gathers a layer's parameters: the local shards, each padded to

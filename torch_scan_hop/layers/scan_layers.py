@@ -37,7 +37,7 @@ from .checks import (
     check_one_tuple_is_not_several_inputs,
     differentiates_stacks,
 )
-from .fsdp import check_fsdp, gathered_state
+from .fsdp import check_fsdp, gathered_state, tensor_parallel_parts
 from .grads import check_flags_traced, stacks_swapped
 from .layer_state import check_sharded_alike, layer_state, layer_states, same_value
 from .outputs import join_output, split_output, stack_extras
@@ -240,6 +240,9 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=None, partition_fn=Non
             check_sharded_alike(states)
         except ScanError as e:
             surface(e)
+    fsdp_meshes, tp_specs = check_fsdp(layers[0]), {}  # meshes None: not sharded by FSDP2
+    if fsdp_meshes is not None and stacked is None:
+        states, tp_specs = tensor_parallel_parts(states, fsdp_meshes)
     unroll = _resolve_unroll(unroll, len(layers), tensors, stacked)
     # one iteration of every layer: no While on XLA (a bad unroll is scan's ScanError)
     straight = schedule.one_iteration(len(layers), unroll)
@@ -257,7 +260,6 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=None, partition_fn=Non
     if not dynamo and not over_rows:  # checked here, in Python: the traced body then reads no peer
         check_no_running_stat_updates(template)  # other layers agree with layer 0 or are refused as read
     peers = () if over_rows or (not dynamo and _all_attributes_agree(layers)) else layers[1:]
-    sharded = check_fsdp(template)
 
     def step(h, params):
         if dynamo:  # in the body: under torch.compile only errors raised there stay ScanErrors
@@ -265,8 +267,8 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=None, partition_fn=Non
             if trained_stacks:
                 check_flags_traced(container, token)
         args = (h,) if single else tuple(h)
-        if sharded:  # FSDP2's unshard, for this step's layer (its gradient reduce-scattered back)
-            params = gathered_state(params)
+        if fsdp_meshes is not None:  # FSDP2's unshard, for this step's layer (its gradient reduce-scattered back)
+            params = gathered_state(params, fsdp_meshes, tp_specs)
         records = None if plan is None else StepRecords(plan)
         out = view_of(template, params, peers=peers, recorder=records)(*args, **broadcast_kwargs)  # kwargs: closed over
         out, extras = split_output(out, h, len(inputs), layers, 0)  # extras: the scan's ys
