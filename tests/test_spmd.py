@@ -59,6 +59,11 @@ def test_rebuilt_carry_in_sharded_layers():
     spmd("check_rebuilt_carry_in_sharded_layers")
 
 
+@pytest.mark.parametrize("how", ["per_layer", "auto_wrap", "own_shard_output"])
+def test_scan_layers_over_torch_xla_fsdp_v2_layers(how):
+    spmd("check_fsdp_v2_layers", how)
+
+
 def test_scan_cumsum_outputs_sharded_like_inputs():
     spmd("check_cumsum_output_shardings")
 

@@ -158,3 +158,45 @@ def mesh_texts_made():
     """How many meshes' texts ``keep_mesh_texts`` has made so far: a body whose
     capture failed on a mesh made before it was installed is worth one more try."""
     return _mesh_texts["made"]
+
+
+# torch_xla's FSDPv2 wrapper, told by its class's module and name (torch_xla is not imported for it)
+_FSDP_V2 = ("torch_xla.experimental.spmd_fully_sharded_data_parallel", "SpmdFullyShardedDataParallel")
+
+
+def is_fsdp_v2(module):
+    """``module`` is torch_xla's FSDPv2 wrapper (``SpmdFullyShardedDataParallel``)."""
+    cls = type(module)
+    return (cls.__module__, cls.__name__) == _FSDP_V2
+
+
+def is_fsdp_v2_barrier_hook(hook):
+    """FSDPv2's full backward hook (``apply_backward_optimization_barrier``): an optimization
+    barrier over the module's gradients, a hint that keeps XLA from fusing one layer's
+    backward with the next, with no effect on values. torch_xla 2.9: a function local to
+    ``xla_sharding.apply_backward_optimization_barrier``."""
+    return (getattr(hook, "__module__", None) == "torch_xla.distributed.spmd.xla_sharding"
+            and getattr(hook, "__qualname__", "").startswith("apply_backward_optimization_barrier."))
+
+
+def fsdp_v2_output_spec(module, output):
+    """``(mesh, partition spec)`` FSDPv2's default ``shard_output`` gives ``output``, or None
+    when the wrapper was given a ``shard_output`` of its own. torch_xla 2.9: the default is
+    ``shard_output_impl``, a closure over ``extra_data_axis``, whose spec comes from
+    ``_prepare_spmd_partition_spec(output, extra_data_axis)``."""
+    fn = module._shard_output
+    if getattr(fn, "__qualname__", "") != "SpmdFullyShardedDataParallel.__init__.<locals>.shard_output_impl":
+        return None
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
+
+    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+    extra = cells["extra_data_axis"].cell_contents if "extra_data_axis" in cells else None
+    return module._mesh, _prepare_spmd_partition_spec(output, extra)
+
+
+def mark_sharding_with_gradients(tensor, mesh, partition_spec):
+    """torch_xla's functional sharding annotation (traceable into a scan body, its gradient
+    annotated alike), where ``xs.mark_sharding`` annotates in place."""
+    import torch_xla.distributed.spmd as xs
+
+    return xs.mark_sharding_with_gradients(tensor, mesh, partition_spec)

@@ -135,7 +135,8 @@ def _stood_in_for(module, keys):
     """Whether a traced scan_layers does what every hook of ``module`` does, hook by hook
     (a module may hold several kinds: an FSDP2-sharded transformers layer has both):
     FSDP2's are done in the body (``layers.fsdp``); tensor parallelism's layout hooks are
-    run by the body's view of the module; transformers' capture hooks, with a
+    run by the body's view of the module; torch_xla FSDPv2's optimization barrier is a
+    fusion hint that changes no value; transformers' capture hooks, with a
     ``keys`` list, are recorded (``layers.capture``; their keys added to ``keys``); any
     other hook would silently not run."""
     found = []
@@ -144,6 +145,8 @@ def _stood_in_for(module, keys):
             continue
         if kind in ("forward", "forward_pre") and _compat.distributed.is_tensor_parallel_hook(hook):
             continue  # run by the body's view of the module (layers.view)
+        if kind == "backward" and _compat.xla.is_fsdp_v2_barrier_hook(hook):
+            continue  # FSDPv2's optimization barrier: a fusion hint, no effect on values (layers.view)
         if keys is None or kind != "forward" or not _compat.transformers.is_capture_hook(hook):
             return False
         found.append(_compat.transformers.capture_key(hook))

@@ -4,12 +4,16 @@ A traced ``scan_layers`` runs layer 0's code once per step on that step's weight
 this read-only view (``view_of``): nothing is written to the module, so the body has no
 side effects and swaps no parameters. The view also stands in for the module's
 ``__call__`` where the layers' hooks must run in the body (tensor parallelism's layouts)
-or be recorded (transformers' capture, ``layers.capture``).
+or be recorded (transformers' capture, ``layers.capture``), and for the forward of
+torch_xla's FSDPv2 wrapper, whose output annotation is in place.
 """
 import functools
 import types
 
+import torch
+
 from .. import _compat
+from ..core.trees import ScanError
 from .layer_state import MISSING, check_peers_agree
 
 
@@ -66,6 +70,8 @@ class _LayerView:
 
     def __call__(self, *args, **kwargs):
         module = self.__dict__["_view_m"]
+        if _compat.xla.is_fsdp_v2(module):
+            return _fsdp_v2_call(self, module, args, kwargs)
         layouts = _compat.nn.module_has_hooks(module)  # the tensor-parallel ones run here, as in __call__
         if layouts:
             args, kwargs = _run_layout_pre_hooks(module, self, args, kwargs)
@@ -125,6 +131,28 @@ def _run_layout_hooks(module, view, args, kwargs, out):
             result = hook(view, args, kwargs, out) if takes_kwargs else hook(view, args, out)
             out = out if result is None else result
     return out
+
+
+def _fsdp_v2_call(view, module, args, kwargs):
+    """torch_xla's FSDPv2 wrapper, as its forward runs: the wrapped layer, then its output
+    annotated for FSDP (batch dim over "fsdp"), but with the functional annotation, which a
+    scan body can hold (its default ``shard_output`` annotates in place). Its backward hook,
+    an optimization barrier between layers' backwards, has no effect on values and is left
+    out: the scan's backward runs one layer per step anyway."""
+    out = view._orig_module(*args, **kwargs)
+    first = out if isinstance(out, torch.Tensor) else out[0] if isinstance(out, tuple) and len(out) > 0 and isinstance(
+        out[0], torch.Tensor) else None
+    spec = None if first is None else _compat.xla.fsdp_v2_output_spec(module, first)
+    if spec is None:
+        raise ScanError("scan_layers: the layers are wrapped by torch_xla's SpmdFullyShardedDataParallel "
+                        + ("with a shard_output of their own, which annotates the output in place "
+                           "(xs.mark_sharding) and cannot run in the scan's body. Leave shard_output at its "
+                           "default (the body then annotates the output as it would, functionally)"
+                           if first is not None else f"and return {type(out).__name__}, not a tensor or a tuple "
+                           "starting with one, which FSDPv2 cannot shard either")
+                        + ", or wrap the layers' container instead of each layer.")
+    annotated = _compat.xla.mark_sharding_with_gradients(first, *spec)
+    return annotated if out is first else (annotated, *out[1:])
 
 
 def _peers_of(d):
