@@ -6,6 +6,7 @@ Every check runs the program twice: scan on sharded XLA tensors, and the plain
 Python loop on CPU tensors (unsharded), and compares values and gradients.
 Shardings are on a Mesh(arange(4), (2, 2), ("fsdp", "tensor")).
 """
+import copy
 import functools
 
 import numpy as np
@@ -286,6 +287,41 @@ def check_fsdp_v2_layers(how):
     for (name, p), q in zip(layers.named_parameters(), cpu.layers.parameters()):
         torch.testing.assert_close(p.grad.cpu(), q.grad, atol=1e-5, rtol=1e-5, msg=name)
         assert spec(p.grad) == spec(p) and spec(p), (name, spec(p.grad), spec(p))
+
+
+def check_fsdp_v2_module_in_a_scan_body():
+    """A scan body calling an FSDPv2-wrapped module: its default shard_output annotates in place,
+    a ScanError that names the wrapper and the way out; that way (shard_output doing nothing,
+    the body annotating functionally) then gives the loop's values and gradients."""
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
+
+    torch.manual_seed(5)
+    cpu = torch.nn.Linear(8, 8)
+    c0, xseq = torch.randn(4, 8), torch.randn(5, 4, 8)
+
+    def body_of(cell, annotate_output):
+        def body(c, x):
+            h = cell(c)
+            return torch.tanh((annotate(h, ("fsdp", None)) if annotate_output else h) + x), None
+        return body
+
+    cell = FSDPv2(copy.deepcopy(cpu).to(DEV), mesh=MESH)
+    try:
+        scan(body_of(cell, False), on_xla(c0), on_xla(xseq))
+    except ScanError as e:
+        assert "SpmdFullyShardedDataParallel" in str(e) and "shard_output=lambda output, mesh: None" in str(e), str(e)
+    else:
+        raise AssertionError("an FSDPv2 module's in-place output annotation in a scan body did not raise")
+    cell = FSDPv2(copy.deepcopy(cpu).to(DEV), mesh=MESH, shard_output=lambda output, mesh: None)
+    init = on_xla(c0, ("fsdp", None))
+    out, _ = scan(body_of(cell, True), init, on_xla(xseq))
+    weighted_sum(out).backward()
+    cpu_init = c0.clone().requires_grad_()
+    want, _ = reference_scan(body_of(cpu, False), cpu_init, xseq)
+    weighted_sum(want).backward()
+    assert_trees_close(to_cpu((out, init.grad, cell.module.weight.grad)), (want, cpu_init.grad, cpu.weight.grad),
+                       atol=1e-5, rtol=1e-5)
+    assert spec(cell.module.weight.grad) == spec(cell.module.weight) != ""
 
 
 def check_cumsum_output_shardings():

@@ -64,6 +64,10 @@ def test_scan_layers_over_torch_xla_fsdp_v2_layers(how):
     spmd("check_fsdp_v2_layers", how)
 
 
+def test_fsdp_v2_module_in_a_scan_body_is_a_clear_error_with_a_way_out():
+    spmd("check_fsdp_v2_module_in_a_scan_body")
+
+
 def test_scan_cumsum_outputs_sharded_like_inputs():
     spmd("check_cumsum_output_shardings")
 

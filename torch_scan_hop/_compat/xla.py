@@ -114,6 +114,15 @@ def raised_by_in_place_sharding(error):
     return "mark_sharding" in frames and "_aot_mark_sharding" not in frames
 
 
+def raised_in_fsdp_v2_forward(error):
+    """Did ``error`` come out of the forward of torch_xla's FSDPv2 wrapper (its default
+    ``shard_output`` annotates the output in place)?"""
+    import traceback
+
+    return any(f.filename.replace("\\", "/").endswith("experimental/spmd_fully_sharded_data_parallel.py")
+               for f in traceback.extract_tb(error.__traceback__))
+
+
 _mesh_texts = {"installed": False, "made": 0}
 
 

@@ -41,11 +41,16 @@ def _in_place_sharding_as_scan_error():
     except RuntimeError as e:
         if not _compat.xla.raised_by_in_place_sharding(e):
             raise
+        fsdp_v2 = (" Here it is the forward of a module wrapped by torch_xla's SpmdFullyShardedDataParallel "
+                   "(FSDPv2), which annotates its output so: wrap the module that calls scan instead, or build "
+                   "the wrapper with shard_output=lambda output, mesh: None and annotate the output in the "
+                   "body as above (scan_layers over FSDPv2-wrapped layers does that itself)."
+                   if _compat.xla.raised_in_fsdp_v2_forward(e) else "")
         raise ScanError(
             "scan: the body calls torch_xla's in-place xs.mark_sharding(t, mesh, spec), which annotates a "
             "tensor's device data and cannot be traced into the scan's graph. Use "
             "t = xs.mark_sharding_with_gradients(t, mesh, spec) in the body instead (the same annotation, "
-            "also on t's gradient), and shard the inputs with xs.mark_sharding outside the scan. "
+            f"also on t's gradient), and shard the inputs with xs.mark_sharding outside the scan.{fsdp_v2} "
             f"(torch_xla: {str(e).splitlines()[0] if str(e) else ''})") from e
 
 
