@@ -12,6 +12,8 @@ The cases follow torch_xla's test/scan/test_scan_spmd.py (cumsum, 2D
 ("fsdp", "tensor") sharding, the einsum-patched linear), with our scan in place
 of torch_xla's.
 """
+import os
+
 import pytest
 
 pytest.importorskip("torch_xla", reason="torch_xla is not installed: the XLA tests need the [xla] extra (torch 2.9)")
@@ -61,11 +63,22 @@ def test_rebuilt_carry_in_sharded_layers():
 
 @pytest.mark.parametrize("how", ["per_layer", "auto_wrap", "own_shard_output"])
 def test_scan_layers_over_torch_xla_fsdp_v2_layers(how):
-    spmd("check_fsdp_v2_layers", how)
+    _isolated.call("spmd_fsdp_v2_cases", "check_fsdp_v2_layers", how, env=_isolated.SPMD)
 
 
 def test_fsdp_v2_module_in_a_scan_body_is_a_clear_error_with_a_way_out():
-    spmd("check_fsdp_v2_module_in_a_scan_body")
+    _isolated.call("spmd_fsdp_v2_cases", "check_fsdp_v2_module_in_a_scan_body", env=_isolated.SPMD)
+
+
+RANDOM_CASES = int(os.environ.get("SCAN_SPMD_FUZZ_CASES", "16"))
+
+
+@pytest.mark.parametrize("part", range(2))
+def test_random_sharded_scans_match_the_loop(part):
+    """Random meshes, uneven shapes, lengths 0-5, reverse, remat, unroll and annotation points:
+    values and gradients as the CPU loop's (``spmd_random_cases``)."""
+    half = -(-RANDOM_CASES // 2)
+    _isolated.call("spmd_random_cases", "check_random_sharded_scans", 7000 + part * half, half, env=_isolated.SPMD)
 
 
 def test_scan_cumsum_outputs_sharded_like_inputs():
