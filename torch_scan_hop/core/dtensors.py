@@ -33,8 +33,22 @@ def wrap(local, layout):
 
 
 def local(t):
-    """A DTensor's local tensor (differentiable); anything else unchanged."""
-    return t.to_local() if is_dtensor(t) else t
+    """A DTensor's local tensor (differentiable); anything else unchanged. Its gradient is
+    taken as the global one wherever ``t`` is ``Partial`` (``_local_grad_placements``)."""
+    return t.to_local(grad_placements=_local_grad_placements(t.placements)) if is_dtensor(t) else t
+
+
+def _local_grad_placements(placements):
+    """The layout of the gradient that flows back into the local tensor of a DTensor laid out
+    by ``placements``: for a ``Partial`` one, each rank's piece gets the whole gradient (d sum /
+    d piece = 1), a ``Replicate`` value; ``to_local``'s default (the DTensor's own placements)
+    would call it a Partial piece again and count it once per rank. Shards stay shards.
+    (Our wraps hand back the whole gradient too: ``from_local``'s backward keeps a Replicate
+    gradient replicated.)"""
+    out = []
+    for p in placements:
+        out.append(Replicate() if isinstance(p, Partial) else p)
+    return tuple(out)
 
 
 def unbind(x):
@@ -86,7 +100,7 @@ def stack_locals(ts, stack=None):
     """DTensors of one layout stacked along a new dim 0 from their local tensors (no
     communication): the result keeps their layout, a sharded dim shifted by the new one.
     ``stack`` stacks the locals (``torch.stack`` unless given)."""
-    locals_ = [t.to_local() for t in ts]
+    locals_ = [local(t) for t in ts]
     return wrap((stack or torch.stack)(locals_), stacked(layout_of(ts[0]), len(ts)))
 
 
