@@ -243,6 +243,19 @@ def test_zero_length_under_compile():
     assert torch.equal(c, torch.ones(2)) and ys.shape == (0,)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_zero_length_leaves_closure_and_xs_grads_none_as_the_loop(backend):
+    """No step ran: the loop never used the closed-over weight nor xs, so their .grad stays None
+    (an optimizer skips a None gradient but decays or moves a zero one); init's is the carry's."""
+    w, xs = torch.randn(2, 2, requires_grad=True), torch.randn(0, 2, requires_grad=True)
+    c0 = torch.ones(2, requires_grad=True)
+    f = lambda c, xs: scan(lambda c, x: (torch.tanh(c @ w + x), c.sum()), c, xs)  # noqa: E731
+    c, ys = torch.compile(f, backend=backend, fullgraph=True)(c0, xs)
+    (c.sum() * 3 + ys.sum()).backward()
+    assert w.grad is None and xs.grad is None, (w.grad, xs.grad)
+    assert torch.equal(c0.grad, torch.full((2,), 3.0))
+
+
 def test_compiled_autograd_captures_the_backward_scan():
     torch.manual_seed(0)
     model = RNN()

@@ -197,6 +197,8 @@ class ScanAutogradFn(torch.autograd.Function):
         g_init = dict(zip(plan.carry_grad, [next(it) for _ in plan.carry_grad]))
         g_lifted = dict(zip(plan.lifted_grad, [next(it) for _ in plan.lifted_grad]))
         g_xs = dict(zip(plan.x_grad, [next(it) for _ in plan.x_grad]))
+        if type(ctx.length) is int and ctx.length == 0:  # no step ran: the loop never used xs or closures
+            g_xs, g_lifted = {}, {}
         in_grads = [*(g_init.get(i) for i in range(num_init)), *(g_xs.get(i) for i in range(num_xs)),
                     *(g_lifted.get(i) for i in range(len(lifted)))]
         return (None, None, None, None, *(sharding.like(g, s) for g, s in zip(in_grads, shardings)))
