@@ -240,6 +240,42 @@ def dtensor_partial_ys_gradients():
 
 
 @check
+def dtensor_random_programs():
+    """Random DTensor scans (placements, uneven shapes, Partial ys, reverse, remat, eager and
+    aot_eager) against the loop, values and gradients (``_dtensor_random``)."""
+    import _dtensor_random
+
+    for seed in range(500, 500 + int(os.environ.get("SCAN_DIST_FUZZ_CASES", "12"))):
+        _dtensor_random.run_case(seed, MESH[0], lambda f: torch.compile(f, backend="aot_eager", dynamic=False))
+
+
+@check
+def dtensor_dynamic_shapes_are_a_scan_error():
+    """Compiled scans over DTensors with dynamic sizes failed inside AOTAutograd (a global size
+    2*s its tracer does not track): a ScanError that says to compile with dynamic=False, which
+    then recompiles per shape and matches the loop."""
+    w = distribute_tensor(torch.randn(4, 4), MESH[0], [Replicate()])
+    body = lambda c, x: (torch.tanh(c @ w + x), c.sum(-1))  # noqa: E731
+    try:
+        torch.compile(lambda c, xs: scan(body, c, xs), backend="aot_eager", dynamic=True)(
+            distribute_tensor(torch.randn(4, 4), MESH[0], [Shard(0)]),
+            distribute_tensor(torch.randn(3, 4, 4), MESH[0], [Replicate()]))
+    except ScanError as e:
+        assert "dynamic sizes" in str(e) and "dynamic=False" in str(e), str(e)
+    else:
+        raise AssertionError("no ScanError")
+    run = torch.compile(lambda c, xs: scan(body, c, xs), backend="aot_eager", dynamic=False)
+    w_full = w.full_tensor()
+    plain = lambda c, x: (torch.tanh(c @ w_full + x), c.sum(-1))  # noqa: E731  (the truth: no DTensor)
+    for batch in (4, 6):
+        c0 = distribute_tensor(torch.randn(batch, 4), MESH[0], [Shard(0)])
+        xs = distribute_tensor(torch.randn(3, batch, 4), MESH[0], [Replicate()])
+        got, want = run(c0, xs), loop(plain, c0.full_tensor(), xs.full_tensor())
+        assert_close(got[0], want[0], f"batch {batch}: carry")
+        assert_close(got[1], want[1], f"batch {batch}: ys")
+
+
+@check
 def dtensor_xs_sharded_along_scanned_dim():
     mesh = MESH[0]
     xs = distribute_tensor(torch.randn(6, 3), mesh, [Shard(0)])

@@ -19,6 +19,7 @@ import warnings
 import torch
 
 from .. import _compat
+from ..core import dtensors as dt
 from ..core.op_args import slice_example
 from ..core.remat import RematPolicy, as_token
 from ..core.trees import ScanError
@@ -70,6 +71,7 @@ def _make_tracker_class():
             options = _non_default_options(options)
             init_vars, xs_vars = init.unpack_var_sequence(tx), xs.unpack_var_sequence(tx)
             add_vars = additional.unpack_var_sequence(tx)
+            _check_no_dynamic_dtensors([*init_vars, *xs_vars, *add_vars])
             carry_grad = None
             for _ in range(len(init_vars) + 1):  # the carries' requires_grad fixed point
                 with dyn.discard_graph_changes(tx):
@@ -124,6 +126,21 @@ def _raise_if_input_mutation(e, num_carry, num_x):
 
 def _example(var):
     return var.as_proxy().node.meta.get("example_value")
+
+
+def _check_no_dynamic_dtensors(variables):
+    """A DTensor with a symbolic size (torch.compile(dynamic=True), or the automatic dynamic
+    shapes of a recompile after a shape changed) fails inside AOTAutograd's tracing of the
+    scan, on torch 2.9 and 2.15 alike (a global size such as 2*s18 that its tracer does not
+    track, or a tangent it expected to be a DTensor): refused here, in words."""
+    for var in variables:
+        value = _example(var) if hasattr(var, "as_proxy") else None
+        if dt.is_dtensor(value) and any(not isinstance(size, int) for size in value.shape):
+            raise compile_error(
+                f"scan: a DTensor input ({dt.describe(value)}, shape {tuple(value.shape)}) has dynamic sizes; "
+                "a compiled scan over DTensors supports static shapes only for now. Compile with "
+                "torch.compile(..., dynamic=False) (shapes that change then recompile), or mark the sizes "
+                "static (torch._dynamo.mark_static).")
 
 
 def _require_grad(carry_vars, flags):
