@@ -143,8 +143,7 @@ def _check_no_dynamic_dtensors(variables):
             raise compile_error(
                 f"scan: a DTensor input ({dt.describe(value)}, shape {tuple(value.shape)}) has dynamic sizes; "
                 "a compiled scan over DTensors supports static shapes only for now. Compile with "
-                "torch.compile(..., dynamic=False) (shapes that change then recompile), or mark the sizes "
-                "static (torch._dynamo.mark_static).")
+                "torch.compile(..., dynamic=False): each new shape then recompiles.")
 
 
 def _require_grad(carry_vars, flags):
