@@ -104,23 +104,25 @@ def with_op_sharding(tensor, sharding):
     return out
 
 
+def _functions_raised_through(error, path):
+    """Names of the functions of the file ending in ``path`` that ``error`` passed through."""
+    import traceback
+
+    return [f.name for f in traceback.extract_tb(error.__traceback__)
+            if f.filename.replace("\\", "/").endswith(path)]
+
+
 def raised_by_in_place_sharding(error):
     """Did ``error`` come out of torch_xla's in-place ``mark_sharding`` (the
     torch_xla 2.9 function in ``distributed/spmd/xla_sharding.py``)?"""
-    import traceback
-
-    frames = [f.name for f in traceback.extract_tb(error.__traceback__)
-              if f.filename.replace("\\", "/").endswith("spmd/xla_sharding.py")]
+    frames = _functions_raised_through(error, "spmd/xla_sharding.py")
     return "mark_sharding" in frames and "_aot_mark_sharding" not in frames
 
 
 def raised_in_fsdp_v2_forward(error):
     """Did ``error`` come out of the forward of torch_xla's FSDPv2 wrapper (its default
     ``shard_output`` annotates the output in place)?"""
-    import traceback
-
-    return any(f.filename.replace("\\", "/").endswith("experimental/spmd_fully_sharded_data_parallel.py")
-               for f in traceback.extract_tb(error.__traceback__))
+    return len(_functions_raised_through(error, "experimental/spmd_fully_sharded_data_parallel.py")) > 0
 
 
 _mesh_texts = {"installed": False, "made": 0}

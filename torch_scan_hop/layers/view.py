@@ -140,19 +140,29 @@ def _fsdp_v2_call(view, module, args, kwargs):
     an optimization barrier between layers' backwards, has no effect on values and is left
     out: the scan's backward runs one layer per step anyway."""
     out = view._orig_module(*args, **kwargs)
-    first = out if isinstance(out, torch.Tensor) else out[0] if isinstance(out, tuple) and len(out) > 0 and isinstance(
-        out[0], torch.Tensor) else None
-    spec = None if first is None else _compat.xla.fsdp_v2_output_spec(module, first)
+    first = _first_tensor(out)
+    if first is None:
+        raise ScanError("scan_layers: the layers are wrapped by torch_xla's SpmdFullyShardedDataParallel "
+                        f"and return {type(out).__name__}, not a tensor or a tuple starting with one, which "
+                        "FSDPv2 cannot shard either, or wrap the layers' container instead of each layer.")
+    spec = _compat.xla.fsdp_v2_output_spec(module, first)
     if spec is None:
         raise ScanError("scan_layers: the layers are wrapped by torch_xla's SpmdFullyShardedDataParallel "
-                        + ("with a shard_output of their own, which annotates the output in place "
-                           "(xs.mark_sharding) and cannot run in the scan's body. Leave shard_output at its "
-                           "default (the body then annotates the output as it would, functionally)"
-                           if first is not None else f"and return {type(out).__name__}, not a tensor or a tuple "
-                           "starting with one, which FSDPv2 cannot shard either")
-                        + ", or wrap the layers' container instead of each layer.")
+                        "with a shard_output of their own, which annotates the output in place "
+                        "(xs.mark_sharding) and cannot run in the scan's body. Leave shard_output at its "
+                        "default (the body then annotates the output as it would, functionally), or wrap the "
+                        "layers' container instead of each layer.")
     annotated = _compat.xla.mark_sharding_with_gradients(first, *spec)
     return annotated if out is first else (annotated, *out[1:])
+
+
+def _first_tensor(out):
+    """What FSDPv2's default ``shard_output`` annotates: the output, or a tuple's first item."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, tuple) and len(out) > 0 and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return None
 
 
 def _peers_of(d):

@@ -125,7 +125,12 @@ def _raise_if_input_mutation(e, num_carry, num_x):
 
 
 def _example(var):
-    return var.as_proxy().node.meta.get("example_value")
+    """The example value of a traced variable; None for one without a graph node (a constant)."""
+    try:
+        proxy = var.as_proxy()
+    except (AttributeError, NotImplementedError):
+        return None
+    return proxy.node.meta.get("example_value") if isinstance(proxy, torch.fx.Proxy) else None
 
 
 def _check_no_dynamic_dtensors(variables):
@@ -134,11 +139,7 @@ def _check_no_dynamic_dtensors(variables):
     scan, on torch 2.9 and 2.15 alike (a global size such as 2*s18 that its tracer does not
     track, or a tangent it expected to be a DTensor): refused here, in words."""
     for var in variables:
-        try:
-            proxy = var.as_proxy()
-        except (AttributeError, NotImplementedError):  # a constant or an object: no example value
-            proxy = None
-        value = proxy.node.meta.get("example_value") if isinstance(proxy, torch.fx.Proxy) else None
+        value = _example(var)
         if dt.is_dtensor(value) and any(not isinstance(size, int) for size in value.shape):
             raise compile_error(
                 f"scan: a DTensor input ({dt.describe(value)}, shape {tuple(value.shape)}) has dynamic sizes; "
