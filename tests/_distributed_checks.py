@@ -250,29 +250,39 @@ def dtensor_random_programs():
 
 
 @check
-def dtensor_dynamic_shapes_are_a_scan_error():
-    """Compiled scans over DTensors with dynamic sizes failed inside AOTAutograd (a global size
-    2*s its tracer does not track): a ScanError that says to compile with dynamic=False, which
-    then recompiles per shape and matches the loop."""
-    w = distribute_tensor(torch.randn(4, 4), MESH[0], [Replicate()])
-    body = lambda c, x: (torch.tanh(c @ w + x), c.sum(-1))  # noqa: E731
-    try:
-        torch.compile(lambda c, xs: scan(body, c, xs), backend="aot_eager", dynamic=True)(
-            distribute_tensor(torch.randn(4, 4), MESH[0], [Shard(0)]),
-            distribute_tensor(torch.randn(3, 4, 4), MESH[0], [Replicate()]))
-    except ScanError as e:
-        assert "dynamic sizes" in str(e) and "dynamic=False" in str(e), str(e)
-    else:
-        raise AssertionError("no ScanError")
-    run = torch.compile(lambda c, xs: scan(body, c, xs), backend="aot_eager", dynamic=False)
-    w_full = w.full_tensor()
-    plain = lambda c, x: (torch.tanh(c @ w_full + x), c.sum(-1))  # noqa: E731  (the truth: no DTensor)
-    for batch in (4, 6):
-        c0 = distribute_tensor(torch.randn(batch, 4), MESH[0], [Shard(0)])
-        xs = distribute_tensor(torch.randn(3, batch, 4), MESH[0], [Replicate()])
-        got, want = run(c0, xs), loop(plain, c0.full_tensor(), xs.full_tensor())
-        assert_close(got[0], want[0], f"batch {batch}: carry")
-        assert_close(got[1], want[1], f"batch {batch}: ys")
+def dtensor_dynamic_shapes():
+    """Compiled scans over DTensors whose sizes change between calls: dynamic=True (one graph)
+    and the default automatic dynamic shapes (a second graph with symbolic sizes after a
+    shape changed), a sharded dim among them, uneven shards, against the loop on plain
+    tensors, values and gradients. (The body's trace needs the global size of a dim
+    sharded along the changing one, which no local tensor has: it travels as the size of an
+    empty input; the gathered xs' length is 2*s, which inductor's preallocated ys resolve.)
+    Sizes change on every rank: torch reuses a rank's graph when only the global size of an
+    uneven shard changed (its own loop too; docs/design.md)."""
+    cases = (  # backend, dynamic, carry placement, xs placement, (length, batch) per call
+        ("aot_eager", True, Shard(0), Shard(1), ((3, 4), (3, 6), (2, 9))),
+        ("inductor", True, Replicate(), Shard(0), ((4, 4), (6, 6), (8, 9))),
+        ("inductor", None, Shard(1), Replicate(), ((3, 4), (3, 6), (3, 9))),
+    )
+    for backend, dynamic, c_place, x_place, sizes in cases:
+        torch._dynamo.reset()
+        run = torch.compile(lambda f, c, xs: scan(f, c, xs), backend=backend, dynamic=dynamic, fullgraph=True)
+        for length, batch in sizes:
+            what = f"{backend} dynamic={dynamic} {c_place} {x_place} length {length} batch {batch}"
+            g = torch.Generator().manual_seed(length * 100 + batch)
+            w, c, xs = torch.randn(4, 4, generator=g), torch.randn(batch, 4, generator=g), torch.randn(length, batch, 4, generator=g)
+            got = _dynamic_shapes_step(run, [distribute_tensor(t, MESH[0], [p]) for t, p in
+                                              ((w, Replicate()), (c, c_place), (xs, x_place))])
+            want = _dynamic_shapes_step(loop, [w, c, xs])
+            for i, (a, b) in enumerate(zip(got, want)):
+                assert_close(a, b, f"{what}: {('carry', 'ys', 'grad w', 'grad init', 'grad xs')[i]}")
+
+
+def _dynamic_shapes_step(run, leaves):
+    w, c, xs = [t.requires_grad_() for t in leaves]
+    carry, ys = run(lambda c, x: (torch.tanh(c @ w + x), (c * c).sum(-1)), c, xs)
+    (full(carry).sum() + full(ys).pow(2).sum()).backward()
+    return [full(carry).detach(), full(ys).detach(), full(w.grad), full(c.grad), full(xs.grad)]
 
 
 @check

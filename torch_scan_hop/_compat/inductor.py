@@ -3,7 +3,7 @@ subgraph lowering that scan's while_loops go through.
 
 Checked against torch 2.14's ``torch/_inductor``: ``post_grad`` still looks
 ``decompose_scan_to_while_loop`` up by name when its passes run, still has
-``resolve_shape_to_proxy(shape, bound_symbols)``; ``PatternMatcherPass`` adds
+``resolve_shape_to_proxy(shape, bound_symbols)`` (whose core, ``sympy_interp``, ours calls); ``PatternMatcherPass`` adds
 an optional ``subsystem``; ``SubgraphLowering.__init__`` still inherits the
 parent's ``bw_donated_idxs`` (the fix in ``inductor.workarounds`` is still needed).
 The C++ wrapper's adapters are in ``cpp_wrapper``.
@@ -11,6 +11,7 @@ The C++ wrapper's adapters are in ``cpp_wrapper``.
 import functools
 
 import sympy
+import torch
 
 
 def post_grad_module():
@@ -58,11 +59,26 @@ def call_pattern_pass(target, extra_check, handler):
 
 def resolve_shape_to_proxy(shape, symbols):
     """Sizes or strides with symbols replaced by traced values computed from
-    ``symbols`` ({sympy symbol: SymInt}). Upstream's scan decomposition
-    preallocates its ys this way. torch 2.9-2.14: same function in ``post_grad``."""
-    from torch._inductor.fx_passes.post_grad import resolve_shape_to_proxy as resolve
+    ``symbols`` ({sympy expression: SymInt}), as upstream's scan decomposition
+    preallocates its ys (``post_grad.resolve_shape_to_proxy``). A key may also be a
+    compound expression whose symbols no input carries (a DTensor's gathered length
+    ``2*s3``): it is substituted as a whole first. torch 2.9-2.15:
+    ``torch.utils._sympy.interp.sympy_interp(analysis, env, expr)``,
+    ``torch.utils._sympy.reference.PythonReferenceAnalysis``."""
+    from torch.utils._sympy.interp import sympy_interp
+    from torch.utils._sympy.reference import PythonReferenceAnalysis
 
-    return resolve(shape, symbols)
+    compound = {e: sympy.Dummy() for e in symbols if not e.is_symbol}
+    env = {compound.get(e, e): v for e, v in symbols.items()}
+    out = []
+    for s in shape:
+        if isinstance(s, torch.SymInt):
+            expr = s.node.expr
+            expr = compound[expr] if expr in compound else expr.subs(compound) if compound else expr
+            out.append(sympy_interp(PythonReferenceAnalysis, env, expr))
+        else:
+            out.append(s)
+    return out
 
 
 def run_after_subgraph_lowering_init(after):

@@ -32,6 +32,51 @@ def wrap(local, layout):
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
 
 
+def symbolic_entries(layouts):
+    """The symbolic sizes and strides (``torch.SymInt``: ``torch.compile`` with dynamic shapes)
+    in these layouts' global shapes and strides, in order."""
+    out = []
+    for lay in layouts:
+        if lay is not None:
+            out += [v for v in (*lay[2], *lay[3]) if not isinstance(v, int)]
+    return out
+
+
+def local_symbols(values):
+    """The sizes of the DTensors' local tensors that are bare symbols. Carried beside the
+    layouts' entries, they let the body's trace build a size such as ``2*s`` (a gathered
+    length, an even shard's global size) that DTensor computes afresh from ``s``."""
+    return [s for t in values if is_dtensor(t) for s in t.to_local().shape
+            if not isinstance(s, int) and s.node.expr.is_symbol]
+
+
+def size_carrier(entries, like):
+    """A tensor with no elements whose dims 1.. are ``entries``. A body traced inside a
+    traced scan can use the outer trace's symbolic sizes only through its own inputs (a
+    size computed outside is not tracked there): the global size of a sharded dim is no
+    local tensor's size, so it travels in this one's shape."""
+    return torch.empty((0, *entries), dtype=torch.uint8, device=like.device)
+
+
+def first_tensor(values):
+    return next(v for v in values if isinstance(v, torch.Tensor))
+
+
+def with_entries(layouts, carrier):
+    """``layouts`` with their symbolic entries, in ``symbolic_entries``' order, read from
+    ``carrier``'s shape instead (inside the body's trace: tracked there)."""
+    values = iter(carrier.shape[1:])
+    out = []
+    for lay in layouts:
+        if lay is None:
+            out.append(None)
+            continue
+        shape = tuple(v if isinstance(v, int) else next(values) for v in lay[2])
+        stride = tuple(v if isinstance(v, int) else next(values) for v in lay[3])
+        out.append((lay[0], lay[1], shape, stride))
+    return out
+
+
 def local(t):
     """A DTensor's local tensor (differentiable); anything else unchanged. Its gradient is
     taken as the global one wherever ``t`` is ``Partial`` (``_local_grad_placements``)."""
@@ -68,9 +113,20 @@ def _shard_dim(p):
     return p.dim if isinstance(p, Shard) else None
 
 
+def _constant_dim(p):
+    """A Shard placement's dim as a Python int. Under ``torch.compile(dynamic=True)`` Dynamo
+    reads the dim of an input's placement as a symbolic int, which a new placement cannot
+    take; comparing it with constants specializes it (a guard per compiled graph)."""
+    for d in range(64):
+        if p.dim == d:
+            return d
+    return p.dim
+
+
 def _shift(p, k):
     split = getattr(p, "split_factor", None)  # _StridedShard (FSDP + TP); not type(p): Dynamo
-    return Shard(p.dim + k) if split is None else type(p)(p.dim + k, split_factor=split)
+    dim = _constant_dim(p) + k
+    return Shard(dim) if split is None else type(p)(dim, split_factor=split)
 
 
 def contiguous_stride(shape):

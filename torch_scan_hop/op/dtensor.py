@@ -20,7 +20,11 @@ joint with make_fx, which sees plain tensors only. So:
   changes mesh, is a ScanError naming the leaf and both layouts;
 * the results are wrapped again (``from_local``): the final carry with init's
   layout, each ys leaf with its step's layout, a sharded dim shifted by the
-  stacked dim 0.
+  stacked dim 0;
+* with dynamic shapes, the layouts' symbolic sizes reach the body as the dims of
+  one more closed-over input, an empty tensor (``dt.size_carrier``): the body's
+  own trace can use only sizes it gets from its inputs, and the global size of a
+  sharded dim is no local tensor's.
 
 Gradients flow through ``to_local`` / ``from_local`` and the scan on the locals.
 """
@@ -33,12 +37,17 @@ from .hop import SUBCLASS_RULES, scan_op
 class LocalBody:
     """The user's body on local tensors: wraps its DTensor inputs, unwraps its outputs."""
 
-    def __init__(self, combine_fn, layouts, num_carry):
+    def __init__(self, combine_fn, layouts, num_carry, carried_sizes=False):
         self.combine_fn, self.layouts, self.num_carry = combine_fn, layouts, num_carry
+        self.carried_sizes = carried_sizes  # the last argument is dt.size_carrier's
         self.y_layouts = None
 
     def __call__(self, *args):
-        wrapped = [a if lay is None else dt.wrap(a, lay) for a, lay in zip(args, self.layouts)]
+        layouts = self.layouts
+        if self.carried_sizes:
+            *args, carrier = args
+            layouts = dt.with_entries(layouts, carrier)
+        wrapped = [a if lay is None else dt.wrap(a, lay) for a, lay in zip(args, layouts)]
         out = list(self.combine_fn(*wrapped))
         nc = self.num_carry
         carry = [self._conform(i, c) for i, c in enumerate(out[:nc])]
@@ -65,13 +74,19 @@ class LocalBody:
 
 
 def scan_dtensor(combine_fn, init, xs, additional_inputs, *, reverse=False, remat="save_all", unroll=1):
+    local_sizes = dt.local_symbols([*init, *xs, *additional_inputs])  # before xs' gather
     xs = [dt.unsharded_along_scan(x) if dt.is_dtensor(x) else x for x in xs]
     init_layouts = [dt.layout_of(t) if dt.is_dtensor(t) else None for t in init]
     x_layouts = [dt.sliced(dt.layout_of(x)) if dt.is_dtensor(x) else None for x in xs]
     add_layouts = [dt.layout_of(t) if dt.is_dtensor(t) else None for t in additional_inputs]
-    body = LocalBody(combine_fn, [*init_layouts, *x_layouts, *add_layouts], len(init))
+    layouts = [*init_layouts, *x_layouts, *add_layouts]
+    symbolic = dt.symbolic_entries(layouts)
+    body = LocalBody(combine_fn, layouts, len(init), carried_sizes=bool(symbolic))
     local_init, local_xs = [dt.local(t) for t in init], [dt.local(x) for x in xs]
     local_add = tuple(dt.local(t) for t in additional_inputs)
+    if symbolic:
+        like = dt.first_tensor([*local_init, *local_xs, *local_add])
+        local_add += (dt.size_carrier(symbolic + local_sizes, like),)
     out = scan_op(body, local_init, local_xs, local_add, reverse=reverse, remat=remat, unroll=unroll)
     if body.y_layouts is None:  # no rule ran the body (none does so today): learn the ys' layouts
         body(*example_args(local_init, local_xs, local_add))

@@ -71,7 +71,6 @@ def _make_tracker_class():
             options = _non_default_options(options)
             init_vars, xs_vars = init.unpack_var_sequence(tx), xs.unpack_var_sequence(tx)
             add_vars = additional.unpack_var_sequence(tx)
-            _check_no_dynamic_dtensors([*init_vars, *xs_vars, *add_vars])
             carry_grad = None
             for _ in range(len(init_vars) + 1):  # the carries' requires_grad fixed point
                 with dyn.discard_graph_changes(tx):
@@ -131,20 +130,6 @@ def _example(var):
     except (AttributeError, NotImplementedError):
         return None
     return proxy.node.meta.get("example_value") if isinstance(proxy, torch.fx.Proxy) else None
-
-
-def _check_no_dynamic_dtensors(variables):
-    """A DTensor with a symbolic size (torch.compile(dynamic=True), or the automatic dynamic
-    shapes of a recompile after a shape changed) fails inside AOTAutograd's tracing of the
-    scan, on torch 2.9 and 2.15 alike (a global size such as 2*s18 that its tracer does not
-    track, or a tangent it expected to be a DTensor): refused here, in words."""
-    for var in variables:
-        value = _example(var)
-        if dt.is_dtensor(value) and any(not isinstance(size, int) for size in value.shape):
-            raise compile_error(
-                f"scan: a DTensor input ({dt.describe(value)}, shape {tuple(value.shape)}) has dynamic sizes; "
-                "a compiled scan over DTensors supports static shapes only for now. Compile with "
-                "torch.compile(..., dynamic=False): each new shape then recompiles.")
 
 
 def _require_grad(carry_vars, flags):
