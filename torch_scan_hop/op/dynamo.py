@@ -19,7 +19,6 @@ import warnings
 import torch
 
 from .. import _compat
-from ..core import dtensors as dt
 from ..core.op_args import slice_example
 from ..core.remat import RematPolicy, as_token
 from ..core.trees import ScanError
