@@ -135,3 +135,26 @@ def test_dynamic_length_argument_of_zero_then_others(reverse):
         want = reference_scan(body, c0, None, length=n, reverse=reverse)  # its ys: None at length 0
         assert_trees_close(got if n else got[0], want if n else want[0])
         assert got[1].shape == (n, 2)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_inductor_xs_whose_length_is_an_expression_of_another_size(train):
+    """xs made in the graph (``cat([a, a])``: length 2*s): inductor preallocates the ys from
+    the loop's inputs, none of which has the size s alone; the length is resolved as a whole
+    (a KeyError on s inside inductor on torch 2.9 and 2.15 before). Values and gradients
+    against eager, one graph for every length."""
+    w = torch.randn(4, 4, requires_grad=train)
+
+    def f(c, a):
+        c, ys = scan(lambda c, x: (torch.tanh(c @ w + x), (c * x).sum(-1)), c, torch.cat([a, a]))
+        return c, ys
+
+    cf = torch.compile(f, backend="inductor", dynamic=True, fullgraph=True)
+    for n in (3, 5, 8):
+        c, a = torch.randn(2, 4), torch.randn(n, 2, 4, requires_grad=train)
+        got, want = cf(c, a), f(c, a)
+        assert_trees_close(got, want)
+        if train:
+            grads = [torch.autograd.grad(sum(t.sum() for t in out), (w, a)) for out in (got, want)]
+            assert_trees_close(*grads)
+    assert counters["stats"]["unique_graphs"] == 1
