@@ -241,28 +241,26 @@ def dtensor_partial_ys_gradients():
 
 @check
 def dtensor_random_programs():
-    """Random DTensor scans (placements, uneven shapes, Partial ys, reverse, remat, eager and
-    aot_eager) against the loop, values and gradients (``_dtensor_random``)."""
+    """Random DTensor scans (placements, uneven shapes, Partial ys, reverse, remat, eager,
+    aot_eager with static and dynamic shapes) against the loop, values and gradients (``_dtensor_random``)."""
     import _dtensor_random
 
     for seed in range(500, 500 + int(os.environ.get("SCAN_DIST_FUZZ_CASES", "12"))):
-        _dtensor_random.run_case(seed, MESH[0], lambda f: torch.compile(f, backend="aot_eager", dynamic=False))
+        _dtensor_random.run_case(seed, MESH[0], lambda f, dynamic: torch.compile(f, backend="aot_eager", dynamic=dynamic))
 
 
 @check
 def dtensor_dynamic_shapes():
-    """Compiled scans over DTensors whose sizes change between calls: dynamic=True (one graph)
-    and the default automatic dynamic shapes (a second graph with symbolic sizes after a
-    shape changed), a sharded dim among them, uneven shards, against the loop on plain
-    tensors, values and gradients. (The body's trace needs the global size of a dim
-    sharded along the changing one, which no local tensor has: it travels as the size of an
-    empty input; the gathered xs' length is 2*s, which inductor's preallocated ys resolve.)
-    Sizes change on every rank: torch reuses a rank's graph when only the global size of an
-    uneven shard changed (its own loop too; docs/design.md)."""
+    """Compiled scans over DTensors whose sizes change between calls: the default automatic
+    dynamic shapes (a second graph with symbolic sizes after a shape changed) and
+    dynamic=True, against the loop on plain tensors, values and gradients, with the hidden
+    dim sharded and the batch changing (a Partial y where the carry is sharded along the
+    summed dim). A dynamic size along a sharded dim is a ScanError on every rank: uneven
+    shards there gave the ranks different backward graphs, a deadlock."""
     cases = (  # backend, dynamic, carry placement, xs placement, (length, batch) per call
-        ("aot_eager", True, Shard(0), Shard(1), ((3, 4), (3, 6), (2, 9))),
-        ("inductor", True, Replicate(), Shard(0), ((4, 4), (6, 6), (8, 9))),
-        ("inductor", None, Shard(1), Replicate(), ((3, 4), (3, 6), (3, 9))),
+        ("aot_eager", None, Shard(1), Replicate(), ((3, 4), (3, 6), (3, 9))),
+        ("inductor", None, Shard(1), Shard(2), ((3, 4), (3, 5), (2, 9))),
+        ("inductor", True, Replicate(), Replicate(), ((4, 4), (6, 6), (8, 9))),
     )
     for backend, dynamic, c_place, x_place, sizes in cases:
         torch._dynamo.reset()
@@ -276,6 +274,15 @@ def dtensor_dynamic_shapes():
             want = _dynamic_shapes_step(loop, [w, c, xs])
             for i, (a, b) in enumerate(zip(got, want)):
                 assert_close(a, b, f"{what}: {('carry', 'ys', 'grad w', 'grad init', 'grad xs')[i]}")
+    torch._dynamo.reset()
+    run = torch.compile(lambda f, c, xs: scan(f, c, xs), backend="aot_eager", dynamic=True, fullgraph=True)
+    try:
+        _dynamic_shapes_step(run, [distribute_tensor(torch.randn(*s), MESH[0], [p]) for s, p in
+                                   (((4, 4), Replicate()), ((3, 4), Shard(0)), ((3, 3, 4), Replicate()))])
+    except ScanError as e:
+        assert "init leaf 0" in str(e) and "sharded along" in str(e) and "dynamic=False" in str(e), str(e)
+    else:
+        raise AssertionError("no ScanError for a dynamic size along a sharded dim")
 
 
 def _dynamic_shapes_step(run, leaves):

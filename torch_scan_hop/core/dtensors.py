@@ -109,6 +109,11 @@ def unbind(x):
     return x.unbind(0)
 
 
+def sharded_dims(t):
+    """The dims a DTensor is sharded along (over any mesh dim)."""
+    return sorted({p.dim for p in t.placements if isinstance(p, Shard)})
+
+
 def _shard_dim(p):
     return p.dim if isinstance(p, Shard) else None
 

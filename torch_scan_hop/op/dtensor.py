@@ -21,10 +21,10 @@ joint with make_fx, which sees plain tensors only. So:
 * the results are wrapped again (``from_local``): the final carry with init's
   layout, each ys leaf with its step's layout, a sharded dim shifted by the
   stacked dim 0;
-* with dynamic shapes, the layouts' symbolic sizes reach the body as the dims of
-  one more closed-over input, an empty tensor (``dt.size_carrier``): the body's
-  own trace can use only sizes it gets from its inputs, and the global size of a
-  sharded dim is no local tensor's.
+* with dynamic shapes (none along a sharded dim: ``op.dynamo``), the layouts'
+  symbolic sizes reach the body as the dims of one more closed-over input, an
+  empty tensor (``dt.size_carrier``): the body's own trace can use only sizes it
+  gets from its inputs.
 
 Gradients flow through ``to_local`` / ``from_local`` and the scan on the locals.
 """

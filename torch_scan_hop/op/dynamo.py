@@ -19,6 +19,7 @@ import warnings
 import torch
 
 from .. import _compat
+from ..core import dtensors as dt
 from ..core.op_args import slice_example
 from ..core.remat import RematPolicy, as_token
 from ..core.trees import ScanError
@@ -70,6 +71,9 @@ def _make_tracker_class():
             options = _non_default_options(options)
             init_vars, xs_vars = init.unpack_var_sequence(tx), xs.unpack_var_sequence(tx)
             add_vars = additional.unpack_var_sequence(tx)
+            _check_dtensor_sharded_sizes([("init", [_example(v) for v in init_vars]),
+                                          ("xs", [_example(v) for v in xs_vars]),
+                                          ("closure", [_example(v) for v in add_vars])])
             carry_grad = None
             for _ in range(len(init_vars) + 1):  # the carries' requires_grad fixed point
                 with dyn.discard_graph_changes(tx):
@@ -89,6 +93,7 @@ def _make_tracker_class():
                 if grown == carry_grad:
                     break
                 carry_grad = grown
+            _check_dtensor_sharded_sizes([("closure", [p.node.meta.get("example_value") for p in freevars])])
             _reject_constant_ys(spec)
             _clone_outputs_that_are_inputs(graph)
             _allow_scalar_outputs(tx)
@@ -129,6 +134,27 @@ def _example(var):
     except (AttributeError, NotImplementedError):
         return None
     return proxy.node.meta.get("example_value") if isinstance(proxy, torch.fx.Proxy) else None
+
+
+def _check_dtensor_sharded_sizes(groups):
+    """A DTensor may have dynamic sizes except along a dim it is sharded along. There, uneven
+    shards give the ranks different graphs: a rank whose local size is 1 gets it specialized
+    while another's stays symbolic, and functorch's partitioner then recomputes a collective
+    in one rank's backward and saves it in the other's, a deadlock (torch 2.15, found by the
+    random DTensor programs). Whether a global size is dynamic is the same on every rank, so
+    every rank refuses alike, naming the leaf. ``groups``: (kind, example values)."""
+    for kind, values in groups:
+        for i, value in enumerate(values):
+            if not dt.is_dtensor(value):
+                continue
+            dims = [d for d in dt.sharded_dims(value) if not isinstance(value.shape[d], int)]
+            if dims:
+                raise compile_error(
+                    f"scan: {kind} leaf {i} ({dt.describe(value)}, shape {tuple(value.shape)}) has a dynamic "
+                    f"size along dim {dims[0]}, which it is sharded along; a compiled scan over DTensors takes "
+                    "dynamic sizes only along dims that are not sharded (uneven shards would give the ranks "
+                    "different graphs). Compile with torch.compile(..., dynamic=False), or with the default "
+                    "dynamic=None when only unsharded dims change (dynamic=True makes every size dynamic).")
 
 
 def _require_grad(carry_vars, flags):
