@@ -3,9 +3,10 @@ subgraph lowering that scan's while_loops go through.
 
 Checked against torch 2.14's ``torch/_inductor``: ``post_grad`` still looks
 ``decompose_scan_to_while_loop`` up by name when its passes run, still has
-``resolve_shape_to_proxy(shape, bound_symbols)`` (whose core, ``sympy_interp``, ours calls); ``PatternMatcherPass`` adds
-an optional ``subsystem``; ``SubgraphLowering.__init__`` still inherits the
-parent's ``bw_donated_idxs`` (the fix in ``inductor.workarounds`` is still needed).
+``resolve_shape_to_proxy(shape, bound_symbols)`` (ours calls its core,
+``sympy_interp``); ``PatternMatcherPass`` adds an optional ``subsystem``;
+``SubgraphLowering.__init__`` still inherits the parent's ``bw_donated_idxs``
+(the fix in ``inductor.workarounds`` is still needed).
 The C++ wrapper's adapters are in ``cpp_wrapper``.
 """
 import functools
@@ -61,8 +62,8 @@ def resolve_shape_to_proxy(shape, symbols):
     """Sizes or strides with symbols replaced by traced values computed from
     ``symbols`` ({sympy expression: SymInt}), as upstream's scan decomposition
     preallocates its ys (``post_grad.resolve_shape_to_proxy``). A key may also be a
-    compound expression whose symbols no input carries (a DTensor's gathered length
-    ``2*s3``): it is substituted as a whole first. torch 2.9-2.15:
+    compound expression whose symbols no input carries (xs made by ``cat([a, a])``, or
+    a DTensor's gathered xs: length ``2*s``): it is substituted as a whole first. torch 2.9-2.15:
     ``torch.utils._sympy.interp.sympy_interp(analysis, env, expr)``,
     ``torch.utils._sympy.reference.PythonReferenceAnalysis``."""
     from torch.utils._sympy.interp import sympy_interp
