@@ -255,22 +255,28 @@ def dtensor_dynamic_shapes():
     dynamic shapes (a second graph with symbolic sizes after a shape changed) and
     dynamic=True, against the loop on plain tensors, values and gradients, with the hidden
     dim sharded and the batch changing (a Partial y where the carry is sharded along the
-    summed dim). A dynamic size along a sharded dim is a ScanError on every rank: uneven
-    shards there gave the ranks different backward graphs, a deadlock."""
-    cases = (  # backend, dynamic, carry placement, xs placement, (length, batch) per call
-        ("aot_eager", None, Shard(1), Replicate(), ((3, 4), (3, 6), (3, 9))),
-        ("inductor", None, Shard(1), Shard(2), ((3, 4), (3, 5), (2, 9))),
-        ("inductor", True, Replicate(), Replicate(), ((4, 4), (6, 6), (8, 9))),
+    summed dim); dynamic=True with the sharded dims marked static (Dynamo then reads a
+    placement's dim as a symbolic int). A dynamic size along a sharded dim is a ScanError on
+    every rank: uneven shards there gave the ranks different backward graphs, a deadlock."""
+    cases = (  # backend, dynamic, carry placement, xs placement, (length, batch) per call, sharded dims static
+        ("aot_eager", None, Shard(1), Replicate(), ((3, 4), (3, 6), (3, 9)), False),
+        ("inductor", None, Shard(1), Shard(2), ((3, 4), (3, 5), (2, 9)), False),
+        ("inductor", True, Replicate(), Replicate(), ((4, 4), (6, 6), (8, 9)), False),
+        ("aot_eager", True, Shard(1), Shard(2), ((3, 4), (4, 6)), True),
+        ("inductor", True, Shard(1), Shard(2), ((3, 4), (4, 6)), True),
     )
-    for backend, dynamic, c_place, x_place, sizes in cases:
+    for backend, dynamic, c_place, x_place, sizes, static_sharded in cases:
         torch._dynamo.reset()
         run = torch.compile(lambda f, c, xs: scan(f, c, xs), backend=backend, dynamic=dynamic, fullgraph=True)
         for length, batch in sizes:
             what = f"{backend} dynamic={dynamic} {c_place} {x_place} length {length} batch {batch}"
             g = torch.Generator().manual_seed(length * 100 + batch)
             w, c, xs = torch.randn(4, 4, generator=g), torch.randn(batch, 4, generator=g), torch.randn(length, batch, 4, generator=g)
-            got = _dynamic_shapes_step(run, [distribute_tensor(t, MESH[0], [p]) for t, p in
-                                              ((w, Replicate()), (c, c_place), (xs, x_place))])
+            leaves = [distribute_tensor(t, MESH[0], [p]) for t, p in ((w, Replicate()), (c, c_place), (xs, x_place))]
+            for t in leaves if static_sharded else ():
+                for d in [p.dim for p in t.placements if isinstance(p, Shard)]:
+                    torch._dynamo.mark_static(t, d)
+            got = _dynamic_shapes_step(run, leaves)
             want = _dynamic_shapes_step(loop, [w, c, xs])
             for i, (a, b) in enumerate(zip(got, want)):
                 assert_close(a, b, f"{what}: {('carry', 'ys', 'grad w', 'grad init', 'grad xs')[i]}")
