@@ -62,8 +62,8 @@ def resolve_shape_to_proxy(shape, symbols):
     """Sizes or strides with symbols replaced by traced values computed from
     ``symbols`` ({sympy expression: SymInt}), as upstream's scan decomposition
     preallocates its ys (``post_grad.resolve_shape_to_proxy``). A key may also be a
-    compound expression whose symbols no input carries (xs made by ``cat([a, a])``, or
-    a DTensor's gathered xs: length ``2*s``): it is substituted as a whole first. torch 2.9-2.15:
+    compound expression whose symbols no input carries (xs made by ``cat([a, a])``:
+    length ``2*s``): it is substituted as a whole first. torch 2.9-2.15:
     ``torch.utils._sympy.interp.sympy_interp(analysis, env, expr)``,
     ``torch.utils._sympy.reference.PythonReferenceAnalysis``."""
     from torch.utils._sympy.interp import sympy_interp

@@ -42,19 +42,12 @@ def symbolic_entries(layouts):
     return out
 
 
-def local_symbols(values):
-    """The sizes of the DTensors' local tensors that are bare symbols. Carried beside the
-    layouts' entries, they let the body's trace build a size such as ``2*s`` (a gathered
-    length, an even shard's global size) that DTensor computes afresh from ``s``."""
-    return [s for t in values if is_dtensor(t) for s in t.to_local().shape
-            if not isinstance(s, int) and s.node.expr.is_symbol]
-
-
 def size_carrier(entries, like):
     """A tensor with no elements whose dims 1.. are ``entries``. A body traced inside a
     traced scan can use the outer trace's symbolic sizes only through its own inputs (a
-    size computed outside is not tracked there): the global size of a sharded dim is no
-    local tensor's size, so it travels in this one's shape."""
+    size computed outside is not tracked there, even one that Dynamo has since specialized
+    to a constant, as a sharded dim marked static under ``dynamic=True``), so the layouts'
+    sizes travel in this one's shape."""
     return torch.empty((0, *entries), dtype=torch.uint8, device=like.device)
 
 

@@ -261,22 +261,6 @@ def _in_traced_layout(init):
     return torch.ops.prims.copy_strided.default(init, traced.stride())
 
 
-def _symbols_of(values):
-    """{sympy symbol: traced SymInt} for the SymInts among ``values`` and the sizes of its
-    tensors that are a bare symbol: a ys size may be known only as some input's size (a
-    DTensor's global size travels as the size of an empty tensor)."""
-    symbols = {}
-    for v in values:
-        sizes = [v.size(d) for d in range(v.dim())] if isinstance(v, torch.Tensor) else [v]
-        for size in sizes:
-            if isinstance(size, torch.SymInt) and size.node.expr.is_symbol:
-                symbols.setdefault(size.node.expr, size)
-    for v in values:
-        if isinstance(v, torch.SymInt):
-            symbols[v.node.expr] = v
-    return symbols
-
-
 def _preallocate(ys_vals, symbols):
     """Empty ys like ``ys_vals``, on storage reused between calls (see ``buffer_pool``):
     one operator call per dtype and device."""
@@ -324,7 +308,7 @@ def _while_loop(body, ys_vals, counts, reverse, dead=frozenset()):
         init, xs, lifted = split_counts(flat, nc, nx, nl)
         init = [_in_traced_layout(c) for c in init]
         length = xs[0].size(0)
-        symbols = _symbols_of([*flat, length])
+        symbols = {a.node.expr: a for a in (*flat, length) if isinstance(a, torch.SymInt)}
         kept = [k for k in range(len(ys_vals)) if k not in dead]
         ys = _preallocate([ys_vals[k] for k in kept], symbols)
         ny = len(ys)

@@ -74,7 +74,6 @@ class LocalBody:
 
 
 def scan_dtensor(combine_fn, init, xs, additional_inputs, *, reverse=False, remat="save_all", unroll=1):
-    local_sizes = dt.local_symbols([*init, *xs, *additional_inputs])  # before xs' gather
     xs = [dt.unsharded_along_scan(x) if dt.is_dtensor(x) else x for x in xs]
     init_layouts = [dt.layout_of(t) if dt.is_dtensor(t) else None for t in init]
     x_layouts = [dt.sliced(dt.layout_of(x)) if dt.is_dtensor(x) else None for x in xs]
@@ -86,7 +85,7 @@ def scan_dtensor(combine_fn, init, xs, additional_inputs, *, reverse=False, rema
     local_add = tuple(dt.local(t) for t in additional_inputs)
     if symbolic:
         like = dt.first_tensor([*local_init, *local_xs, *local_add])
-        local_add += (dt.size_carrier(symbolic + local_sizes, like),)
+        local_add += (dt.size_carrier(symbolic, like),)
     out = scan_op(body, local_init, local_xs, local_add, reverse=reverse, remat=remat, unroll=unroll)
     if body.y_layouts is None:  # no rule ran the body (none does so today): learn the ys' layouts
         body(*example_args(local_init, local_xs, local_add))
