@@ -31,16 +31,16 @@ inline bool straight(const Signature& sig) {
          sig.segments[0].unroll == sig.length;
 }
 
-// Fills e (the module's entry): entry(carry..., xs..., ys..., pass...) -> (carry..., ys...).
-// The ys parameters are left unread: each y is made whole.
+// Fills e (the module's entry): entry(carry..., xs..., pass...) -> (carry..., ys...).
+// No ys parameters: each y is made whole, so the caller makes no [length, ...] buffer
+// to pass (on XLA each would be a graph op per call, host time the loop does not pay).
 inline void build_straight_entry(Computation& e, const Signature& sig) {
-  std::vector<int64_t> carry, xs, ys, pass;
+  std::vector<int64_t> carry, xs, pass;
   auto params = [&](const char* name, const std::vector<Shape>& shapes, std::vector<int64_t>& out) {
     for (size_t i = 0; i < shapes.size(); ++i) out.push_back(e.param(name + std::to_string(i), shapes[i]));
   };
   params("carry", sig.carry, carry);
   params("xs", sig.xs, xs);
-  params("ys", sig.ys, ys);
   params("pass", sig.pass, pass);
   std::vector<std::vector<int64_t>> rows(sig.ys.size(), std::vector<int64_t>(sig.length, -1));
   for (int64_t j = 0; j < sig.length; ++j) {

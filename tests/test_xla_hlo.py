@@ -44,7 +44,7 @@ def normalized_hlo(text):
     return "\n".join(line.rstrip() for line in text.splitlines())
 
 
-def rnn_scan_hlo(reverse):
+def rnn_scan_hlo(reverse, unroll=1):
     """A 2-step RNN over a batch of 4 with hidden size 3, W a closure: the HLO of (final carry, ys)."""
     w = torch.randn(3, 3).to(DEV)
 
@@ -52,7 +52,7 @@ def rnn_scan_hlo(reverse):
         c = torch.tanh(c @ w + x)
         return c, c.sum(-1)
 
-    c, ys = scan(cell, torch.zeros(4, 3).to(DEV), torch.randn(2, 4, 3).to(DEV), reverse=reverse)
+    c, ys = scan(cell, torch.zeros(4, 3).to(DEV), torch.randn(2, 4, 3).to(DEV), reverse=reverse, unroll=unroll)
     return normalized_hlo(torch_xla._XLAC._get_xla_tensors_hlo([c, ys]))
 
 
@@ -262,4 +262,64 @@ ENTRY %IrToHlo.71 (p0.72: f32[3,3], p1.73: f32[2,4,3], p2.74: f32[4,3]) -> (f32[
   %get-tuple-element.81 = f32[4,3] get-tuple-element(%call.80), index=0
   %get-tuple-element.82 = f32[2,4] get-tuple-element(%call.80), index=1
   ROOT %tuple.83 = (f32[4,3], f32[2,4]) tuple(%get-tuple-element.81, %get-tuple-element.82)
+}""")
+
+    def test_rnn_straight_line(self):
+        """unroll == length: the steps in a row, no While (csrc/hlo_straight.h); each y is the
+        concatenation of its rows, so the scan takes no ys buffer and the graph fills none."""
+        self.assertExpectedInline(rnn_scan_hlo(reverse=False, unroll=2), """\
+%AddComputation.1 (x.2: f32[], y.3: f32[]) -> f32[] {
+  %x.2 = f32[] parameter(0)
+  %y.3 = f32[] parameter(1)
+  ROOT %add.4 = f32[] add(%x.2, %y.3)
+}
+
+%scan_body.5 (p0.6: f32[4,3], p1.7: f32[3,3], p2.8: f32[4,3]) -> (f32[4,3], f32[4]) {
+  %constant.9 = s32[] constant(3)
+  %p2.8 = f32[4,3] parameter(2)
+  %p1.7 = f32[3,3] parameter(1)
+  %dot.10 = f32[4,3] dot(%p2.8, %p1.7), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %p0.6 = f32[4,3] parameter(0)
+  %constant.11 = f32[] constant(1)
+  %broadcast.12 = f32[4,3] broadcast(%constant.11), dimensions={}
+  %multiply.13 = f32[4,3] multiply(%p0.6, %broadcast.12)
+  %add.14 = f32[4,3] add(%dot.10, %multiply.13)
+  %tanh.15 = f32[4,3] tanh(%add.14)
+  %constant.16 = f32[] constant(0)
+  %reduce.17 = f32[4] reduce(%tanh.15, %constant.16), dimensions={1}, to_apply=%AddComputation.1
+  ROOT %tuple.18 = (f32[4,3], f32[4]) tuple(%tanh.15, %reduce.17)
+}
+
+%scan_entry.19 (carry0.20: f32[4,3], xs0.21: f32[2,4,3], pass0.22: f32[3,3]) -> (f32[4,3], f32[2,4]) {
+  %xs0.21 = f32[2,4,3] parameter(1)
+  %s1_idx.23 = s64[] constant(1)
+  %s1_zero.24 = s64[] constant(0)
+  %s1_x0_row.25 = f32[1,4,3] dynamic-slice(%xs0.21, %s1_idx.23, %s1_zero.24, %s1_zero.24), dynamic_slice_sizes={1,4,3}
+  %s1_x0.26 = f32[4,3] reshape(%s1_x0_row.25)
+  %pass0.22 = f32[3,3] parameter(2)
+  %s0_idx.27 = s64[] constant(0)
+  %s0_zero.28 = s64[] constant(0)
+  %s0_x0_row.29 = f32[1,4,3] dynamic-slice(%xs0.21, %s0_idx.27, %s0_zero.28, %s0_zero.28), dynamic_slice_sizes={1,4,3}
+  %s0_x0.30 = f32[4,3] reshape(%s0_x0_row.29)
+  %carry0.20 = f32[4,3] parameter(0)
+  %s0_body.31 = (f32[4,3], f32[4]) call(%s0_x0.30, %pass0.22, %carry0.20), to_apply=%scan_body.5
+  %s0_carry0.32 = f32[4,3] get-tuple-element(%s0_body.31), index=0
+  %s1_body.33 = (f32[4,3], f32[4]) call(%s1_x0.26, %pass0.22, %s0_carry0.32), to_apply=%scan_body.5
+  %s1_carry0.34 = f32[4,3] get-tuple-element(%s1_body.33), index=0
+  %s0_y0.35 = f32[4] get-tuple-element(%s0_body.31), index=1
+  %s0_y0_row.36 = f32[1,4] reshape(%s0_y0.35)
+  %s1_y0.37 = f32[4] get-tuple-element(%s1_body.33), index=1
+  %s1_y0_row.38 = f32[1,4] reshape(%s1_y0.37)
+  %ys0.39 = f32[2,4] concatenate(%s0_y0_row.36, %s1_y0_row.38), dimensions={0}
+  ROOT %result.40 = (f32[4,3], f32[2,4]) tuple(%s1_carry0.34, %ys0.39)
+}
+
+ENTRY %IrToHlo.41 (p0.42: f32[3,3], p1.43: f32[2,4,3], p2.44: f32[4,3]) -> (f32[4,3], f32[2,4]) {
+  %p2.44 = f32[4,3] parameter(2)
+  %p1.43 = f32[2,4,3] parameter(1)
+  %p0.42 = f32[3,3] parameter(0)
+  %call.45 = (f32[4,3], f32[2,4]) call(%p2.44, %p1.43, %p0.42), to_apply=%scan_entry.19
+  %get-tuple-element.46 = f32[4,3] get-tuple-element(%call.45), index=0
+  %get-tuple-element.47 = f32[2,4] get-tuple-element(%call.45), index=1
+  ROOT %tuple.48 = (f32[4,3], f32[2,4]) tuple(%get-tuple-element.46, %get-tuple-element.47)
 }""")

@@ -40,6 +40,7 @@ class LoweredScan:
     y_meta: List[tuple]  # (per-step shape, dtype) of each y
     hoisted: List[torch.Tensor]  # device data the body created (constants), passed each call
     uses_seed: bool
+    takes_ys: bool = True  # False straight-line (csrc/hlo_straight.h): each y is made whole
 
 
 def _hlo_scan():
@@ -64,7 +65,8 @@ def _lower(combine_fn, init, xs, additional_inputs, reverse, unroll):
         [_shape(a.dtype, a.shape) for a in [*additional_inputs, *body.hoisted]], body.params,
         body.y_carry)
     computation = _compat.xla.computation_from_module_proto("scan", module)
-    return LoweredScan(computation, body.y_meta, body.hoisted, body.uses_seed)
+    straight = segments == [(0, length, length)]  # csrc/hlo_straight.h's straight(): no ys parameters
+    return LoweredScan(computation, body.y_meta, body.hoisted, body.uses_seed, takes_ys=not straight)
 
 
 def lowered_scan(combine_fn, init, xs, additional_inputs, reverse, unroll):
@@ -106,6 +108,6 @@ def scan_on_xla(combine_fn, init, xs, additional_inputs, reverse, unroll):
     if lowered.uses_seed:
         seeds = [torch.randint(0, 2**62, (length,), dtype=torch.int64, device=device)]
     ys = [torch.full((length, *shape), _fill(k, dtype), dtype=dtype, device=device)
-          for k, (shape, dtype) in enumerate(lowered.y_meta)]
+          for k, (shape, dtype) in enumerate(lowered.y_meta)] if lowered.takes_ys else []
     inputs = [*init, *xs, *seeds, *ys, *additional_inputs, *on_device(lowered.hoisted, device)]
     return list(_compat.xla.user_computation("xla::scan", inputs, lowered.computation))
