@@ -10,6 +10,7 @@ OUT.json is rewritten after every check and names the check under way ("__runnin
 so that a rank that dies (a segfault in torch) still says which check killed it, and
 which passed before; faulthandler prints the Python stack of such a death.
 """
+import collections
 import copy
 import datetime
 import faulthandler
@@ -245,9 +246,52 @@ def dtensor_random_programs():
     aot_eager with static and dynamic shapes) against the loop, values and gradients (``_dtensor_random``)."""
     import _dtensor_random
 
-    for seed in range(500, 500 + int(os.environ.get("SCAN_DIST_FUZZ_CASES", "12"))):
+    start = int(os.environ.get("SCAN_DIST_FUZZ_START", "500"))  # by hand: other seeds
+    for seed in range(start, start + int(os.environ.get("SCAN_DIST_FUZZ_CASES", "12"))):
         _dtensor_random.run_case(seed, MESH[0], lambda f, dynamic: torch.compile(f, backend="aot_eager", dynamic=dynamic))
 
+
+@check
+def dtensor_random_bodies():
+    """Random DTensor bodies (pytree carries and xs, a closure used twice, a bias, pytree ys,
+    unroll) against the loop, values and gradients (``_dtensor_random.run_program_case``)."""
+    import _dtensor_random
+
+    start = int(os.environ.get("SCAN_DIST_FUZZ_START", "800"))
+    cases = range(start, start + int(os.environ.get("SCAN_DIST_FUZZ_CASES", "8")))
+    inductor = os.environ.get("SCAN_DIST_FUZZ_INDUCTOR") == "1"  # by hand: seconds of compile per case
+    ran = collections.Counter(_dtensor_random.run_program_case(seed, MESH[0], lambda f, dynamic, backend: torch.compile(
+        f, backend=backend, dynamic=dynamic), inductor) for seed in cases)
+    print("dtensor_random_bodies:", dict(ran), flush=True)
+
+
+@check
+def dtensor_min_cut_uneven_shards():
+    """remat="min_cut", compiled, over unevenly sharded DTensors (batch 3 and a length-1 xs on 2
+    ranks): functorch's min-cut weighs local sizes, so the ranks cut the body differently, and
+    one rank's backward gathered a closure again where the other's did not: gloo aborted the
+    process ("Received data size doesn't match expected size"). Found by a random body
+    (``dtensor_random_bodies``, seed 1072); a body with collectives is now partitioned as
+    save_all is (``trace/remat._min_cut_partition``)."""
+    import _dtensor_random
+
+    for mode in ("aot_eager", "inductor"):
+        _dtensor_random.run_program_case(1072, MESH[0], lambda f, dynamic, backend: torch.compile(
+            f, backend=backend, dynamic=dynamic), mode=mode)
+
+
+
+@check
+def sharded_layers_random():
+    """Random layer stacks (MLPs with or without biases, norms, residuals; depth 1-3), sharded by
+    FSDP2 or tensor parallel, eager and compiled: scan_layers against the loop over an identically
+    sharded copy, two SGD steps (``_layers_random``)."""
+    import _layers_random
+
+    start = int(os.environ.get("SCAN_DIST_FUZZ_START", "300"))
+    cases = range(start, start + int(os.environ.get("SCAN_DIST_FUZZ_CASES", "6")))
+    ran = collections.Counter(_layers_random.run_layers_case(seed, MESH[0], dist.get_rank()) for seed in cases)
+    print("sharded_layers_random:", dict(ran), flush=True)
 
 @check
 def dtensor_dynamic_shapes():

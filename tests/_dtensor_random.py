@@ -93,3 +93,118 @@ def run_case(seed, mesh, compile_fn):
     for i, (g, w) in enumerate(zip(got, want)):
         assert g.shape == w.shape and torch.allclose(g, w, atol=1e-5, rtol=1e-5), (
             f"{case}: value/gradient {i}: {(g - w).abs().max() if g.shape == w.shape else (g.shape, w.shape)}")
+    return mode
+
+
+_ACTIVATIONS = {"tanh": torch.tanh, "sigmoid": torch.sigmoid, "sin": torch.sin}
+
+
+def _draw_program(rng):
+    """The body's form: which optional inputs exist and what the body does with them."""
+    return dict(
+        carries=rng.choice([1, 2]), xs=rng.choice([1, 2]), bias=rng.random() < 0.4, v=rng.random() < 0.4,
+        act=rng.choice(sorted(_ACTIVATIONS)), reuse_w=rng.random() < 0.4,
+        y=rng.choice(["none", "sum", "pytree"]))
+
+
+def _program_body(prog, w, v, b):
+    """A body over (carry tuple, xs tuple) with closures ``w`` (used twice with ``reuse_w``),
+    ``v`` and ``b``: the same code on DTensors and on plain tensors."""
+    act = _ACTIVATIONS[prog["act"]]
+
+    def body(c, x):
+        h = c[0] @ w + x[0]
+        if prog["xs"] == 2:
+            h = h * torch.sigmoid(x[1])
+        if b is not None:
+            h = h + b
+        h = act(h)
+        if prog["reuse_w"]:
+            h = torch.tanh(h @ w)
+        if v is not None:
+            h = h + 0.5 * (h @ v)
+        new_c = (h,) if prog["carries"] == 1 else (h, c[1] * 0.9 + h.square() * 0.1)
+        y = {"none": None, "sum": (2 * h).sum(-1), "pytree": {"scaled": h * 3, "mean": h.mean(0)}}[prog["y"]]
+        return new_c, y
+    return body
+
+
+def _loop_tree(fn, c, xs, length, reverse):
+    """The Python loop over pytrees: (final carry, ys stacked per leaf)."""
+    from torch.utils._pytree import tree_map
+
+    steps = range(length - 1, -1, -1) if reverse else range(length)
+    ys = {}
+    for i in steps:
+        c, ys[i] = fn(c, tree_map(lambda t: t[i], xs))
+    if ys[0] is None:
+        return c, None
+    return c, tree_map(lambda *rows: torch.stack(rows), *[ys[i] for i in range(length)])
+
+
+def run_program_case(seed, mesh, compile_fn, inductor=False, mode=None):
+    """A random body (``_draw_program``: pytree carries and xs, closures used more than once,
+    a bias, pytree ys) over DTensors of random placements, against the loop on the plain
+    tensors: the loss, final carry, ys and every leaf's gradient. ``compile_fn(f, dynamic, backend)``
+    compiles f; ``inductor``: draw inductor as a mode too (its compile is seconds per case); ``mode``
+    overrides the mode drawn. Returns the mode run, or "refused"."""
+    from torch.utils._pytree import tree_leaves
+
+    rng = random.Random(seed)
+    prog = _draw_program(rng)
+    batch, hidden, length = rng.choice([2, 3, 4]), rng.choice([2, 4, 5]), rng.choice([1, 2, 3])
+    shapes = [(hidden, hidden), (hidden, hidden) if prog["v"] else None, (hidden,) if prog["bias"] else None,
+              *[(batch, hidden)] * prog["carries"], *[(length, batch, hidden)] * prog["xs"]]
+    shapes = [s for s in shapes if s is not None]
+    place = [rng.choice([Replicate()] + [Shard(d) for d in range(len(s))]) for s in shapes]
+    options = dict(reverse=rng.random() < 0.3, remat=rng.choice(["save_all", "min_cut", "recompute_all"]),
+                   unroll=rng.choice([1, 1, 2]))
+    drawn = rng.choice(["eager", "aot_eager", "aot_eager dynamic", "inductor"] if inductor else
+                       ["eager", "aot_eager", "aot_eager dynamic"])
+    mode = mode or drawn
+    gathered_first = rng.random() < 0.5
+    gen = torch.Generator().manual_seed(seed)
+    values = [torch.randn(s, generator=gen) * 0.5 for s in shapes]
+    case = f"seed {seed}: {prog}, {batch}x{hidden}, length {length}, placements {place}, {options}, {mode}"
+    print(case, flush=True)  # a rank that dies in a collective leaves its last case in the log
+
+    def run(ours):
+        _clear_sharding_cache()
+        leaves = [(distribute_tensor(t, mesh, [p]) if ours else t.clone()).requires_grad_()
+                  for t, p in zip(values, place)]
+        it = iter(leaves)
+        w, v, b = next(it), next(it) if prog["v"] else None, next(it) if prog["bias"] else None
+        c0, xs = tuple(next(it) for _ in range(prog["carries"])), tuple(next(it) for _ in range(prog["xs"]))
+        body = _program_body(prog, w, v, b)
+        if ours:
+            fn = lambda c, x: scan(body, c, x, **options)  # noqa: E731
+            torch._dynamo.reset()  # as in run_case: each case compiles afresh on every rank
+            if mode != "eager":
+                fn = compile_fn(fn, dynamic=mode.endswith("dynamic"), backend=mode.split()[0])
+            c, ys = fn(c0, xs)
+        else:
+            c, ys = _loop_tree(body, c0, xs, length, options["reverse"])
+        outs = [*c, *(t for t in tree_leaves(ys) if t is not None)]
+        if gathered_first:
+            loss = sum(_full(t).square().sum() * (k + 1) for k, t in enumerate(outs))
+        else:  # reduced on the DTensors (a Partial y stays Partial), gathered last
+            loss = _full(sum((t * (k + 1)).sum() for k, t in enumerate(outs)))
+        loss.backward()
+        return [_full(loss).detach(), *(_full(t).detach() for t in outs), *(_full(t.grad) for t in leaves)]
+
+    if mode == "aot_eager dynamic" and any(isinstance(p, Shard) and s[p.dim] != 1 for s, p in zip(shapes, place)):
+        try:  # as in run_case: a dynamic size along a sharded dim is refused on every rank
+            run(True)
+        except ScanError as e:
+            assert "sharded along" in str(e), f"{case}: {e}"
+            return "refused"
+        raise AssertionError(f"{case}: no ScanError for a dynamic size along a sharded dim")
+    want = run(False)
+    try:
+        got = run(True)
+    except Exception as e:
+        raise AssertionError(f"{case}: {type(e).__name__}: {e}") from e
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape and torch.allclose(g, w, atol=1e-5, rtol=1e-5), (
+            f"{case}: value/gradient {i}: {(g - w).abs().max() if g.shape == w.shape else (g.shape, w.shape)}")
+    return mode

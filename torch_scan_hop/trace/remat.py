@@ -36,6 +36,24 @@ def _recompute_all_partition(joint, _inputs, *, num_fwd_outputs):
     return _compat.extract_fwd_bwd(joint, saved, num_fwd_outputs)
 
 
+def _has_collectives(joint):
+    return any(getattr(n.target, "namespace", None) == "_c10d_functional" for n in joint.graph.nodes)
+
+
+def _min_cut_partition(joint, inputs, *, num_fwd_outputs):
+    """functorch's min-cut partition, except for a joint with collectives (a DTensor body,
+    traced on each rank's local shards), which is partitioned as "save_all" is.
+
+    Why: min-cut weighs values by their local sizes, which uneven shards make differ
+    between ranks, so ranks can cut the same body differently; and a saved all-gather of a
+    closure or an x slice is gathered again in the backward instead (``partition.
+    _hoist_recomputable_saves``), so one rank's backward ran an all-gather the other's did
+    not: a collective mismatch that aborted the process (gloo) or hung it. The save_all
+    partition depends on the graph alone, which every rank traces alike."""
+    name = "save_all" if _has_collectives(joint) else "min_cut"
+    return _compat.partitioner(name)(joint, inputs, num_fwd_outputs=num_fwd_outputs)
+
+
 def _policy_saves(policy, node):
     """Does ``policy`` keep this joint node's value (``checkpoint_name``'s node by its name)."""
     target = node.target
@@ -91,7 +109,9 @@ def partition_fn(remat):
         return policy_partition(remat)
     if remat in ("recompute_all", "sqrt") or policies.binomial_slots(remat) is not None:
         return _recompute_all_partition
-    if remat in ("save_all", "min_cut"):
+    if remat == "min_cut":
+        return _min_cut_partition
+    if remat == "save_all":
         return _compat.partitioner(remat)
     raise ScanError(
         f"scan: remat={remat!r} is not a policy; use one of {policies.STRINGS}, a RematPolicy or an AOTAutograd "

@@ -1,0 +1,111 @@
+"""Random sharded layer stacks: ``scan_layers`` against the Python loop over an identically
+sharded copy, for ``_distributed_checks.sharded_layers_random`` (run on every rank of the group).
+
+Each seed draws a layer (an MLP with or without biases, GELU / tanh / SiLU, a residual or
+not, a pre-LayerNorm or not), its width and depth (1-3), the input (a batch of rows or of
+sequences), how the stack is sharded (FSDP2 ``fully_shard`` per layer and on the root, with
+or without resharding after the forward; or tensor parallel: fc1 column-wise, fc2
+row-wise), and how it runs (eager, or compiled with aot_eager). Two SGD steps: the loss,
+every parameter's gradient (its placements too) and the parameters after the steps must
+be the loop's.
+"""
+import copy
+import random
+
+import torch
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from torch_scan_hop import scan_layers
+
+_ACTIVATIONS = {"gelu": torch.nn.GELU, "tanh": torch.nn.Tanh, "silu": torch.nn.SiLU}
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, d, ff, bias, act, residual, norm):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d) if norm else None
+        self.fc1, self.fc2 = torch.nn.Linear(d, ff, bias=bias), torch.nn.Linear(ff, d, bias=bias)
+        self.act, self.residual = _ACTIVATIONS[act](), residual
+
+    def forward(self, h):
+        out = self.fc2(self.act(self.fc1(h if self.norm is None else self.norm(h))))
+        return h + out if self.residual else out
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, layers, scanned):
+        super().__init__()
+        self.layers, self.scanned = layers, scanned
+
+    def forward(self, x):
+        if self.scanned:
+            return scan_layers(self.layers, x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _shard(stack, how, mesh, reshard):
+    if how == "fsdp":
+        for layer in stack.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        return fully_shard(stack, mesh=mesh, reshard_after_forward=reshard)
+    for layer in stack.layers:
+        parallelize_module(layer, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    return stack
+
+
+def run_layers_case(seed, mesh, rank):
+    """Ours against the loop on the same sharding; raises on a difference. Returns a short
+    description of what ran."""
+    rng = random.Random(seed)
+    d = rng.choice([4, 6, 8])
+    layer_kw = dict(ff=rng.choice([d, 2 * d]), bias=rng.random() < 0.7, act=rng.choice(sorted(_ACTIVATIONS)),
+                    residual=rng.random() < 0.7, norm=rng.random() < 0.4)
+    depth, how, reshard = rng.choice([1, 2, 3]), rng.choice(["fsdp", "tp"]), rng.random() < 0.5
+    shape = rng.choice([(rng.choice([2, 3, 4]), d), (2, rng.choice([1, 3]), d)])
+    mode = rng.choice(["eager", "aot_eager"])
+    case = f"seed {seed}: {how} (reshard {reshard}), depth {depth}, d {d}, {layer_kw}, input {shape}, {mode}"
+    torch.manual_seed(seed)
+    base = torch.nn.ModuleList(_Layer(d, **layer_kw) for _ in range(depth))
+    ref = _shard(_Stack(copy.deepcopy(base), scanned=False), how, mesh, reshard)
+    ours = _shard(_Stack(copy.deepcopy(base), scanned=True), how, mesh, reshard)
+    torch._dynamo.reset()
+    run = ours if mode == "eager" else torch.compile(ours, backend="aot_eager")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours)]
+    # FSDP2: each rank its own data (data parallel); tensor parallel: the same input on every rank
+    gen = torch.Generator().manual_seed(seed * 10 + (rank if how == "fsdp" else 0))
+    try:
+        for step in range(2):
+            x = torch.randn(shape, generator=gen)
+            want, got = _full(ref(x)).square().mean(), _full(run(x)).square().mean()
+            want.backward()
+            got.backward()
+            _close(got, want, f"{case}: step {step} loss")
+            for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+                assert type(q.grad) is type(p.grad), f"{case}: step {step} grad of {name}: {type(q.grad)}"
+                if isinstance(p.grad, DTensor):
+                    assert q.grad.placements == p.grad.placements, f"{case}: {name}: {q.grad.placements}"
+                _close(q.grad, p.grad, f"{case}: step {step} grad of {name}")
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+            _close(q, p, f"{case}: {name} after the steps")
+    except AssertionError:
+        raise
+    except Exception as e:
+        raise AssertionError(f"{case}: {type(e).__name__}: {e}") from e
+    return f"{how} {mode}"
+
+
+def _close(got, want, what):
+    got, want = _full(got).detach(), _full(want).detach()
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=1e-5), (
+        f"{what}: {(got - want).abs().max() if got.shape == want.shape else (got.shape, want.shape)}")
