@@ -51,6 +51,32 @@ def keep_while_carried_inputs_unreused():
     ir.WhileLoop.create = classmethod(create_unreused)
 
 
+
+def mark_while_outputs_unaligned(ours):
+    """Put the outputs of the ``WhileLoop``s whose body subgraph's name ``ours(name)`` accepts
+    in ``V.graph.unaligned_buffers``: the wrapper then asserts no alignment for them, and the
+    kernels that read them assume none. Idempotent. torch 2.9-2.15: ``ir.WhileLoop.create``
+    (a classmethod returning the loop's ``MultiOutput``s, whose ``inputs[0]`` is the loop),
+    ``WhileLoop.body_subgraph.name``, ``V.graph.unaligned_buffers`` (read by
+    ``codegen_alignment_asserts``)."""
+    from torch._inductor import ir
+    from torch._inductor.virtualized import V
+
+    create = ir.WhileLoop.create.__func__
+    if getattr(create, "_scan_unaligned", False):
+        return
+
+    def create_unaligned(cls, *args, **kwargs):
+        outputs = create(cls, *args, **kwargs)
+        for out in outputs if isinstance(outputs, (list, tuple)) else [outputs]:
+            loop = out.inputs[0] if isinstance(out, ir.MultiOutput) else None
+            if isinstance(loop, ir.WhileLoop) and ours(loop.body_subgraph.name):
+                V.graph.unaligned_buffers.add(out.get_name())
+        return outputs
+
+    create_unaligned._scan_unaligned = True
+    ir.WhileLoop.create = classmethod(create_unaligned)
+
 def pair_while_mutations_by_index():
     """Give ``WhileLoop.create`` the carries its body mutates in index order. Idempotent.
     torch 2.9-2.11's ``create`` pairs each mutated carry with its output by walking that

@@ -46,6 +46,7 @@ def install():
     workarounds.realize_copies_of_aliased_carries()
     workarounds.keep_carried_inputs_unreused()
     workarounds.pair_mutated_carries_by_index()
+    workarounds.mark_loop_outputs_unaligned(lambda name: _LOOP_PREFIX in name)
     _compat.inductor.reuse_no_aliasing_buffers()
     _compat.cpp_wrapper.track_cpp_wrapper_compiles()
     _compat.cpp_wrapper.name_mutated_carries_in_cpp_while_loops()

@@ -1,5 +1,5 @@
-"""Workarounds for seven torch defects that scan's inductor loops hit (2.9; 5 also 2.15; 6 in 2.10-2.11;
-7 in 2.9-2.11).
+"""Workarounds for eight torch defects that scan's inductor loops hit (2.9; 5 and 8 also 2.15; 6 in
+2.10-2.11; 7 in 2.9-2.11).
 
 1. Subgraph inputs taken as donated buffers (fixed upstream by pytorch#193960).
    Compiling a backward graph, inductor marks the inputs listed in AOT's
@@ -59,6 +59,15 @@
    through the carry was wrong (fuzz seed 910003; right with static shapes, with contiguous
    xs, and on torch 2.15). Before torch 2.15 such xs are copied contiguous first (one copy
    per call, as big as xs).
+
+8. Loop outputs asserted aligned that are views at an offset. A body may return as its new
+   carry a view into a buffer of its own at a storage offset: a slice of a concatenation
+   (``cat([a, b])[1:]``; a DTensor body gathers an uneven shard padded and slices it), which
+   inductor writes in place. The loop's outputs are those views, and the wrapper asserted
+   each 16-byte aligned ("Expect the tensor to be 16 bytes aligned", torch 2.9, 2.11, 2.15;
+   found by a random DTensor body on 2 ranks, where it failed one rank only and the other
+   then waited in its next collective). Our loops' outputs count as unaligned buffers: no
+   assert, and no kernel reading them assumes alignment.
 """
 import contextlib
 
@@ -91,6 +100,11 @@ def realize_copies_of_aliased_carries():
 def keep_carried_inputs_unreused():
     """Defect 5: a while_loop's carried inputs keep their storage."""
     _compat.defects.keep_while_carried_inputs_unreused()
+
+
+def mark_loop_outputs_unaligned(ours):
+    """Defect 8: the outputs of our loops (``ours(body name)``) are not assumed aligned."""
+    _compat.defects.mark_while_outputs_unaligned(ours)
 
 
 def pair_mutated_carries_by_index():
