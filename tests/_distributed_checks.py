@@ -290,8 +290,11 @@ def sharded_layers_random():
 
     start = int(os.environ.get("SCAN_DIST_FUZZ_START", "300"))
     cases = range(start, start + int(os.environ.get("SCAN_DIST_FUZZ_CASES", "6")))
-    ran = collections.Counter(_layers_random.run_layers_case(seed, MESH[0], dist.get_rank()) for seed in cases)
+    inductor = os.environ.get("SCAN_DIST_FUZZ_INDUCTOR") == "1"  # by hand: seconds of compile per case
+    ran = collections.Counter(_layers_random.run_layers_case(seed, MESH[0], dist.get_rank(), inductor)
+                              for seed in cases)
     print("sharded_layers_random:", dict(ran), flush=True)
+
 
 @check
 def dtensor_dynamic_shapes():

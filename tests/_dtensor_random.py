@@ -124,7 +124,9 @@ def _program_body(prog, w, v, b):
         if v is not None:
             h = h + 0.5 * (h @ v)
         new_c = (h,) if prog["carries"] == 1 else (h, c[1] * 0.9 + h.square() * 0.1)
-        y = {"none": None, "sum": (2 * h).sum(-1), "pytree": {"scaled": h * 3, "mean": h.mean(0)}}[prog["y"]]
+        # a sum over the batch, not a mean: torch 2.9's DTensor mean over an unevenly sharded dim
+        # averages the ranks' averages (Partial(avg)), its own loop alike; 2.11 on are right
+        y = {"none": None, "sum": (2 * h).sum(-1), "pytree": {"scaled": h * 3, "batch": h.sum(0)}}[prog["y"]]
         return new_c, y
     return body
 

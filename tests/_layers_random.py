@@ -5,9 +5,9 @@ Each seed draws a layer (an MLP with or without biases, GELU / tanh / SiLU, a re
 not, a pre-LayerNorm or not), its width and depth (1-3), the input (a batch of rows or of
 sequences), how the stack is sharded (FSDP2 ``fully_shard`` per layer and on the root, with
 or without resharding after the forward; or tensor parallel: fc1 column-wise, fc2
-row-wise), and how it runs (eager, or compiled with aot_eager). Two SGD steps: the loss,
-every parameter's gradient (its placements too) and the parameters after the steps must
-be the loop's.
+row-wise), the remat policy, and how it runs (eager, or compiled with aot_eager; inductor by
+hand). Two SGD steps: the loss, every parameter's gradient (its placements too) and the
+parameters after the steps must be the loop's.
 """
 import copy
 import random
@@ -35,13 +35,13 @@ class _Layer(torch.nn.Module):
 
 
 class _Stack(torch.nn.Module):
-    def __init__(self, layers, scanned):
+    def __init__(self, layers, scanned, remat="save_all"):
         super().__init__()
-        self.layers, self.scanned = layers, scanned
+        self.layers, self.scanned, self.remat = layers, scanned, remat
 
     def forward(self, x):
         if self.scanned:
-            return scan_layers(self.layers, x)
+            return scan_layers(self.layers, x, remat=self.remat)
         for layer in self.layers:
             x = layer(x)
         return x
@@ -61,23 +61,26 @@ def _shard(stack, how, mesh, reshard):
     return stack
 
 
-def run_layers_case(seed, mesh, rank):
-    """Ours against the loop on the same sharding; raises on a difference. Returns a short
-    description of what ran."""
+def run_layers_case(seed, mesh, rank, inductor=False):
+    """Ours against the loop on the same sharding; raises on a difference. ``inductor``: draw
+    inductor as a mode too (seconds of compile per case). Returns a short description of what ran."""
     rng = random.Random(seed)
     d = rng.choice([4, 6, 8])
     layer_kw = dict(ff=rng.choice([d, 2 * d]), bias=rng.random() < 0.7, act=rng.choice(sorted(_ACTIVATIONS)),
                     residual=rng.random() < 0.7, norm=rng.random() < 0.4)
     depth, how, reshard = rng.choice([1, 2, 3]), rng.choice(["fsdp", "tp"]), rng.random() < 0.5
     shape = rng.choice([(rng.choice([2, 3, 4]), d), (2, rng.choice([1, 3]), d)])
-    mode = rng.choice(["eager", "aot_eager"])
-    case = f"seed {seed}: {how} (reshard {reshard}), depth {depth}, d {d}, {layer_kw}, input {shape}, {mode}"
+    mode = rng.choice(["eager", "aot_eager", "inductor"] if inductor else ["eager", "aot_eager"])
+    remat = rng.choice(["save_all", "min_cut", "recompute_all"])
+    case = (f"seed {seed}: {how} (reshard {reshard}), depth {depth}, d {d}, {layer_kw}, input {shape}, "
+            f"remat {remat}, {mode}")
+    print(case, flush=True)  # a rank that dies in a collective leaves its last case in the log
     torch.manual_seed(seed)
     base = torch.nn.ModuleList(_Layer(d, **layer_kw) for _ in range(depth))
     ref = _shard(_Stack(copy.deepcopy(base), scanned=False), how, mesh, reshard)
-    ours = _shard(_Stack(copy.deepcopy(base), scanned=True), how, mesh, reshard)
+    ours = _shard(_Stack(copy.deepcopy(base), scanned=True, remat=remat), how, mesh, reshard)
     torch._dynamo.reset()
-    run = ours if mode == "eager" else torch.compile(ours, backend="aot_eager")
+    run = ours if mode == "eager" else torch.compile(ours, backend=mode)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours)]
     # FSDP2: each rank its own data (data parallel); tensor parallel: the same input on every rank
     gen = torch.Generator().manual_seed(seed * 10 + (rank if how == "fsdp" else 0))
