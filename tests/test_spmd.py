@@ -81,6 +81,13 @@ def test_random_sharded_scans_match_the_loop(part):
     _isolated.call("spmd_random_cases", "check_random_sharded_scans", 7000 + part * half, half, env=_isolated.SPMD)
 
 
+def test_random_sharded_layer_stacks_match_the_loop():
+    """Random MLP stacks with weights sharded by random specs, remat and unroll: scan_layers'
+    output and gradients as the CPU loop's (``spmd_random_cases``)."""
+    _isolated.call("spmd_random_cases", "check_random_sharded_layer_stacks", 7100, RANDOM_CASES // 2,
+                   env=_isolated.SPMD)
+
+
 def test_scan_cumsum_outputs_sharded_like_inputs():
     spmd("check_cumsum_output_shardings")
 
