@@ -51,7 +51,6 @@ def keep_while_carried_inputs_unreused():
     ir.WhileLoop.create = classmethod(create_unreused)
 
 
-
 def mark_while_outputs_unaligned(ours):
     """Put the outputs of the ``WhileLoop``s whose body subgraph's name ``ours(name)`` accepts
     in ``V.graph.unaligned_buffers``: the wrapper then asserts no alignment for them, and the
@@ -76,6 +75,7 @@ def mark_while_outputs_unaligned(ours):
 
     create_unaligned._scan_unaligned = True
     ir.WhileLoop.create = classmethod(create_unaligned)
+
 
 def pair_while_mutations_by_index():
     """Give ``WhileLoop.create`` the carries its body mutates in index order. Idempotent.
