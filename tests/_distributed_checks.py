@@ -520,6 +520,18 @@ def fsdp_tensor_parallel_scan_layers_compiled():
     assert "_c10d_functional.reduce_scatter_tensor.default" in body_ops(bw[0], bnode)
 
 
+
+@check_2d
+def fsdp_tensor_parallel_layers_random():
+    """``sharded_layers_random`` on the (dp, tp) mesh: tensor parallel over "tp", then FSDP2 over "dp"."""
+    import _layers_random
+
+    start = int(os.environ.get("SCAN_DIST_FUZZ_START", "400"))
+    cases = range(start, start + int(os.environ.get("SCAN_DIST_FUZZ_CASES", "3")))
+    inductor = os.environ.get("SCAN_DIST_FUZZ_INDUCTOR") == "1"  # by hand: seconds of compile per case
+    ran = collections.Counter(_layers_random.run_layers_case(seed, MESH[1], _data_rank(), inductor) for seed in cases)
+    print("fsdp_tensor_parallel_layers_random:", dict(ran), flush=True)
+
 @check_2d
 def fsdp_tensor_parallel_uneven_shards_compiled():
     _train_like_loop(True, per_layer=True, steps=2, d=5, shard_model=sharded_2d)  # TP-local 5 rows: 3 + 2

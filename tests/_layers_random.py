@@ -5,11 +5,12 @@ Each seed draws a layer (an MLP with or without biases, GELU / tanh / SiLU, a re
 not, a pre-LayerNorm or not), its width and depth (1-3), the input (a batch of rows or of
 sequences), how the stack is sharded (FSDP2 ``fully_shard`` per layer and on the root, with
 or without resharding after the forward; or tensor parallel: fc1 column-wise, fc2
-row-wise), the remat policy, and how it runs (eager, or compiled with aot_eager; inductor by
+row-wise; on a 2-D mesh both), the remat policy, and how it runs (eager, or compiled with aot_eager; inductor by
 hand). Two SGD steps: the loss, every parameter's gradient (its placements too) and the
 parameters after the steps must be the loop's.
 """
 import copy
+import gc
 import random
 
 import torch
@@ -52,38 +53,48 @@ def _full(t):
 
 
 def _shard(stack, how, mesh, reshard):
-    if how == "fsdp":
+    """``how``: "fsdp" or "tp" over a 1-D mesh, or "fsdp+tp" over a (dp, tp) one (tensor
+    parallel over "tp" first, then fully_shard over "dp", as a 2-D trainer shards)."""
+    tp_mesh, dp_mesh = (mesh["tp"], mesh["dp"]) if how == "fsdp+tp" else (mesh, mesh)
+    if how != "fsdp":
         for layer in stack.layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-        return fully_shard(stack, mesh=mesh, reshard_after_forward=reshard)
+            parallelize_module(layer, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    if how == "tp":
+        return stack
     for layer in stack.layers:
-        parallelize_module(layer, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-    return stack
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard)
+    return fully_shard(stack, mesh=dp_mesh, reshard_after_forward=reshard)
 
 
-def run_layers_case(seed, mesh, rank, inductor=False):
-    """Ours against the loop on the same sharding; raises on a difference. ``inductor``: draw
-    inductor as a mode too (seconds of compile per case). Returns a short description of what ran."""
+def run_layers_case(seed, mesh, data_rank, inductor=False):
+    """Ours against the loop on the same sharding; raises on a difference. A 2-D ``mesh`` (dp, tp)
+    shards "fsdp+tp"; ``data_rank``: which data this rank sees (its dp coordinate). ``inductor``:
+    draw inductor as a mode too (seconds of compile per case). Returns what ran."""
     rng = random.Random(seed)
     d = rng.choice([4, 6, 8])
     layer_kw = dict(ff=rng.choice([d, 2 * d]), bias=rng.random() < 0.7, act=rng.choice(sorted(_ACTIVATIONS)),
                     residual=rng.random() < 0.7, norm=rng.random() < 0.4)
     depth, how, reshard = rng.choice([1, 2, 3]), rng.choice(["fsdp", "tp"]), rng.random() < 0.5
+    how = "fsdp+tp" if mesh.ndim == 2 else how
     shape = rng.choice([(rng.choice([2, 3, 4]), d), (2, rng.choice([1, 3]), d)])
     mode = rng.choice(["eager", "aot_eager", "inductor"] if inductor else ["eager", "aot_eager"])
     remat = rng.choice(["save_all", "min_cut", "recompute_all"])
     case = (f"seed {seed}: {how} (reshard {reshard}), depth {depth}, d {d}, {layer_kw}, input {shape}, "
             f"remat {remat}, {mode}")
     print(case, flush=True)  # a rank that dies in a collective leaves its last case in the log
+    torch._dynamo.reset()
+    # the last case's FSDP2 modules leave FSDP's registry now, not mid-case: Dynamo guards on the
+    # registry, and a module collected while one rank builds its guards failed that rank's compile
+    # ("Error while creating guard", an IndexError) and it ran apart from the others: a hang
+    gc.collect()
     torch.manual_seed(seed)
     base = torch.nn.ModuleList(_Layer(d, **layer_kw) for _ in range(depth))
     ref = _shard(_Stack(copy.deepcopy(base), scanned=False), how, mesh, reshard)
     ours = _shard(_Stack(copy.deepcopy(base), scanned=True, remat=remat), how, mesh, reshard)
-    torch._dynamo.reset()
     run = ours if mode == "eager" else torch.compile(ours, backend=mode)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours)]
-    # FSDP2: each rank its own data (data parallel); tensor parallel: the same input on every rank
-    gen = torch.Generator().manual_seed(seed * 10 + (rank if how == "fsdp" else 0))
+    # data parallel ranks their own data; a tensor-parallel group the same input
+    gen = torch.Generator().manual_seed(seed * 10 + (data_rank if how != "tp" else 0))
     try:
         for step in range(2):
             x = torch.randn(shape, generator=gen)
