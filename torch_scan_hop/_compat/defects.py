@@ -24,57 +24,58 @@ def realize_copies_of_aliased_while_carries():
     ir.WhileLoop._clone_aliased_inputs = staticmethod(clone_aliased_inputs)
 
 
+def _visit_while_outputs(tag, visit):
+    """Wrap ``ir.WhileLoop.create`` so that ``visit(loop, output)`` runs for each output of each
+    loop it makes; ``tag`` marks the wrapper, so a second call with the same tag is a no-op.
+    torch 2.9-2.15: ``ir.WhileLoop.create`` is a classmethod returning the loop's
+    ``MultiOutput``s, whose ``inputs[0]`` is the loop."""
+    from torch._inductor import ir
+
+    create = ir.WhileLoop.create.__func__
+    if getattr(create, tag, False):
+        return
+
+    def create_visited(cls, *args, **kwargs):
+        outputs = create(cls, *args, **kwargs)
+        for out in outputs if isinstance(outputs, (list, tuple)) else [outputs]:
+            loop = out.inputs[0] if isinstance(out, ir.MultiOutput) else None
+            if isinstance(loop, ir.WhileLoop):
+                visit(loop, out)
+        return outputs
+
+    setattr(create_visited, tag, True)
+    ir.WhileLoop.create = classmethod(create_visited)
+
+
 def keep_while_carried_inputs_unreused():
     """Put the buffers a ``WhileLoop`` carries in (and their views' buffers) in
     ``V.graph.never_reuse_buffers``: a loop output is its carried input when the body
     returns that input unchanged, or runs no iteration, so that storage must not be
     handed on when the input's last use (the loop) is over. Idempotent.
-    torch 2.9-2.15: ``ir.WhileLoop.create`` (a classmethod; its outputs'
-    ``MultiOutput.inputs[0]`` is the loop, whose ``carried_inputs`` are realized
-    buffers or views), ``V.graph.never_reuse_buffers``."""
-    from torch._inductor import ir
+    torch 2.9-2.15: a loop's ``carried_inputs`` are realized buffers or views,
+    ``V.graph.never_reuse_buffers``."""
     from torch._inductor.virtualized import V
 
-    create = ir.WhileLoop.create.__func__
-    if getattr(create, "_scan_unreused", False):
-        return
+    def unreused(loop, _out):
+        for inp in loop.carried_inputs or ():
+            V.graph.never_reuse_buffers.add(inp.get_name())
 
-    def create_unreused(cls, *args, **kwargs):
-        outputs = create(cls, *args, **kwargs)
-        for out in outputs if isinstance(outputs, (list, tuple)) else [outputs]:
-            loop = out.inputs[0] if isinstance(out, ir.MultiOutput) else None
-            for inp in getattr(loop, "carried_inputs", ()) if isinstance(loop, ir.WhileLoop) else ():
-                V.graph.never_reuse_buffers.add(inp.get_name())
-        return outputs
-
-    create_unreused._scan_unreused = True
-    ir.WhileLoop.create = classmethod(create_unreused)
+    _visit_while_outputs("_scan_unreused", unreused)
 
 
 def mark_while_outputs_unaligned(ours):
     """Put the outputs of the ``WhileLoop``s whose body subgraph's name ``ours(name)`` accepts
     in ``V.graph.unaligned_buffers``: the wrapper then asserts no alignment for them, and the
-    kernels that read them assume none. Idempotent. torch 2.9-2.15: ``ir.WhileLoop.create``
-    (a classmethod returning the loop's ``MultiOutput``s, whose ``inputs[0]`` is the loop),
+    kernels that read them assume none. Idempotent. torch 2.9-2.15:
     ``WhileLoop.body_subgraph.name``, ``V.graph.unaligned_buffers`` (read by
     ``codegen_alignment_asserts``)."""
-    from torch._inductor import ir
     from torch._inductor.virtualized import V
 
-    create = ir.WhileLoop.create.__func__
-    if getattr(create, "_scan_unaligned", False):
-        return
+    def unaligned(loop, out):
+        if ours(loop.body_subgraph.name):
+            V.graph.unaligned_buffers.add(out.get_name())
 
-    def create_unaligned(cls, *args, **kwargs):
-        outputs = create(cls, *args, **kwargs)
-        for out in outputs if isinstance(outputs, (list, tuple)) else [outputs]:
-            loop = out.inputs[0] if isinstance(out, ir.MultiOutput) else None
-            if isinstance(loop, ir.WhileLoop) and ours(loop.body_subgraph.name):
-                V.graph.unaligned_buffers.add(out.get_name())
-        return outputs
-
-    create_unaligned._scan_unaligned = True
-    ir.WhileLoop.create = classmethod(create_unaligned)
+    _visit_while_outputs("_scan_unaligned", unaligned)
 
 
 def pair_while_mutations_by_index():
