@@ -240,15 +240,30 @@ def dtensor_partial_ys_gradients():
             assert_close(g, w, f"{how}: loss/gradient {i}")
 
 
+def _fuzz_seeds(start, count):
+    """The seeds a random check runs: ``count`` from ``start``, or by hand those
+    SCAN_DIST_FUZZ_START / SCAN_DIST_FUZZ_CASES name."""
+    start = int(os.environ.get("SCAN_DIST_FUZZ_START", start))
+    return range(start, start + int(os.environ.get("SCAN_DIST_FUZZ_CASES", count)))
+
+
+def _fuzz_inductor():
+    """Do random checks draw inductor too (by hand, SCAN_DIST_FUZZ_INDUCTOR=1: seconds of compile per case)?"""
+    return os.environ.get("SCAN_DIST_FUZZ_INDUCTOR") == "1"
+
+
+def _compiled(f, dynamic, backend):
+    return torch.compile(f, backend=backend, dynamic=dynamic)
+
+
 @check
 def dtensor_random_programs():
     """Random DTensor scans (placements, uneven shapes, Partial ys, reverse, remat, eager,
     aot_eager with static and dynamic shapes) against the loop, values and gradients (``_dtensor_random``)."""
     import _dtensor_random
 
-    start = int(os.environ.get("SCAN_DIST_FUZZ_START", "500"))  # by hand: other seeds
-    for seed in range(start, start + int(os.environ.get("SCAN_DIST_FUZZ_CASES", "12"))):
-        _dtensor_random.run_case(seed, MESH[0], lambda f, dynamic: torch.compile(f, backend="aot_eager", dynamic=dynamic))
+    for seed in _fuzz_seeds(500, 12):
+        _dtensor_random.run_case(seed, MESH[0], _compiled)
 
 
 @check
@@ -257,11 +272,8 @@ def dtensor_random_bodies():
     unroll) against the loop, values and gradients (``_dtensor_random.run_program_case``)."""
     import _dtensor_random
 
-    start = int(os.environ.get("SCAN_DIST_FUZZ_START", "800"))
-    cases = range(start, start + int(os.environ.get("SCAN_DIST_FUZZ_CASES", "8")))
-    inductor = os.environ.get("SCAN_DIST_FUZZ_INDUCTOR") == "1"  # by hand: seconds of compile per case
-    ran = collections.Counter(_dtensor_random.run_program_case(seed, MESH[0], lambda f, dynamic, backend: torch.compile(
-        f, backend=backend, dynamic=dynamic), inductor) for seed in cases)
+    ran = collections.Counter(_dtensor_random.run_program_case(seed, MESH[0], _compiled, _fuzz_inductor())
+                              for seed in _fuzz_seeds(800, 8))
     print("dtensor_random_bodies:", dict(ran), flush=True)
 
 
@@ -276,9 +288,7 @@ def dtensor_min_cut_uneven_shards():
     import _dtensor_random
 
     for mode in ("aot_eager", "inductor"):
-        _dtensor_random.run_program_case(1072, MESH[0], lambda f, dynamic, backend: torch.compile(
-            f, backend=backend, dynamic=dynamic), mode=mode)
-
+        _dtensor_random.run_program_case(1072, MESH[0], _compiled, mode=mode)
 
 
 @check
@@ -288,11 +298,8 @@ def sharded_layers_random():
     sharded copy, two SGD steps (``_layers_random``)."""
     import _layers_random
 
-    start = int(os.environ.get("SCAN_DIST_FUZZ_START", "300"))
-    cases = range(start, start + int(os.environ.get("SCAN_DIST_FUZZ_CASES", "6")))
-    inductor = os.environ.get("SCAN_DIST_FUZZ_INDUCTOR") == "1"  # by hand: seconds of compile per case
-    ran = collections.Counter(_layers_random.run_layers_case(seed, MESH[0], dist.get_rank(), inductor)
-                              for seed in cases)
+    ran = collections.Counter(_layers_random.run_layers_case(seed, MESH[0], dist.get_rank(), _fuzz_inductor())
+                              for seed in _fuzz_seeds(300, 6))
     print("sharded_layers_random:", dict(ran), flush=True)
 
 
@@ -318,7 +325,8 @@ def dtensor_dynamic_shapes():
         for length, batch in sizes:
             what = f"{backend} dynamic={dynamic} {c_place} {x_place} length {length} batch {batch}"
             g = torch.Generator().manual_seed(length * 100 + batch)
-            w, c, xs = torch.randn(4, 4, generator=g), torch.randn(batch, 4, generator=g), torch.randn(length, batch, 4, generator=g)
+            w, c = torch.randn(4, 4, generator=g), torch.randn(batch, 4, generator=g)
+            xs = torch.randn(length, batch, 4, generator=g)
             leaves = [distribute_tensor(t, MESH[0], [p]) for t, p in ((w, Replicate()), (c, c_place), (xs, x_place))]
             for t in leaves if static_sharded else ():
                 for d in [p.dim for p in t.placements if isinstance(p, Shard)]:
@@ -520,17 +528,15 @@ def fsdp_tensor_parallel_scan_layers_compiled():
     assert "_c10d_functional.reduce_scatter_tensor.default" in body_ops(bw[0], bnode)
 
 
-
 @check_2d
 def fsdp_tensor_parallel_layers_random():
     """``sharded_layers_random`` on the (dp, tp) mesh: tensor parallel over "tp", then FSDP2 over "dp"."""
     import _layers_random
 
-    start = int(os.environ.get("SCAN_DIST_FUZZ_START", "400"))
-    cases = range(start, start + int(os.environ.get("SCAN_DIST_FUZZ_CASES", "3")))
-    inductor = os.environ.get("SCAN_DIST_FUZZ_INDUCTOR") == "1"  # by hand: seconds of compile per case
-    ran = collections.Counter(_layers_random.run_layers_case(seed, MESH[1], _data_rank(), inductor) for seed in cases)
+    ran = collections.Counter(_layers_random.run_layers_case(seed, MESH[1], _data_rank(), _fuzz_inductor())
+                              for seed in _fuzz_seeds(400, 3))
     print("fsdp_tensor_parallel_layers_random:", dict(ran), flush=True)
+
 
 @check_2d
 def fsdp_tensor_parallel_uneven_shards_compiled():

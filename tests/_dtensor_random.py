@@ -5,10 +5,11 @@ Each seed draws shapes (uneven over the ranks too), placements of the closed-ove
 the init and xs (Replicate, Shard of any dim), a length of 1 or 3, reverse, remat, whether
 the body has a y (a sum over the sharded dim: a Partial y where the carry is sharded there),
 the form of the loss (gathered first, or reduced on the DTensors and gathered last) and
-eager or aot_eager (static or dynamic shapes: refused with a sharded dim's size dynamic). Values and the gradients of weight, init and
-xs must be the plain loop's (the loop over the DTensors is no reference: torch 2.9's gets
-xs' gradient wrong for Replicate xs, and DTensor's backward of a stack of Partial values
-fails).
+eager or aot_eager (static or dynamic shapes: refused with a sharded dim's size dynamic).
+Values and the gradients of weight, init and xs must be the plain loop's (the loop over the
+DTensors is no reference: torch 2.9's gets xs' gradient wrong for Replicate xs, and
+DTensor's backward of a stack of Partial values fails). ``run_program_case`` draws richer
+bodies (``_draw_program``); both compare by ``_against_the_loop``.
 
 DTensor's sharding-propagation cache is cleared before each run: in torch 2.9 a cached entry
 from one run can fail the backward of the next (the DTensor loop run twice fails alone).
@@ -31,17 +32,10 @@ def _clear_sharding_cache():
     getattr(prop, "cache", prop).cache_clear()
 
 
-def _loop(fn, c, xs, reverse):
-    steps = range(xs.shape[0] - 1, -1, -1) if reverse else range(xs.shape[0])
-    ys = {}
-    for i in steps:
-        c, ys[i] = fn(c, xs[i])
-    return c, ys  # per step: DTensor's own backward of a stack of Partial values fails
-
-
 def run_case(seed, mesh, compile_fn):
     """Ours on DTensors against the loop on the plain tensors; raises on a difference.
-    ``compile_fn(f, dynamic)``: f compiled, with dynamic shapes or not."""
+    ``compile_fn(f, dynamic, backend)``: f compiled, with dynamic shapes or not. Returns the
+    mode run, or "refused"."""
     rng = random.Random(seed)
     batch, hidden, length = rng.choice([2, 3, 4]), rng.choice([2, 4, 5]), rng.choice([1, 3])
     place = [rng.choice([Replicate()] + [Shard(d) for d in range(nd)]) for nd in (2, 2, 3)]
@@ -69,10 +63,11 @@ def run_case(seed, mesh, compile_fn):
             # each case compiles afresh on every rank: a graph reused across cases (one code object)
             # follows a rank's own local sizes, which uneven shards change on one rank only
             torch._dynamo.reset()
-            c, ys = (fn if mode == "eager" else compile_fn(fn, dynamic=mode.endswith("dynamic")))(body, c0, xs)
+            if mode != "eager":
+                fn = compile_fn(fn, dynamic=mode.endswith("dynamic"), backend="aot_eager")
+            c, ys = fn(body, c0, xs)
         else:
-            c, per_step = _loop(body, c0, xs, reverse)
-            ys = torch.stack([per_step[i] for i in range(length)]) if with_y else None
+            c, ys = _loop_tree(body, c0, xs, length, reverse)
         if gathered_first:
             loss = _full(c).square().sum() + (_full(ys).pow(2).sum() if with_y else 0)
         else:  # on DTensors: reduced first (a Partial y stays Partial), gathered last
@@ -81,15 +76,26 @@ def run_case(seed, mesh, compile_fn):
         out = [_full(loss).detach(), _full(c).detach(), *(_full(t.grad) for t in leaves)]
         return out + ([_full(ys).detach()] if with_y else [])
 
-    if mode == "aot_eager dynamic" and any(isinstance(p, Shard) and v.shape[p.dim] != 1 for v, p in zip(values, place)):
-        try:  # every size dynamic, a sharded one among them: refused, alike on every rank
+    case = f"seed {seed}: {batch}x{hidden}, length {length}, placements {place}, y {with_y}, {options}, {mode}"
+    return _against_the_loop(run, case, mode, [v.shape for v in values], place)
+
+
+def _against_the_loop(run, case, mode, shapes, place):
+    """``run(ours)`` (the values and gradients, ours on DTensors or the loop on plain tensors)
+    compared; with every size dynamic and a sharded one among them (a sharded dim's size not
+    1), ours must be refused, alike on every rank. Returns ``mode``, or "refused"."""
+    if mode == "aot_eager dynamic" and any(isinstance(p, Shard) and s[p.dim] != 1 for s, p in zip(shapes, place)):
+        try:
             run(True)
         except ScanError as e:
-            assert "sharded along" in str(e), str(e)
-            return
-        raise AssertionError(f"seed {seed}: no ScanError for a dynamic size along a sharded dim, {place}")
-    want, got = run(False), run(True)
-    case = f"seed {seed}: {batch}x{hidden}, length {length}, placements {place}, y {with_y}, {options}, {mode}"
+            assert "sharded along" in str(e), f"{case}: {e}"
+            return "refused"
+        raise AssertionError(f"{case}: no ScanError for a dynamic size along a sharded dim")
+    want = run(False)
+    try:
+        got = run(True)
+    except Exception as e:
+        raise AssertionError(f"{case}: {type(e).__name__}: {e}") from e
     for i, (g, w) in enumerate(zip(got, want)):
         assert g.shape == w.shape and torch.allclose(g, w, atol=1e-5, rtol=1e-5), (
             f"{case}: value/gradient {i}: {(g - w).abs().max() if g.shape == w.shape else (g.shape, w.shape)}")
@@ -194,19 +200,4 @@ def run_program_case(seed, mesh, compile_fn, inductor=False, mode=None):
         loss.backward()
         return [_full(loss).detach(), *(_full(t).detach() for t in outs), *(_full(t.grad) for t in leaves)]
 
-    if mode == "aot_eager dynamic" and any(isinstance(p, Shard) and s[p.dim] != 1 for s, p in zip(shapes, place)):
-        try:  # as in run_case: a dynamic size along a sharded dim is refused on every rank
-            run(True)
-        except ScanError as e:
-            assert "sharded along" in str(e), f"{case}: {e}"
-            return "refused"
-        raise AssertionError(f"{case}: no ScanError for a dynamic size along a sharded dim")
-    want = run(False)
-    try:
-        got = run(True)
-    except Exception as e:
-        raise AssertionError(f"{case}: {type(e).__name__}: {e}") from e
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert g.shape == w.shape and torch.allclose(g, w, atol=1e-5, rtol=1e-5), (
-            f"{case}: value/gradient {i}: {(g - w).abs().max() if g.shape == w.shape else (g.shape, w.shape)}")
-    return mode
+    return _against_the_loop(run, case, mode, shapes, place)
