@@ -20,12 +20,18 @@ def sliced_body(w):
     return body
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="Triton's alignment assumptions need a CUDA device"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("unroll", [1, 2])
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_carry_and_y_sliced_from_a_concatenation(unroll, reverse, dynamic):
+def test_carry_and_y_sliced_from_a_concatenation(unroll, reverse, dynamic, device):
     gen = torch.Generator().manual_seed(unroll + 2 * reverse)
-    c0, xs, w = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((2, 5), (3, 2, 5), (5, 5)))
+    c0, xs, w = (torch.randn(*s, generator=gen, dtype=torch.float64).to(device)
+                 for s in ((2, 5), (3, 2, 5), (5, 5)))
 
     def step(scan_fn, c0, xs, w):
         leaves = [t.clone().requires_grad_() for t in (c0, xs, w)]
