@@ -791,6 +791,21 @@ def fsdp_layers_with_capture_hooks_compiled():
 
 
 @check
+def hf_layers_sharded():
+    """Hugging Face GPT2 and Llama layers (tiny random configs) under FSDP2, and Llama's under tensor
+    parallel, eager and compiled: scan_layers against the model's own loop (``_hf_sharded``)."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise Skip("transformers is not installed") from None
+    import _hf_sharded
+
+    for case in (("gpt2", "fsdp", "eager"), ("llama", "fsdp", "aot_eager"), ("llama_tp", "tp", "aot_eager")):
+        torch._dynamo.reset()
+        _hf_sharded.run_case(*case, MESH[0], _compiled)
+
+
+@check
 def fsdp_mixed_precision_is_a_scan_error():
     torch.manual_seed(0)
     model = sharded(Model(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))

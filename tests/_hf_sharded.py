@@ -1,0 +1,73 @@
+"""Hugging Face layers through ``scan_layers`` on a mesh, for ``_distributed_checks.hf_layers_sharded``
+(run on every rank of the group): tiny random configs (``test_hf_layers.build``: the keyword
+inputs the model itself gives its layer 0), sharded by FSDP2 (``fully_shard`` per layer and on the
+stack) or by tensor parallel as a Llama-style trainer shards them (q/k/v and gate/up column-wise,
+o and down row-wise), against the model's own loop over an identically sharded copy: the loss of
+every output, the hidden state's gradient and every parameter's (full) gradient.
+"""
+import copy
+
+import test_hf_layers as hf
+import torch
+import torch.utils._pytree as pytree
+import transformers
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+_TP_PLAN = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+
+
+def _llama_heads_split():
+    """Llama with as many key/value heads as query heads: tensor parallel splits heads over the
+    ranks, and ``test_hf_layers``' single key/value head (grouped-query attention) cannot be split."""
+    cfg = transformers.LlamaConfig(hidden_size=hf.D, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=2, max_position_embeddings=hf.T, **hf.SMALL)
+    return transformers.LlamaModel(cfg), lambda m: m.layers, {}, None
+
+
+hf.MODELS.setdefault("llama_tp", _llama_heads_split)
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _shard(stack, how, mesh):
+    if how == "tp":
+        for layer in stack.layers:
+            parallelize_module(layer, mesh, _TP_PLAN)
+        return stack
+    for layer in stack.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(stack, mesh=mesh)
+
+
+def _loss_and_grads(stack, run, h, tensors):
+    h = h.detach().clone().requires_grad_()
+    tensors = pytree.tree_map(lambda t: t.detach().clone().requires_grad_(t.requires_grad), tensors)
+    out = run(h, tensors)
+    loss = sum(_full(t).square().sum() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+    loss.backward()
+    return loss.detach(), h.grad, {name: _full(p.grad) for name, p in stack.named_parameters()}
+
+
+def run_case(name, how, mode, mesh, compiled):
+    """``name``: a model of ``test_hf_layers.MODELS`` (or "llama_tp"); ``how``: "fsdp" or "tp";
+    ``mode``: "eager" or a torch.compile backend (``compiled(f, dynamic, backend)`` compiles)."""
+    stack, (h, tensors), _ = hf.build(name)
+    ref = _shard(copy.deepcopy(stack), how, mesh)
+    stack = _shard(stack, how, mesh)
+    run = stack if mode == "eager" else compiled(stack, False, mode)
+    got, want = _loss_and_grads(stack, run, h, tensors), _loss_and_grads(ref, ref.loop, h, tensors)
+    what = f"{name} {how} {mode}"
+    torch.testing.assert_close(got[:2], want[:2], rtol=1e-4, atol=1e-5, msg=lambda m: f"{what} loss / input grad: {m}")
+    assert got[2].keys() == want[2].keys(), (what, got[2].keys(), want[2].keys())
+    for key, g in got[2].items():
+        torch.testing.assert_close(g, want[2][key], rtol=1e-4, atol=1e-5, msg=lambda m, k=key: f"{what} grad of {k}: {m}")
