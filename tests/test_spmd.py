@@ -88,6 +88,18 @@ def test_random_sharded_layer_stacks_match_the_loop():
                    env=_isolated.SPMD)
 
 
+@pytest.mark.parametrize("name, style, mesh_shape, unroll", [
+    ("llama_tp", "megatron", (2, 2), 1),
+    ("bart", "fsdp", (4,), None),
+])
+def test_hugging_face_layers_sharded(name, style, mesh_shape, unroll):
+    """Hugging Face layers with weights sharded as trainers shard them (Megatron-style on a 2x2
+    mesh, in a While; FSDP-style over 4 devices, straight-line): scan_layers' output and every
+    gradient as the model's own loop on the CPU (``spmd_hf_cases``)."""
+    pytest.importorskip("transformers")
+    _isolated.call("spmd_hf_cases", "check_hf_layers_sharded", name, style, mesh_shape, unroll, env=_isolated.SPMD)
+
+
 def test_scan_cumsum_outputs_sharded_like_inputs():
     spmd("check_cumsum_output_shardings")
 
