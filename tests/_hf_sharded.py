@@ -10,7 +10,6 @@ import copy
 import test_hf_layers as hf
 import torch
 import torch.utils._pytree as pytree
-import transformers
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
@@ -22,17 +21,6 @@ from torch.distributed.tensor.parallel import (
 _TP_PLAN = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
             "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
-
-
-def _llama_heads_split():
-    """Llama with as many key/value heads as query heads: tensor parallel splits heads over the
-    ranks, and ``test_hf_layers``' single key/value head (grouped-query attention) cannot be split."""
-    cfg = transformers.LlamaConfig(hidden_size=hf.D, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                   num_key_value_heads=2, max_position_embeddings=hf.T, **hf.SMALL)
-    return transformers.LlamaModel(cfg), lambda m: m.layers, {}, None
-
-
-hf.MODELS.setdefault("llama_tp", _llama_heads_split)
 
 
 def _full(t):
@@ -59,7 +47,7 @@ def _loss_and_grads(stack, run, h, tensors):
 
 
 def run_case(name, how, mode, mesh, compiled):
-    """``name``: a model of ``test_hf_layers.MODELS`` (or "llama_tp"); ``how``: "fsdp" or "tp";
+    """``name``: a model ``test_hf_layers.build`` knows ("llama_tp" for tensor parallel); ``how``: "fsdp" or "tp";
     ``mode``: "eager" or a torch.compile backend (``compiled(f, dynamic, backend)`` compiles)."""
     stack, (h, tensors), _ = hf.build(name)
     ref = _shard(copy.deepcopy(stack), how, mesh)

@@ -13,21 +13,10 @@ import test_hf_layers as hf
 import torch.utils._pytree as pytree
 import torch_xla
 import torch_xla.distributed.spmd as xs
-import transformers
 from conftest import assert_trees_close
 
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW = ("o_proj", "down_proj", "out_proj")
-
-
-def _llama_heads_split():
-    """Llama with as many key/value heads as query heads: Megatron-style sharding splits heads."""
-    cfg = transformers.LlamaConfig(hidden_size=hf.D, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                   num_key_value_heads=2, max_position_embeddings=hf.T, **hf.SMALL)
-    return transformers.LlamaModel(cfg), lambda m: m.layers, {}, None
-
-
-hf.MODELS.setdefault("llama_tp", _llama_heads_split)
 
 
 def _spec(name, p, style):

@@ -78,8 +78,18 @@ def _qwen2_moe():
             dict(output_router_logits=True), lambda o: (o.router_logits,))
 
 
+def _llama_heads_split():
+    """Llama with as many key/value heads as query heads, for the sharded checks (``_hf_sharded``,
+    ``spmd_hf_cases``): tensor parallelism splits heads over devices, and one key/value head
+    (``_llama``'s grouped-query attention) cannot be split."""
+    cfg = transformers.LlamaConfig(hidden_size=D, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=2, max_position_embeddings=T, **SMALL)
+    return transformers.LlamaModel(cfg), lambda m: m.layers, {}, None
+
+
 # name -> (model, its layers, keywords for the model call, the model's own per-layer outputs)
 MODELS = {"gpt2": _gpt2, "bert": _bert, "llama": _llama, "bart": _bart, "qwen2_moe": _qwen2_moe}
+SHARDED_ONLY = {"llama_tp": _llama_heads_split}  # built by name, not run by this file's tests
 TRACEABLE = ["gpt2", "bert", "llama", "bart"]  # Qwen2-MoE routes tokens with nonzero(): data-dependent shapes
 
 
@@ -140,7 +150,7 @@ def _captured(model, layers, call):
 def build(name):
     """(Stack, inputs, the model's own (last layer output, per-layer outputs)) for a fresh seeded model."""
     torch.manual_seed(0)
-    model, get_layers, call, own = MODELS[name]()
+    model, get_layers, call, own = {**MODELS, **SHARDED_ONLY}[name]()
     model.eval()
     pad = torch.ones(B, T, dtype=torch.long)
     pad[1, -2:] = 0  # the second sequence ends in two padding positions
