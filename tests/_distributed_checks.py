@@ -543,6 +543,19 @@ def fsdp_tensor_parallel_uneven_shards_compiled():
     _train_like_loop(True, per_layer=True, steps=2, d=5, shard_model=sharded_2d)  # TP-local 5 rows: 3 + 2
 
 
+@check_2d
+def hf_layers_fsdp_tensor_parallel():
+    """Hugging Face Llama layers under tensor parallel over "tp" and FSDP2 over "dp", compiled:
+    scan_layers against the model's own loop over an identically sharded copy (``_hf_sharded``)."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise Skip("transformers is not installed") from None
+    import _hf_sharded
+
+    _hf_sharded.run_case("llama_tp", "fsdp+tp", "aot_eager", MESH[1], _compiled)
+
+
 def _tp_layers(depth=3, d=8):
     """Layers each parallelized as a tensor-parallel MLP (``parallelize_module`` puts layout
     hooks on fc1 and fc2: inputs made DTensors, outputs made local again)."""

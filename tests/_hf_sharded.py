@@ -1,9 +1,10 @@
 """Hugging Face layers through ``scan_layers`` on a mesh, for ``_distributed_checks.hf_layers_sharded``
-(run on every rank of the group): tiny random configs (``test_hf_layers.build``: the keyword
-inputs the model itself gives its layer 0), sharded by FSDP2 (``fully_shard`` per layer and on the
-stack) or by tensor parallel as a Llama-style trainer shards them (q/k/v and gate/up column-wise,
-o and down row-wise), against the model's own loop over an identically sharded copy: the loss of
-every output, the hidden state's gradient and every parameter's (full) gradient.
+and ``hf_layers_fsdp_tensor_parallel`` (run on every rank of the group): tiny random configs
+(``test_hf_layers.build``: the keyword inputs the model itself gives its layer 0), sharded by FSDP2
+(``fully_shard`` per layer and on the stack), by tensor parallel as a Llama-style trainer shards them
+(q/k/v and gate/up column-wise, o and down row-wise), or by both on a (dp, tp) mesh, against the
+model's own loop over an identically sharded copy: the loss of every output, the hidden state's
+gradient and every parameter's (full) gradient.
 """
 import copy
 
@@ -28,13 +29,17 @@ def _full(t):
 
 
 def _shard(stack, how, mesh):
-    if how == "tp":
+    """``how``: "fsdp" or "tp" over a 1-D mesh, or "fsdp+tp" over a (dp, tp) one (tensor parallel
+    over "tp" first, then fully_shard over "dp", as a 2-D trainer shards)."""
+    tp_mesh, dp_mesh = (mesh["tp"], mesh["dp"]) if how == "fsdp+tp" else (mesh, mesh)
+    if how != "fsdp":
         for layer in stack.layers:
-            parallelize_module(layer, mesh, _TP_PLAN)
-        return stack
+            parallelize_module(layer, tp_mesh, _TP_PLAN)
+        if how == "tp":
+            return stack
     for layer in stack.layers:
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(stack, mesh=mesh)
+        fully_shard(layer, mesh=dp_mesh)
+    return fully_shard(stack, mesh=dp_mesh)
 
 
 def _loss_and_grads(stack, run, h, tensors):
@@ -47,8 +52,8 @@ def _loss_and_grads(stack, run, h, tensors):
 
 
 def run_case(name, how, mode, mesh, compiled):
-    """``name``: a model ``test_hf_layers.build`` knows ("llama_tp" for tensor parallel); ``how``: "fsdp" or "tp";
-    ``mode``: "eager" or a torch.compile backend (``compiled(f, dynamic, backend)`` compiles)."""
+    """``name``: a model ``test_hf_layers.build`` knows ("llama_tp" for tensor parallel); ``how``: "fsdp", "tp" or
+    "fsdp+tp" (``mesh`` 2-D); ``mode``: "eager" or a torch.compile backend (``compiled(f, dynamic, backend)`` compiles)."""
     stack, (h, tensors), _ = hf.build(name)
     ref = _shard(copy.deepcopy(stack), how, mesh)
     stack = _shard(stack, how, mesh)
