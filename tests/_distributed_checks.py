@@ -547,13 +547,7 @@ def fsdp_tensor_parallel_uneven_shards_compiled():
 def hf_layers_fsdp_tensor_parallel():
     """Hugging Face Llama layers under tensor parallel over "tp" and FSDP2 over "dp", compiled:
     scan_layers against the model's own loop over an identically sharded copy (``_hf_sharded``)."""
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        raise Skip("transformers is not installed") from None
-    import _hf_sharded
-
-    _hf_sharded.run_case("llama_tp", "fsdp+tp", "aot_eager", MESH[1], _compiled)
+    _hf_sharded_module().run_case("llama_tp", "fsdp+tp", "aot_eager", MESH[1], _compiled)
 
 
 def _tp_layers(depth=3, d=8):
@@ -739,6 +733,17 @@ class Skip(Exception):
     """A check that cannot run with what is installed: the test skips it, saying why."""
 
 
+def _hf_sharded_module():
+    """``_hf_sharded``, or Skip where transformers is not installed."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise Skip("transformers is not installed") from None
+    import _hf_sharded
+
+    return _hf_sharded
+
+
 def _output_capturing():
     try:
         from transformers.utils import output_capturing
@@ -807,11 +812,7 @@ def fsdp_layers_with_capture_hooks_compiled():
 def hf_layers_sharded():
     """Hugging Face GPT2 and Llama layers (tiny random configs) under FSDP2, and Llama's under tensor
     parallel, eager and compiled: scan_layers against the model's own loop (``_hf_sharded``)."""
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        raise Skip("transformers is not installed") from None
-    import _hf_sharded
+    _hf_sharded = _hf_sharded_module()
 
     for case in (("gpt2", "fsdp", "eager"), ("llama", "fsdp", "aot_eager"), ("llama_tp", "tp", "aot_eager")):
         torch._dynamo.reset()

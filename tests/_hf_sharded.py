@@ -11,52 +11,29 @@ import copy
 import test_hf_layers as hf
 import torch
 import torch.utils._pytree as pytree
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    RowwiseParallel,
-    parallelize_module,
-)
+from _layers_random import full, shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 _TP_PLAN = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
             "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
 
 
-def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _shard(stack, how, mesh):
-    """``how``: "fsdp" or "tp" over a 1-D mesh, or "fsdp+tp" over a (dp, tp) one (tensor parallel
-    over "tp" first, then fully_shard over "dp", as a 2-D trainer shards)."""
-    tp_mesh, dp_mesh = (mesh["tp"], mesh["dp"]) if how == "fsdp+tp" else (mesh, mesh)
-    if how != "fsdp":
-        for layer in stack.layers:
-            parallelize_module(layer, tp_mesh, _TP_PLAN)
-        if how == "tp":
-            return stack
-    for layer in stack.layers:
-        fully_shard(layer, mesh=dp_mesh)
-    return fully_shard(stack, mesh=dp_mesh)
-
-
 def _loss_and_grads(stack, run, h, tensors):
     h = h.detach().clone().requires_grad_()
     tensors = pytree.tree_map(lambda t: t.detach().clone().requires_grad_(t.requires_grad), tensors)
     out = run(h, tensors)
-    loss = sum(_full(t).square().sum() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+    loss = sum(full(t).square().sum() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
     loss.backward()
-    return loss.detach(), h.grad, {name: _full(p.grad) for name, p in stack.named_parameters()}
+    return loss.detach(), h.grad, {name: full(p.grad) for name, p in stack.named_parameters()}
 
 
 def run_case(name, how, mode, mesh, compiled):
     """``name``: a model ``test_hf_layers.build`` knows ("llama_tp" for tensor parallel); ``how``: "fsdp", "tp" or
     "fsdp+tp" (``mesh`` 2-D); ``mode``: "eager" or a torch.compile backend (``compiled(f, dynamic, backend)`` compiles)."""
     stack, (h, tensors), _ = hf.build(name)
-    ref = _shard(copy.deepcopy(stack), how, mesh)
-    stack = _shard(stack, how, mesh)
+    ref = shard(copy.deepcopy(stack), how, mesh, plan=_TP_PLAN)
+    stack = shard(stack, how, mesh, plan=_TP_PLAN)
     run = stack if mode == "eager" else compiled(stack, False, mode)
     got, want = _loss_and_grads(stack, run, h, tensors), _loss_and_grads(ref, ref.loop, h, tensors)
     what = f"{name} {how} {mode}"

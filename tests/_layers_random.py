@@ -48,22 +48,25 @@ class _Stack(torch.nn.Module):
         return x
 
 
-def _full(t):
+def full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _shard(stack, how, mesh, reshard):
+def shard(stack, how, mesh, reshard=None, plan=None):
     """``how``: "fsdp" or "tp" over a 1-D mesh, or "fsdp+tp" over a (dp, tp) one (tensor
-    parallel over "tp" first, then fully_shard over "dp", as a 2-D trainer shards)."""
+    parallel over "tp" first, then fully_shard over "dp", as a 2-D trainer shards). ``plan``:
+    each layer's tensor-parallel plan (default: this file's MLP, fc1 column-wise, fc2 row-wise);
+    ``reshard``: FSDP2's ``reshard_after_forward`` (None: fully_shard's default)."""
     tp_mesh, dp_mesh = (mesh["tp"], mesh["dp"]) if how == "fsdp+tp" else (mesh, mesh)
     if how != "fsdp":
         for layer in stack.layers:
-            parallelize_module(layer, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+            parallelize_module(layer, tp_mesh, plan or {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
     if how == "tp":
         return stack
+    kwargs = {} if reshard is None else {"reshard_after_forward": reshard}
     for layer in stack.layers:
-        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard)
-    return fully_shard(stack, mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard(layer, mesh=dp_mesh, **kwargs)
+    return fully_shard(stack, mesh=dp_mesh, **kwargs)
 
 
 def run_layers_case(seed, mesh, data_rank, inductor=False):
@@ -89,8 +92,8 @@ def run_layers_case(seed, mesh, data_rank, inductor=False):
     gc.collect()
     torch.manual_seed(seed)
     base = torch.nn.ModuleList(_Layer(d, **layer_kw) for _ in range(depth))
-    ref = _shard(_Stack(copy.deepcopy(base), scanned=False), how, mesh, reshard)
-    ours = _shard(_Stack(copy.deepcopy(base), scanned=True, remat=remat), how, mesh, reshard)
+    ref = shard(_Stack(copy.deepcopy(base), scanned=False), how, mesh, reshard)
+    ours = shard(_Stack(copy.deepcopy(base), scanned=True, remat=remat), how, mesh, reshard)
     run = ours if mode == "eager" else torch.compile(ours, backend=mode)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours)]
     # data parallel ranks their own data; a tensor-parallel group the same input
@@ -98,7 +101,7 @@ def run_layers_case(seed, mesh, data_rank, inductor=False):
     try:
         for step in range(2):
             x = torch.randn(shape, generator=gen)
-            want, got = _full(ref(x)).square().mean(), _full(run(x)).square().mean()
+            want, got = full(ref(x)).square().mean(), full(run(x)).square().mean()
             want.backward()
             got.backward()
             _close(got, want, f"{case}: step {step} loss")
@@ -120,6 +123,6 @@ def run_layers_case(seed, mesh, data_rank, inductor=False):
 
 
 def _close(got, want, what):
-    got, want = _full(got).detach(), _full(want).detach()
+    got, want = full(got).detach(), full(want).detach()
     assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=1e-5), (
         f"{what}: {(got - want).abs().max() if got.shape == want.shape else (got.shape, want.shape)}")
