@@ -8,7 +8,8 @@ loop it stands for, values and gradients, on both ranks; the results (None or th
 error) are written to OUT.json. The process group is made once for all checks.
 OUT.json is rewritten after every check and names the check under way ("__running__"),
 so that a rank that dies (a segfault in torch) still says which check killed it, and
-which passed before; faulthandler prints the Python stack of such a death.
+which passed before; faulthandler prints the Python stack of such a death. "__seconds__"
+holds what each finished check took (where a suite's time goes, and which check a deadline cut).
 """
 import collections
 import copy
@@ -18,6 +19,7 @@ import gc
 import json
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -858,14 +860,15 @@ def main(rank, world, port, out):
     if os.environ.get("SCAN_DIST_SUITE") == "2d":
         MESH.append(init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp")))
         checks = CHECKS_2D
-    results = {}
+    results, seconds = {}, {}
     only = os.environ.get("SCAN_DIST_CHECKS")
     for name, fn in checks.items():
         if only and name not in only.split(","):
             continue
-        _write(out, {**results, "__running__": name})
+        _write(out, {**results, "__seconds__": seconds, "__running__": name})
         torch._dynamo.reset()
         gc.collect()  # earlier checks' FSDP2 modules leave FSDP's registry now, not mid-check (a guard)
+        start = time.monotonic()
         try:
             fn()
             results[name] = None
@@ -874,7 +877,8 @@ def main(rank, world, port, out):
         except BaseException as e:  # noqa: BLE001  (reported per check; the process goes on)
             results[name] = f"{type(e).__name__}: {str(e)[:3000]}\n{traceback.format_exc()[-4000:]}"
         dist.barrier()  # the ranks stay in step whatever a check did
-    _write(out, results)
+        seconds[name] = round(time.monotonic() - start, 1)
+    _write(out, {**results, "__seconds__": seconds})
     dist.destroy_process_group()
 
 
