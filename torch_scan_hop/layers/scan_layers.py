@@ -186,7 +186,7 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=None, partition_fn=Non
                 **broadcast_kwargs):
     """``for layer in layers: inputs = layer(*inputs, **broadcast_kwargs)`` as one scan.
 
-    ``layers.scan_layers``: an ``nn.ModuleList`` (or sequence) of modules with identical
+    ``layers``: an ``nn.ModuleList`` (or sequence) of modules with identical
     structure. With one input the layers map a tensor (or pytree) to the same
     structure; with several, each layer takes them all and returns a tuple of
     the same structure. Returns what the last layer returns (the inputs for

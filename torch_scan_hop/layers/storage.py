@@ -53,8 +53,8 @@ from .ownership import (
 
 
 def stack_layers(layers, *, grads="per_layer"):
-    """Give ``layers.scan_layers`` (an ``nn.ModuleList`` or ``nn.Sequential`` of identical
-    modules) stacked parameter storage, in place; returns ``layers.scan_layers``.
+    """Give ``layers`` (an ``nn.ModuleList`` or ``nn.Sequential`` of identical
+    modules) stacked parameter storage, in place; returns ``layers``.
     ``grads``: "per_layer" (each layer parameter gets its ``.grad``, optimizers
     train the layers' parameters) or "stacked" (the stacks are registered
     parameters that get one ``.grad`` per name and that optimizers train; see
