@@ -23,9 +23,12 @@ straight-line form, no While: csrc/hlo_straight.h; the default up to 8 layers).
 cores XLA still runs its parallel fusions on a second thread (the flag above only stops
 Eigen's), whose spinning CPU time process_time counts and which a wall clock credits
 to whichever form has more independent work; on one core both forms get one thread.
-Run: python benchmarks/xla_long.py [--max-len N] [--modes fwd_ys,train] [--depths 8,32,64 | --depths 0] [--one-core]
+``--stacked`` adds a column for ``stack_layers(layers, grads="stacked")`` (the stacks are the trained
+parameters: no stack per call, one gradient per stack).
+Run: python benchmarks/xla_long.py [--max-len N] [--modes fwd_ys,train] [--depths 8,32,64 | --depths 0] [--one-core] [--stacked]
 """
 import argparse
+import copy
 import os
 import sys
 import time
@@ -110,10 +113,12 @@ def layer_step(layers, x, stacked, unroll=1):
     return run
 
 
-def layers_table(depths, repeat, clock=time.process_time):
+def layers_table(depths, repeat, clock=time.process_time, stacked=False):
     from _timing import interleaved_times, paired_ratio
+    from torch_scan_hop import stack_layers
 
     rows = []
+    forms = ("scan_layers", "while", "unrolled") + (("stacked_g",) if stacked else ())
     for depth in depths:
         torch.manual_seed(depth)
         make = lambda: torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU())  # noqa: E731
@@ -121,6 +126,8 @@ def layers_table(depths, repeat, clock=time.process_time):
         x = torch.randn(ROWS, WIDTH).to(DEV)
         fns = {"loop": layer_step(layers, x, False), "scan_layers": layer_step(layers, x, True, unroll=None),
                "while": layer_step(layers, x, True), "unrolled": layer_step(layers, x, True, unroll=depth)}
+        if stacked:  # a copy whose stacks are the trained parameters: no per-call stack, one grad per stack
+            fns["stacked_g"] = layer_step(stack_layers(copy.deepcopy(layers), grads="stacked"), x, True, unroll=None)
         firsts = {}
         for name, fn in fns.items():  # first call compiles; the scan's second is Dynamo's capture
             t0 = time.perf_counter()
@@ -130,7 +137,7 @@ def layers_table(depths, repeat, clock=time.process_time):
         rounds = interleaved_times(fns, repeat, clock=clock)
         loop = min(rounds["loop"])
         row = [depth, f"{loop / depth * 1e3:.3f}"]
-        for name in ("scan_layers", "while", "unrolled"):
+        for name in forms:
             ours = min(rounds[name])
             ratios = sorted(a / b for a, b in zip(rounds[name], rounds["loop"]))
             med, lo, hi = paired_ratio(rounds[name], rounds["loop"])
@@ -140,7 +147,8 @@ def layers_table(depths, repeat, clock=time.process_time):
         print(*rows[-1], flush=True)
     print(f"XLA, one thread ({'wall clock, pinned to one core' if clock is time.perf_counter else 'CPU time'}): training step of Linear({WIDTH}, {WIDTH}) + GELU stacks on {ROWS} rows, best of {repeat}; "
           f"per-round ratios: median [95% interval], min-max; load {os.getloadavg()[0]:.1f}")
-    print_table(["depth", "loop ms/layer"] + [f"{n} {c}" for n in ("scan_layers", "unroll=1", "unroll=depth")
+    names = {"scan_layers": "scan_layers", "while": "unroll=1", "unrolled": "unroll=depth", "stacked_g": "stacked_g"}
+    print_table(["depth", "loop ms/layer"] + [f"{names[n]} {c}" for n in forms
                                               for c in ("ms/layer", "best/best", "round median", "rounds")], rows)
 
 
@@ -151,6 +159,7 @@ def main():
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--depths", default="8,32,64")
     parser.add_argument("--one-core", action="store_true", help="pin to one core, time the wall clock")
+    parser.add_argument("--stacked", action="store_true", help="a column for stack_layers(layers, grads='stacked')")
     args = parser.parse_args()
     torch.set_num_threads(1)
     import torch_scan_hop  # noqa: F401
@@ -168,7 +177,7 @@ def main():
     if rows:
         print_table(["mode", "T", "ms/call", "us/step", "vs T=1k"], rows)
     if depths:
-        layers_table(depths, args.repeat, time.perf_counter if args.one_core else time.process_time)
+        layers_table(depths, args.repeat, time.perf_counter if args.one_core else time.process_time, args.stacked)
 
 
 if __name__ == "__main__":
