@@ -118,7 +118,9 @@ def layers_table(depths, repeat, clock=time.process_time, stacked=False):
     from torch_scan_hop import stack_layers
 
     rows = []
-    forms = ("scan_layers", "while", "unrolled") + (("stacked_g",) if stacked else ())
+    labels = {"scan_layers": "scan_layers", "while": "unroll=1", "unrolled": "unroll=depth"}  # form: column
+    if stacked:
+        labels["stacked_g"] = "stacked_g"
     for depth in depths:
         torch.manual_seed(depth)
         make = lambda: torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU())  # noqa: E731
@@ -137,7 +139,7 @@ def layers_table(depths, repeat, clock=time.process_time, stacked=False):
         rounds = interleaved_times(fns, repeat, clock=clock)
         loop = min(rounds["loop"])
         row = [depth, f"{loop / depth * 1e3:.3f}"]
-        for name in forms:
+        for name in labels:
             ours = min(rounds[name])
             ratios = sorted(a / b for a, b in zip(rounds[name], rounds["loop"]))
             med, lo, hi = paired_ratio(rounds[name], rounds["loop"])
@@ -147,8 +149,7 @@ def layers_table(depths, repeat, clock=time.process_time, stacked=False):
         print(*rows[-1], flush=True)
     print(f"XLA, one thread ({'wall clock, pinned to one core' if clock is time.perf_counter else 'CPU time'}): training step of Linear({WIDTH}, {WIDTH}) + GELU stacks on {ROWS} rows, best of {repeat}; "
           f"per-round ratios: median [95% interval], min-max; load {os.getloadavg()[0]:.1f}")
-    names = {"scan_layers": "scan_layers", "while": "unroll=1", "unrolled": "unroll=depth", "stacked_g": "stacked_g"}
-    print_table(["depth", "loop ms/layer"] + [f"{names[n]} {c}" for n in forms
+    print_table(["depth", "loop ms/layer"] + [f"{label} {c}" for label in labels.values()
                                               for c in ("ms/layer", "best/best", "round median", "rounds")], rows)
 
 
