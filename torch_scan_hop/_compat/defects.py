@@ -1,6 +1,9 @@
 """Private-API mechanics of the torch 2.9 workarounds in ``inductor.workarounds``
 (what each defect is, and why scan hits it, is documented there): inductor
-IR patches and a FakeTensorMode rule. Each is a no-op where not needed."""
+IR patches and a FakeTensorMode rule. Each is a no-op where not needed; and one
+defect of torch's tensor repr that a failed body capture under torch.func hits."""
+import contextlib
+
 import torch
 
 
@@ -140,3 +143,42 @@ def add_fake_rule(name, op, applies, adjust):
     rule._scan_rule = name
     fake_impls.op_implementations_checks.append((lambda func: func is op, rule))
     FakeTensorMode.cache_clear()
+
+
+@contextlib.contextmanager
+def tensor_repr_releases_its_guard():
+    """Within this block a tensor's repr that raises leaves functorch's keys as they were.
+
+    torch's ``_tensor_str._str`` holds a ``_DisableFuncTorch`` guard in a local variable. When
+    the repr raises, the exception's traceback keeps that frame, and with it the guard, alive;
+    when the garbage collector frees it, later and at no fixed point, its destructor restores
+    the dispatch-key state of the moment it was made: functorch's and autograd's keys excluded
+    for the rest of the process. A scan body that Dynamo fails to run on fake tensors under
+    ``vmap(jacfwd(...))`` gets such a repr: fake tensor validation renders the failing call, and
+    the repr of a dual tensor there raises (torch's own ``_fw_primal`` assert). Every
+    ``torch.func`` transform after it then failed ("Cannot access storage of TensorWrapper",
+    internal asserts in ``_make_dual``). Here the guard is dropped as the repr returns or raises.
+    torch 2.9-2.15: ``_tensor_str._str(self, *, tensor_contents)`` = no_grad + modes disabled +
+    the guard around ``_str_intern``; ``Tensor.__repr__`` looks ``_str`` up on the module."""
+    from torch import _tensor_str
+
+    original = _tensor_str._str
+    intern = getattr(_tensor_str, "_str_intern", None)
+    if intern is None or getattr(original, "_releases_guard", False):
+        yield
+        return
+
+    def _str(self, *, tensor_contents=None):
+        with torch.no_grad(), torch.utils._python_dispatch._disable_current_modes():
+            guard = torch._C._DisableFuncTorch()
+            try:
+                return intern(self, tensor_contents=tensor_contents)
+            finally:
+                del guard
+
+    _str._releases_guard = True
+    _tensor_str._str = _str
+    try:
+        yield
+    finally:
+        _tensor_str._str = original
