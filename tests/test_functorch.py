@@ -194,6 +194,31 @@ def test_transforms_under_torch_compile(backend):
     close(got, want)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("in_dims", [(None, 1), (0, None)])
+def test_compiled_vmap_of_a_body_applying_a_trained_module(backend, in_dims):
+    """``torch.compile(vmap(f))`` where the body applies an ``nn.Linear`` whose weights
+    require grad: the carry comes to require grad after step 1, so Dynamo traces the body
+    with an example carry marked so; under vmap an unbatched carry (``in_dims=(None, 1)``)
+    was refused by functorch's ``requires_grad_`` check, an InternalTorchDynamoError. Values
+    and the weights' gradients as the compiled loop's."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 3).double()
+    c = torch.randn(3, dtype=D) if in_dims[0] is None else torch.randn(2, 3, dtype=D)
+    xs = torch.randn(4, 2, 3, dtype=D) if in_dims[1] == 1 else torch.randn(4, 3, dtype=D)
+
+    def body(c, x):
+        return torch.sin(lin(c)) + x, (lin(c) * x).sum(-1)
+
+    def run(scan_fn):
+        torch._dynamo.reset()
+        out = torch.compile(vmap(lambda c, xs: scan_fn(body, c, xs), in_dims=in_dims), backend=backend)(c, xs)
+        grads = torch.autograd.grad(sum(t.sum() for t in out), list(lin.parameters()))
+        return out, grads
+
+    close(run(scan), run(reference_scan))
+
+
 @pytest.mark.parametrize("transform", ["grad", "jacrev", "jvp", "vmap"])
 def test_transforms_traced_by_make_fx_match_the_loop(transform):
     """make_fx(torch.func.grad(f)): the op's body graph was traced from the transform's wrapped

@@ -77,6 +77,16 @@ def differentiating_transform_active():
     return any(i.key() in (TransformType.Grad, TransformType.Jvp) for i in _interpreters())
 
 
+def requires_grad_allowed():
+    """A context where ``requires_grad_`` on a tensor no transform wraps is allowed while a
+    transform is active: functorch refuses it then (meant for a user's own tensors), and
+    Dynamo tracing ``vmap(f)`` has vmap active while scan marks its body's example carries.
+    torch 2.9 and 2.15: ``torch._functorch.eager_transforms.enable_inplace_requires_grad``."""
+    from torch._functorch.eager_transforms import enable_inplace_requires_grad
+
+    return enable_inplace_requires_grad(True)
+
+
 def forward_ad_disabled():
     """A context without forward-mode AD (jvp's and ``forward_ad.dual_level``'s tangents
     are not propagated): a zero-length scan's fake shape run needs no tangents, and

@@ -164,11 +164,13 @@ def _require_grad(carry_vars, flags):
     step's does, as in the loop from step 2 on: what reads requires_grad at trace
     time (an autograd.Function's ``ctx.needs_input_grad``) must see it. A carry
     wrapped by a torch.func transform (Dynamo tracing ``grad(f)``) is left as it is:
-    functorch refuses ``requires_grad_`` there and differentiates by its own levels."""
+    functorch refuses ``requires_grad_`` there and differentiates by its own levels.
+    A carry no transform wraps is marked also while one is active (an unbatched carry of
+    ``vmap(f)`` whose body applies a module with trained weights)."""
     examples = [_example(v) for v in carry_vars]
     if flags is None:
         return [isinstance(e, torch.Tensor) and e.requires_grad for e in examples]
-    with _compat.disable_proxy_modes_tracing():
+    with _compat.disable_proxy_modes_tracing(), _compat.functorch.requires_grad_allowed():
         for var, e, flag in zip(carry_vars, examples, flags):
             if flag and not e.requires_grad and not _compat.is_functorch_wrapped(e):
                 var.as_proxy().node.meta["example_value"] = e.detach().requires_grad_()
