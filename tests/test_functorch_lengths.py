@@ -7,7 +7,6 @@ composition below is compared with the same transform of the loop, values and de
 pytree carries and ys (an int leaf, a None leaf), a bare tensor carry, ``xs=None`` with ``length``,
 ``reverse``, ``dim=1`` and no ys at all.
 """
-import os
 import subprocess
 import sys
 
@@ -295,13 +294,12 @@ print("ok")
 
 def test_transforms_after_a_failed_compiled_capture_under_vmap_of_jacfwd():
     """A body that Dynamo fails to run on fake tensors under ``vmap(jacfwd(...))`` (torch's own
-    ``_fw_primal`` internal assert on a multiply of dual tensors; the compiled loop fails alike) left functorch's and autograd's dispatch keys excluded for the rest of the process,
-    once the garbage collector freed the failed trace (``_compat.defects``: torch's tensor repr
-    keeps its guard alive in a traceback). Every later transform failed ("Cannot access storage
-    of TensorWrapper"). Length 1: the capture that left it (torch 2.15). Run in a process of
-    its own: the failure it guards against outlives the test that causes it."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
-                                                       os.environ.get("PYTHONPATH", "")]))
+    ``_fw_primal`` internal assert on dual tensors; the compiled loop fails alike) left
+    functorch's and autograd's dispatch keys excluded for the rest of the process, once the
+    garbage collector freed the failed trace (``_compat.defects``: torch's tensor repr keeps its
+    guard alive in a traceback). Every later transform failed ("Cannot access storage of
+    TensorWrapper"). Length 1: the capture that left it (torch 2.15). Run in a process of its
+    own: the failure it guards against outlives the test that causes it."""
     out = subprocess.run([sys.executable, "-c", AFTER_A_FAILED_CAPTURE, "1"], capture_output=True, text=True,
-                         timeout=600, env=env)
+                         timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-3000:] + out.stderr[-6000:]
