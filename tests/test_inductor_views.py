@@ -24,10 +24,17 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="Triton's alignment assumptions need a CUDA device"))]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("unroll", [1, 2])
-@pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize("dynamic", [False, True])
+def _schedules():
+    """(unroll, reverse, dynamic, device): all 8 on CUDA, where the alignment matters; on the CPU the
+    half whose factors' parities sum to even, which still meets every pair of factor values (8 cases
+    took ~100 s of a CI run on torch 2.15)."""
+    for device in DEVICES:
+        name, marks = (device, ()) if isinstance(device, str) else (device.values[0], device.marks)
+        yield from (pytest.param(u, r, d, name, marks=marks, id=f"{r}-{d}-{u}-{name}") for u in (1, 2)
+                    for r in (False, True) for d in (False, True) if name != "cpu" or (u - 1 + r + d) % 2 == 0)
+
+
+@pytest.mark.parametrize("unroll,reverse,dynamic,device", list(_schedules()))
 def test_carry_and_y_sliced_from_a_concatenation(unroll, reverse, dynamic, device):
     gen = torch.Generator().manual_seed(unroll + 2 * reverse)
     c0, xs, w = (torch.randn(*s, generator=gen, dtype=torch.float64).to(device)
