@@ -142,7 +142,8 @@ def _change(rng, plain, layers):
     return how
 
 
-@pytest.mark.parametrize("seed", range(10))
+# 10-15 s each: six seeds that draw every kind of change (_change), restacks twice in a row in 6, none in 7
+@pytest.mark.parametrize("seed", [0, 1, 2, 4, 6, 7])
 def test_random_parameter_changes_between_compiled_calls_match_the_loop(seed):
     """A compiled scan over stacked storage, then calls with random changes of the layers'
     parameters (``_change``) and random ``torch.func.functional_call`` swaps of some parameters
