@@ -70,8 +70,7 @@ def results(tmp_path_factory):
 
 # The 2-D suite (4 processes on CI's 2 cores: ~3 min) runs once per CI run, on its second torch:
 # torch 2.9 (torch_xla's pin, the longer run) skips it unless SCAN_DIST_2D=1; SCAN_DIST_2D=0 skips it anywhere.
-RUN_2D = os.environ.get("SCAN_DIST_2D", "1" if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 10)
-                        else "0") == "1"
+RUN_2D = os.environ.get("SCAN_DIST_2D", "1" if torch.__version__ >= (2, 10) else "0") == "1"
 
 
 @pytest.fixture(scope="module")

@@ -20,16 +20,15 @@ def sliced_body(w):
     return body
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="Triton's alignment assumptions need a CUDA device"))]
+DEVICES = {"cpu": (), "cuda": pytest.mark.skipif(not torch.cuda.is_available(),
+                                                 reason="Triton's alignment assumptions need a CUDA device")}
 
 
 def _schedules():
     """(unroll, reverse, dynamic, device): all 8 on CUDA, where the alignment matters; on the CPU the
     half whose factors' parities sum to even, which still meets every pair of factor values (8 cases
     took ~100 s of a CI run on torch 2.15)."""
-    for device in DEVICES:
-        name, marks = (device, ()) if isinstance(device, str) else (device.values[0], device.marks)
+    for name, marks in DEVICES.items():
         yield from (pytest.param(u, r, d, name, marks=marks, id=f"{r}-{d}-{u}-{name}") for u in (1, 2)
                     for r in (False, True) for d in (False, True) if name != "cpu" or (u - 1 + r + d) % 2 == 0)
 

@@ -147,7 +147,7 @@ def _contiguous_copy(graph, node):
     return clone
 
 
-_STRIDED_XS_MISREAD = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 15)  # defect 7
+_STRIDED_XS_MISREAD = torch.__version__ < (2, 15)  # defect 7
 
 
 def _symbolically_strided(val):
