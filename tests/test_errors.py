@@ -224,3 +224,43 @@ def test_an_in_place_write_to_an_input_names_the_leaf_under_compile(where, leaf,
         f(init, xs)
     with raises(re.escape(f"fn mutates its input in place ({leaf})")):
         make_fx(lambda c, xs: scan(body, c, xs))(init, xs)
+
+
+def _raises_value_error(c, x):
+    raise ValueError("bad leaf 7", 3)
+
+
+def _mismatched_matmul(c, x):
+    return c @ torch.ones(4, 4) + x, c
+
+
+def _writes_a_saved_view(c, x):  # c[0] * x[0] saves c[0], a view of c, which the assignment then writes
+    c = c.clone()
+    c[0] = c[0] * x[0]
+    return c, c[1:].sum()
+
+
+BODY_ERRORS = {  # body, whether the inputs need grad, what the ScanError must say
+    "raise": (_raises_value_error, False, r"raised ValueError .*: \('bad leaf 7', 3\)$"),
+    "op on fake tensors": (_mismatched_matmul, False, r"raised RuntimeError .*\[2, 3\] X \[4, 4\]"),
+    "backward": (_writes_a_saved_view, True, r"raised RuntimeError .*modified by an inplace operation"),
+}
+
+
+@pytest.mark.parametrize("case", list(BODY_ERRORS))
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_body_that_raises_under_compile_is_named_as_such_not_as_a_graph_break(case, backend, fresh_dynamo):
+    """Dynamo reports an exception the body raises while it is traced (its own ``raise``, an op
+    failing on fake tensors, its gradient failing) as a graph break; the ScanError said "must be
+    captured whole (no graph breaks)", and on torch 2.9 dropped the raised exception's message
+    ("Got <class 'torch._dynamo.exc.ObservedValueErrorError'>"). It now names the error and its
+    message; eager raises the same error itself."""
+    body, grad, message = BODY_ERRORS[case]
+    c0, xs = torch.randn(2, 3, requires_grad=grad), torch.randn(5, 2, 3, requires_grad=grad)
+    f = torch.compile(lambda c, xs: scan(body, c, xs), backend=backend, fullgraph=True)
+    with pytest.raises(ScanError) as info:
+        f(c0, xs)
+    first = str(info.value).split("\n")[0]
+    assert re.search(message, first) and "not a graph break" in first and "captured whole" not in first, first
+    with pytest.raises((ValueError, RuntimeError)):  # eager: the body's (or its backward's) own error
+        torch.autograd.grad(scan(body, c0, xs)[0].sum(), c0) if grad else scan(body, c0, xs)

@@ -17,7 +17,7 @@ from .core.trees import (
     prepare_inputs,
     shown,
 )
-from .op.dynamo import surface
+from .op.compile_errors import surface
 from .op.hop import scan_op
 from .op.loop import run_tree
 from .trace import cache

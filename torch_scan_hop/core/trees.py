@@ -97,7 +97,7 @@ def _leaf_paths(tree, root):
 def shape_text(t):
     """``(2, 3)`` for an error message; ``(?, ?)`` under torch.compile, where a size may be
     symbolic (dynamic=True), which Dynamo can neither print nor tell from an int, and a text
-    holding one cannot be raised as a ScanError (``op.dynamo.surface``)."""
+    holding one cannot be raised as a ScanError (``op.compile_errors.surface``)."""
     if _compat.is_dynamo_compiling():
         sizes = ["?"] * t.dim()
     else:

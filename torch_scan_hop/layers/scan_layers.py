@@ -27,7 +27,7 @@ from ..core import schedule
 from ..core.remat import as_policy
 from ..core.torch_xla_keywords import remat_with_torch_xla_keywords
 from ..core.trees import ScanError, flatten
-from ..op.dynamo import surface
+from ..op.compile_errors import surface
 from ..op.loop import remat_step
 from .capture import StepRecords, capture_plan, replay
 from .checks import (

@@ -20,8 +20,9 @@ selective checkpoint modes     ``checkpoint``      traced: the scan is one op to
 =============================  ==================  ==============================================
 
 May import: ``core``, ``trace``, ``xla``, ``inductor``, ``_compat``. Rules import only
-``hop`` (the operator), ``loop`` (the eager loop they share) and the layers below,
-never each other (tests/test_layering.py checks).
+``hop`` (the operator), ``loop`` (the eager loop they share), ``compile_errors`` (the
+ScanErrors of a failed torch.compile capture, also raised by the front ends under Dynamo)
+and the layers below, never each other (tests/test_layering.py checks).
 """
 from . import (
     autograd,

@@ -22,14 +22,9 @@ from .. import _compat
 from ..core import dtensors as dt
 from ..core.op_args import slice_example
 from ..core.remat import RematPolicy, as_token
-from ..core.trees import ScanError
 from ..trace.body_checks import input_name, mutation_message
 from ..trace.flat_body import _ERROR
-from ..trace.graph import data_dependence_message
-
-_GRAPH_BREAK = ("torch_scan_hop.scan: the body fn must be captured whole by torch.compile "
-                "(no graph breaks inside the scanned function)")
-
+from .compile_errors import GRAPH_BREAK, capture_failure, compile_error
 
 def _make_tracker_class():
     from .._compat import dynamo as dyn
@@ -48,20 +43,13 @@ def _make_tracker_class():
             try:
                 with _compat.defects.tensor_repr_releases_its_guard():  # a failed fake run renders reprs
                     return self._call_ours(tx, args, kwargs)
-            except uncaptured as e:  # a graph break in the body, e.g. `if c.sum() > 0:`
-                raise as_scan_error(e) from None
-            except unsupported as e:  # the same message as torch 2.9's hard error
-                raise compile_error(_with_hints(f"{_GRAPH_BREAK} Got {_graph_break_message(e)}", e),
-                                    getattr(e, "real_stack", None)) from e
             except Exception as e:
-                ours = _scan_error_within(e)  # raised by our op's fake run: Dynamo wraps it
-                if ours is not None:
-                    raise compile_error(str(ours)) from e
-                if not _compat.is_data_dependence_error(e):
+                failure = capture_failure(e, tx, uncaptured, unsupported)
+                if failure is e:
                     raise
-                raise compile_error(data_dependence_message(e)) from e
+                raise failure from (None if isinstance(e, uncaptured) else e)
 
-        @dyn.hard_error(reason=_GRAPH_BREAK)
+        @dyn.hard_error(reason=GRAPH_BREAK)
         def _call_ours(self, tx, args, kwargs):
             args, kwargs = dyn.realize_all((args, kwargs))
             if len(args) != 4:
@@ -104,18 +92,6 @@ def _make_tracker_class():
             return dyn.call_and_unflatten(tx, self.value, p_args, options, spec)
 
     return ScanVariable
-
-
-def _scan_error_within(e):
-    """A ScanError that ``e`` is or wraps (Dynamo re-raises an error of an op's fake run as a
-    TorchRuntimeError whose cause is the original)."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, ScanError):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
 
 
 def _raise_if_input_mutation(e, num_carry, num_x):
@@ -185,23 +161,6 @@ def _carries_requiring_grad(graph, flags):
         e = out.meta.get("example_value") if isinstance(out, torch.fx.Node) else None
         grown.append(flag or (isinstance(e, torch.Tensor) and e.requires_grad))
     return grown
-
-
-def _graph_break_message(e):
-    """What broke the graph: Dynamo's message, or for an exception the body
-    raised while Dynamo ran it on fake tensors (torch 2.14 wraps it in an
-    ObservedException), the body's own error."""
-    msg = getattr(e, "msg", None)
-    if msg:
-        return msg
-    cause = e.__cause__ or e.__context__
-    while cause is not None and (cause.__cause__ or cause.__context__) is not None and not isinstance(cause, ScanError):
-        cause = cause.__cause__ or cause.__context__
-    if cause is not None:
-        return f"{type(cause).__name__}: {cause}"
-    # torch 2.15 raises the body's error as an ObservedRuntimeError without msg or cause,
-    # its text (the error the body raised) in str(e)
-    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
 def _clone_outputs_that_are_inputs(graph):
@@ -275,64 +234,6 @@ def _option_value(tx, name, var):
             "scan: remat=<callable> is not supported under torch.compile (the compiled graph cannot hold a "
             "function); pass a policy name or RematPolicy, or call scan outside torch.compile.")
     return var.as_python_constant()
-
-
-_ScanCompileError = None
-
-
-def compile_error(message, real_stack=None):
-    """A ScanError that Dynamo lets through as it is: Dynamo re-raises its
-    UncapturedHigherOrderOpError unchanged but wraps any other exception raised
-    while tracing in an InternalTorchDynamoError."""
-    global _ScanCompileError
-    if _ScanCompileError is None:
-        from .._compat.dynamo import uncaptured_error_class
-
-        UncapturedHigherOrderOpError = uncaptured_error_class()
-
-        class ScanCompileError(ScanError, UncapturedHigherOrderOpError):
-            def __init__(self, msg, real_stack=None):
-                UncapturedHigherOrderOpError.__init__(self, msg, real_stack)
-
-        _ScanCompileError = ScanCompileError
-    return _ScanCompileError(message, real_stack)
-
-
-@torch.compiler.assume_constant_result  # Dynamo calls it in Python while tracing: its raise is real
-def _raise_compile_error(message):
-    raise compile_error(message)
-
-
-def surface(e):
-    """Re-raise ScanError ``e`` so that torch.compile(fullgraph=True) shows it. A ScanError raised
-    by traced Python (the front end's checks of init, xs, length, options) is an exception Dynamo
-    simulates; with no handler in the compiled function it became Dynamo's Unsupported "Observed
-    exception", our message left in its debug context. Raised from a function Dynamo runs in
-    Python, it is a real ScanError that Dynamo lets through. Outside Dynamo: ``e`` itself."""
-    if _compat.is_dynamo_compiling():
-        _raise_compile_error(e.args[0])
-    raise e
-
-
-def as_scan_error(e):
-    """Dynamo's hard error for a graph break in the body, as a ScanError."""
-    return e if isinstance(e, ScanError) else compile_error(_with_hints(e.msg, e), e.real_stack)
-
-
-_FSDP_HINT = (
-    " The body calls a module sharded by FSDP2's fully_shard, whose hooks (the gather of its parameters "
-    "before its forward) torch.compile runs outside the graph, so they cannot run inside a scan's body. "
-    "Shard the module that calls scan instead (fully_shard on it, not on the module the body calls: its "
-    "parameters are then gathered once, before the scan), or use scan_layers for a stack of fully_shard layers.")
-
-
-def _with_hints(message, e):
-    """``message`` with what to do when the graph break is a known one: a body calling an FSDP2
-    module (the break is in FSDP2's hook, found on the stack Dynamo kept)."""
-    stack = getattr(e, "real_stack", None) or []
-    if any("/distributed/fsdp/" in f.filename.replace("\\", "/") for f in stack):
-        return message + _FSDP_HINT
-    return message
 
 
 def install():

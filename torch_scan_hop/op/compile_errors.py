@@ -1,0 +1,166 @@
+"""The errors of a failed capture of scan by torch.compile, as ScanErrors that say what failed.
+
+Dynamo reports most failures inside a HOP's body alike (a graph break); the tracker
+(``op.dynamo``) hands each one here, which tells apart an exception the body itself
+raised, a graph break, a data dependence and a ScanError of our own checks, and makes
+the one error Dynamo lets through unchanged (``compile_error``). ``surface`` is the way
+out of Dynamo for the front ends' own checks.
+"""
+import re
+
+import torch
+
+from .. import _compat
+from ..core.trees import ScanError
+from ..trace.graph import data_dependence_message
+
+GRAPH_BREAK = ("torch_scan_hop.scan: the body fn must be captured whole by torch.compile "
+                "(no graph breaks inside the scanned function)")
+
+
+_FAKE_RUN = re.compile(r"Dynamo failed to run FX node with fake tensors: call_function (.+?)\(\*.*\): "
+                       r"got (\w+)\((['\"])(.*)\3\)\s*$", re.DOTALL)
+
+
+def _chain(e):
+    seen = []
+    while e is not None and all(e is not s for s in seen):
+        seen.append(e)
+        e = e.__cause__ or e.__context__
+    return seen
+
+
+def _body_raised(e, tx):
+    """The message for a capture that failed because the body itself raised: a ``raise`` in its
+    code, or one of its ops failing on fake tensors of a step's shapes (``c @ w`` of mismatched
+    shapes), or its gradient failing to trace. Dynamo reports these as graph breaks, which they
+    are not (torch 2.9 also drops the raised exception's arguments). None for anything else: a
+    graph break, a data dependence, our own ScanError (each has its own message)."""
+    chain = _chain(e)
+    if not any(_compat.dynamo.body_raised(c) for c in chain) or any(
+            isinstance(c, ScanError) or _compat.is_data_dependence_error(c) for c in chain):
+        return None
+    plain = [c for c in chain if not _compat.dynamo.is_dynamo_exception(c)]
+    if plain:  # the op's own error, kept as the cause of Dynamo's wrappers
+        kind, text = type(plain[-1]), str(plain[-1])
+    else:  # simulated by Dynamo: the exception lives on the translator's stack
+        raised = _compat.dynamo.raised_exception(tx)
+        if raised is None:
+            return None
+        kind, args = raised
+        text = str(args[0]) if len(args) == 1 else str(args) if args else ""
+    if isinstance(kind, type) and issubclass(kind, ScanError):
+        return text
+    fake_run = _FAKE_RUN.match(text)
+    if fake_run:  # 2.15: the op's error only as text inside Dynamo's
+        target, name, _, inner = fake_run.groups()
+        text, kind = f"{inner} (in {target})", name
+    name = kind if isinstance(kind, str) else kind.__name__
+    return (f"torch_scan_hop.scan: the body fn raised {name} when torch.compile traced it on fake tensors of "
+            "one step's shapes (an error of the body itself, not a graph break: run eagerly on those shapes, "
+            f"the body or its backward raises it too){': ' + text if text else '.'}")
+
+
+def _scan_error_within(e):
+    """A ScanError that ``e`` is or wraps (Dynamo re-raises an error of an op's fake run as a
+    TorchRuntimeError whose cause is the original)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, ScanError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+def capture_failure(e, tx, uncaptured, unsupported):
+    """What to raise for ``e``, raised while the tracker captured a scan: a ScanError naming what
+    failed, or ``e`` itself (an error of Dynamo's or torch's that is none of ours)."""
+    raised = _body_raised(e, tx)
+    if raised is not None:  # the body's own error (or its op's), not a graph break
+        return compile_error(raised, getattr(e, "real_stack", None))
+    if isinstance(e, uncaptured):  # a graph break in the body, e.g. `if c.sum() > 0:`
+        return as_scan_error(e)
+    if isinstance(e, unsupported):  # the same message as torch 2.9's hard error
+        return compile_error(_with_hints(f"{GRAPH_BREAK} Got {_graph_break_message(e)}", e),
+                             getattr(e, "real_stack", None))
+    ours = _scan_error_within(e)  # raised by our op's fake run: Dynamo wraps it
+    if ours is not None:
+        return compile_error(str(ours))
+    if not _compat.is_data_dependence_error(e):
+        return e
+    return compile_error(data_dependence_message(e))
+
+
+def _graph_break_message(e):
+    """What broke the graph: Dynamo's message, or for an exception the body
+    raised while Dynamo ran it on fake tensors (torch 2.14 wraps it in an
+    ObservedException), the body's own error."""
+    msg = getattr(e, "msg", None)
+    if msg:
+        return msg
+    cause = e.__cause__ or e.__context__
+    while cause is not None and (cause.__cause__ or cause.__context__) is not None and not isinstance(cause, ScanError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None:
+        return f"{type(cause).__name__}: {cause}"
+    # torch 2.15 raises the body's error as an ObservedRuntimeError without msg or cause,
+    # its text (the error the body raised) in str(e)
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+_ScanCompileError = None
+
+
+def compile_error(message, real_stack=None):
+    """A ScanError that Dynamo lets through as it is: Dynamo re-raises its
+    UncapturedHigherOrderOpError unchanged but wraps any other exception raised
+    while tracing in an InternalTorchDynamoError."""
+    global _ScanCompileError
+    if _ScanCompileError is None:
+        from .._compat.dynamo import uncaptured_error_class
+
+        UncapturedHigherOrderOpError = uncaptured_error_class()
+
+        class ScanCompileError(ScanError, UncapturedHigherOrderOpError):
+            def __init__(self, msg, real_stack=None):
+                UncapturedHigherOrderOpError.__init__(self, msg, real_stack)
+
+        _ScanCompileError = ScanCompileError
+    return _ScanCompileError(message, real_stack)
+
+
+@torch.compiler.assume_constant_result  # Dynamo calls it in Python while tracing: its raise is real
+def _raise_compile_error(message):
+    raise compile_error(message)
+
+
+def surface(e):
+    """Re-raise ScanError ``e`` so that torch.compile(fullgraph=True) shows it. A ScanError raised
+    by traced Python (the front end's checks of init, xs, length, options) is an exception Dynamo
+    simulates; with no handler in the compiled function it became Dynamo's Unsupported "Observed
+    exception", our message left in its debug context. Raised from a function Dynamo runs in
+    Python, it is a real ScanError that Dynamo lets through. Outside Dynamo: ``e`` itself."""
+    if _compat.is_dynamo_compiling():
+        _raise_compile_error(e.args[0])
+    raise e
+
+
+def as_scan_error(e):
+    """Dynamo's hard error for a graph break in the body, as a ScanError."""
+    return e if isinstance(e, ScanError) else compile_error(_with_hints(e.msg, e), e.real_stack)
+
+
+_FSDP_HINT = (
+    " The body calls a module sharded by FSDP2's fully_shard, whose hooks (the gather of its parameters "
+    "before its forward) torch.compile runs outside the graph, so they cannot run inside a scan's body. "
+    "Shard the module that calls scan instead (fully_shard on it, not on the module the body calls: its "
+    "parameters are then gathered once, before the scan), or use scan_layers for a stack of fully_shard layers.")
+
+
+def _with_hints(message, e):
+    """``message`` with what to do when the graph break is a known one: a body calling an FSDP2
+    module (the break is in FSDP2's hook, found on the stack Dynamo kept)."""
+    stack = getattr(e, "real_stack", None) or []
+    if any("/distributed/fsdp/" in f.filename.replace("\\", "/") for f in stack):
+        return message + _FSDP_HINT
+    return message
