@@ -23,6 +23,7 @@ _FAKE_RUN = re.compile(r"Dynamo failed to run FX node with fake tensors: call_fu
 
 
 def _chain(e):
+    """``e`` and the exceptions it was raised from (its cause, else its context), outermost first."""
     seen = []
     while e is not None and all(e is not s for s in seen):
         seen.append(e)
@@ -56,6 +57,8 @@ def _body_raised(e, tx):
         target, name, _, inner = fake_run.groups()
         text, kind = f"{inner} (in {target})", name
     name = kind if isinstance(kind, str) else kind.__name__
+    if name == "AssertionError":  # more likely an internal check of torch's (or ours) than the body's
+        return None
     return (f"torch_scan_hop.scan: the body fn raised {name} when torch.compile traced it on fake tensors of "
             "one step's shapes (an error of the body itself, not a graph break: run eagerly on those shapes, "
             f"the body or its backward raises it too){': ' + text if text else '.'}")
@@ -64,13 +67,8 @@ def _body_raised(e, tx):
 def _scan_error_within(e):
     """A ScanError that ``e`` is or wraps (Dynamo re-raises an error of an op's fake run as a
     TorchRuntimeError whose cause is the original)."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, ScanError):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
+    return next((c for c in _chain(e) if isinstance(c, ScanError)), None)
+
 
 def capture_failure(e, tx, uncaptured, unsupported):
     """What to raise for ``e``, raised while the tracker captured a scan: a ScanError naming what

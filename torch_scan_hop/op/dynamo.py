@@ -26,6 +26,7 @@ from ..trace.body_checks import input_name, mutation_message
 from ..trace.flat_body import _ERROR
 from .compile_errors import GRAPH_BREAK, capture_failure, compile_error
 
+
 def _make_tracker_class():
     from .._compat import dynamo as dyn
 
