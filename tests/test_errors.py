@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import plain_asserts
 from torch_scan_hop import ScanError, scan
 
 
@@ -244,6 +245,10 @@ BODY_ERRORS = {  # body, whether the inputs need grad, what the ScanError must s
     "raise": (_raises_value_error, False, r"raised ValueError .*: \('bad leaf 7', 3\)$"),
     "op on fake tensors": (_mismatched_matmul, False, r"raised RuntimeError .*\[2, 3\] X \[4, 4\]"),
     "backward": (_writes_a_saved_view, True, r"raised RuntimeError .*modified by an inplace operation"),
+    # Dynamo named it "Data-dependent assertion failed", or failed printing the empty subgraph for it
+    # (InternalTorchDynamoError: IndentationError, torch 2.9 and 2.15)
+    "assert": (plain_asserts.asserts_a_shape, False, r"an assert in the body fn failed .*: AssertionError"),
+    "assert after an op": (plain_asserts.asserts_after_an_op, False, r"an assert in the body fn failed .*: AssertionError"),
 }
 
 
@@ -251,7 +256,7 @@ BODY_ERRORS = {  # body, whether the inputs need grad, what the ScanError must s
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_a_body_that_raises_under_compile_is_named_as_such_not_as_a_graph_break(case, backend, fresh_dynamo):
     """Dynamo reports an exception the body raises while it is traced (its own ``raise``, an op
-    failing on fake tensors, its gradient failing) as a graph break; the ScanError said "must be
+    failing on fake tensors, its gradient failing, an ``assert`` found False) as a graph break; the ScanError said "must be
     captured whole (no graph breaks)", and on torch 2.9 dropped the raised exception's message
     ("Got <class 'torch._dynamo.exc.ObservedValueErrorError'>"). It now names the error and its
     message; eager raises the same error itself."""
@@ -262,5 +267,5 @@ def test_a_body_that_raises_under_compile_is_named_as_such_not_as_a_graph_break(
         f(c0, xs)
     first = str(info.value).split("\n")[0]
     assert re.search(message, first) and "not a graph break" in first and "captured whole" not in first, first
-    with pytest.raises((ValueError, RuntimeError)):  # eager: the body's (or its backward's) own error
+    with pytest.raises((ValueError, RuntimeError, AssertionError)):  # eager: the body's (or its backward's) own error
         torch.autograd.grad(scan(body, c0, xs)[0].sum(), c0) if grad else scan(body, c0, xs)

@@ -60,8 +60,7 @@ def _body_raised(e, tx):
     if name == "AssertionError":  # more likely an internal check of torch's (or ours) than the body's
         return None
     return (f"torch_scan_hop.scan: the body fn raised {name} when torch.compile traced it on fake tensors of "
-            "one step's shapes (an error of the body itself, not a graph break: run eagerly on those shapes, "
-            f"the body or its backward raises it too){': ' + text if text else '.'}")
+            f"one step's shapes {_NOT_A_GRAPH_BREAK}{': ' + text if text else '.'}")
 
 
 def _scan_error_within(e):
@@ -70,9 +69,27 @@ def _scan_error_within(e):
     return next((c for c in _chain(e) if isinstance(c, ScanError)), None)
 
 
+_NOT_A_GRAPH_BREAK = ("(an error of the body itself, not a graph break: run eagerly on those shapes, the body "
+                      "or its backward raises it too)")
+
+
+def _failed_assert(e, unsupported):
+    """Dynamo's report of an ``assert`` in the body whose condition it found False (a constant:
+    ``assert x.shape[0] == 5``), which inside a HOP's body it cannot leave to run eagerly. Its
+    name says "Data-dependent"; printing the partial subgraph for it can then fail itself (an
+    IndentationError from an empty graph: InternalTorchDynamoError, torch 2.9 and 2.15)."""
+    return next((c for c in _chain(e) if isinstance(c, unsupported)
+                 and str(getattr(c, "msg", None) or c).startswith("Data-dependent assertion failed")), None)
+
+
 def capture_failure(e, tx, uncaptured, unsupported):
     """What to raise for ``e``, raised while the tracker captured a scan: a ScanError naming what
     failed, or ``e`` itself (an error of Dynamo's or torch's that is none of ours)."""
+    failed = _failed_assert(e, unsupported)
+    if failed is not None:
+        return compile_error("torch_scan_hop.scan: an assert in the body fn failed when torch.compile traced it "
+                             f"on fake tensors of one step's shapes {_NOT_A_GRAPH_BREAK}: AssertionError.",
+                             getattr(failed, "real_stack", None))
     raised = _body_raised(e, tx)
     if raised is not None:  # the body's own error (or its op's), not a graph break
         return compile_error(raised, getattr(e, "real_stack", None))
