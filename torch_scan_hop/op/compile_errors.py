@@ -59,8 +59,8 @@ def _body_raised(e, tx):
     name = kind if isinstance(kind, str) else kind.__name__
     if name == "AssertionError":  # more likely an internal check of torch's (or ours) than the body's
         return None
-    return (f"torch_scan_hop.scan: the body fn raised {name} when torch.compile traced it on fake tensors of "
-            f"one step's shapes {_NOT_A_GRAPH_BREAK}{': ' + text if text else '.'}")
+    return (f"torch_scan_hop.scan: the body fn raised {name} when Dynamo (torch.compile, torch.export) "
+            f"traced it on fake tensors of one step's shapes {_NOT_A_GRAPH_BREAK}{': ' + text if text else '.'}")
 
 
 def _scan_error_within(e):
@@ -87,8 +87,9 @@ def capture_failure(e, tx, uncaptured, unsupported):
     failed, or ``e`` itself (an error of Dynamo's or torch's that is none of ours)."""
     failed = _failed_assert(e, unsupported)
     if failed is not None:
-        return compile_error("torch_scan_hop.scan: an assert in the body fn failed when torch.compile traced it "
-                             f"on fake tensors of one step's shapes {_NOT_A_GRAPH_BREAK}: AssertionError.",
+        return compile_error("torch_scan_hop.scan: an assert in the body fn failed when Dynamo (torch.compile, "
+                             f"torch.export) traced it on fake tensors of one step's shapes {_NOT_A_GRAPH_BREAK}: "
+                             "AssertionError.",
                              getattr(failed, "real_stack", None))
     raised = _body_raised(e, tx)
     if raised is not None:  # the body's own error (or its op's), not a graph break
