@@ -32,7 +32,7 @@ def unsupported_error_classes():
     return (Unsupported, ObservedException)
 
 
-def body_raised(e):
+def wraps_a_raised_error(e):
     """Was ``e`` (a failed capture) an exception the body's own code raised, or one of its ops
     raised on fake tensors, rather than a graph break? Dynamo simulates a ``raise`` in traced code
     as an ObservedException (torch 2.9-2.15) and re-raises an op's failed fake run as a

@@ -15,11 +15,13 @@ from ..core.trees import ScanError
 from ..trace.graph import data_dependence_message
 
 GRAPH_BREAK = ("torch_scan_hop.scan: the body fn must be captured whole by torch.compile "
-                "(no graph breaks inside the scanned function)")
+               "(no graph breaks inside the scanned function)")
 
 
 _FAKE_RUN = re.compile(r"Dynamo failed to run FX node with fake tensors: call_function (.+?)\(\*.*\): "
                        r"got (\w+)\((['\"])(.*)\3\)\s*$", re.DOTALL)
+_NOT_A_GRAPH_BREAK = ("(an error of the body itself, not a graph break: run eagerly on those shapes, the body "
+                      "or its backward raises it too)")
 
 
 def _chain(e):
@@ -31,14 +33,14 @@ def _chain(e):
     return seen
 
 
-def _body_raised(e, tx):
+def _body_raised(chain, tx):
     """The message for a capture that failed because the body itself raised: a ``raise`` in its
     code, or one of its ops failing on fake tensors of a step's shapes (``c @ w`` of mismatched
     shapes), or its gradient failing to trace. Dynamo reports these as graph breaks, which they
     are not (torch 2.9 also drops the raised exception's arguments). None for anything else: a
-    graph break, a data dependence, our own ScanError (each has its own message)."""
-    chain = _chain(e)
-    if not any(_compat.dynamo.body_raised(c) for c in chain) or any(
+    graph break, a data dependence, our own ScanError (each has its own message). ``chain``: the
+    failed capture's exception and those it was raised from (``_chain``)."""
+    if not any(_compat.dynamo.wraps_a_raised_error(c) for c in chain) or any(
             isinstance(c, ScanError) or _compat.is_data_dependence_error(c) for c in chain):
         return None
     plain = [c for c in chain if not _compat.dynamo.is_dynamo_exception(c)]
@@ -63,35 +65,33 @@ def _body_raised(e, tx):
             f"traced it on fake tensors of one step's shapes {_NOT_A_GRAPH_BREAK}{': ' + text if text else '.'}")
 
 
-def _scan_error_within(e):
-    """A ScanError that ``e`` is or wraps (Dynamo re-raises an error of an op's fake run as a
+def _scan_error_within(chain):
+    """A ScanError in an exception's ``chain`` (Dynamo re-raises an error of an op's fake run as a
     TorchRuntimeError whose cause is the original)."""
-    return next((c for c in _chain(e) if isinstance(c, ScanError)), None)
+    return next((c for c in chain if isinstance(c, ScanError)), None)
 
 
-_NOT_A_GRAPH_BREAK = ("(an error of the body itself, not a graph break: run eagerly on those shapes, the body "
-                      "or its backward raises it too)")
 
-
-def _failed_assert(e, unsupported):
+def _failed_assert(chain, unsupported):
     """Dynamo's report of an ``assert`` in the body whose condition it found False (a constant:
     ``assert x.shape[0] == 5``), which inside a HOP's body it cannot leave to run eagerly. Its
     name says "Data-dependent"; printing the partial subgraph for it can then fail itself (an
     IndentationError from an empty graph: InternalTorchDynamoError, torch 2.9 and 2.15)."""
-    return next((c for c in _chain(e) if isinstance(c, unsupported)
+    return next((c for c in chain if isinstance(c, unsupported)
                  and str(getattr(c, "msg", None) or c).startswith("Data-dependent assertion failed")), None)
 
 
 def capture_failure(e, tx, uncaptured, unsupported):
     """What to raise for ``e``, raised while the tracker captured a scan: a ScanError naming what
     failed, or ``e`` itself (an error of Dynamo's or torch's that is none of ours)."""
-    failed = _failed_assert(e, unsupported)
+    chain = _chain(e)
+    failed = _failed_assert(chain, unsupported)
     if failed is not None:
         return compile_error("torch_scan_hop.scan: an assert in the body fn failed when Dynamo (torch.compile, "
                              f"torch.export) traced it on fake tensors of one step's shapes {_NOT_A_GRAPH_BREAK}: "
                              "AssertionError.",
                              getattr(failed, "real_stack", None))
-    raised = _body_raised(e, tx)
+    raised = _body_raised(chain, tx)
     if raised is not None:  # the body's own error (or its op's), not a graph break
         return compile_error(raised, getattr(e, "real_stack", None))
     if isinstance(e, uncaptured):  # a graph break in the body, e.g. `if c.sum() > 0:`
@@ -99,7 +99,7 @@ def capture_failure(e, tx, uncaptured, unsupported):
     if isinstance(e, unsupported):  # the same message as torch 2.9's hard error
         return compile_error(_with_hints(f"{GRAPH_BREAK} Got {_graph_break_message(e)}", e),
                              getattr(e, "real_stack", None))
-    ours = _scan_error_within(e)  # raised by our op's fake run: Dynamo wraps it
+    ours = _scan_error_within(chain)  # raised by our op's fake run: Dynamo wraps it
     if ours is not None:
         return compile_error(str(ours))
     if not _compat.is_data_dependence_error(e):
@@ -114,10 +114,9 @@ def _graph_break_message(e):
     msg = getattr(e, "msg", None)
     if msg:
         return msg
-    cause = e.__cause__ or e.__context__
-    while cause is not None and (cause.__cause__ or cause.__context__) is not None and not isinstance(cause, ScanError):
-        cause = cause.__cause__ or cause.__context__
-    if cause is not None:
+    causes = _chain(e)[1:]
+    if causes:  # the first ScanError it was raised from, else the innermost error
+        cause = next((c for c in causes if isinstance(c, ScanError)), causes[-1])
         return f"{type(cause).__name__}: {cause}"
     # torch 2.15 raises the body's error as an ObservedRuntimeError without msg or cause,
     # its text (the error the body raised) in str(e)
