@@ -22,9 +22,10 @@ Nothing else in torch_scan_hop imports a private torch name
 - ``nn``: ``nn.Module`` internals (state dicts, hooks);
 - ``distributed``: FSDP2's hooks and policies (scan_layers over ``fully_shard`` layers);
 - ``transformers``: Hugging Face transformers' output-capturing hooks (which of them are inert);
-- ``xla``: ``torch_xla._XLAC`` and torch_xla's private ops.
-
-- ``dynamo``: the Dynamo internals of op.dynamo's VariableTracker.
+- ``xla``: ``torch_xla._XLAC`` and torch_xla's private ops;
+- ``dynamo``: the Dynamo internals of op.dynamo's VariableTracker;
+- ``unbacked``: what tracing raises or records when a function depends on tensor values;
+- ``versions``: the supported torch range, as data (the dependency, messages and docs say it).
 
 The names the package used from the former single module are re-exported
 here, so ``_compat.X`` keeps working; subsystem-only adapters are reached as
