@@ -52,13 +52,40 @@ from .ownership import (
 )
 
 
-def stack_layers(layers, *, grads="per_layer"):
-    """Give ``layers`` (an ``nn.ModuleList`` or ``nn.Sequential`` of identical
-    modules) stacked parameter storage, in place; returns ``layers``.
-    ``grads``: "per_layer" (each layer parameter gets its ``.grad``, optimizers
-    train the layers' parameters) or "stacked" (the stacks are registered
-    parameters that get one ``.grad`` per name and that optimizers train; see
-    ``layers.grads``)."""
+def stack_layers(layers: torch.nn.ModuleList | torch.nn.Sequential, *,
+                 grads: str = "per_layer") -> torch.nn.ModuleList | torch.nn.Sequential:
+    """Give ``layers`` stacked parameter storage, in place: ONE ``(L, *shape)`` tensor per name.
+
+    Each layer's parameter becomes a row view of its stack, so a traced ``scan_layers`` scans
+    the stacks themselves and its first compile no longer grows with the depth, while the
+    per-layer ``nn.Parameter`` objects stay (optimizers, ``state_dict()`` keys, ``torch.save``,
+    ``copy.deepcopy`` and ``.to()`` keep working). Replacing a layer's parameter makes
+    ``scan_layers`` stack per call again; ``layers.restack()`` re-stacks.
+
+    Args:
+        layers: an ``nn.ModuleList`` or ``nn.Sequential`` of identical modules (type, parameter
+            names, shapes and dtypes), on one device. Stacked already: re-stacked with ``grads``.
+        grads: "per_layer" (each layer parameter gets its ``.grad``; optimizers train the
+            layers' parameters) or "stacked" (the stacks become registered parameters of the
+            container, ``stacked__<name>``, with one ``.grad`` per name, which optimizers
+            train; see ``layers.grads``).
+
+    Returns:
+        ``layers`` itself, now a ``StackedModuleList`` / ``StackedSequential``.
+
+    Raises:
+        ScanError: another container, layers that differ, parameters on several devices or
+            DTensor parameters (``fully_shard``, ``parallelize_module``), or a bad ``grads``.
+
+    Example:
+        >>> import torch
+        >>> from torch_scan_hop import scan_layers, stack_layers
+        >>> layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+        >>> layers = stack_layers(layers)
+        >>> h = scan_layers(layers, torch.randn(2, 8))
+        >>> type(layers).__name__, tuple(h.shape)
+        ('StackedModuleList', (2, 8))
+    """
     _grads.check_mode(grads)
     if isinstance(layers, _StackedMixin):
         layers.__dict__["_scan_grads"] = grads
