@@ -30,7 +30,7 @@ def drop_checkpoint_tags(graph_module):
     whole body for a checkpoint region, default_partition would switch to a
     min cut, and that cut fails on a joint with tags on one side only. The body's
     own ``remat`` decides what its step saves; the region recomputes the scan as
-    one node. torch 2.9-2.14: node meta keys "recompute" and "ac_graph_id"."""
+    one node. torch 2.9 to 2.15: node meta keys "recompute" and "ac_graph_id"."""
     for node in graph_module.graph.nodes:
         node.meta.pop("recompute", None)
         node.meta.pop("ac_graph_id", None)
@@ -39,13 +39,13 @@ def drop_checkpoint_tags(graph_module):
 def rename_node(node, name):
     """Give an FX node a new (unique) name. Partitioners tell primals from
     tangents by placeholder name, as AOTAutograd names them, so a joint traced
-    here renames its placeholders. torch 2.9-2.14: ``Node._rename`` (no public API)."""
+    here renames its placeholders. torch 2.9 to 2.15: ``Node._rename`` (no public API)."""
     node._rename(name)
 
 
 def partitioner(name):
     """functorch's partition function for a remat policy name. Public
-    (``functorch.compile``) on torch 2.9-2.14; 2.14 adds keyword-only options."""
+    (``functorch.compile``) on torch 2.9 to 2.15; 2.14 adds keyword-only options."""
     from functorch.compile import default_partition, min_cut_rematerialization_partition
 
     return {"save_all": default_partition, "min_cut": min_cut_rematerialization_partition}[name]
@@ -54,7 +54,7 @@ def partitioner(name):
 def extract_fwd_bwd(joint, saved_values, num_fwd_outputs):
     """functorch's fwd/bwd extraction for a hand-chosen list of saved nodes.
 
-    torch 2.9-2.14: ``torch._functorch.partitioners._extract_fwd_bwd_modules``;
+    torch 2.9 to 2.15: ``torch._functorch.partitioners._extract_fwd_bwd_modules``;
     2.14 adds a fourth positional parameter ``saved_opaque_nodes=None``, left
     at its default (the call passes the sym nodes positionally, the rest by keyword)."""
     from torch._functorch.partitioners import _extract_fwd_bwd_modules
@@ -66,7 +66,7 @@ def extract_fwd_bwd(joint, saved_values, num_fwd_outputs):
 def eager_autograd_engine():
     """Run torch.autograd.grad inside our joint trace on the plain engine, even
     while compiled autograd is on (it would try to Dynamo-compile our trace).
-    torch 2.9-2.14: ``torch._dynamo.compiled_autograd._disable``."""
+    torch 2.9 to 2.15: ``torch._dynamo.compiled_autograd._disable``."""
     import sys
 
     ca = sys.modules.get("torch._dynamo.compiled_autograd")
@@ -106,7 +106,7 @@ class _ReplayDict(dict):
 
 def selective_checkpoint_modes():
     """The dispatch modes of ``torch.utils.checkpoint``'s selective checkpointing
-    (the forward's caching mode, the recompute's cached mode). torch 2.9-2.14:
+    (the forward's caching mode, the recompute's cached mode). torch 2.9 to 2.15:
     ``_CachingTorchDispatchMode`` and ``_CachedTorchDispatchMode``, private, same names."""
     from torch.utils import checkpoint as ckpt
 
@@ -142,7 +142,7 @@ def custom_op_lacks_autograd(qualified_name):
     """``qualified_name`` ("xla::einsum_linear_forward") is a torch.library
     custom op with no autograd formula registered, so one may be added with
     ``torch.library.register_autograd``. False for an op torch.library does
-    not know. torch 2.9-2.14: ``torch._library.custom_ops._maybe_get_opdef``
+    not know. torch 2.9 to 2.15: ``torch._library.custom_ops._maybe_get_opdef``
     and the opdef's ``_backward_fn`` (None until a formula is registered)."""
     from torch._library.custom_ops import _maybe_get_opdef
 
@@ -153,7 +153,7 @@ def custom_op_lacks_autograd(qualified_name):
 def leaf_grad_hooks(t):
     """``(pre, post)``: the hooks a leaf's gradient accumulation runs, ``register_hook``
     ones (may replace the gradient) before, ``register_post_accumulate_grad_hook`` ones
-    after; empty dicts when none. torch 2.9-2.14: ``Tensor._backward_hooks`` and
+    after; empty dicts when none. torch 2.9 to 2.15: ``Tensor._backward_hooks`` and
     ``Tensor._post_accumulate_grad_hooks`` (dicts or None)."""
     return t._backward_hooks or {}, t._post_accumulate_grad_hooks or {}
 
@@ -163,7 +163,7 @@ def apply_unbound(cls, *args):
     forward takes its arguments as given (no defaults to fill in): torch's ``apply``
     first binds them to the forward's ``inspect.signature``, anew on every call
     (~0.05 ms, a tenth of an eager XLA weight stack). Under functorch transforms, the
-    full ``apply`` (its custom-function path). torch 2.9-2.15: ``Function.apply`` is that
+    full ``apply`` (its custom-function path). torch 2.9 to 2.15: ``Function.apply`` is that
     binding, ``unwrap_dead_wrappers``, then ``_FunctionBase.apply``."""
     if torch._C._are_functorch_transforms_active():
         return cls.apply(*args)

@@ -30,7 +30,7 @@ def track_cpp_wrapper_compiles():
         torch.library.register_fake("demo::one", lambda x: [torch.empty_like(x)], lib=lib)
         torch.compile(lambda x: torch.ops.demo.one(x)[0] * 2)(torch.ones(3))  # SIGSEGV
 
-    torch 2.9-2.15: ``compile_fx._InProcessFxCompile.codegen_and_compile(gm,
+    torch 2.9 to 2.15: ``compile_fx._InProcessFxCompile.codegen_and_compile(gm,
     example_inputs, inputs_to_check, graph_kwargs)`` runs the post-grad passes (also
     in a compile subprocess). Idempotent."""
     from torch._inductor.compile_fx import _InProcessFxCompile
@@ -55,7 +55,7 @@ def track_cpp_wrapper_compiles():
 def cpp_wrapper_active():
     """Whether the graph being compiled gets a C++ wrapper (``cpp_wrapper=True`` set
     globally or as an option, AOTInductor): code that must not call back into Python.
-    torch 2.9-2.15: the inner compile's ``graph_kwargs`` (``track_cpp_wrapper_compiles``),
+    torch 2.9 to 2.15: the inner compile's ``graph_kwargs`` (``track_cpp_wrapper_compiles``),
     ``config.cpp_wrapper`` (on inside a compile with the option) and ``V.aot_compilation``."""
     from torch._inductor import config
     from torch._inductor.virtualized import V
@@ -101,7 +101,7 @@ def plan_cpp_subgraph_reuse_without_peak_estimate():
     (``ValueError: Start index 22 out of bounds``) for a scan_layers training
     step. The estimate only decides whether a freed buffer's storage is worth
     reusing; where it cannot be made, do not reuse (costs memory, never
-    correctness). torch 2.9-2.14: ``codegen.wrapper.AllocateLine.should_reuse_buffer``.
+    correctness). torch 2.9 to 2.15: ``codegen.wrapper.AllocateLine.should_reuse_buffer``.
     Idempotent."""
     from torch._inductor.codegen.wrapper import AllocateLine
 

@@ -1,7 +1,7 @@
 """The dispatcher: dispatch keys, which modes and transforms are active, and
 the operator / tensor internals the rules and caches inspect.
 
-Names re-exported as they are (torch 2.9-2.14, same API on both):
+Names re-exported as they are (torch 2.9 to 2.15, same API on all):
 ``DispatchKey`` (``torch._C``), ``AutoDispatchBelowAutograd``
 (``torch._C._AutoDispatchBelowAutograd``), ``TorchDispatchMode``
 (``torch.utils._python_dispatch``; the eager remat replay's mode subclasses it).
@@ -30,7 +30,7 @@ def functionalization_on():
     see torch_xla's own functionalization (views of XLA tensors are only right
     through it) re-enables the key here and restores the exclusion after.
 
-    torch 2.9-2.14: ``torch._C``'s TLS key-set getters and
+    torch 2.9 to 2.15: ``torch._C``'s TLS key-set getters and
     ``_ForceDispatchKeyGuard`` are unchanged.
     """
     include = torch._C._dispatch_tls_local_include_set()
@@ -42,7 +42,7 @@ def functionalization_on():
 def dispatch_modes_active():
     """A TorchDispatchMode (fake, proxy, functional...) is on the stack.
 
-    torch 2.9-2.14: ``torch.utils._python_dispatch._len_torch_dispatch_stack``
+    torch 2.9 to 2.15: ``torch.utils._python_dispatch._len_torch_dispatch_stack``
     (no public equivalent)."""
     from torch.utils._python_dispatch import _len_torch_dispatch_stack
 
@@ -55,7 +55,7 @@ def tracing_modes_active():
     checkpointing's caching modes, a user's logging mode) trace nothing: under them
     the scan is the loop, each body op passing through the mode as in a for loop.
 
-    torch 2.9-2.14: ``TorchDispatchMode.is_infra_mode``, the stack getter of
+    torch 2.9 to 2.15: ``TorchDispatchMode.is_infra_mode``, the stack getter of
     ``torch.utils._python_dispatch`` and ``torch._ops``' pre-dispatch stack."""
     if _len_torch_dispatch_stack_pre_dispatch() > 0:
         return True
@@ -70,7 +70,7 @@ def only_user_modes_active():
 
 
 def is_dynamo_compiling():
-    """Dynamo is tracing this frame. Public on torch 2.9-2.14; kept here so the
+    """Dynamo is tracing this frame. Public on torch 2.9 to 2.15; kept here so the
     rules ask every "which tracer is on" question in one place."""
     return torch.compiler.is_dynamo_compiling()
 
@@ -96,7 +96,7 @@ def is_functional(t):
     a scan whose init was another scan's final carry ran its body untraced under
     grad: constants in the HLO, and XLA refused them).
 
-    torch 2.9-2.14: ``torch._is_functional_tensor`` and functorch's wrapper
+    torch 2.9 to 2.15: ``torch._is_functional_tensor`` and functorch's wrapper
     test are unchanged."""
     if t.device.type == "xla":
         return isinstance(t, FunctionalTensor) or _is_transform_wrapped(t)
@@ -115,8 +115,8 @@ def runs_eagerly(tensors):
     every tensor holds real data off XLA: the scan is the Python loop.
     torch.func's vmap/grad/jvp wrappers count as eager: the loop composes with them.
 
-    torch 2.9-2.14: the mode stack, fake / functional tensor classes and the
-    functorch interpreter stack it reads are the same on both."""
+    torch 2.9 to 2.15: the mode stack, fake / functional tensor classes and the
+    functorch interpreter stack it reads are the same on all."""
     if is_dynamo_compiling() or tracing_modes_active() or (
             _peek_interpreter() is not None and _functionalize_transform_active()):
         return False
@@ -134,7 +134,7 @@ def on_xla(tensors):
 
 def is_concrete(t):
     """A tensor with real data and static shape (plain, Parameter or XLA): safe to cache on.
-    torch 2.9-2.14: FakeTensor (``torch._subclasses``) is the only fake class."""
+    torch 2.9 to 2.15: FakeTensor (``torch._subclasses``) is the only fake class."""
     return (isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor)
             and all(type(d) is int for d in t.shape))
 
@@ -143,7 +143,7 @@ def has_kernel_for(qualified_name, key):
     """The operator ``qualified_name`` ("aten::add.Tensor") has a kernel
     registered for dispatch key ``key`` (a key name: "XLA", ...).
 
-    The XLA body check asks which ops torch_xla lowers. torch 2.9-2.14:
+    The XLA body check asks which ops torch_xla lowers. torch 2.9 to 2.15:
     ``torch._C._dispatch_has_kernel_for_dispatch_key`` (no public equivalent)."""
     return torch._C._dispatch_has_kernel_for_dispatch_key(qualified_name, key)
 
@@ -151,33 +151,33 @@ def has_kernel_for(qualified_name, key):
 def is_op_overload(target):
     """An FX node target that is one aten/custom operator overload (``aten.add.Tensor``).
 
-    torch 2.9-2.14: ``torch._ops.OpOverload``; ``torch.ops`` has no public
+    torch 2.9 to 2.15: ``torch._ops.OpOverload``; ``torch.ops`` has no public
     class to test against."""
     return isinstance(target, torch._ops.OpOverload)
 
 
 def is_op_or_packet(target):
     """An operator overload or its packet (``aten.add`` / ``aten.add.Tensor``).
-    torch 2.9-2.14: ``torch._ops.OpOverload`` / ``OpOverloadPacket``."""
+    torch 2.9 to 2.15: ``torch._ops.OpOverload`` / ``OpOverloadPacket``."""
     return isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
 
 
 def op_schema(op):
     """The FunctionSchema of an operator overload (name, overload_name,
-    arguments, is_mutable). torch 2.9-2.14: the ``_schema`` attribute."""
+    arguments, is_mutable). torch 2.9 to 2.15: the ``_schema`` attribute."""
     return op._schema
 
 
 def tensor_version(t):
     """The tensor's version counter (bumped by every in-place write): a cache
     keyed on a tensor's identity must also see its data change.
-    torch 2.9-2.14: ``Tensor._version``."""
+    torch 2.9 to 2.15: ``Tensor._version``."""
     return t._version
 
 
 def storage_use_count(storage):
     """How many tensors (and Python storage objects) hold ``storage`` (an
-    ``UntypedStorage``), this one included. torch 2.9-2.14:
+    ``UntypedStorage``), this one included. torch 2.9 to 2.15:
     ``torch._C._storage_Use_Count(storage._cdata)`` (no public query)."""
     return torch._C._storage_Use_Count(storage._cdata)
 
@@ -186,7 +186,7 @@ def alias_storage(base, size, stride):
     """A new tensor on ``base``'s storage (from its start) with these sizes and
     strides, and ``base``'s dtype: not a view (no ``_base``, own version
     counter), like ``empty(0).set_(storage, 0, size, stride)`` but ~5x cheaper.
-    The caller guarantees the storage is large enough. torch 2.9-2.14:
+    The caller guarantees the storage is large enough. torch 2.9 to 2.15:
     ``torch._C._dynamo.guards._reinterpret_tensor`` (inductor's own
     ``reinterpret_tensor``)."""
     return torch._C._dynamo.guards._reinterpret_tensor(base, size, stride, -base.storage_offset())
@@ -194,7 +194,7 @@ def alias_storage(base, size, stride):
 
 def empty_strided(size, stride, dtype, device):
     """``torch.empty_strided`` without the Python binding's argument parsing on
-    the CPU (~0.8 vs ~1.4 us). torch 2.9-2.14: ``torch._C._dynamo.guards._empty_strided_cpu``
+    the CPU (~0.8 vs ~1.4 us). torch 2.9 to 2.15: ``torch._C._dynamo.guards._empty_strided_cpu``
     (what inductor's generated code calls)."""
     if device.type == "cpu":
         return torch._C._dynamo.guards._empty_strided_cpu(size, stride, dtype)
@@ -207,7 +207,7 @@ def has_meta_kernel(op):
     on zeros, and refuses to when an input has a symbolic stride or offset (GRUCell's
     ``aten._thnn_fused_gru_cell`` on CUDA, ``aten._standard_gamma_grad``).
 
-    torch 2.9-2.15: ``torch._C._dispatch_has_kernel_for_dispatch_key`` (the registered
+    torch 2.9 to 2.15: ``torch._C._dispatch_has_kernel_for_dispatch_key`` (the registered
     kernels, not the computed table, which also counts fallbacks that raise)."""
     name = op.name()
     return any(torch._C._dispatch_has_kernel_for_dispatch_key(name, key) for key in _FAKE_CAPABLE_KEYS)

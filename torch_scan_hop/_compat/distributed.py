@@ -37,12 +37,12 @@ _TP_HOOK_MODULES = ("torch.distributed.tensor._api", "torch.distributed.tensor.p
 def is_tensor_parallel_hook(hook):
     """``hook`` is one of tensor parallelism's layout hooks (``parallelize_module``): it turns a
     module's inputs and outputs into DTensors of the style's layouts and back, holding no state.
-    torch 2.9-2.15: lambdas defined in ``_TP_HOOK_MODULES``."""
+    torch 2.9 to 2.15: lambdas defined in ``_TP_HOOK_MODULES``."""
     return getattr(hook, "__name__", None) == "<lambda>" and getattr(hook, "__module__", None) in _TP_HOOK_MODULES
 
 
 def _param_groups(state):
-    """torch 2.9-2.14: ``state._fsdp_param_group`` (one group or None); newer torch keeps a
+    """torch up to 2.14: ``state._fsdp_param_group`` (one group or None); newer torch keeps a
     list, ``state._fsdp_param_groups``."""
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is not None:

@@ -1,4 +1,4 @@
-"""Dynamo internals our scan tracker uses (torch 2.9 to 2.14), in one place.
+"""Dynamo internals our scan tracker uses (torch 2.9 to 2.15), in one place.
 
 Dynamo has no public API for a HigherOrderOperator's VariableTracker: the
 tracker subclasses ``TorchHigherOrderOperatorVariable`` and calls the helpers
@@ -17,7 +17,7 @@ def _hops():
 
 
 def uncaptured_error_class():
-    """Dynamo's hard error for a HOP it cannot capture (2.9-2.14: same class)."""
+    """Dynamo's hard error for a HOP it cannot capture (2.9 to 2.15: same class)."""
     from torch._dynamo.exc import UncapturedHigherOrderOpError
 
     return UncapturedHigherOrderOpError
@@ -35,7 +35,7 @@ def unsupported_error_classes():
 def wraps_a_raised_error(e):
     """Was ``e`` (a failed capture) an exception the body's own code raised, or one of its ops
     raised on fake tensors, rather than a graph break? Dynamo simulates a ``raise`` in traced code
-    as an ObservedException (torch 2.9-2.15) and re-raises an op's failed fake run as a
+    as an ObservedException (torch 2.9 to 2.15) and re-raises an op's failed fake run as a
     TorchRuntimeError (2.9) or an ObservedException (2.15) around the op's error."""
     from torch._dynamo.exc import ObservedException, TorchRuntimeError
 
@@ -50,7 +50,7 @@ def is_dynamo_exception(e):
 def raised_exception(tx):
     """``(type, args)`` of the exception the body raised, from the translator's exception stack
     (torch 2.9's ObservedException says only ``ExceptionVariable(<class 'ValueError'>)``; 2.15's
-    names the arguments itself; 2.9-2.14 ``get_current_exception``, 2.15 ``get_raised_exception``).
+    names the arguments itself; torch up to 2.14 ``get_current_exception``, 2.15 ``get_raised_exception``).
     None when it cannot be read."""
     stack = getattr(tx, "exn_vt_stack", None)
     get = getattr(stack, "get_current_exception", None) or getattr(stack, "get_raised_exception", None)
@@ -106,14 +106,14 @@ def graph_break(explanation):
 
 
 def realize_all(value):
-    """Lazy trackers made concrete (2.9-2.14)."""
+    """Lazy trackers made concrete (2.9 to 2.15)."""
     from torch._dynamo.variables.lazy import LazyVariableTracker
 
     return LazyVariableTracker.realize_all(value)
 
 
 def discard_graph_changes(tx):
-    """Run tracker code whose graph nodes are thrown away (2.9-2.14)."""
+    """Run tracker code whose graph nodes are thrown away (2.9 to 2.15)."""
     return _hops().discard_graph_changes(tx)
 
 
@@ -128,7 +128,7 @@ def inlined(tx, fn):
 
 def speculate_subgraph(tx, fn, args, **kwargs):
     """Trace ``fn`` into a subgraph: ``((output, spec), graph, lifted freevars)``.
-    Same signature and result on 2.9-2.14 for the keywords we pass. Python
+    Same signature and result on 2.9 to 2.15 for the keywords we pass. Python
     floats the body reads stay constants: under dynamic=True torch 2.14 lifts
     an unspecialized float (``LayerNorm.eps``) as a 0-d tensor whose ``.item()``
     inside the body is data-dependent, which no scan body can be."""
@@ -158,7 +158,7 @@ def _parameters(fn):
 
 
 def fake_value(node, tx):
-    """The fake value Dynamo recorded for a proxy node (2.9-2.14)."""
+    """The fake value Dynamo recorded for a proxy node (2.9 to 2.15)."""
     from torch._dynamo.utils import get_fake_value
 
     return get_fake_value(node, tx)
@@ -177,7 +177,7 @@ def is_constant(var):
 
 
 def tracker_registry():
-    """HOP name -> tracker class, where Dynamo looks trackers up (2.9-2.14)."""
+    """HOP name -> tracker class, where Dynamo looks trackers up (2.9 to 2.15)."""
     return _hops()._hop_name_to_variable_class
 
 
@@ -186,14 +186,14 @@ def is_exporting(tx):
 
 
 def subgraph_module(tx, graph):
-    """A GraphModule for a speculated body, owning the frame's modules (2.9-2.14)."""
+    """A GraphModule for a speculated body, owning the frame's modules (2.9 to 2.15)."""
     return torch.fx.GraphModule(dict(tx.output.nn_modules), graph)
 
 
 class recompile_limit_at_least:  # noqa: N801  (a context manager, used as a function)
     """Dynamo compiles one code object at most ``recompile_limit`` times, then
     runs it uncompiled; raise the limit for a block.
-    torch 2.9-2.14: ``torch._dynamo.config.recompile_limit`` (default 8). Set and
+    torch 2.9 to 2.15: ``torch._dynamo.config.recompile_limit`` (default 8). Set and
     restored by hand: ``config.patch`` cost ~30 us per block, and an eager scan on
     XLA enters one per call."""
 
@@ -212,7 +212,7 @@ class recompile_limit_at_least:  # noqa: N801  (a context manager, used as a fun
 
 
 def hook_guards_skipped():
-    """Dynamo guards no module hooks (its default, 2.9-2.14): a hook added
+    """Dynamo guards no module hooks (its default, 2.9 to 2.15): a hook added
     after compiling is not seen."""
     return bool(getattr(torch._dynamo.config, "skip_nnmodule_hook_guards", False))
 
@@ -229,7 +229,7 @@ def guards_context_vars():
 
 def module_and_source(var):
     """``(module, source)`` for a tracker of an nn.Module Dynamo reached through a
-    source (an argument, an attribute), else None (2.9-2.14: Unspecialized/NNModuleVariable
+    source (an argument, an attribute), else None (2.9 to 2.15: Unspecialized/NNModuleVariable
     keep the module in ``value``)."""
     value, source = getattr(var, "value", None), getattr(var, "source", None)
     if isinstance(value, torch.nn.Module) and source is not None:
@@ -240,7 +240,7 @@ def module_and_source(var):
 def modified_in_trace(tx, objects):
     """Whether the frame being traced has changed any of ``objects`` so far (a dict
     item set, an attribute stored): Dynamo then holds state the real objects do not
-    show yet. 2.9-2.14: ``side_effects`` keeps a tracker per object it tracks."""
+    show yet. 2.9 to 2.15: ``side_effects`` keeps a tracker per object it tracks."""
     side_effects = tx.output.side_effects
     if getattr(side_effects, "ignore_mutation_on_these_variables", None):
         return True  # inside a traced functional_call: the dicts it swaps into are not marked
@@ -268,7 +268,7 @@ def dict_item_source(base, key):
 
 def guard_identity(sources):
     """One ID_MATCH guard per source: the compiled code runs again only while each
-    source still gives the same object (2.9-2.14)."""
+    source still gives the same object (2.9 to 2.15)."""
     from torch._dynamo.guards import GuardBuilder, install_guard
 
     install_guard(*(s.make_guard(GuardBuilder.ID_MATCH) for s in sources))

@@ -1,35 +1,35 @@
 """functorch's C++ transforms (vmap levels, batched tensors, the interpreter stack).
 
-torch 2.9-2.14: ``torch._C._functorch`` and ``torch._functorch.pyfunctorch``
-have the same functions on both; ``TransformType`` is re-exported as it is.
+torch 2.9 to 2.15: ``torch._C._functorch`` and ``torch._functorch.pyfunctorch``
+have the same functions on all; ``TransformType`` is re-exported as it is.
 """
 import torch
 from torch._C._functorch import TransformType  # noqa: F401  (re-exported for rule_functorch)
 
 
 def functorch_level(t):
-    """The vmap level of a batched tensor, else None (torch 2.9-2.14)."""
+    """The vmap level of a batched tensor, else None (torch 2.9 to 2.15)."""
     f = torch._C._functorch
     return f.maybe_get_level(t) if f.is_batchedtensor(t) else None
 
 
 def functorch_unwrap(t):
-    """The tensor one functorch level below ``t`` (torch 2.9-2.14)."""
+    """The tensor one functorch level below ``t`` (torch 2.9 to 2.15)."""
     return torch._C._functorch.get_unwrapped(t)
 
 
 def functorch_bdim(t):
-    """The batch dim of a batched tensor at its own level (torch 2.9-2.14)."""
+    """The batch dim of a batched tensor at its own level (torch 2.9 to 2.15)."""
     return torch._C._functorch.maybe_get_bdim(t)
 
 
 def is_batched_here(t):
-    """A tensor batched by some vmap level (torch 2.9-2.14)."""
+    """A tensor batched by some vmap level (torch 2.9 to 2.15)."""
     return isinstance(t, torch.Tensor) and torch._C._functorch.is_batchedtensor(t)
 
 
 def add_batch_dim(t, bdim, level):
-    """Wrap ``t`` as batched along ``bdim`` at vmap ``level`` (torch 2.9-2.14)."""
+    """Wrap ``t`` as batched along ``bdim`` at vmap ``level`` (torch 2.9 to 2.15)."""
     from torch._C._functorch import _add_batch_dim
 
     return _add_batch_dim(t, bdim, level)
@@ -37,7 +37,7 @@ def add_batch_dim(t, bdim, level):
 
 def is_functorch_wrapped(t):
     """A functorch wrapper around ``t``: a vmap level's BatchedTensor or a
-    grad/jvp/functionalize level's wrapper (torch 2.9-2.14: ``is_functorch_wrapped_tensor``)."""
+    grad/jvp/functionalize level's wrapper (torch 2.9 to 2.15: ``is_functorch_wrapped_tensor``)."""
     return torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
@@ -46,14 +46,14 @@ def _is_transform_wrapped(t):
     functorch wrapper with a level. A higher-order op's Functionalize rule wraps its
     outputs at level 0 (``CppFunctionalizeAPI.wrap_tensors``), which is no transform:
     on XLA, whose tensors are functional wrappers anyway, such an output (a scan's
-    final carry) is an ordinary tensor for the next op. torch 2.9-2.15: ``maybe_get_level``
+    final carry) is an ordinary tensor for the next op. torch 2.9 to 2.15: ``maybe_get_level``
     is -1 for no wrapper, 0 for that level-0 wrapper, >= 1 inside a transform."""
     return is_functorch_wrapped(t) and torch._C._functorch.maybe_get_level(t) > 0
 
 
 def _interpreters():
     """The active torch.func transforms, outermost first
-    (torch 2.9-2.14: ``retrieve_all_functorch_interpreters``)."""
+    (torch 2.9 to 2.15: ``retrieve_all_functorch_interpreters``)."""
     if torch._C._functorch.peek_interpreter_stack() is None:  # the common case, without building a list
         return []
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
@@ -94,7 +94,7 @@ def forward_ad_disabled():
     arithmetic (``add_zerotensor`` / ``mul_zerotensor`` compute on ``.to("meta")``
     copies), which meets the fake mode's tensors as a "meta vs cpu" device error (a
     LayerNorm with a jvp-dual weight and a plain bias). torch 2.9 and 2.15:
-    ``torch.autograd.forward_ad._set_fwd_grad_enabled`` (a context manager on both)."""
+    ``torch.autograd.forward_ad._set_fwd_grad_enabled`` (a context manager on all)."""
     from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
     return _set_fwd_grad_enabled(False)

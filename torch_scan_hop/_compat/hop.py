@@ -46,7 +46,7 @@ def dispatch_flat(op, flat, args, kwargs):
     ``__torch_function__`` test and dispatch key set, without torch's two pytree
     flattenings of the arguments, paid at each of the op's levels (autograd,
     functionalization, the backend: ~0.1 ms per eager XLA call).
-    torch 2.9-2.15: ``HigherOrderOperator.__call__`` is exactly this over pytree leaves."""
+    torch 2.9 to 2.15: ``HigherOrderOperator.__call__`` is exactly this over pytree leaves."""
     if torch.overrides.has_torch_function(flat):
         return torch.overrides.handle_torch_function(op, flat, *args, **kwargs)
     keys = _key_extractor([t for t in flat if isinstance(t, torch.Tensor)], op.non_fallthrough_keys)
@@ -58,14 +58,14 @@ def install_as_upstream_scan(op):
 
     The HOP registry and the ``torch.ops.higher_order`` namespace cache the
     first object under a name, so both must be overwritten.
-    torch 2.9-2.14: the registry is ``torch._ops._higher_order_ops`` on both.
+    torch 2.9 to 2.15: the registry is ``torch._ops._higher_order_ops`` on all.
     """
     torch._ops._higher_order_ops["scan"] = op
     setattr(torch.ops.higher_order, "scan", op)
 
 
 def is_hop(target):
-    """An FX node target that is a HigherOrderOperator (torch 2.9-2.14: ``torch._ops``)."""
+    """An FX node target that is a HigherOrderOperator (torch 2.9 to 2.15: ``torch._ops``)."""
     return isinstance(target, HigherOrderOperator)
 
 

@@ -1,14 +1,14 @@
 """``nn.Module`` internals that scan_layers reads to stack layers' state and
 to refuse hooks a traced scan would not run.
 
-torch 2.9-2.14: ``Module._parameters`` / ``_buffers`` / ``_modules`` and the
-per-module and global hook dicts have the same names and types on both.
+torch 2.9 to 2.15: ``Module._parameters`` / ``_buffers`` / ``_modules`` and the
+per-module and global hook dicts have the same names and types on all.
 """
 
 
 def global_module_hooks_registered():
     """Hooks registered for every module (``register_module_forward_hook``
-    and the like). torch 2.9-2.14: ``torch.nn.modules.module._global_*_hooks``."""
+    and the like). torch 2.9 to 2.15: ``torch.nn.modules.module._global_*_hooks``."""
     from torch.nn.modules import module as m
 
     return any(getattr(m, name, None) for name in (
@@ -18,7 +18,7 @@ def global_module_hooks_registered():
 
 def module_has_hooks(module):
     """``module`` itself has forward, forward-pre, backward or backward-pre
-    hooks. torch 2.9-2.14: the ``_forward_hooks``... dicts (no public query). ``len``, not
+    hooks. torch 2.9 to 2.15: the ``_forward_hooks``... dicts (no public query). ``len``, not
     ``bool``: Dynamo cannot take the truth of a non-empty hooks dict (a graph break)."""
     return (len(module._forward_hooks) + len(module._forward_pre_hooks) + len(module._backward_hooks)
             + len(module._backward_pre_hooks)) > 0
@@ -26,7 +26,7 @@ def module_has_hooks(module):
 
 def module_hooks(module):
     """``(kind, hook)`` for every hook registered on ``module`` itself, kind being
-    "forward", "forward_pre", "backward" or "backward_pre" (torch 2.9-2.14: the
+    "forward", "forward_pre", "backward" or "backward_pre" (torch 2.9 to 2.15: the
     ``_forward_hooks``... dicts, no public query)."""
     return [(kind, h) for kind, hooks in (("forward", module._forward_hooks), ("forward_pre", module._forward_pre_hooks),
                                           ("backward", module._backward_hooks),
@@ -36,7 +36,7 @@ def module_hooks(module):
 
 def forward_pre_hooks(module):
     """``[(hook, takes_kwargs)]`` of ``module``'s forward pre-hooks, in the order they run
-    (torch 2.9-2.15: ``_forward_pre_hooks`` and the ids in ``_forward_pre_hooks_with_kwargs``)."""
+    (torch 2.9 to 2.15: ``_forward_pre_hooks`` and the ids in ``_forward_pre_hooks_with_kwargs``)."""
     return [(h, i in module._forward_pre_hooks_with_kwargs) for i, h in module._forward_pre_hooks.items()]
 
 
@@ -71,7 +71,7 @@ def children_named(modules, name):
 def updates_running_stats(module):
     """``module`` is a norm layer whose forward updates its running-statistics
     buffers in place (BatchNorm*/InstanceNorm* in training mode with
-    ``track_running_stats``). torch 2.9-2.14: their common base
+    ``track_running_stats``). torch 2.9 to 2.15: their common base
     ``torch.nn.modules.batchnorm._NormBase``."""
     from torch.nn.modules.batchnorm import _NormBase
 

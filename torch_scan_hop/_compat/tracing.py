@@ -1,14 +1,14 @@
 """Tracing: make_fx and its proxy mode, fake tensors, functionalization, the
 body trace (``trace_aten_graph``), closure stand-ins and the tracing lock.
 
-Names re-exported as they are (torch 2.9-2.14, same API on both; 2.14 adds
+Names re-exported as they are (torch 2.9 to 2.15, same API on all; 2.14 adds
 only optional arguments): ``make_fx``, ``ProxyTorchDispatchMode``,
 ``disable_proxy_modes_tracing``, ``track_tensor_tree``
 (``torch.fx.experimental.proxy_tensor``); ``FakeTensor``, ``FakeTensorMode``,
 ``unset_fake_temporarily`` (``torch._subclasses.fake_tensor``);
 ``CppFunctionalizeAPI``, ``FunctionalTensor``, ``disable_functional_mode``
 (``torch._subclasses.functional_tensor``); ``pytree`` (``torch.utils._pytree``,
-whose tree_map / tree_leaves / tree_flatten / TreeSpec are the same on both).
+whose tree_map / tree_leaves / tree_flatten / TreeSpec are the same on all).
 """
 import collections
 import contextlib
@@ -45,7 +45,7 @@ def under_make_fx():
     make_fx keeps its tracer in a process-wide global; another thread's trace
     must not count, so the tracer only counts with a proxy mode on this
     thread's stack or inside one of our own traces here (``tracing_lock``).
-    torch 2.9-2.14: the global is ``proxy_tensor._CURRENT_MAKE_FX_TRACER`` on both.
+    torch 2.9 to 2.15: the global is ``proxy_tensor._CURRENT_MAKE_FX_TRACER`` on all.
     """
     if _proxy_tensor._CURRENT_MAKE_FX_TRACER is None:
         return False
@@ -76,7 +76,7 @@ def tracing_lock():
     entry that torch never drops; a scan traced on every call would grow them
     without bound. Only the newest few hundred of ours are kept (they serve
     tracebacks only; the compiled code does not need them).
-    torch 2.9-2.14: ``torch.fx.graph_module._loader.eval_cache`` on both.
+    torch 2.9 to 2.15: ``torch.fx.graph_module._loader.eval_cache`` on all.
     """
     with _TRACE_LOCK:
         depth = _local_depth()
@@ -114,8 +114,8 @@ def trace_aten_graph(fn, args, *, force_enable_grad=False):
     Re-enters an outer make_fx trace (or fake mode) if there is one; on real
     tensors traces with a fresh fake mode, so nothing real is computed and
     closed-over real tensors become constants (which ``trace.lift`` turns into inputs).
-    torch 2.9-2.14: ``materialize_as_graph`` and ``make_fx(tracing_mode="fake",
-    _allow_non_fake_inputs=True)`` behave the same on both.
+    torch 2.9 to 2.15: ``materialize_as_graph`` and ``make_fx(tracing_mode="fake",
+    _allow_non_fake_inputs=True)`` behave the same on all.
     """
     from .hop import without_effectful_checks
 
@@ -140,7 +140,7 @@ def _outer_grad_mode_recorders_suspended():
     runs the call, which reaches the outer mode below it: the outer graph got a stray grad-mode
     region of its own, which ``torch.export.load`` rejects ("Node.meta
     wrap_with_set_grad_enabled is missing val field"). Other torch-function modes stay.
-    torch 2.9-2.15: ``proxy_tensor.PreDispatchTorchFunctionMode`` and ``torch._C``'s
+    torch 2.9 to 2.15: ``proxy_tensor.PreDispatchTorchFunctionMode`` and ``torch._C``'s
     ``_len_torch_function_stack`` / ``_pop_torch_function_stack`` / ``_push_on_torch_function_stack``.
     """
     recorder = _proxy_tensor.PreDispatchTorchFunctionMode
@@ -168,7 +168,7 @@ def _of_another_fake_mode(args):
     is what the outer trace later sees run. A make_fx on real tensors has no mode of
     its own (None): export runs it under its ambient fake mode, whose tensors must be
     traced into the export graph, so that case re-enters as before.
-    torch 2.9-2.14: ``_CURRENT_MAKE_FX_TRACER.fake_tensor_mode`` on both.
+    torch 2.9 to 2.15: ``_CURRENT_MAKE_FX_TRACER.fake_tensor_mode`` on all.
     """
     outer = getattr(_proxy_tensor._CURRENT_MAKE_FX_TRACER, "fake_tensor_mode", None)
     return outer is not None and any(isinstance(a, FakeTensor) and a.fake_mode is not outer for a in args)
@@ -200,7 +200,7 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
     batched by a vmap that was active before the trace by plain constants of
     their logical shape (``_batched_stand_in``).
 
-    torch 2.9-2.14: ``torch._is_functional_tensor``, ``torch._sync``,
+    torch 2.9 to 2.15: ``torch._is_functional_tensor``, ``torch._sync``,
     ``torch._from_functional_tensor`` and functorch's ``is_batchedtensor`` /
     ``maybe_get_level`` are unchanged.
     """
@@ -296,7 +296,7 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
         ``W.shape[-1]`` would fail deep in torch ("s3 is not tracked with
         proxy"). One traced ``alias`` of it is a graph constant (lifted like
         any closure) whose sizes, strides and numel the trace can compute.
-        torch 2.9-2.14: ``get_proxy_mode``, ``has_proxy_slot``, ``get_proxy_slot(obj, tracer, default)``.
+        torch 2.9 to 2.15: ``get_proxy_mode``, ``has_proxy_slot``, ``get_proxy_slot(obj, tracer, default)``.
         """
         mode = _proxy_tensor.get_proxy_mode() if isinstance(t, FakeTensor) else None
         if mode is None or _proxy_tensor.has_proxy_slot(t, mode.tracer):  # traced here: its sizes are too
@@ -343,7 +343,7 @@ _METADATA_READS = frozenset({
 
 
 def _active_vmap_levels():
-    """The levels of the vmaps on the functorch interpreter stack (torch 2.9-2.14:
+    """The levels of the vmaps on the functorch interpreter stack (torch 2.9 to 2.15:
     ``retrieve_all_functorch_interpreters``, each with ``key()`` and ``level()``)."""
     from .functorch import TransformType, _interpreters
 
@@ -361,7 +361,7 @@ def recording_functional_closures(tensors=()):
     user's closures and what the traced body read, ``.op_input(t)`` says what
     the op receives for a closure. With XLA ``tensors`` (the step's inputs),
     every CPU tensor the body touches is on the device from the start.
-    torch 2.9-2.14 (see ``_ClosureStandIns``)."""
+    torch 2.9 to 2.15 (see ``_ClosureStandIns``)."""
     mode = _ClosureStandIns()
     mode.xla = next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "xla"), None)
     mode.inputs = {id(t): t for t in tensors}  # the step's own inputs are traced, not stood in for
@@ -373,7 +373,7 @@ def detached_examples(values):
     """Detached example values of one step, outside any graph. Under a fake
     mode a real tensor (a constant the body created, lifted) becomes fake, with
     static shapes: a fresh symbol would become a guard export cannot evaluate.
-    torch 2.9-2.14: ``FakeTensorMode.from_tensor(static_shapes=True)`` on both."""
+    torch 2.9 to 2.15: ``FakeTensorMode.from_tensor(static_shapes=True)`` on all."""
     mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
     with disable_proxy_modes_tracing():
         return [(mode.from_tensor(v, static_shapes=True) if mode is not None and not isinstance(v, FakeTensor) else v).detach()
@@ -381,14 +381,14 @@ def detached_examples(values):
 
 
 def fresh_fake_mode():
-    """A fake mode that accepts real inputs (constants). torch 2.9-2.14: the
-    same ``FakeTensorMode(allow_non_fake_inputs=True)`` on both."""
+    """A fake mode that accepts real inputs (constants). torch 2.9 to 2.15: the
+    same ``FakeTensorMode(allow_non_fake_inputs=True)`` on all."""
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 def tracing_context_fake_mode():
     """The fake mode of the Dynamo / AOTAutograd trace under way, else None.
-    torch 2.9-2.14: ``torch._guards.TracingContext.try_get()`` and its ``fake_mode``."""
+    torch 2.9 to 2.15: ``torch._guards.TracingContext.try_get()`` and its ``fake_mode``."""
     from torch._guards import TracingContext
 
     context = TracingContext.try_get()
@@ -397,7 +397,7 @@ def tracing_context_fake_mode():
 
 def detect_fake_mode(tensors):
     """The fake mode active or carried by ``tensors``, else None.
-    torch 2.9-2.14: ``torch._guards.detect_fake_mode``."""
+    torch 2.9 to 2.15: ``torch._guards.detect_fake_mode``."""
     from torch._guards import detect_fake_mode as _detect
 
     return _detect(tensors)
@@ -405,7 +405,7 @@ def detect_fake_mode(tensors):
 
 def allow_scalar_outputs(shape_env):
     """Let this ShapeEnv produce unbacked scalars (what capture_scalar_outputs sets per frame).
-    torch 2.9-2.14: ``ShapeEnv.settings`` is a frozen dataclass on both."""
+    torch 2.9 to 2.15: ``ShapeEnv.settings`` is a frozen dataclass on all."""
     import dataclasses
 
     if shape_env is not None and not shape_env.settings.allow_scalar_outputs:
@@ -420,7 +420,7 @@ def known_int(n):
     and comparing it installs a guard (one graph per value); ``statically_known_true``
     is evaluated by Dynamo on the symbol without a guard. Any known int is below 2**62;
     a backed size symbol's range is unbounded above, so the bound is not known for it.
-    torch 2.9-2.14: ``torch.fx.experimental.symbolic_shapes.statically_known_true``."""
+    torch 2.9 to 2.15: ``torch.fx.experimental.symbolic_shapes.statically_known_true``."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     return isinstance(n, (int, torch.SymInt)) and statically_known_true(n < 2 ** 62)

@@ -19,6 +19,7 @@ import warnings
 import torch
 
 from .. import _compat
+from .._compat import versions
 from ..core import dtensors as dt
 from ..core.op_args import slice_example
 from ..core.remat import RematPolicy, as_token
@@ -247,7 +248,7 @@ def install():
     try:
         cls = _make_tracker_class()
     except (AttributeError, TypeError, ImportError) as e:  # a torch whose Dynamo internals moved
-        warnings.warn(f"torch_scan_hop supports torch 2.9 to 2.14; on torch {torch.__version__} its "
+        warnings.warn(f"torch_scan_hop supports {versions.supported_range()}; on torch {torch.__version__} its "
                       f"torch.compile tracker could not be installed ({e}).")
         return
     cls._torch_scan_hop = True
