@@ -62,7 +62,7 @@ def _grads(loss, inputs):
 def check_issue_rnn(how):
     """Issue 40's tanh RNN (H=64, B=8, float32) at T=16 and 256 (each length compiled as a static
     one): forward, then a training step. The generated C++ runs each loop as a counted ``for``
-    whose per-step buffers come from a pool made before it (``_compat.cpp_loop``): no
+    whose per-step buffers come from a pool made before it (``inductor.codegen.cpp_text``): no
     ``while (1)``, no cond kernel read back with ``aoti_torch_item_bool``."""
     from torch._inductor.utils import run_and_get_code
 
@@ -248,7 +248,7 @@ def check_nested(how):
 
 
 def check_blas_mm_matches_aten(how):
-    """Float32 matmuls in a counted loop call BLAS directly (``_compat.cpp_loop_calls``) and give
+    """Float32 matmuls in a counted loop call BLAS directly (``inductor.codegen.cpp_text``) and give
     ATen's mm's numbers to the bit, for the layouts ATen itself hands to BLAS: a row-major
     weight, a transposed one on either side, a batch of 1 (size-1 dims), and shapes whose m, n,
     k all differ.

@@ -1,5 +1,5 @@
-"""The C++ wrapper's counted loops (``_compat.cpp_loop``) and the loop-body rewrites of
-``inductor.body_passes``: the text rewrite that pools a loop's per-step buffers, and
+"""The C++ wrapper's counted loops (``_compat.cpp_loop``, ``inductor.codegen.cpp_text``) and the
+loop-body rewrites of ``inductor.body_passes``: the text rewrite that pools a loop's per-step buffers, and
 ``addmm`` unfused where the bias add can join the body's pointwise kernel. Compiled C++
 wrappers run in a child interpreter: tests/test_cpp_wrapper.py."""
 import pytest
@@ -8,8 +8,8 @@ from conftest import assert_trees_close, reference_scan
 from torch._inductor.utils import run_and_get_code
 
 from torch_scan_hop import scan
-from torch_scan_hop._compat.cpp_loop import pool_cpp_loop_buffers
 from torch_scan_hop.inductor.body_passes import unfuse_bias_adds
+from torch_scan_hop.inductor.codegen.cpp_text import pool_cpp_loop_buffers
 
 LOOP = """\
     static constexpr int64_t int_array_0[] = {{256L, 8L}};
@@ -163,7 +163,7 @@ void inductor_entry_impl(
 
 
 def test_row_view_read_through_its_pointer_becomes_pointer_arithmetic():
-    from torch_scan_hop._compat.cpp_loop_calls import cheapen_loop_calls
+    from torch_scan_hop.inductor.codegen.cpp_text import cheapen_loop_calls
 
     code = ROW_VIEW.replace("{between}", "")
     cheaper = cheapen_loop_calls(code, blas=False)
@@ -178,14 +178,15 @@ def test_row_view_read_through_its_pointer_becomes_pointer_arithmetic():
     "AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_mm_out(b_buf7, b_buf5, arg2_1));",  # read as a handle
 ])
 def test_row_view_stays_a_view_unless_only_its_pointer_is_read_while_its_base_lives(between):
-    from torch_scan_hop._compat.cpp_loop_calls import cheapen_loop_calls
+    from torch_scan_hop.inductor.codegen.cpp_text import cheapen_loop_calls
 
     cheaper = cheapen_loop_calls(ROW_VIEW.replace("{between}", between), blas=False)
     assert "reinterpret_tensor_wrapper(b_arg1_1" in cheaper and "(float*)(b_buf7.data_ptr())" in cheaper
 
 
 def test_mm_in_a_counted_loop_calls_blas_through_a_helper_defined_before_the_entry():
-    from torch_scan_hop._compat.cpp_loop_calls import BLAS_MM_OUT, cheapen_loop_calls
+    from torch_scan_hop.inductor.codegen.blas import BLAS_MM_OUT
+    from torch_scan_hop.inductor.codegen.cpp_text import cheapen_loop_calls
 
     code = ROW_VIEW.replace("{between}", "")
     lines = cheapen_loop_calls(code, blas=True).split("\n")

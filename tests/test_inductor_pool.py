@@ -1,5 +1,5 @@
 """The buffers a compiled scan's counted loop allocates every iteration come from two per
-allocation line, allocated once (``_compat.wrapper_text.pool_loop_buffers``), and its counter
+allocation line, allocated once (``inductor.codegen.python_text.pool_loop_buffers``), and its counter
 gets no kernel of its own (``drop_counter_inits``): the rewrites of the generated code, and
 compiled steps against the Python loop."""
 import pytest
@@ -8,7 +8,7 @@ from conftest import reference_scan
 from torch._inductor.utils import run_and_get_code
 
 from torch_scan_hop import scan
-from torch_scan_hop._compat.wrapper_text import drop_counter_inits, pool_loop_buffers, release_finished_loops
+from torch_scan_hop.inductor.codegen.python_text import drop_counter_inits, pool_loop_buffers, release_finished_loops
 
 LOOP = """\
         buf5 = [buf1, buf0, primals_2]

@@ -1,5 +1,5 @@
 """Float32 matmuls in the Python wrapper's counted loops call BLAS as ATen's mm would
-(``_compat.loop_blas``): the same bits as the loop's torch.mm, for the layouts ATen hands to
+(``inductor.codegen.blas``): the same bits as the loop's torch.mm, for the layouts ATen hands to
 BLAS as they are. The C++ wrapper's twin: tests/test_cpp_wrapper.py."""
 import pytest
 import torch
@@ -8,7 +8,7 @@ from torch.utils._pytree import tree_leaves
 from conftest import reference_scan
 
 from torch_scan_hop import scan
-from torch_scan_hop._compat.loop_blas import blas_is_atens_float32_mm, mm_plan
+from torch_scan_hop.inductor.codegen.blas import blas_is_atens_float32_mm, mm_plan
 
 needs_blas = pytest.mark.skipif(
     not blas_is_atens_float32_mm(),
@@ -47,7 +47,7 @@ def test_weight_gradients_accumulate_with_atens_bits(monkeypatch):
     """The backward's ``addmm(grad_w, a, b, beta=1)`` (a weight gradient summed over steps) is
     ``self`` copied into the output, then ``sgemm_`` with beta 1, as ATen's ``addmm_impl_cpu_``:
     the bits of the same compiled loop calling ATen's addmm."""
-    import torch_scan_hop._compat.loop_blas as loop_blas
+    import torch_scan_hop.inductor.codegen.blas as blas
 
     gen = torch.Generator().manual_seed(3)
     w = (torch.randn(6, 6, generator=gen) * 0.4).requires_grad_()
@@ -61,7 +61,7 @@ def test_weight_gradients_accumulate_with_atens_bits(monkeypatch):
 
     with torch._inductor.config.patch(force_disable_caches=True):
         got, codes = run_and_get_code(run)
-        monkeypatch.delitem(loop_blas._KINDS, "extern_kernels.addmm")
+        monkeypatch.delitem(blas.KINDS, "extern_kernels.addmm")
         atens, aten_codes = run_and_get_code(run)
     assert "scan_blas_addmm(" in codes[1] and "extern_kernels.addmm(" in aten_codes[1]
     for g, a in zip(got, atens):

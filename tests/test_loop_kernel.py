@@ -1,5 +1,5 @@
 """A counted loop of the Python wrapper whose body only calls C++ kernels runs as one C++ kernel
-(``_compat.loop_kernel``): one call in the generated code instead of a Python ``for``, the same
+(``inductor.codegen.loop_kernel``): one call in the generated code instead of a Python ``for``, the same
 numbers as the Python loop (bit for bit: the same kernels on the same pointers in the same order)
 and as the eager loop; anything else keeps the Python loop."""
 import re
@@ -10,8 +10,8 @@ from torch._inductor.utils import run_and_get_code
 from torch.utils._pytree import tree_leaves
 from conftest import assert_trees_close, reference_scan
 
-import torch_scan_hop._compat.inductor_loop as inductor_loop
 from torch_scan_hop import scan
+from torch_scan_hop.inductor import codegen
 
 _CALL = re.compile(r"^ *scan_steps_buf\d+\(", re.M)
 _PY_LOOP = re.compile(r"^ *for \w+_step in range\(", re.M)
@@ -50,12 +50,8 @@ def _compiled(step, params, c0, xs, fused=True, mark_length=False, **kw):
     with torch._inductor.config.patch(force_disable_caches=True):
         if fused:
             return run_and_get_code(run)
-        keep = inductor_loop.run_loops_as_one_kernel
-        inductor_loop.run_loops_as_one_kernel = lambda code: code
-        try:
+        with codegen.passes_off("run_loops_as_one_kernel"):
             return run_and_get_code(run)
-        finally:
-            inductor_loop.run_loops_as_one_kernel = keep
 
 
 def _assert_one_call_per_loop(codes, loops=1):

@@ -18,12 +18,6 @@ RANGE = re.compile(r"(?<![\d.])(\d+)\.(\d+)\s*(?:-|–|to|through|\.\.)\s*(\d+)\
 PENDING = {
     "torch_scan_hop/_compat/inductor.py",
     "torch_scan_hop/_compat/defects.py",
-    "torch_scan_hop/_compat/wrapper_text.py",
-    "torch_scan_hop/_compat/inductor_loop.py",
-    "torch_scan_hop/_compat/loop_kernel.py",
-    "torch_scan_hop/_compat/cpp_loop.py",
-    "torch_scan_hop/_compat/cpp_loop_calls.py",
-    "torch_scan_hop/_compat/loop_blas.py",
     "torch_scan_hop/layers/intact.py",
 }
 

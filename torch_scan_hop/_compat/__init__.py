@@ -13,11 +13,11 @@ Nothing else in torch_scan_hop imports a private torch name
 - ``functorch``: vmap levels and batched tensors;
 - ``inductor``: post-grad scan pass, pattern matcher, subgraph lowering;
 - ``cpp_wrapper``: inductor's C++ wrapper (AOTInductor): whether a graph gets one, its while_loop defects;
-- ``cpp_loop``: the C++ wrapper's code for scan's counted loops;
-- ``cpp_loop_calls``: cheaper per-step calls in those loops (mm as its BLAS call, row views as pointers);
-- ``inductor_loop``: the Python wrapper's code for scan's counted loops;
-- ``wrapper_text``: text passes over that wrapper's code (counter kernels, buffer pools, releases);
-- ``loop_blas``: float32 matmuls in those loops (both wrappers) as ATen's own BLAS call;
+- ``inductor_loop``: hooks into the Python wrapper's codegen for scan's counted loops (the for loop,
+  the generated text handed to ``inductor.codegen``'s pipeline);
+- ``cpp_loop``: the same hooks into the C++ wrapper's codegen;
+- ``loop_blas``: the hook that writes the Python wrapper's float32 matmuls in those loops as
+  ``inductor.codegen.blas``'s kernels;
 - ``defects``: the mechanics of the torch 2.9 workarounds (an inductor IR patch, a fake rule);
 - ``nn``: ``nn.Module`` internals (state dicts, hooks);
 - ``distributed``: FSDP2's hooks and policies (scan_layers over ``fully_shard`` layers);
@@ -34,7 +34,6 @@ here, so ``_compat.X`` keeps working; subsystem-only adapters are reached as
 from . import (  # noqa: F401
     autograd,
     cpp_loop,
-    cpp_loop_calls,
     cpp_wrapper,
     defects,
     dispatch,
@@ -48,7 +47,6 @@ from . import (  # noqa: F401
     nn,
     tracing,
     transformers,
-    wrapper_text,
     xla,
 )
 from .autograd import (  # noqa: F401

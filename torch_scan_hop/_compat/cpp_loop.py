@@ -1,6 +1,7 @@
-"""Inductor's C++ wrapper code for scan's counted loops (``cpp_wrapper=True``,
-AOTInductor): ``for (int64_t step = 0; step < n; ++step)`` around the body,
-its counter read as ``step``.
+"""Hooks into inductor's C++ wrapper codegen (``cpp_wrapper=True``, AOTInductor) for scan's
+counted loops: ``for (int64_t step = 0; step < n; ++step)`` around the body, its counter read as
+``step``, and the finished wrapper's text handed to a rewrite (``inductor.codegen``'s C++
+pipeline: buffer pools, cheaper per-step calls). Which loops count is ``inductor.codegen``'s.
 
 The C++ wrapper's own ``codegen_while_loop`` pays per iteration, besides the
 body's kernels: the cond subgraph (an argument handle per carried value, a
@@ -18,32 +19,21 @@ result writes nothing, and the lines ``while (1) {`` / ``if (!cond) break;``
 become the ``for`` header / nothing. Graphs in dual-wrapper mode (torch 2.15
 AOTInductor with Triton kernels) keep inductor's loop.
 
-torch 2.9-2.15: ``CppWrapperCpu.codegen_while_loop(while_loop, stack_output)``,
+torch 2.9 to 2.15: ``CppWrapperCpu.codegen_while_loop(while_loop, stack_output)``,
 ``codegen_subgraph(subgraph, outer_inputs, outer_outputs)``,
 ``codegen_tensor_item(dtype, tensor, scalar, indented_buffer=None)``,
 ``codegen_dynamic_scalar(node)`` (``node.inputs``, ``node.keypath``,
 ``node.sym``), ``unbacked_symbol_decls``, ``GraphLowering.is_dual_wrapper_mode``
 (2.15 only).
 """
-import re
-
-from .inductor_loop import (
-    _counts_steps,
-    _trip_count,
-    _trip_count_code,
-    counting,
-    step_read_by,
-)
-from .wrapper_text import _POOL_MAX_BYTES, _nbytes
+import dataclasses
 
 
-def run_counted_loops_as_cpp_for_loops(is_counted):
-    """The C++ wrapper's twin of ``inductor_loop.run_counted_loops_as_for_loops``:
-    same contract (``is_counted(cond_name)`` accepts loops whose first carried input
-    is a counter from 0 that the body reads and bumps by 1, and which run at least
-    once). Install after ``cpp_wrapper.name_mutated_carries_in_cpp_while_loops``
-    (it wraps whatever ``codegen_while_loop`` is then installed). Not idempotent:
-    call once."""
+def run_counted_loops_as_cpp_for_loops(loops):
+    """The C++ wrapper's twin of ``inductor_loop.run_counted_loops_as_for_loops``: same
+    contract (``loops.trip_count(cond_subgraph, "cpp")`` names the loops and their trip
+    counts). Install after ``cpp_wrapper.name_mutated_carries_in_cpp_while_loops`` (it wraps
+    whatever ``codegen_while_loop`` is then installed). Not idempotent: call once."""
     from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
     from torch._inductor.virtualized import V
 
@@ -53,18 +43,18 @@ def run_counted_loops_as_cpp_for_loops(is_counted):
     def codegen_while_loop(self, while_loop, stack_output=False):
         cond = while_loop.cond_subgraph
         n = None
-        if not stack_output and not getattr(V.graph, "is_dual_wrapper_mode", False) and is_counted(cond.name):
-            n = _trip_count(cond.graph_module)
-        if not _counts_steps(n):
+        if not stack_output and not getattr(V.graph, "is_dual_wrapper_mode", False):
+            n = loops.trip_count(cond, "cpp")
+        if n is None:
             return codegen(self, while_loop, stack_output)
         name = while_loop.get_name()
         step = f"{name}_step"
-        with counting(while_loop.body_subgraph, step, n), \
-                _answering(self, cond, name, step, _trip_count_code(self, n)):
+        with loops.counting(while_loop.body_subgraph, step, n), \
+                _answering(self, cond, name, step, loops.trip_count_code(self, n)):
             return codegen(self, while_loop, stack_output)
 
     def codegen_dynamic_scalar(self, node):
-        step = step_read_by(node)
+        step = loops.step_read_by(node)
         if step is None:
             return dynamic_scalar(self, node)
         self.writeline(f"int64_t {node.sym} = {step};")
@@ -123,105 +113,25 @@ class _answering:
         return False
 
 
-def pool_cpp_loop_buffers_in_generated_code():
-    """Apply ``pool_cpp_loop_buffers`` to the C++ wrapper's generated code (the
-    Python wrapper's twin is ``wrapper_text.pool_loop_buffers``). torch 2.9-2.15:
-    ``CppWrapperCpu.generate(is_inference)`` returns the code first, as a
-    ``ValueWithLineMap``-like object whose ``value`` is the text. Idempotent."""
-    import dataclasses
-
+def rewrite_generated_cpp_wrapper(rewrite):
+    """Hand the C++ wrapper's generated text to ``rewrite(text, jit) -> text`` before inductor
+    compiles it; ``jit`` is False for AOTInductor (a package, which keeps the shim's calls).
+    torch 2.9 to 2.15: ``CppWrapperCpu.generate(is_inference)`` returns the code first, as a
+    ``ValueWithLineMap``-like object whose ``value`` is the text; ``V.graph.aot_mode``. Not
+    idempotent: call once."""
     from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+    from torch._inductor.virtualized import V
 
     generate = CppWrapperCpu.generate
-    if getattr(generate, "_scan_pools", False):
-        return
 
-    def generate_pooled(self, is_inference):
+    def generate_rewritten(self, is_inference):
         result = generate(self, is_inference)
         code = result[0]
         if not isinstance(getattr(code, "value", None), str):
             return result
-        pooled = pool_cpp_loop_buffers(code.value)
-        if pooled == code.value:
+        new = rewrite(code.value, not bool(getattr(V.graph, "aot_mode", True)))
+        if new == code.value:
             return result
-        return (dataclasses.replace(code, value=pooled), *result[1:])
+        return (dataclasses.replace(code, value=new), *result[1:])
 
-    generate_pooled._scan_pools = True
-    CppWrapperCpu.generate = generate_pooled
-
-
-_CPP_FOR = re.compile(r"^( *)for \(int64_t (\w+)_step = 0; \2_step < (\w+); \+\+\2_step\) \{$")
-_CPP_ARRAY = re.compile(r"static constexpr int64_t (\w+)\[\] = \{([^}]*)\};")
-_CPP_EMPTY = re.compile(r"^AOTI_TORCH_ERROR_CODE_CHECK\(aoti_torch_empty_strided\((\d+), (\w+), (\w+), "
-                        r"cached_torch_dtype_(\w+), (cached_torch_device_type_cpu), +0, &(\w+)_handle\)\);$")
-_CPP_TAKE = re.compile(r"^AOTI_TORCH_ERROR_CODE_CHECK\(aoti_torch_assign_tensors_out\((\w+), &(\w+)_handle\)\);$")
-_CPP_GIVE = re.compile(r"^(\w+) = std::move\((\w+)\);$")
-_CPP_REUSE = re.compile(r"^auto (\w+) = std::move\((\w+)\);  // reuse$")
-
-
-def pool_cpp_loop_buffers(code):
-    """The C++ wrapper ``code`` with the CPU buffers our counted loops allocate every
-    iteration taken from two per allocation line, allocated before the loop and
-    used by turns: ``aoti_torch_empty_strided`` (~0.3 us, a dispatcher call and a
-    malloc) becomes a new handle on a pooled tensor (~0.02 us). Same rule as the
-    Python wrapper's ``pool_loop_buffers``: two buffers suffice when every output
-    of the body is a buffer it allocated or the carried input at the same
-    position; otherwise the loop is left alone."""
-    lines = code.split("\n")
-    arrays = {m.group(1): m.group(2) for m in _CPP_ARRAY.finditer(code)}
-    for i in range(len(lines) - 1, -1, -1):
-        loop = _CPP_FOR.match(lines[i])
-        if loop is None:
-            continue
-        indent, name = loop.group(1), loop.group(2)
-        pools = _plan_cpp_pools(lines, i, indent, arrays)
-        if not pools:
-            continue
-        created = []
-        for k, (j, var, ndim, sizes, strides, dtype, device) in enumerate(pools):
-            pool = f"{name}_pool{k}"
-            created.append(
-                f"static constexpr int64_t {pool}_sizes[] = {{{sizes}}}; "
-                f"static constexpr int64_t {pool}_strides[] = {{{strides}}}; "
-                f"RAIIAtenTensorHandle {pool}[2]; for (auto& {pool}_slot : {pool}) {{ AtenTensorHandle {pool}_raw; "
-                f"AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided({ndim}, {pool}_sizes, {pool}_strides, "
-                f"cached_torch_dtype_{dtype}, {device}, 0, &{pool}_raw)); {pool}_slot = RAIIAtenTensorHandle({pool}_raw); }}")
-            body_indent = lines[j][:len(lines[j]) - len(lines[j].lstrip())]
-            lines[j] = (f"{body_indent}AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_assign_tensors_out("
-                        f"{pool}[{name}_step & 1], &{var}_handle));")
-        lines[i] = indent + " ".join(created) + " " + lines[i].lstrip()
-    return "\n".join(lines)
-
-
-def _plan_cpp_pools(lines, start, indent, arrays):
-    """``[(line index, variable, ndim, sizes, strides, dtype, device)]`` of the loop at
-    ``lines[start]`` whose allocations can be pooled, or [] if its outputs do not
-    allow it (or an allocation's shape is not a literal array of at most 1 MiB)."""
-    taken, fresh, outputs, allocs = {}, set(), [], []
-    j = start + 1
-    own = None  # the body's own indentation: lines of a loop nested in it run several times a step
-    while j < len(lines) and lines[j] != f"{indent}}}":
-        text = lines[j].strip()
-        depth = len(lines[j]) - len(lines[j].lstrip())
-        own = depth if own is None and text else own
-        if depth != own:
-            j += 1
-            continue
-        if m := _CPP_TAKE.match(text):
-            taken[m.group(2)] = m.group(1)
-        elif m := _CPP_GIVE.match(text):
-            outputs.append((m.group(1), m.group(2)))
-        elif m := _CPP_EMPTY.match(text):
-            fresh.add(m.group(6))
-            sizes, strides = arrays.get(m.group(2)), arrays.get(m.group(3))
-            if sizes is not None and strides is not None and _nbytes(sizes.replace("L", ""), m.group(4)) <= _POOL_MAX_BYTES:
-                allocs.append((j, m.group(6), m.group(1), sizes, strides, m.group(4), m.group(5)))
-        elif (m := _CPP_REUSE.match(text)) and m.group(2) in fresh:
-            fresh.add(m.group(1))
-        j += 1
-    if j == len(lines) or not outputs:
-        return []
-    for outer, var in outputs:
-        if taken.get(var) != outer and var not in fresh:
-            return []
-    return allocs
+    CppWrapperCpu.generate = generate_rewritten

@@ -1,165 +1,19 @@
-"""Float32 matmuls in scan's counted loops as the BLAS call ATen's ``mm`` makes, without
-ATen's dispatch around it. Both wrappers; the C++ wrapper's text rewrite is ``cpp_loop_calls``.
+"""Hooks into the Python wrapper's extern kernel calls, for float32 matmuls in scan's counted loops
+written as the BLAS call ATen's ``mm`` makes (which calls, and the kernels, are
+``inductor.codegen.blas``'s: here only the patches that ask it).
 
-A step of the tanh RNN (H=64, B=8, one thread) spends ~0.5 us in MKL's ``sgemm_`` and, around
-it, ~0.9 us in ATen's ``mm_out`` (structured meta checks, ``addmm_impl_cpu_``'s layout
-decisions, ``resolve_conj`` copies of the operands, string-keyed precision look-ups in
-``cpublas::gemm``); from the Python wrapper ``extern_kernels.mm(a, b, out=c)`` adds Python's
-argument parsing: ~2.3 us a call in all, against ~0.8 us for a C++ kernel call that makes the
-``sgemm_`` call directly. The call is the one ``addmm_impl_cpu_(out, out, a, b, beta=0,
-alpha=1)`` makes through ``cpublas::gemm`` (its ``normalize_last_dims`` and
-``use_blas_gemm``), so the numbers are ATen's to the bit; any case where ATen would do
-something else (another dtype, a size 0, a layout it copies first, a leading dimension past
-``int``) keeps ATen's mm. In the Python wrapper the backward's weight-gradient accumulation,
-``addmm(g, a, b, alpha=1, beta=1, out=c)``, is the same: ``addmm_impl_cpu_`` copies ``g`` into
-``c``, then calls ``sgemm_`` with beta 1 (``scan_blas_addmm``; the C++ wrapper keeps ATen's).
-Only where ATen's float32 mm is that call (``blas_is_atens_float32_mm``): x86 Linux with MKL,
-``sgemm_`` exported by libtorch_cpu, and the float32 matmul precision at ``ieee`` when the graph
-is compiled (``torch.set_float32_matmul_precision("medium")`` sends ATen's mm to oneDNN's bf16
-path; a change after the compile is not seen by the compiled loop).
-
-torch 2.9-2.15: ``torch.backends.mkldnn.matmul.fp32_precision`` (and ``mkldnn.fp32_precision``,
-``fp32_precision``); ``PythonWrapperCodegen.generate_extern_kernel_out(node)`` writing an
+torch 2.9 to 2.15: ``PythonWrapperCodegen.generate_extern_kernel_out(node)`` writing an
 ``ExternKernelOutLine(wrapper, node)`` whose ``codegen(code)`` calls the node's
-``codegen_args()`` / ``codegen_reference()`` / ``output_view``; ``ir.ExternKernelOut``'s
-``python_kernel_name`` and ``inputs``; ``async_compile.cpp_pybinding(argtypes, source)`` (the
-entry point is named ``kernel``) in the Python wrapper's header.
+``codegen_args()`` / ``codegen_reference()`` / ``output_view``; the wrapper's ``header``
+(``splice``); ``V.graph.cpp_wrapper``.
 """
-import functools
-
-SGEMM_ARGTYPES = ["float*", "const float*", "const float*"] + ["const int64_t"] * 8
-SGEMM_KERNEL = r'''
-#include <cstdint>
-extern "C" void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*,
-                       const float*, const int*, const float*, const int*, const float*, float*, const int*);
-// ATen's addmm_impl_cpu_(c, c, a, b, 0, 1) for float32 after its layout decisions (mm_plan)
-extern "C" void kernel(float* c, const float* a, const float* b, const int64_t ta, const int64_t tb,
-                       const int64_t m, const int64_t n, const int64_t k,
-                       const int64_t lda, const int64_t ldb, const int64_t ldc)
-{
-    const char transa = ta ? 'T' : 'N', transb = tb ? 'T' : 'N';
-    const int m_ = m, n_ = n, k_ = k, lda_ = lda, ldb_ = ldb, ldc_ = ldc;
-    const float one = 1.f, zero = 0.f;
-    sgemm_(&transa, &transb, &m_, &n_, &k_, &one, a, &lda_, b, &ldb_, &zero, c, &ldc_);
-}
-'''
-ADDMM_ARGTYPES = ["float*", "const float*", "const float*", "const float*"] + ["const int64_t"] * 14
-ADDMM_KERNEL = r'''
-#include <cstdint>
-extern "C" void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*,
-                       const float*, const int*, const float*, const int*, const float*, float*, const int*);
-// ATen's addmm_impl_cpu_(c, self, a, b, 1, 1) for float32: self copied into c (c = self is a no-op), then
-// the gemm with beta = 1 after its layout decisions (mm_plan)
-extern "C" void kernel(float* c, const float* self, const float* a, const float* b, const int64_t ta, const int64_t tb,
-                       const int64_t m, const int64_t n, const int64_t k,
-                       const int64_t lda, const int64_t ldb, const int64_t ldc,
-                       const int64_t rows, const int64_t cols, const int64_t c_row, const int64_t c_col,
-                       const int64_t self_row, const int64_t self_col)
-{
-    for (int64_t i = 0; i < rows; ++i)
-        for (int64_t j = 0; j < cols; ++j)
-            c[i * c_row + j * c_col] = self[i * self_row + j * self_col];
-    const char transa = ta ? 'T' : 'N', transb = tb ? 'T' : 'N';
-    const int m_ = m, n_ = n, k_ = k, lda_ = lda, ldb_ = ldb, ldc_ = ldc;
-    const float one = 1.f;
-    sgemm_(&transa, &transb, &m_, &n_, &k_, &one, a, &lda_, b, &ldb_, &one, c, &ldc_);
-}
-'''
-_KERNEL = "scan_blas_sgemm"
-_ADDMM = "scan_blas_addmm"
-_INT_MAX = 2 ** 31 - 1
 
 
-def blas_is_atens_float32_mm():
-    """Whether ATen's float32 CPU mm is, right now, a plain ``sgemm_`` call."""
-    import torch
-
-    backends = torch.backends
-    try:
-        precisions = (backends.mkldnn.matmul.fp32_precision, backends.mkldnn.fp32_precision, backends.fp32_precision)
-    except AttributeError:  # a torch before the fp32_precision settings
-        return False
-    return all(p in ("none", "ieee") for p in precisions) and _mkl_sgemm_exported()
-
-
-@functools.lru_cache(maxsize=None)
-def _mkl_sgemm_exported():
-    import ctypes
-    import os
-    import platform
-
-    import torch
-
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return False
-    if not torch.backends.mkl.is_available():
-        return False
-    try:
-        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        return hasattr(lib, "sgemm_")
-    except OSError:
-        return False
-
-
-def mm_plan(out, a, b):
-    """``(swap, ta, tb, m, n, k, lda, ldb, ldc)`` of the ``sgemm_`` call ATen makes for
-    ``mm_out(out, a, b)`` (each a ``(sizes, strides)`` pair of 2 ints), its operands ``(b, a)``
-    when ``swap``; None where ATen would do anything else first. The same decisions as
-    ``cpp_loop_calls.BLAS_MM_OUT`` (C++, at run time)."""
-    (cs, cst), m1, m2 = out, a, b
-    if min(*cs, *m1[0], *m2[0]) <= 0 or cs[0] != m1[0][0] or cs[1] != m2[0][1] or m1[0][1] != m2[0][0]:
-        return None
-    if cst[0] == 1 and (cs[1] == 1 or cst[1] >= cs[0]):
-        tc = False
-    elif cst[1] == 1 and (cs[0] == 1 or cst[0] >= cs[1]):
-        m1, m2, tc = m2, m1, True
-    else:
-        return None
-    i0, i1 = (1, 0) if tc else (0, 1)
-    m, n, k = cs[i0], cs[i1], m1[0][i1]
-    ta = _transposed(m1[1], i0, i1, m, k)
-    tb = _transposed(m2[1], i0, i1, k, n)
-    if ta is None or tb is None:
-        return None
-    lda, ldb, ldc = m1[1][1 if ta == tc else 0], m2[1][1 if tb == tc else 0], cst[0 if tc else 1]
-    if n == 1:  # cpublas::internal::normalize_last_dims
-        ldc = m
-    if ta:
-        lda = k if m == 1 else lda
-    elif k == 1:
-        lda = m
-    if tb:
-        ldb = n if k == 1 else ldb
-    elif n == 1:
-        ldb = k
-    if max(m, n, k, lda, ldb, ldc) > _INT_MAX or lda < max(1, k if ta else m) or ldb < max(1, n if tb else k) \
-            or ldc < max(1, m):  # cpublas::use_blas_gemm
-        return None
-    return tc, ta, tb, m, n, k, lda, ldb, ldc
-
-
-def _transposed(stride, i0, i1, rows, cols):
-    """ATen's cast of an operand as a BLAS matrix: False (as is), True (transposed), None (copied)."""
-    if stride[i0] == 1 and stride[i1] >= rows:
-        return False
-    if stride[i1] == 1 and stride[i0] >= cols:
-        return True
-    return None
-
-
-_MIN_STEPS = 64  # the Python wrapper's kernel is one more C++ file to build on a cold cache
-
-
-def call_blas_for_mm_in_python_loops(trip_counts):
-    """In the Python wrapper, write ``extern_kernels.mm(a, b, out=c)`` (and ``addmm`` with
-    ``alpha=beta=1``: ``scan_blas_addmm(c, g, a, b, <ints>)``) generated in the body of
-    counted loops (``trip_counts()``: theirs, outermost first) as ``scan_blas_sgemm(c, a, b,
-    <ints>)``, a C++ kernel (compiled with the graph's, cached like them) that makes
-    ``mm_plan``'s call, when the three are float32 CPU matrices of static sizes and strides,
-    ``blas_is_atens_float32_mm()``, and the loops run at least ``_MIN_STEPS`` steps in all (or a
-    dynamic number): the kernel is one more C++ build on a cold cache (+1.1-1.3 s on the first
-    call at load 6, caches off), which ~1.5 us saved a step pays back only on long loops. The C++
-    wrapper's twin (``cpp_loop_calls``) builds nothing more. Idempotent."""
+def write_extern_calls_as_kernels(plan_for, definition_of, line_of):
+    """In the Python wrapper, write an extern kernel call (``extern_kernels.mm(a, b, out=c)``)
+    for which ``plan_for(node)`` gives a plan as ``line_of(plan, args, out)`` (``args``: the
+    node's argument references, ``out``: its output's), the kernel that line calls defined once
+    per wrapper from ``definition_of(plan)`` (``(name, header text)``). Idempotent."""
     from torch._inductor.codegen.wrapper import ExternKernelOutLine, PythonWrapperCodegen
     from torch._inductor.virtualized import V
 
@@ -169,12 +23,13 @@ def call_blas_for_mm_in_python_loops(trip_counts):
     line_codegen = ExternKernelOutLine.codegen
 
     def generate_extern_kernel_out(self, node):
-        plan = None
-        kind = getattr(node, "python_kernel_name", None)
-        if not V.graph.cpp_wrapper and kind in _KINDS and _long_enough(trip_counts()):
-            plan = _plan_of(node, accumulates=kind == "extern_kernels.addmm")
+        plan = None if V.graph.cpp_wrapper else plan_for(node)
         if plan is not None:
-            _define_kernel_once(self, *_KINDS[kind])
+            name, definition = definition_of(plan)
+            defined = self.__dict__.setdefault("_scan_blas_defined", set())
+            if name not in defined:
+                defined.add(name)
+                self.header.splice(definition)
             node._scan_blas_plan = plan  # read by the ExternKernelOutLine written next
         return generate_out(self, node)
 
@@ -183,75 +38,10 @@ def call_blas_for_mm_in_python_loops(trip_counts):
         plan = getattr(node, "_scan_blas_plan", None)
         if plan is None:
             return line_codegen(self, code)
-        mm, copy = plan
-        args = node.codegen_args()
-        a, b = args[1:3] if copy else args[:2]
         out = node.output_view.codegen_reference() if node.output_view else node.codegen_reference()
-        first, second = (b, a) if mm[0] else (a, b)
-        ints = ", ".join(str(int(v)) for v in mm[1:])
-        if copy:
-            extra = ", ".join(str(int(v)) for v in copy)
-            code.writeline(f"{_ADDMM}({out}, {args[0]}, {first}, {second}, {ints}, {extra})")
-        else:
-            code.writeline(f"{_KERNEL}({out}, {first}, {second}, {ints})")
+        code.writeline(line_of(plan, node.codegen_args(), out))
+        return None
 
     generate_extern_kernel_out._scan_blas = True
     PythonWrapperCodegen.generate_extern_kernel_out = generate_extern_kernel_out
     ExternKernelOutLine.codegen = codegen
-
-
-def _long_enough(counts):
-    total = 1
-    for n in counts:
-        if not isinstance(n, int):
-            return True  # a dynamic length
-        total *= n
-    return bool(counts) and total >= _MIN_STEPS
-
-
-def _plan_of(node, accumulates):
-    """``(mm_plan, None)`` of an ``mm`` node, ``(mm_plan, (rows, cols, out strides, self strides))``
-    of an ``addmm(self, a, b, alpha=1, beta=1)`` node (self copied into out first, then the gemm
-    with beta 1, as ``addmm_impl_cpu_``), or None where ATen's call is not that."""
-    import torch
-
-    out = node.output_view or node
-    if accumulates:
-        if len(node.inputs) != 3 or node.kwargs != {"alpha": 1, "beta": 1}:
-            return None
-        operands = [out, *node.inputs]
-    elif len(node.inputs) != 2 or node.kwargs:
-        return None
-    else:
-        operands = [out, *node.inputs]
-    shapes = []
-    for x in operands:
-        layout = x.get_layout()
-        if layout.dtype != torch.float32 or layout.device.type != "cpu" or len(layout.size) != 2:
-            return None
-        try:
-            shapes.append((tuple(int(s) for s in layout.size), tuple(int(s) for s in layout.stride)))
-        except TypeError:  # a symbolic size or stride
-            return None
-    if not blas_is_atens_float32_mm():
-        return None
-    if not accumulates:
-        mm = mm_plan(*shapes)
-        return None if mm is None else (mm, None)
-    (sizes, strides), (self_sizes, self_strides) = shapes[:2]
-    mm = mm_plan(shapes[0], *shapes[2:])
-    if mm is None or self_sizes != sizes:
-        return None
-    return mm, (*sizes, *strides, *self_strides)
-
-
-_KINDS = {"extern_kernels.mm": (_KERNEL, SGEMM_ARGTYPES, SGEMM_KERNEL),
-          "extern_kernels.addmm": (_ADDMM, ADDMM_ARGTYPES, ADDMM_KERNEL)}
-
-
-def _define_kernel_once(wrapper, name, argtypes, source):
-    defined = wrapper.__dict__.setdefault("_scan_blas_defined", set())
-    if name in defined:
-        return
-    defined.add(name)
-    wrapper.header.splice(f"\n\n{name} = async_compile.cpp_pybinding({argtypes!r}, r'''{source}''')\n")

@@ -6,7 +6,7 @@ C++ kernels for them, and a graph whose every other kernel is Triton then pays f
 toolchain's first use in the process: ISA probes and builds, ~50 s of a ~55 s first call of
 a tanh RNN scan on an H200 (torch 2.11), against 3.7 s for the compiled Python loop. As
 these operators inductor calls them (fallback kernels) and builds nothing.
-``_compat.inductor_loop`` drops the step's call in loops that run as ``for`` loops, whose
+``codegen.python_text.drop_counter_steps`` drops the step's call in loops that run as ``for`` loops, whose
 index is the Python loop variable.
 """
 import torch

@@ -20,7 +20,7 @@ import torch
 from .. import _compat
 from ..core.schedule import segments, step_index
 from ..core.trees import ScanError, split_counts
-from . import body_passes, buffer_pool, counter as loop_counter, host_rows, workarounds
+from . import body_passes, buffer_pool, codegen, counter as loop_counter, host_rows, workarounds
 
 _installed = False
 _WHILE = torch.ops.higher_order.while_loop
@@ -35,6 +35,8 @@ def install():
         return
 
     def before_upstream(gm):
+        if not gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan):
+            return  # a graph without a scan is left exactly as it was (no lint, no recompile)
         _refuse_complex_scans(gm)
         workarounds.materialize_expanded_operands(gm)
         _lower_scans(gm)
@@ -52,11 +54,7 @@ def install():
     _compat.cpp_wrapper.name_mutated_carries_in_cpp_while_loops()
     _compat.cpp_wrapper.plan_cpp_subgraph_reuse_without_peak_estimate()
     _compat.inductor.write_extern_outputs_into_rows(lambda name: name.startswith(_LOOP_PREFIX) and "_body_" in name)
-    _compat.inductor_loop.run_counted_loops_as_for_loops(lambda name: name.startswith(_LOOP_PREFIX))
-    _compat.cpp_loop.run_counted_loops_as_cpp_for_loops(lambda name: name.startswith(_LOOP_PREFIX))
-    _compat.cpp_loop.pool_cpp_loop_buffers_in_generated_code()
-    _compat.cpp_loop_calls.cheapen_cpp_loop_calls_in_generated_code()
-    _compat.loop_blas.call_blas_for_mm_in_python_loops(_compat.inductor_loop.counted_loop_trip_counts)
+    codegen.install(lambda name: name.startswith(_LOOP_PREFIX))  # after the C++ while_loop fix above
     _compat.inductor.skip_output_asserts_of(torch.ops.torch_scan_hop.stacked_buffers.default)
     _installed = True
 
@@ -155,7 +153,7 @@ def _name_our_loops(gm, theirs):
     """Prefix the cond/body subgraphs of the while_loops made here with
     ``_LOOP_PREFIX``: inductor then leaves out their input asserts, which run on
     every iteration (the carried layouts are fixed by the lowering itself), and
-    ``_compat.inductor_loop`` runs them as Python ``for`` loops."""
+    ``codegen`` runs them as counted ``for`` loops."""
     for node in gm.graph.find_nodes(op="call_function", target=_WHILE):
         if node not in theirs:
             _prefix_subgraphs(gm, node)
@@ -299,7 +297,7 @@ def _while_loop(body, ys_vals, counts, reverse, dead=frozenset()):
     runs ``body`` on the views ``x[i]`` and copies each y into ``ys[i]`` (none for the ys in
     ``dead``: their outputs are the first carry, unread), with
     ``i = step_index(counter)`` (``L-1-counter`` when reverse). The counter starts at 0 and
-    the body adds 1 to it in place (no new tensor per step): ``_compat.inductor_loop`` relies
+    the body adds 1 to it in place (no new tensor per step): ``codegen.counted_loops`` relies
     on exactly that to read it as the Python loop variable of a static-length loop."""
 
     nc, nx, nl = counts

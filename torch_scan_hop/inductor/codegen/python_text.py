@@ -1,12 +1,13 @@
-"""Text passes over inductor's generated Python wrapper for scan's counted loops, run by
-``inductor_loop`` once the wrapper's code is generated: the loop counter's init kernels and
-per-step calls dropped, small per-step buffers allocated once before the loop, and buffers
-the loop's body no longer needs released after it.
+"""Text passes over inductor's generated Python wrapper for scan's counted loops (run in the
+order ``passes.PYTHON_WRAPPER`` declares, once the wrapper's code is generated): the loop
+counter's init kernels and per-step calls dropped, small per-step buffers allocated once before
+the loop, and buffers the loop's body no longer needs released after it.
 
 Why text: the passes need the generated code as a whole (a buffer's last use, the block a
 name is bound in), which only exists once ``PythonWrapperCodegen.generate`` has run; they
-match the exact lines torch 2.9-2.15 write (``async_compile.cpp_pybinding``,
-``empty_strided_cpu``, ``del`` lists) and leave any line they do not recognise as it is.
+match the exact lines torch 2.9 to 2.15 write (``async_compile.cpp_pybinding``,
+``empty_strided_cpu``, ``del`` lists) and leave any line they do not recognise as it is
+(``passes`` checks first that the lines of those kinds are all recognised).
 """
 
 import re

@@ -1,19 +1,19 @@
 """A counted loop of the Python wrapper whose body only calls C++ kernels, run as ONE C++ kernel:
 the body's kernels as functions of one source and a ``for (step ...)`` loop calling them.
 
-Why: with the body's lines inlined in ``for <loop>_step in range(n)`` (``inductor_loop``), a step
-of the tanh RNN (H=64, B=8, one thread) still ran ~15 Python statements around its two kernel
+Why: with the body's lines inlined in ``for <loop>_step in range(n)`` (``_compat.inductor_loop``),
+a step of the tanh RNN (H=64, B=8, one thread) still ran ~15 Python statements around its two kernel
 calls (the carried list, a pooled buffer, a ``reinterpret_tensor`` for the y's row, the kernels'
 argument parsing): ~1 us of a ~2.7 us step, the gap between the Python wrapper's loop and the C++
 wrapper's (issue 40 item 2). Those statements only choose pointers, which the C++ loop computes
 as the Python one did: a carried value is the previous step's output, a pooled buffer is slot
 ``step & 1`` of its pool, a view is its base's data pointer plus its offset in elements.
 
-When: a loop of the generated wrapper text (after ``wrapper_text``'s passes) of at least
+When: a loop of the generated wrapper text (after ``python_text``'s passes) of at least
 ``_MIN_STEPS`` steps, or of a dynamic length, whose body's statements are all recognised:
 reads of the carried list, aliases of outer tensors and of the loop variable, pooled buffers,
 ``reinterpret_tensor`` views (an element offset: the view keeps its base's dtype), ``del``,
-calls of ``async_compile.cpp_pybinding`` kernels (inductor's CPU kernels, ``loop_blas``'s
+calls of ``async_compile.cpp_pybinding`` kernels (inductor's CPU kernels, ``blas``'s
 sgemm) with tensors and integer expressions, and writes of the carried list with a carried
 value at its own position, a pooled buffer or an outer tensor. Anything else (an ATen call, an
 allocation, a nested loop, a GPU kernel, a statement of another shape) keeps the Python loop.
@@ -24,16 +24,16 @@ own build made of it (same flags: ``cpp_pybinding`` builds both). Line count: un
 call and the carried list's last values on the ``for`` line, the body's lines kept as comments,
 the kernel's definition on the line of ``async_compile.wait``); kernels left with no caller are
 not built (their definitions become tuples), so a cold cache builds one C++ file instead of the
-body's kernels. torch 2.9-2.15: ``cpp_pybinding(argtypes, source)`` with ``extern "C" void
+body's kernels. torch 2.9 to 2.15: ``cpp_pybinding(argtypes, source)`` with ``extern "C" void
 kernel(...)``, pointer arguments as tensors (their data pointer), ``int64_t`` as Python ints;
 ``_reinterpret_tensor(base, size, stride, offset)`` adds ``offset`` to base's storage offset.
 """
 import ast
 import re
 
-from .wrapper_text import _FOR, STEPS_CALL, _body_end, unbuilt
+from .python_text import _FOR, STEPS_CALL, _body_end, unbuilt
 
-_MIN_STEPS = 64  # as loop_blas: below it one more C++ build on a cold cache does not pay back
+_MIN_STEPS = 64  # as blas: below it one more C++ build on a cold cache does not pay back
 _DEF = re.compile(r"^(\w+) = async_compile\.cpp_pybinding\((\[[^\]]*\]), r?'''$")
 _WAIT = "async_compile.wait(globals())"
 _ENTRY = re.compile(r'extern\s+"C"\s+void\s+kernel\(')
@@ -326,7 +326,7 @@ def _source(plan, kernels, params):
 
 def _skip_unused_builds(lines, kernels):
     """Kernels no statement calls any more (only in comments now) are not built: their
-    definition builds nothing (``wrapper_text.unbuilt``)."""
+    definition builds nothing (``python_text.unbuilt``)."""
     for name, (_, _, at) in kernels.items():
         used = re.compile(rf"\b{name}\b")
         if any(used.search(line) for j, line in enumerate(lines) if j != at and not line.lstrip().startswith("#")):
