@@ -88,6 +88,16 @@ def test_zero_length(reverse):
     assert ys[1]["none"] is None
 
 
+def test_zero_length_returns_init_itself_and_the_op_copies():
+    """The one zero-length rule (``op.loop.carry_after_no_step``): ``scan`` returns init itself,
+    as the loop does; the op returns copies, since a HOP's outputs never alias its inputs."""
+    init = {"h": torch.ones(2)}
+    carry, ys = scan(lambda c, x: (c, x), init, torch.zeros(0, 2))
+    assert carry is init and ys.shape == (0, 2)
+    out = torch_scan_hop.scan_op(lambda c, x: [c, x], [init["h"]], [torch.zeros(0, 2)], ())
+    assert out[0] is not init["h"] and torch.equal(out[0], init["h"]) and out[1].shape == (0, 2)
+
+
 def test_zero_length_length_only():
     carry, ys = scan(lambda c, x: (c + 1, c.to(torch.int32)), torch.ones(3), length=0)
     assert torch.equal(carry, torch.ones(3)) and ys.shape == (0, 3) and ys.dtype == torch.int32
@@ -190,5 +200,5 @@ def test_gen_schema_matches_upstream_and_names_options():
         c.add_(x)
         return [c.clone(), x.clone()]
 
-    with pytest.raises(ScanError, match=r"mutates its inputs \[0\]"):
+    with pytest.raises(ScanError, match=r"fn mutates its input in place \(carry leaf 0\)"):
         torch_scan_hop.scan_op.gen_schema(mutating, [init], [xs], ())

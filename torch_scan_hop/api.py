@@ -2,21 +2,13 @@
 import torch
 
 from . import _compat
+from .core import route
 from .core.op_args import example_args
-from .core.remat import as_token, check_remat, normalize
+from .core.remat import as_token, validated
 from .core.schedule import sqrt_split
 from .core.torch_xla_keywords import remat_with_torch_xla_keywords
-from .core.trees import (
-    LEAF,
-    ScanError,
-    ScanInputs,
-    check_carry,
-    check_pair,
-    flatten,
-    flatten_y,
-    prepare_inputs,
-    shown,
-)
+from .core.checks import check_carry, check_pair, flatten_y
+from .core.trees import LEAF, ScanError, ScanInputs, flatten, prepare_inputs, shown
 from .op.compile_errors import surface
 from .op.hop import scan_op
 from .op.loop import run_tree
@@ -48,14 +40,16 @@ class FlatBody:
         return [*carry_leaves, *y_leaves]
 
 
-def _check_options(fn, reverse, remat, unroll):
+def _checked_options(fn, reverse, remat, unroll):
+    """The options, checked; returns ``remat`` as ``validated`` gives it."""
+    remat = validated(remat)
     if not callable(fn):
         raise ScanError(f"scan: fn must be callable as fn(carry, x) -> (new_carry, y), got {type(fn).__name__}.")
     if not isinstance(reverse, bool):
         raise ScanError(f"scan: reverse must be a bool, got {shown(reverse)}.")
-    check_remat(remat)
     if unroll is not None and (not isinstance(unroll, int) or isinstance(unroll, bool) or unroll < 1):
         raise ScanError(f"scan: unroll must be None or an int >= 1, got {shown(unroll)}.")
+    return remat
 
 
 def scan(fn, init, xs=None, *, length=None, reverse=False, dim=0, remat="save_all", unroll=None,
@@ -80,38 +74,38 @@ def scan(fn, init, xs=None, *, length=None, reverse=False, dim=0, remat="save_al
         remat = remat_with_torch_xla_keywords(remat, partition_fn, "is_fn_pure", is_fn_pure, "scan")
     if (type(init) is type(xs) is torch.Tensor and length is None and unroll is None and type(dim) is int
             and dim == 0 and type(reverse) is bool and type(remat) is str and remat == "save_all"
-            and callable(fn) and xs.dim() > 0 and _compat.runs_eagerly((init, xs))):
+            and callable(fn) and xs.dim() > 0 and route.runs_the_loop((init, xs))):
         # The most common call (one tensor carry and xs, defaults, plain eager): the options
         # and inputs need no check beyond the condition above, and the loop starts at once.
         return run_tree(fn, init, ScanInputs([init], LEAF, [xs], LEAF, xs.shape[0]), reverse, remat)
     try:
-        remat = normalize(remat)
-        _check_options(fn, reverse, remat, unroll)
+        remat = _checked_options(fn, reverse, remat, unroll)
         inputs = prepare_inputs(init, xs, length, dim)
     except ScanError as e:
         surface(e)  # under torch.compile, as a ScanError rather than Dynamo's "Observed exception"
     leaves = [*inputs.init_leaves, *inputs.xs_leaves]
-    if not callable(remat) and _compat.runs_eagerly(leaves):
+    if route.runs_the_loop(leaves, remat):
         return run_tree(fn, init, inputs, reverse, remat)  # plain eager, the common case: the loop
-    if xla_eager.applies(fn, leaves, remat):
+    path = route.route(leaves, remat, xla_eager=lambda: xla_eager.applies(fn, leaves, remat))
+    if path == route.XLA_EAGER:
         options = {"length": length, "reverse": reverse, "dim": dim, "remat": remat, "unroll": unroll}
         if xla_eager.first_sight(fn, leaves, options):  # traced once with make_fx: cheaper than a capture
             return _scan(fn, init, inputs, reverse, remat, unroll or 1)
         return _scan_on_xla(fn, init, xs, options)
-    return _scan(fn, init, inputs, reverse, remat, unroll)
+    return _scan(fn, init, inputs, reverse, remat, unroll, path)
 
 
-def _scan(fn, init, inputs, reverse, remat, unroll):
-    if _compat.is_dynamo_compiling():  # op.dynamo captures fn as a subgraph, closures lifted
+def _scan(fn, init, inputs, reverse, remat, unroll, path=None):
+    """One scan past the front end's checks, on the path ``route`` gives (``path``: already
+    asked). XLA's eager entry is offered by ``scan`` only: here it is taken or refused."""
+    path = path or route.route([*inputs.init_leaves, *inputs.xs_leaves], remat)
+    if path == route.DYNAMO:  # op.dynamo captures fn as a subgraph, closures lifted
         if _two_level(remat, inputs):
             return _sqrt_scan(fn, init, inputs, reverse, unroll)
         out = scan_op(dynamo_body(fn, inputs), inputs.init_leaves, inputs.xs_leaves, (),
                       reverse=reverse, remat=remat, unroll=1 if unroll is None else unroll)
         return inputs.init_spec.unflatten(out[:inputs.num_carry]), out[inputs.num_carry]
-    leaves = [*inputs.init_leaves, *inputs.xs_leaves]
-    if not callable(remat) and (_compat.runs_eagerly(leaves) or _nested_on_xla(leaves)):
-        return run_tree(fn, init, inputs, reverse, remat)
-    if _differentiated_by_a_transform(leaves):
+    if path == route.LOOP:  # a transform keeps its own saved values: a partition function means nothing
         return run_tree(fn, init, inputs, reverse, "save_all" if callable(remat) else remat)
     if _two_level(remat, inputs):
         return _sqrt_scan(fn, init, inputs, reverse, unroll)
@@ -167,29 +161,6 @@ def _sqrt_scan(fn, init, inputs, reverse, unroll):
         pieces = zip(flatten(tail)[0], ys_leaves)
         ys_leaves = [torch.cat((t, y) if reverse else (y, t)) for t, y in pieces]
     return carry, y_spec.unflatten(ys_leaves)
-
-
-def _differentiated_by_a_transform(leaves):
-    """torch.func.grad (or jvp, vjp, jacrev...) active, in eager or inside make_fx: the loop
-    runs (or is traced), each step's ops differentiated by the transform as they run; with a
-    partition function as ``remat`` too, which only chooses what a backward keeps (the
-    transform keeps its own). The op's path would trace its body graph under the live
-    transform: inside make_fx from the wrapped tensors, whose values entered the graph as
-    constants (a zero gradient); in eager, with closures wrapped by the transform and inputs
-    that are not (grad with respect to a weight only), that graph's example values came out
-    wrapped by the transform, not fake ("Only fake tensor is allowed", torch 2.15 "Cannot
-    access storage of TensorWrapper")."""
-    if not _compat.differentiating_transform_active():
-        return False
-    return _compat.dispatch_modes_active() or _compat.runs_eagerly(leaves)
-
-
-def _nested_on_xla(leaves):
-    """A scan in the body of a scan on XLA, met while the outer body is traced:
-    its steps are traced inline into the outer step (the inner loop unrolled in
-    the outer While's body). Its own scan node there would carry the outer
-    trace's fake stand-ins of the closures it lifted as if they were inputs."""
-    return _compat.inside_our_trace() and _compat.on_xla(leaves)
 
 
 def _scan_entry(fn, init, xs, *, length, reverse, dim, remat, unroll):

@@ -6,6 +6,7 @@ closures are explicit trailing inputs (``FwdBwd.lifted``), and the pytree
 specs map every flat argument back to the user's structure.
 """
 from .api import FlatBody
+from .core.remat import validated
 from .core.trees import ScanInputs, flatten, require_tensor_leaves
 from .trace.lift import trace_and_lift
 from .trace.partition import FwdBwd, _differentiable, partition_body
@@ -19,6 +20,7 @@ def fwd_bwd(fn, carry, x=None, *, remat="save_all") -> FwdBwd:
     GraphModules, with ``lifted`` (closed-over tensors, in placeholder order),
     ``carry_spec``, ``x_spec`` and ``y_spec``.
     """
+    remat = validated(remat, "fwd_bwd")
     require_tensor_leaves(carry, "carry", "carry")
     require_tensor_leaves(x, "x", "x")
     carry_leaves, carry_spec = flatten(carry)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _compat
+from . import route
 from .trees import ScanError
 
 STRINGS = ("save_all", "min_cut", "recompute_all", "sqrt")
@@ -89,7 +90,7 @@ def checkpoint_name(x, name):
     stack = namers()
     if stack:
         return stack[-1].named(x, name)
-    if not _compat.runs_eagerly([x]) or _compat.under_make_fx():
+    if not route.runs_the_loop([x]) or _compat.under_make_fx():
         return NAMED_VALUE(x, name)
     return x
 
@@ -239,8 +240,18 @@ def is_policy(remat):
         remat in STRINGS or remat in _POLICIES or binomial_slots(remat) is not None))
 
 
+def validated(remat, where="scan"):
+    """THE remat validator: ``remat`` as the op, the engines and graphs take it (``("binomial", k)``
+    as ``"binomial:k"``), or a ScanError naming what is accepted. Every entry that takes a
+    ``remat`` (``scan``, ``fwd_bwd``; ``scan_layers`` through ``scan``) asks here once, so the rules
+    and partitioners below meet valid values only."""
+    remat = normalize(remat)
+    check_remat(remat, where)
+    return remat
+
+
 def check_remat(remat, where="scan"):
-    """Bad ``remat`` values are a ScanError naming what is accepted."""
+    """Bad ``remat`` values are a ScanError naming what is accepted (the one "not a policy" message)."""
     if not (callable(remat) or is_policy(remat)):
         raise ScanError(f"{where}: remat={remat!r} is not a policy; use one of {STRINGS}, ('binomial', k), a RematPolicy "
                         "(dots_saveable, save_only_these_names(...)) or an AOTAutograd partition function.")

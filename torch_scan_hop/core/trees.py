@@ -10,7 +10,6 @@ import torch
 
 from .. import _compat
 from .._compat import pytree
-from .dtensors import is_dtensor
 
 
 class TreeDef:
@@ -226,81 +225,6 @@ def _prepare_inputs(init, xs, length, dim) -> ScanInputs:
         moved.append(x if dim in (0, -x.dim()) else torch.movedim(x, dim, 0))
     _check_length(xs, moved, length, dim)
     return ScanInputs(init_leaves, init_spec, moved, xs_spec, moved[0].shape[0])
-
-
-def check_pair(out):
-    if not (isinstance(out, (tuple, list)) and len(out) == 2):
-        got = type(out).__name__ + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else "")
-        raise ScanError(
-            f"scan: fn must return a pair (new_carry, y), but it returned a {got}; "
-            "return (carry, None) if there is no per-step output."
-        )
-    return out
-
-
-def check_carry(new_carry, inputs: ScanInputs):
-    """The carry fn returns must match init in structure, shape and dtype."""
-    if type(new_carry) is torch.Tensor and inputs.init_spec is LEAF:  # a bare tensor carry, the common case
-        old = inputs.init_leaves[0]
-        if type(old) is torch.Tensor and new_carry.dtype == old.dtype and new_carry.shape == old.shape:
-            return [new_carry]
-    leaves, spec = flatten(new_carry)
-    if spec is not inputs.init_spec and spec != inputs.init_spec:  # identical: a bare tensor carry
-        got = _leaf_paths(new_carry, "carry")
-        missing = [p for p in inputs.init_paths if p not in got]
-        extra = [p for p in got if p not in inputs.init_paths]
-        hint = f" (missing: {missing}, unexpected: {extra})" if (missing or extra) else ""
-        raise ScanError(
-            "scan: the carry returned by fn has a different pytree structure than init"
-            f"{hint}: init is {inputs.init_spec}, fn returned {spec}. fn must return a carry "
-            "with exactly init's structure."
-        )
-    require_tensor_leaves(new_carry, "carry", "returned carry", leaves)
-    check_carry_meta(leaves, inputs)
-    return leaves
-
-
-def _same_shape(a, b):
-    """Shapes equal; symbolic sizes are compared outside any trace (an outer
-    trace's sizes are not tracked by the body's sub-trace)."""
-    if all(type(d) is int for d in (*a, *b)):
-        return a == b
-    with _compat.disable_proxy_modes_tracing():
-        return len(a) == len(b) and all(bool(x == y) for x, y in zip(a, b))
-
-
-def _kind(t):
-    return "a DTensor" if is_dtensor(t) else "a torch.Tensor"
-
-
-def check_carry_meta(leaves, inputs: ScanInputs):
-    for k, (new, old) in enumerate(zip(leaves, inputs.init_leaves)):
-        if type(new) is torch.Tensor is type(old) and new.dtype == old.dtype and new.shape == old.shape:
-            continue  # plain eager tensors (int sizes), the common case: nothing else to ask
-        if is_dtensor(new) != is_dtensor(old):
-            raise ScanError(
-                f"scan: the carry leaf {inputs.init_paths[k]} is {_kind(old)} in init but fn returned "
-                f"{_kind(new)}; a carry keeps its type across the step (make init a DTensor, or return "
-                ".to_local() / .full_tensor() where init is a torch.Tensor)."
-            )
-        if not _same_shape(new.shape, old.shape) or new.dtype != old.dtype:
-            path = inputs.init_paths[k]
-            what = []
-            if not _same_shape(new.shape, old.shape):
-                what.append(f"shape {tuple(new.shape)} vs init's {tuple(old.shape)}")
-            if new.dtype != old.dtype:
-                what.append(f"dtype {new.dtype} vs init's {old.dtype}")
-            raise ScanError(
-                f"scan: the carry leaf {path} changed across an iteration: {' and '.join(what)}. "
-                "The carry fn returns must keep init's shape and dtype (cast or reshape it, "
-                "or change init)."
-            )
-
-
-def flatten_y(y):
-    leaves, spec = flatten(y)
-    require_tensor_leaves(y, "y", "y", leaves)
-    return leaves, spec
 
 
 def own_copy(carry):

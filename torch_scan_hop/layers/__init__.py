@@ -2,6 +2,10 @@
 ``stack_layers`` (their parameters stored stacked), floor by floor:
 
 - ``scan_layers``: the front end (imports ``api``, the eager loop and everything below);
+- ``patterns``: patterned stacks (which layers are of one kind, the segments a stack splits
+  into: scans over blocks of a repeating pattern, runs of one kind, single layers) and the
+  ``LayerBlock`` a scan over blocks runs;
+- ``layer_kwargs``: per-layer keyword inputs (shared ones closed over, differing tensors stacked);
 - ``outputs``: what a layer returns (the hidden state, or a tuple of it and extras such as
   attention weights) and what ``scan_layers`` returns for it (the extras stacked);
 - ``storage``: the stacked containers ``stack_layers`` returns;

@@ -40,7 +40,9 @@ from .checks import (
 from .fsdp import check_fsdp, gathered_state, tensor_parallel_parts
 from .grads import check_flags_traced, stacks_swapped
 from .layer_state import check_sharded_alike, layer_state, layer_states, same_value
-from .outputs import join_output, split_output, stack_extras
+from . import patterns
+from .layer_kwargs import split as split_kwargs
+from .outputs import join_output, layer_name, split_output, stack_extras
 from .ownership import container_of, container_token, owner_of
 from .stack_weights import stack_state, stack_weights
 from .storage import stacked_storage
@@ -114,13 +116,14 @@ def _as_output(inputs):
     return inputs[0] if len(inputs) == 1 else tuple(inputs)
 
 
-def _eager_loop(layers, inputs, remat, kwargs):
-    """The loop over the real layers (hooks and all), remat per layer; extras stacked."""
+def _eager_loop(layers, inputs, remat, per_layer):
+    """The loop over the real layers (hooks and all), remat per layer; extras stacked.
+    ``per_layer[i]``: layer i's keyword inputs."""
     n = len(inputs)
     h, extras = _as_output(inputs), []
     saves_all = as_policy(remat) is None  # the plain tape: each layer called as it is
     for i, layer in enumerate(layers):
-        call = lambda h, layer=layer: layer(*((h,) if n == 1 else h), **kwargs)  # noqa: E731
+        call = lambda h, layer=layer, kw=per_layer[i]: layer(*((h,) if n == 1 else h), **kw)  # noqa: E731
         h, extra = split_output(call(h) if saves_all else remat_step(call, remat)(h), h, n, layers, i)
         extras.append(extra)
     return join_output(h, stack_extras(extras, layers), n)
@@ -173,17 +176,33 @@ def _tree_agrees(ref, module):
         (a is None) == (b is None) and (a is None or _tree_agrees(b, a)) for a, b in zip(kids.values(), ref_kids.values()))
 
 
-def _check_call(layers, inputs, broadcast_kwargs):
+def _check_call(layers, inputs, broadcast_kwargs, layer_kwargs):
     if not all(isinstance(m, torch.nn.Module) for m in layers):
         raise ScanError("scan_layers: every element of layers must be an nn.Module.")
     if not inputs:
         raise ScanError("scan_layers: pass the hidden state as a positional input: scan_layers(layers, x).")
+    if layer_kwargs is not None:
+        if len(layer_kwargs) != len(layers) or not all(isinstance(kw, dict) for kw in layer_kwargs):
+            raise ScanError(f"scan_layers: layer_kwargs must be one dict of keyword inputs per layer ({len(layers)} "
+                            f"layers), got {type(layer_kwargs).__name__} of {len(layer_kwargs)}.")
+        for i, kw in enumerate(layer_kwargs):
+            both = sorted(set(kw) & set(broadcast_kwargs))
+            if both:
+                raise ScanError(f"scan_layers: keyword {both[0]!r} is given both for every layer and in "
+                                f"layer_kwargs[{i}]; pass it in one of them.")
     if layers:
         check_one_tuple_is_not_several_inputs(layers[0], inputs, broadcast_kwargs)
 
 
+def _per_layer(layers, broadcast_kwargs, layer_kwargs):
+    """Each layer's keyword inputs: the broadcast ones and its own."""
+    if layer_kwargs is None:
+        return [broadcast_kwargs] * len(layers)
+    return [{**broadcast_kwargs, **kw} for kw in layer_kwargs]
+
+
 def scan_layers(layers, *inputs, remat="save_all", unroll=None, partition_fn=None, is_layer_pure=None,
-                **broadcast_kwargs):
+                layer_kwargs=None, period=1, **broadcast_kwargs):
     """``for layer in layers: inputs = layer(*inputs, **broadcast_kwargs)`` as one scan.
 
     ``layers``: an ``nn.ModuleList`` (or sequence) of modules with identical
@@ -207,16 +226,32 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=None, partition_fn=Non
     stack of at most 8 layers without ``stack_layers`` storage, which runs straight-line
     (``_resolve_unroll``).
 
+    ``layer_kwargs``: one dict of keyword inputs per layer, beside the ``broadcast_kwargs`` every
+    layer gets (``layers.layer_kwargs``): a leaf that is the same object for every layer is closed
+    over, a tensor that differs is stacked and sliced per layer, a plain value that differs is a
+    ScanError. ``period``: 1 (the default) for layers of one structure; ``p`` for a stack whose
+    layers repeat a pattern of ``p`` kinds (Gemma 3's 5 sliding + 1 full attention: 6), run as ONE
+    scan over blocks of ``p`` layers plus the layers left over, called as they are; ``"auto"``
+    finds the pattern from the layers' types, weights and plain attributes (``layers.patterns``:
+    runs of one kind become scans of their own). Patterns take one hidden-state input.
+
     ``partition_fn`` and ``is_layer_pure`` are torch_xla.experimental.scan_layers' keywords, taken
     here rather than passed to the layers: ``partition_fn`` is ``remat``, ``is_layer_pure`` is ignored
     (``core/torch_xla_keywords.py``).
     """
+    if period != 1:
+        return scan_patterned(layers, *inputs, remat=remat, unroll=unroll, partition_fn=partition_fn,
+                              is_layer_pure=is_layer_pure, layer_kwargs=layer_kwargs, period=period,
+                              **broadcast_kwargs)
     container, layers = layers, list(layers)
     try:  # the checks of the call itself; under torch.compile their ScanError is surfaced as one
         remat = remat_with_torch_xla_keywords(remat, partition_fn, "is_layer_pure", is_layer_pure, "scan_layers")
-        _check_call(layers, inputs, broadcast_kwargs)
+        _check_call(layers, inputs, broadcast_kwargs, layer_kwargs)
         if not layers:
             return _as_output(inputs)
+        per_layer = _per_layer(layers, broadcast_kwargs, layer_kwargs)
+        shared, varying = (broadcast_kwargs, None) if layer_kwargs is None else split_kwargs(
+            per_layer, lambda i: layer_name(layers, i))
         # torch.export keeps the per-call stack: its program then lifts the layers' registered parameters
         stacked = None if _compat.is_exporting() else stacked_storage(container)
         # stacked storage was checked for identical structure when made: layer 0's state suffices here
@@ -225,7 +260,7 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=None, partition_fn=Non
         surface(e)
     dynamo = _compat.is_dynamo_compiling()
     token = None if stacked is None else container_token(container)
-    flat_inputs = [t for t in flatten((inputs, broadcast_kwargs))[0] if isinstance(t, torch.Tensor)]
+    flat_inputs = [t for t in flatten((inputs, broadcast_kwargs, layer_kwargs))[0] if isinstance(t, torch.Tensor)]
     trained_stacks = stacked is not None and container.grads_mode == "stacked"
     over_rows = False  # eager, over the stacks' rows: hooks and running stats already ruled out
     tensors = flat_inputs + list(states[0].values())
@@ -234,7 +269,7 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=None, partition_fn=Non
         # a layer's own attribute: its own code runs it
         over_rows = trained_stacks and differentiates_stacks(container, layers) and _all_attributes_agree(layers)
         if not over_rows:
-            return _eager_loop(layers, inputs, remat, broadcast_kwargs)
+            return _eager_loop(layers, inputs, remat, per_layer)
     if stacked is None:
         try:
             check_sharded_alike(states)
@@ -261,7 +296,9 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=None, partition_fn=Non
         check_no_running_stat_updates(template)  # other layers agree with layer 0 or are refused as read
     peers = () if over_rows or (not dynamo and _all_attributes_agree(layers)) else layers[1:]
 
-    def step(h, params):
+    def step(h, params_and_rows):
+        params, rows = params_and_rows
+        kwargs = shared if varying is None else varying.rebuild(rows)
         if dynamo:  # in the body: under torch.compile only errors raised there stay ScanErrors
             check_no_running_stat_updates(template)
             if trained_stacks:
@@ -270,12 +307,90 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=None, partition_fn=Non
         if fsdp_meshes is not None:  # FSDP2's unshard, for this step's layer (its gradient reduce-scattered back)
             params = gathered_state(params, fsdp_meshes, tp_specs)
         records = None if plan is None else StepRecords(plan)
-        out = view_of(template, params, peers=peers, recorder=records)(*args, **broadcast_kwargs)  # kwargs: closed over
+        out = view_of(template, params, peers=peers, recorder=records)(*args, **kwargs)  # shared kwargs: closed over
         out, extras = split_output(out, h, len(inputs), layers, 0)  # extras: the scan's ys
         return out, (extras if records is None else (extras, records.outputs()))
 
-    out, extras = scan(step, _as_output(inputs), xs, remat=remat, unroll=unroll)
+    rows = [] if varying is None else varying.stacks()
+    out, extras = scan(step, _as_output(inputs), (xs, rows), remat=remat, unroll=unroll)
     if plan is not None:
         extras, recorded = extras
         replay(layers, plan, recorded)
     return join_output(out, extras, len(inputs))
+
+
+def scan_patterned(layers, hidden, *, remat="save_all", unroll=None, partition_fn=None, is_layer_pure=None,
+                   layer_kwargs=None, period="auto", **broadcast_kwargs):
+    """``scan_layers(..., period=p or "auto")``: a patterned stack as scans over blocks and runs
+    (``layers.patterns``), segment by segment in layer order; a single layer is called as it is."""
+    container, layers = layers, list(layers)
+    try:
+        remat = remat_with_torch_xla_keywords(remat, partition_fn, "is_layer_pure", is_layer_pure, "scan_layers")
+        _check_call(layers, (hidden,), broadcast_kwargs, layer_kwargs)
+        segments = stack_plan(container, layers, period)
+    except ScanError as e:
+        surface(e)
+    per_layer = _per_layer(layers, broadcast_kwargs, layer_kwargs)
+    for seg in segments:
+        hidden = _run_segment(container, layers, seg, hidden, per_layer, remat, unroll)
+    return hidden
+
+
+def stack_plan(container, layers, period):
+    """The segments of ``layers`` for ``period`` (an int or "auto"), cached on a module container
+    with the blocks they need (``patterns.LayerBlock``, made once: never inside a traced call
+    when the first call ran, or ``scan_model`` prepared them, outside one)."""
+    if period != "auto" and (isinstance(period, bool) or not isinstance(period, int) or period < 1):
+        raise ScanError(f"scan_layers: period must be a positive int or 'auto', got {period!r}.")
+    cache = _plan_cache(container)
+    key = (len(layers), period)
+    if key not in cache:
+        ks = patterns.kinds(layers)
+        if period == "auto":
+            segments = patterns.plan(ks)
+        else:
+            count = len(layers) // period if period > 1 else 0
+            head = [patterns.Segment(0, period, count)] if count >= 1 else []
+            rest = patterns.plan(ks[count * period:], max_period=1)
+            segments = tuple(head) + tuple(s._replace(start=s.start + count * period) for s in rest)
+        cache[key] = segments
+    return cache[key]
+
+
+def _cache(container, name):
+    """A dict kept on a module container (plain attribute reads and writes: Dynamo traces those)."""
+    if not isinstance(container, torch.nn.Module):
+        return {}
+    cache = getattr(container, name, None)
+    if cache is None:
+        cache = {}
+        setattr(container, name, cache)
+    return cache
+
+
+def _plan_cache(container):
+    return _cache(container, "_scan_layers_plans")
+
+
+def blocks_of(container, layers, seg):
+    """The ``LayerBlock`` modules of a segment over blocks, made once per container."""
+    cache = _cache(container, "_scan_layers_blocks")
+    key = (seg.start, seg.period, seg.count)
+    if key not in cache:
+        cache[key] = [patterns.LayerBlock(layers[seg.start + b * seg.period: seg.start + (b + 1) * seg.period])
+                      for b in range(seg.count)]
+    return cache[key]
+
+
+def _run_segment(container, layers, seg, hidden, per_layer, remat, unroll):
+    if seg.period > 1:
+        blocks = blocks_of(container, layers, seg)
+        block_kwargs = [{"block_kwargs": tuple(per_layer[seg.start + b * seg.period + k] for k in range(seg.period))}
+                        for b in range(seg.count)]
+        return scan_layers(blocks, hidden, remat=remat, unroll=unroll, layer_kwargs=block_kwargs)
+    if seg.count == 1:
+        out = layers[seg.start](hidden, **per_layer[seg.start])
+        return patterns.hidden_of(out, seg.start)
+    run = slice(seg.start, seg.start + seg.count)
+    out = scan_layers(layers[run], hidden, remat=remat, unroll=unroll, layer_kwargs=per_layer[run])
+    return patterns.hidden_of(out, seg.start)

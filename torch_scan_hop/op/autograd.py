@@ -16,6 +16,7 @@ import copy
 import torch
 
 from .. import _compat
+from ..core import route
 from ..core.op_args import example_args
 from ..trace import cache, shift
 from ..trace.body_checks import mark_functional
@@ -267,7 +268,7 @@ def build_plan(combine_fn, init, xs, additional_inputs, reverse, remat):
 @scan_op.py_impl(_compat.DispatchKey.Autograd)  # not py_autograd_impl: it would trace the body for a schema every call
 def scan_autograd(combine_fn, init, xs, additional_inputs, *, reverse=False, remat="save_all", unroll=1):
     flat = [*init, *xs, *additional_inputs]
-    if _compat.runs_eagerly(flat) and not callable(remat):
+    if route.runs_the_loop(flat, remat):
         return run_flat(combine_fn, list(init), list(xs), tuple(additional_inputs), reverse, remat)
     if not _needs_grad(flat):
         with _compat.AutoDispatchBelowAutograd():

@@ -2,8 +2,8 @@
 import torch
 
 from .. import _compat
+from ..core.checks import check_flat_carry
 from ..core.op_args import example_args, split_out
-from ..trace.body_checks import check_body_carry
 from .hop import scan_op
 
 
@@ -12,6 +12,6 @@ def scan_fake(mode, combine_fn, init, xs, additional_inputs, *, reverse=False, r
     with mode:
         length = xs[0].shape[0]
         new_carry, y_slices = split_out(combine_fn(*example_args(init, xs, additional_inputs)), len(init))
-        check_body_carry(init, new_carry)
+        check_flat_carry(init, new_carry)
         ys = [torch.empty((length, *y.shape), dtype=y.dtype, device=y.device) for y in y_slices]
         return [c.clone() for c in new_carry] + ys

@@ -18,7 +18,7 @@ import torch
 from .. import _compat
 from ..core.op_args import split_out
 from .hop import scan_op
-from .loop import run_flat, shape_run
+from .loop import carry_after_no_step, empty_ys, run_flat, shape_run
 
 
 def _unwrap(t, level):
@@ -141,14 +141,14 @@ def _no_step(xs_u):
 def _no_step_outputs(interpreter, combine_fn, init_u, examples):
     """A scan with no step whose body vmap refuses to batch (an in-place op on an unbatched
     value by a batched one): the loop never calls it, so neither does this. The final carry
-    is init; the empty ys take the shapes of one unbatched step on fake stand-ins, as
-    ``op.loop.empty_tree_ys`` does in eager."""
+    is init (the op's copies, ``loop.carry_after_no_step``); the empty ys take the shapes of one
+    unbatched step on fake stand-ins, as ``op.loop.empty_tree_ys`` does in eager."""
     with shape_run():
         ys = list(combine_fn(*(_fake_input(a, None, 0) for group in examples for a in group)))[len(init_u):]
     level = interpreter.level()
     with interpreter.lower():
-        carry = [v.clone() for v, _ in init_u]
-        empty = [torch.empty((0, *y.shape), dtype=y.dtype, device=y.device) for y in ys]
+        carry = carry_after_no_step([v for v, _ in init_u], op=True)
+        empty = empty_ys(ys)
     return [*(c if d is None else _compat.add_batch_dim(c, d, level) for c, (_, d) in zip(carry, init_u)), *empty]
 
 

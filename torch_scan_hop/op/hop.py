@@ -17,6 +17,8 @@ for ``torch.export`` (a scan over the indices L-1..0) and torch_xla's bridge
 import torch
 
 from .. import _compat
+from ..core import route
+from ..core.checks import input_name, mutation_message
 from ..core.op_args import example_args
 from ..core.trees import ScanError
 
@@ -37,7 +39,7 @@ class ScanOp(_compat.HigherOrderOperator):
             return subclass_rule(combine_fn, list(init), list(xs), tuple(additional_inputs),
                                  reverse=reverse, remat=remat, unroll=unroll)
         if _compat.only_user_modes_active():
-            if _compat.runs_eagerly(flat):
+            if route.runs_the_loop(flat):  # remat: the loop below takes a partition function as save_all
                 return _loop_under_user_modes(combine_fn, init, xs, additional_inputs, reverse, remat)
         kwargs = {}
         if reverse:
@@ -60,8 +62,7 @@ class ScanOp(_compat.HigherOrderOperator):
             _compat.materialize_as_graph(combine_fn, tuple(example_args(init, xs, additional_inputs)))
         mutated, outputs = _compat.input_mutations_and_outputs(gm)
         if mutated:
-            raise ScanError(f"scan: the body mutates its inputs {sorted(mutated)} in place; "
-                            "scan bodies must be functional.")
+            raise ScanError(mutation_message(", ".join(input_name(i, len(init), len(xs)) for i in sorted(mutated))))
         return _compat.scan_schema(self, combine_fn, gm, outputs, init, xs, additional_inputs, kwargs)
 
 
@@ -80,7 +81,7 @@ def _subclass_rule(flat):
         return None
     for cls, rule in SUBCLASS_RULES.items():
         if any(isinstance(t, cls) for t in flat):
-            return None if _compat.runs_eagerly(flat) else rule
+            return None if route.runs_the_loop(flat) else rule
     return None
 
 

@@ -35,7 +35,8 @@ from ..core.drain import drain_at_exit, drain_at_thread_end
 from ..core.recompute import StepReplay
 from ..core.remat import as_policy, binomial_slots, nothing_saveable
 from ..core.schedule import step_order
-from ..core.trees import LEAF, ScanError, check_carry, check_pair, flatten_y
+from ..core.checks import check_carry, check_pair, flatten_y
+from ..core.trees import LEAF, ScanError
 
 
 def _sac_policy(policy):
@@ -103,7 +104,7 @@ def run_flat(combine_fn, init, xs, additional_inputs, reverse=False, remat=None)
     drain_at_thread_end()  # a failed backward must not kill the process: see core/drain.py
     num_carry, length = len(init), xs[0].shape[0]
     if length == 0:
-        return [c.clone() for c in init] + empty_flat_ys(combine_fn, init, xs, additional_inputs)
+        return [*carry_after_no_step(init, op=True), *empty_flat_ys(combine_fn, init, xs, additional_inputs)]
     traced = isinstance(combine_fn, torch.fx.GraphModule)
     columns = [dt.unbind(x.contiguous() if traced and isinstance(x, torch.Tensor) else x) for x in xs]
 
@@ -138,6 +139,25 @@ def in_traced_layout(carry, layouts):
             for c, ref in zip(carry, layouts)]
 
 
+# ---------------------------------------------------------------- zero length: one rule
+
+def carry_after_no_step(init, *, op):
+    """THE zero-length rule: no step runs, so the final carry is ``init``, as after ``for x in []``.
+
+    ``scan`` (the front end, ``op=False``) returns ``init`` itself, the very objects it was
+    given, as the Python loop does. The op (``scan_op`` and its rules, ``op=True``) returns
+    copies of them: a HigherOrderOperator's outputs must not alias its inputs (functionalization,
+    AOTAutograd and torch.export rely on it), so every traced path (make_fx records a clone,
+    torch.compile, export, the XLA While) gives new tensors holding init's values. The ys of
+    every path are empty, one step's y shape behind a leading 0 (``empty_ys``)."""
+    return [c.clone() for c in init] if op else init
+
+
+def empty_ys(y_slices):
+    """The stacked ys of a zero-length scan, from one step's ys (their metadata only)."""
+    return [torch.empty((0, *y.shape), dtype=y.dtype, device=y.device) for y in y_slices]
+
+
 def empty_flat_ys(combine_fn, init, xs, additional_inputs):
     """ys of a zero-length scan: shapes from one fake run of the body."""
     with shape_run() as mode:
@@ -145,7 +165,7 @@ def empty_flat_ys(combine_fn, init, xs, additional_inputs):
                      *(stand_in(mode, x, sliced=True) for x in xs),
                      *(stand_in(mode, a) for a in additional_inputs)]
         y_meta = list(combine_fn(*fake_args))[len(init):]
-    return [torch.empty((0, *y.shape), dtype=y.dtype, device=y.device) for y in y_meta]
+    return empty_ys(y_meta)
 
 
 @contextlib.contextmanager
@@ -217,7 +237,7 @@ def run_tree(fn, init, inputs, reverse=False, remat="save_all"):
     """
     drain_at_thread_end()  # a failed backward must not kill the process: see core/drain.py
     if inputs.length == 0:
-        return init, empty_tree_ys(fn, inputs)
+        return carry_after_no_step(init, op=False), empty_tree_ys(fn, inputs)
     slices = _x_slices(inputs)
     xs_in_order = iter(reversed(slices) if reverse else slices)
     step = fn if remat == "save_all" else remat_step(fn, remat, inputs.length)
@@ -271,8 +291,7 @@ def _empty_ys(fn, inputs, batched):
         new_carry, y = check_pair(fn(carry, x))
         check_carry(new_carry, inputs)
         y_leaves, y_spec = flatten_y(y)
-    empty = [torch.empty((0, *y.shape), dtype=y.dtype, device=y.device) for y in y_leaves]
-    return y_spec.unflatten(empty)
+    return y_spec.unflatten(empty_ys(y_leaves))
 
 
 def _same_structure_y(y, y_spec):

@@ -18,8 +18,9 @@ from .._compat import pytree
 from ..core.op_args import example_args, split_out
 from ..core.schedule import block_order, segments
 from ..inductor import lowering as inductor_lowering
-from ..trace.body_checks import check_body_carry, check_graph_mutation
+from ..core.checks import check_flat_carry, check_graph_mutation
 from .hop import scan_op
+from .loop import carry_after_no_step, empty_ys
 
 
 def trace_body(combine_fn, init, xs, additional_inputs):
@@ -99,7 +100,7 @@ def _checked_body_outputs(body, init, xs):
     with _compat.disable_proxy_modes_tracing():
         check_graph_mutation(body, len(init), len(xs))
     outputs = _body_outputs(body)
-    check_body_carry(init, outputs[: len(init)])
+    check_flat_carry(init, outputs[: len(init)])
     return outputs
 
 
@@ -162,12 +163,11 @@ def _segment_scan(mode, combine_fn, carry, xs, additional_inputs, seg, reverse):
 
 
 def _no_step_scan(mode, combine_fn, init, xs, additional_inputs):
-    """A scan with no step: init (copied, outputs never alias inputs) and empty
+    """A scan with no step (``loop.carry_after_no_step``: the op's copies of init) and empty
     ys, no node; the body is still traced for its checks and y metadata."""
     ys_vals = _checked_body_outputs(trace_body(combine_fn, init, xs, additional_inputs), init, xs)[len(init):]
     with mode:
-        return (*(c.clone() for c in init),
-                *(torch.empty((0, *y.shape), dtype=y.dtype, device=y.device) for y in ys_vals))
+        return (*carry_after_no_step(init, op=True), *empty_ys(ys_vals))
 
 
 def _scheduled_scan(mode, combine_fn, init, xs, additional_inputs, unroll, reverse=False):

@@ -12,6 +12,6 @@ from .loop import run_flat
 
 @scan_op.py_impl(_compat.DispatchKey.XLA)
 def scan_xla(combine_fn, init, xs, additional_inputs, *, reverse=False, remat=None, unroll=1):
-    if xs[0].shape[0] == 0:  # nothing to loop over: clones and empty ys, as in eager
+    if xs[0].shape[0] == 0:  # no step: the loop's zero-length rule (loop.carry_after_no_step)
         return run_flat(combine_fn, list(init), list(xs), tuple(additional_inputs), False)
     return scan_on_xla(combine_fn, list(init), list(xs), tuple(additional_inputs), reverse, unroll)

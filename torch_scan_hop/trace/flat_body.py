@@ -4,7 +4,8 @@ which builds it, and the Dynamo tracker, which reads its error constant.
 """
 import functools
 
-from ..core.trees import ScanError, ScanInputs, check_carry, check_pair
+from ..core.checks import check_carry, check_pair
+from ..core.trees import ScanError, ScanInputs
 
 _ERROR = "__torch_scan_hop_error__"
 

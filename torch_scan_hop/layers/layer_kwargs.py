@@ -1,0 +1,96 @@
+"""Per-layer keyword inputs of ``scan_layers`` (``layer_kwargs``): what every layer shares,
+what is one row per layer.
+
+A model passes each layer keywords picked for it (Gemma 3: the sliding-window mask to sliding
+layers, the full mask to the others; positions by layer type). In a scan, a keyword leaf that
+is the same object for every layer is closed over (a constant of the body, as a broadcast
+keyword is); a tensor leaf that differs is stacked into one ``(L, ...)`` input and sliced per
+step, so each layer still gets its own; a plain value (an int, a flag) that differs cannot be
+a scan input and is a ScanError naming the keyword and the layers, never a silent choice of
+layer 0's.
+"""
+import torch
+
+from .. import _compat
+from ..core.trees import ScanError
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+class Varying:
+    """The leaves that differ per layer: their positions in the flat keywords and their stacks'
+    inputs (one list of tensors per position)."""
+
+    def __init__(self, spec, template, positions, columns):
+        self.spec, self.template, self.positions, self.columns = spec, template, positions, columns
+
+    def stacks(self):
+        """One ``(L, ...)`` tensor per varying leaf (a plain stack: gradients reach every row)."""
+        return [torch.stack(column) for column in self.columns]
+
+    def rebuild(self, rows):
+        """One layer's keywords from the shared leaves and its ``rows`` of the stacks."""
+        leaves = list(self.template)
+        for pos, row in zip(self.positions, rows):
+            leaves[pos] = row
+        return _compat.pytree.tree_unflatten(leaves, self.spec)
+
+
+def split(per_layer, where):
+    """``(shared, varying)``: the keywords every layer gets unchanged (a dict), and a ``Varying``
+    (None when every leaf is shared). ``per_layer``: one dict per layer; ``where(i)`` names layer i."""
+    flat = [_compat.pytree.tree_flatten(kw) for kw in per_layer]
+    spec = flat[0][1]
+    for i, (_, s) in enumerate(flat[1:], 1):
+        if s != spec:
+            raise ScanError(f"scan_layers: {where(i)}'s keyword inputs have the structure {s}, {where(0)}'s "
+                            f"{spec}; a scan needs one structure for every layer (pass None where a layer "
+                            "has no value).")
+    template, positions, columns = list(flat[0][0]), [], []
+    for pos, leaf0 in enumerate(flat[0][0]):
+        column = [leaves[pos] for leaves, _ in flat]
+        if all(v is leaf0 for v in column):
+            continue
+        if all(isinstance(v, torch.Tensor) for v in column):
+            _check_alike(column, spec, pos, where)
+            positions.append(pos)
+            columns.append(column)
+            continue
+        if type(leaf0) in _PLAIN and all(type(v) is type(leaf0) and v == leaf0 for v in column):
+            continue
+        i = next(i for i, v in enumerate(column) if v is not leaf0)
+        raise ScanError(f"scan_layers: keyword input leaf {pos} ({_key(spec, pos)}) is {_show(column[i])} for "
+                        f"{where(i)} but {_show(leaf0)} for {where(0)}; only tensors of one shape and dtype can "
+                        "differ between scanned layers (they are stacked and sliced per layer).")
+    if not positions:
+        return _compat.pytree.tree_unflatten(template, spec), None
+    return None, Varying(spec, template, positions, columns)
+
+
+def _check_alike(column, spec, pos, where):
+    t0 = column[0]
+    for i, t in enumerate(column[1:], 1):
+        if t.shape != t0.shape or t.dtype != t0.dtype or t.device != t0.device:
+            raise ScanError(f"scan_layers: keyword input {_key(spec, pos)} is {tuple(t.shape)}/{t.dtype} for "
+                            f"{where(i)} but {tuple(t0.shape)}/{t0.dtype} for {where(0)}; a per-layer tensor "
+                            "input is stacked over the layers, so every layer's needs one shape and dtype.")
+
+
+def _key(spec, pos):
+    """The keyword a flat leaf belongs to (its top-level key), for messages."""
+    try:
+        keys = spec.context
+        sizes = [c.num_leaves for c in spec.children_specs]
+    except AttributeError:
+        return f"leaf {pos}"
+    for key, size in zip(keys, sizes):
+        if pos < size:
+            return repr(key)
+        pos -= size
+    return f"leaf {pos}"
+
+
+def _show(v):
+    if isinstance(v, torch.Tensor):
+        return f"a tensor {tuple(v.shape)}/{v.dtype}"
+    return repr(v) if type(v) in _PLAIN else f"a {type(v).__name__}"

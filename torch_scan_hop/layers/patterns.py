@@ -1,0 +1,164 @@
+"""Patterned stacks: which layers are of one kind, and how a stack splits into scans.
+
+Today's decoders are rarely one layer repeated: Gemma 3 runs five sliding-window layers per
+full-attention one, Qwen3-Next three linear-attention layers per full-attention one,
+RecurrentGemma two recurrent blocks per attention block, DeepSeek dense layers before MoE
+ones. A scan runs ONE body per step, so a stack becomes, in layer order:
+
+- a scan over blocks of ``p`` consecutive layers when the kinds repeat with period ``p``
+  (the body runs each of the block's kinds once; maxtext's "repeatable block + remainder");
+- a scan over each run of same-kind layers otherwise (dense layers, then MoE layers);
+- single layers, called as they are, for what is left over.
+
+A layer's kind is what selects its code: its module types, its parameters' and buffers' names,
+shapes and dtypes, and the plain attributes of its module tree (an attention type, a window
+size or None, ``is_sliding``). An attribute that is a different number in every layer
+(``layer_idx``) is data, not kind: it would split every layer from every other. The scanned
+body still reads only layer 0's (the block's first) value of it, so ``layers.view`` compares
+what the body reads with every peer and refuses a difference (a ScanError naming it): a wrong
+guess here costs a refusal, never a wrong number.
+
+Plain Python over ints and tuples, computed once per stack (``kinds``) outside any tracer;
+``plan`` is cheap enough to run in traced code.
+"""
+import collections
+
+import torch
+
+from .. import _compat
+from ..core.trees import ScanError
+
+_PLAIN = (bool, int, float, str, type(None))
+Segment = collections.namedtuple("Segment", "start period count")  # count blocks of period layers from start
+
+
+def kinds(layers):
+    """One small int per layer: equal ints for layers of one kind (see the module docstring)."""
+    trees = [_tree_signature(layer) for layer in layers]
+    data = _per_layer_data(trees)
+    ids, out = {}, []
+    for tree in trees:
+        key = tuple((path, value) for path, value in tree if path not in data)
+        out.append(ids.setdefault(key, len(ids)))
+    return tuple(out)
+
+
+def _tree_signature(module, prefix=""):
+    """``[(path, value)]``: every module's type, parameter and buffer signature, and plain attribute."""
+    sig = [(prefix + "<type>", f"{type(module).__module__}.{type(module).__qualname__}")]
+    for name, t in module._parameters.items():
+        sig.append((prefix + name, None if t is None else ("param", tuple(t.shape), t.dtype, t.requires_grad)))
+    for name, t in module._buffers.items():
+        sig.append((prefix + name, None if t is None else ("buffer", tuple(t.shape), t.dtype)))
+    for name, value in vars(module).items():
+        if not name.startswith("_") and _is_plain(value):
+            sig.append((prefix + name, value))
+    for name, child in _compat.nn.child_modules(module).items():
+        if child is None:
+            sig.append((prefix + name, None))
+        else:
+            sig.extend(_tree_signature(child, prefix + name + "."))
+    return sig
+
+
+def _is_plain(value):
+    return type(value) in _PLAIN or type(value) is tuple and all(type(v) in _PLAIN for v in value)
+
+
+def _per_layer_data(trees):
+    """The attribute paths holding a different number in every layer (``layer_idx``)."""
+    if len(trees) < 2:
+        return frozenset()
+    columns = collections.defaultdict(list)
+    for tree in trees:
+        for path, value in tree:
+            columns[path].append(value)
+    return frozenset(
+        path for path, values in columns.items()
+        if len(values) == len(trees) and all(type(v) in (int, float) for v in values)
+        and len(set(values)) == len(values))
+
+
+def period(ks):
+    """The smallest ``p`` with ``ks[i] == ks[i % p]`` for every ``i`` (``len(ks)`` when none is smaller)."""
+    n = len(ks)
+    for p in range(1, n + 1):
+        if all(ks[i] == ks[i % p] for i in range(p, n)):
+            return p
+    return n
+
+
+def plan(ks, max_period=None):
+    """The stack's segments in layer order: ``Segment(start, period, count)``.
+
+    ``period == 1``: a scan over ``count`` layers of one kind (a single layer when count is 1);
+    ``period > 1``: a scan over ``count`` blocks of ``period`` layers. The whole stack's period
+    is used when it repeats at least twice (and is at most ``max_period``); the layers left over,
+    and stacks that do not repeat, are split into runs of one kind."""
+    n = len(ks)
+    if n == 0:
+        return ()
+    p = period(ks)
+    segments = []
+    done = 0
+    if p > 1 and n // p >= 2 and (max_period is None or p <= max_period):
+        segments.append(Segment(0, p, n // p))
+        done = n // p * p
+    segments.extend(_runs(ks, done))
+    return tuple(segments)
+
+
+def _runs(ks, start):
+    out, i = [], start
+    while i < len(ks):
+        j = i
+        while j + 1 < len(ks) and ks[j + 1] == ks[i]:
+            j += 1
+        out.append(Segment(i, 1, j - i + 1))
+        i = j + 1
+    return out
+
+
+def describe(segments):
+    """A line per segment, for errors and ``scan_model``'s summary."""
+    lines = []
+    for s in segments:
+        if s.period > 1:
+            lines.append(f"layers {s.start}-{s.start + s.period * s.count - 1}: one scan over {s.count} blocks "
+                         f"of {s.period} layers")
+        elif s.count > 1:
+            lines.append(f"layers {s.start}-{s.start + s.count - 1}: one scan over {s.count} layers")
+        else:
+            lines.append(f"layer {s.start}: called as it is")
+    return lines
+
+
+class LayerBlock(torch.nn.Module):
+    """``period`` consecutive layers as one module: the body of a scan over blocks.
+
+    Built once per block by ``scan_layers`` / ``scan_model`` and kept OUTSIDE the model's
+    module tree (the layers stay where they are: ``state_dict`` keys, ``parameters()`` and
+    optimizers are unchanged). Its forward runs its layers in order, each with its own
+    keyword inputs (``block_kwargs[k]`` for its k-th layer: masks and positions by kind)."""
+
+    def __init__(self, layers):
+        super().__init__()
+        for k, layer in enumerate(layers):
+            self.add_module(str(k), layer)
+
+    def forward(self, hidden_states, block_kwargs):
+        for k, kwargs in enumerate(block_kwargs):
+            out = getattr(self, str(k))(hidden_states, **kwargs)
+            hidden_states = hidden_of(out, k)
+        return hidden_states
+
+
+def hidden_of(out, k):
+    """A block's layer returns its hidden state (transformers 5) or ``(hidden,)`` / ``(hidden, None, ...)``."""
+    if isinstance(out, tuple):
+        if len(out) >= 1 and all(o is None for o in out[1:]):
+            return out[0]
+        raise ScanError(f"scan_layers: layer {k} of a block returns a tuple with extras {tuple(type(o).__name__ for o in out)}; "
+                        "a scan over blocks of different layers carries the hidden state alone. Call the model "
+                        "without outputs that layers return (attentions, router logits), or scan without a period.")
+    return out

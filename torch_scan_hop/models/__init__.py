@@ -1,0 +1,13 @@
+"""Whole models: ``scan_model`` runs a transformers model's decoder stack as scans.
+
+- ``scan_model``: the front end (finds the base model and its layers, prepares the plan);
+- ``forward_loop``: reads the model's forward (its ``ast``) to check that its loop over the
+  layers only calls each layer on the hidden state;
+- ``deferred``: the container and stand-ins that record the loop's calls and run the stack as
+  ``scan_layers(..., period="auto")`` when the last layer is called.
+
+May import: ``layers``, ``api``, ``op``, ``core``, ``_compat``.
+"""
+from .scan_model import scan_model, scan_plan
+
+__all__ = ["scan_model", "scan_plan"]
