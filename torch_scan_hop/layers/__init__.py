@@ -17,7 +17,9 @@
 - ``fsdp``: FSDP2 (``fully_shard``) layers in a traced scan_layers: each step gathers its layer;
 - ``stack_weights``: ``torch.stack`` of the weights, as a custom op under compile (an
   autograd.Function in eager calls on XLA);
-- ``ownership``: which container a parameter belongs to (imports no sibling).
+- ``ownership``: which container a parameter belongs to (imports no sibling);
+- ``view``: the body's read-only view of layer 0 with one step's slice of the weights;
+- ``capture``: transformers 5's output-capturing hooks in a traced scan (recorded, replayed).
 
 May import: ``api``, ``op``, ``core``, ``_compat``.
 """
