@@ -5,6 +5,7 @@ still a cycle: the two modules cannot be understood, tested or moved apart). Flo
 
     demo.py               a user program: python -m torch_scan_hop.demo
     __init__.py           the package face
+    models/               whole models (scan_model), built on layers
     fwd_bwd.py, layers/   front ends built on scan
     api.py                scan's front end
     op/                   the HigherOrderOperator and its rules
@@ -33,8 +34,9 @@ FLOORS = {
     "api": 5,
     "fwd_bwd": 6,
     "layers": 6,
-    "": 7,  # torch_scan_hop/__init__.py, the package face
-    "demo": 8,  # a user program of the package
+    "models": 7,  # scan_model: whole models, built on layers
+    "": 8,  # torch_scan_hop/__init__.py, the package face
+    "demo": 9,  # a user program of the package
 }
 RULE_HELPERS = {"__init__", "hop", "loop", "compile_errors"}  # op/ modules that are not dispatch rules
 
@@ -170,6 +172,36 @@ def test_each_folder_says_what_it_holds_and_may_import():
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
         assert len(doc) > 80, f"{init.parent.name}/__init__.py needs a docstring saying what the folder holds"
         assert "import" in doc, f"{init.parent.name}/__init__.py should say what the folder may import"
+
+
+# Modules missing from the docstring of a folder another engineer is reorganizing now (issue 61):
+# listed there with that change. Remove an entry once it is listed; the test fails on one that is.
+UNLISTED_FOR_NOW = {
+    "inductor": {"body_passes", "counter", "host_rows"},
+}
+
+
+def _unlisted_modules():
+    """``{folder: {modules}}`` whose name (``name`` in double backquotes) the folder's
+    ``__init__`` docstring does not mention."""
+    out = {}
+    for init in PACKAGE.glob("*/__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        missing = {p.stem for p in init.parent.glob("*.py") if p.stem != "__init__" and f"``{p.stem}``" not in doc}
+        if missing:
+            out[init.parent.name] = missing
+    return out
+
+
+def test_each_folder_lists_its_modules():
+    """A folder's ``__init__`` docstring is its table of contents: a module missing there is a
+    module a reader of the folder does not know is there."""
+    unlisted = _unlisted_modules()
+    assert {f: sorted(m - UNLISTED_FOR_NOW.get(f, set())) for f, m in unlisted.items()
+            if m - UNLISTED_FOR_NOW.get(f, set())} == {}
+    listed_now = sorted(f"{f}/{m}" for f, mods in UNLISTED_FOR_NOW.items() for m in mods
+                        if (PACKAGE / f / f"{m}.py").exists() and m not in unlisted.get(f, set()))
+    assert listed_now == [], "these are listed now: drop them from UNLISTED_FOR_NOW"
 
 
 def _definitions():

@@ -1,10 +1,13 @@
 """The user-facing ``scan``: pytrees, validation, the eager loop or the traced op."""
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import torch
 
 from . import _compat
 from .core import route
 from .core.op_args import example_args
-from .core.remat import as_token, validated
+from .core.remat import Remat, as_token, validated
 from .core.schedule import sqrt_split
 from .core.torch_xla_keywords import remat_with_torch_xla_keywords
 from .core.checks import check_carry, check_pair, flatten_y
@@ -17,6 +20,10 @@ from .trace.body_checks import mark_checked
 from .trace.flat_body import dynamo_body
 from .trace.lift import trace_and_lift
 from .xla import eager as xla_eager
+
+Carry = TypeVar("Carry")  # the carry pytree: init's structure, kept across steps
+X = TypeVar("X")  # the xs pytree (fn gets one slice of it)
+Y = TypeVar("Y")  # one step's output pytree (scan returns them stacked)
 
 
 class FlatBody:
@@ -52,23 +59,72 @@ def _checked_options(fn, reverse, remat, unroll):
     return remat
 
 
-def scan(fn, init, xs=None, *, length=None, reverse=False, dim=0, remat="save_all", unroll=None,
-         partition_fn=None, is_fn_pure=None):
-    """Loop ``fn(carry, x) -> (new_carry, y)`` over ``xs`` along ``dim``.
+def scan(fn: Callable[[Carry, X], tuple[Carry, Y]], init: Carry, xs: X | None = None, *,
+         length: int | None = None, reverse: bool = False, dim: int = 0, remat: Remat = "save_all",
+         unroll: int | None = None, partition_fn: Callable[..., Any] | None = None,
+         is_fn_pure: bool | None = None) -> tuple[Carry, Y]:
+    """Loop ``fn(carry, x) -> (new_carry, y)`` over the slices of ``xs`` along ``dim``.
 
-    Returns ``(final_carry, ys)`` with the ys stacked along dim 0 in input order
-    (also when ``reverse=True``, as ``jax.lax.scan``). ``xs=None`` with
-    ``length=N`` calls fn with ``x=None`` N times.
+    What it computes, as ``jax.lax.scan`` (and upstream torch's scan) define it, is this
+    Python loop (``xs`` a pytree, ``x`` its slice ``i`` along ``dim``; ``ys`` stacked along dim 0,
+    in input order also when ``reverse=True``)::
 
-    In plain eager this IS the Python loop, on the autograd tape (``remat``
-    applied per step as a checkpoint). Under a tracer (make_fx, torch.compile,
-    export) and on XLA it is one scan node / one XLA While: tensors fn closes
-    over are lifted into the op's ``additional_inputs`` and receive gradients,
-    ``remat`` picks what the partitioned backward saves and ``unroll`` how many
-    body calls each loop iteration makes.
+        def scan(fn, init, xs, length=None, reverse=False, dim=0):
+            n = length if xs is None else xs.shape[dim]
+            carry, ys = init, [None] * n
+            for i in (reversed(range(n)) if reverse else range(n)):
+                x = None if xs is None else xs.select(dim, i)
+                carry, ys[i] = fn(carry, x)
+            return carry, torch.stack(ys)
 
-    ``partition_fn`` and ``is_fn_pure`` are torch_xla.experimental.scan's keywords, for drop-in
-    use: ``partition_fn`` is ``remat`` (``core/torch_xla_keywords.py``), ``is_fn_pure`` is ignored.
+    In plain eager it IS that loop, on the autograd tape, so its values, gradients and side
+    effects are the loop's (``remat`` applied per step). Under a tracer (make_fx,
+    torch.compile, torch.export) and on XLA tensors it is ONE scan node / one XLA While:
+    tensors ``fn`` closes over are lifted into the op's ``additional_inputs`` and receive
+    gradients, the body is traced once whatever the length.
+
+    Args:
+        fn: the step, ``fn(carry, x) -> (new_carry, y)``. ``new_carry`` has ``init``'s pytree
+            structure and each leaf its shape and dtype; ``y`` is any pytree of tensors (None
+            for no per-step output) of the same structure, shapes and dtypes at every step.
+            Traced, ``fn`` must not mutate its carry, x or a closed-over tensor in place.
+        init: the initial carry, a pytree (dict, list, tuple, namedtuple) of tensors of any
+            dtype; None leaves mean "no value".
+        xs: a pytree of tensors scanned along ``dim`` (all of one length), or None with
+            ``length``: then ``fn`` gets ``x=None``.
+        length: the number of steps; required when ``xs`` is None, must agree with ``xs``
+            otherwise.
+        reverse: run from the last slice to the first (``ys`` stay in input order).
+        dim: the axis of every ``xs`` leaf to scan along (``ys`` are stacked along dim 0).
+        remat: what the backward keeps per step, the rest recomputed: "save_all",
+            "recompute_all", "min_cut", "sqrt", ``("binomial", k)``, a ``RematPolicy``
+            (``dots_saveable``, ``save_only_these_names(...)``) or an AOTAutograd partition
+            function (traced paths; eager then traces too).
+        unroll: body calls per loop iteration in traced graphs and the XLA While (None: 1);
+            eager ignores it.
+        partition_fn: torch_xla.experimental.scan's name for ``remat`` (give one of the two).
+        is_fn_pure: torch_xla.experimental.scan's cache flag: accepted, changes nothing.
+
+    Returns:
+        ``(final_carry, ys)``: the carry after the last step (at length zero ``init`` itself,
+        ``op.loop.carry_after_no_step``) and the per-step ``y``s stacked along a new dim 0
+        (empty, with one step's shape behind the 0, at length zero).
+
+    Raises:
+        ScanError: bad input or a body breaking the contract above, naming the leaf path and
+            what differs (``scan: the carry leaf carry['h'] changed across an iteration: shape
+            (2, 6) vs init's (2, 3)``); traced, also a body reading a tensor's value as a
+            Python value or mutating an input.
+
+    Example:
+        >>> import torch
+        >>> from torch_scan_hop import scan
+        >>> def cumsum(total, x):
+        ...     total = total + x
+        ...     return total, total
+        >>> final, ys = scan(cumsum, torch.tensor(0.0), torch.arange(4.0))
+        >>> final, ys
+        (tensor(6.), tensor([0., 1., 3., 6.]))
     """
     if partition_fn is not None or is_fn_pure is not None:
         remat = remat_with_torch_xla_keywords(remat, partition_fn, "is_fn_pure", is_fn_pure, "scan")

@@ -1,8 +1,27 @@
 """What every layer of the package shares; imports only ``_compat``.
 
+Inputs, checks and paths:
+
 - ``trees``: pytree bookkeeping of ``scan``'s inputs and outputs, and ``ScanError`` with the
   messages for bad input (which leaf, which shape, what to do);
+- ``checks``: what every step's output must satisfy (the carry keeps init's structure, shape
+  and dtype; no input mutated), one message each, for the pytree front end and the flat op;
+- ``route``: which path a scan takes (the eager loop, Dynamo, XLA's eager entry or the op),
+  decided in one place;
 - ``schedule``: the loop schedule (step order, ``unroll`` blocks and remainder) every path runs;
 - ``op_args``: the op's flat calling convention (examples to trace one step, output split);
-- ``dtensors``: a DTensor as local tensor plus layout (public ``torch.distributed.tensor`` API).
+- ``dtensors``: a DTensor as local tensor plus layout (public ``torch.distributed.tensor`` API);
+- ``torch_xla_keywords``: torch_xla's scan keywords (``partition_fn``, ``is_fn_pure``) mapped
+  onto ours.
+
+Remat (what a step keeps for its backward):
+
+- ``remat``: the policies as plain objects (``RematPolicy``, ``checkpoint_name``, the strings)
+  and their one validator;
+- ``recompute``: eager remat's replay engine, one per scan;
+- ``cheap``: recipes recorded per call, so saved values are recomputed without re-running the body;
+- ``keep``: which recorded values an eager ``"min_cut"`` step keeps within its memory budget;
+- ``policy_ops``: which recorded calls an op-level ``RematPolicy`` keeps the outputs of;
+- ``revolve``: binomial checkpointing's schedule for ``("binomial", k)``;
+- ``drain``: autograd work a failed backward leaves queued, freed while Python still runs.
 """

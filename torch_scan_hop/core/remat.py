@@ -27,6 +27,7 @@ import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Union
 
 import torch
 
@@ -35,6 +36,8 @@ from . import route
 from .trees import ScanError
 
 STRINGS = ("save_all", "min_cut", "recompute_all", "sqrt")
+# What ``remat=`` takes: a name, ("binomial", k), a RematPolicy or an AOTAutograd partition function.
+Remat = Union[str, tuple[str, int], "RematPolicy", Callable[..., Any]]
 
 
 # ``checkpoint_name`` is the identity in eager; traced it is this op so that the
@@ -75,12 +78,34 @@ def naming(engine):
         stack.pop()
 
 
-def checkpoint_name(x, name):
-    """Mark ``x`` inside a scan body as ``name`` for ``save_only_these_names``.
+def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Mark ``x`` inside a scan body as ``name``, for a policy that saves by name.
 
-    The identity (returns ``x``) outside a scan with such a policy. Traced, the
-    value shows up in the step's graph under its name (as JAX's
-    ``checkpoint_name``)."""
+    As JAX's ``checkpoint_name``: the mark is how ``save_only_these_names`` (and any
+    ``RematPolicy`` reading ``name``) picks what a step keeps for its backward, since a value
+    has no other stable name across eager and traced runs.
+
+    Args:
+        x: a tensor computed in the body.
+        name: the name a policy sees.
+
+    Returns:
+        ``x`` itself outside a scan with such a policy (the identity); in an eager scan's
+        replay the value the engine keeps or recomputes; traced, ``x`` through an identity op
+        that carries the name into the step's graph (dropped from the partitioned graphs).
+
+    Raises:
+        ScanError: ``name`` is not a str or ``x`` not a tensor.
+
+    Example:
+        >>> import torch
+        >>> from torch_scan_hop import checkpoint_name, save_only_these_names, scan
+        >>> W = torch.randn(4, 4, requires_grad=True)
+        >>> def cell(h, x):
+        ...     pre = checkpoint_name(h @ W + x, "pre")  # kept; tanh recomputed from it
+        ...     return torch.tanh(pre), None
+        >>> h, _ = scan(cell, torch.zeros(4), torch.randn(8, 4), remat=save_only_these_names("pre"))
+    """
     if not isinstance(name, str):
         raise ScanError(f"checkpoint_name: name must be a str, got {type(name).__name__}.")
     if not isinstance(x, torch.Tensor):
@@ -97,14 +122,33 @@ def checkpoint_name(x, name):
 
 @dataclass(frozen=True)
 class RematPolicy:
-    """``save(op, name) -> bool`` says whether a step keeps the value ``op``
-    computed (``name`` is its ``checkpoint_name``, or None; a named value has
-    ``op`` = the naming op itself). Values the policy does not keep are
-    recomputed in the backward. ``offload``: the device saved values wait on
-    ("cpu" puts a CUDA scan's saved values in host memory); None keeps them
-    where they are."""
+    """What each scan step keeps for its backward: ``save(op, name) -> bool`` per value.
 
-    save: Callable
+    As ``jax.checkpoint_policies``, a policy is a plain function of the op that computed a value
+    (an ``aten`` OpOverload) and its ``checkpoint_name`` (None if unnamed; a named value has
+    ``op`` = the naming op itself), so one object drives eager (the replay engine) and every
+    traced path (the partitioner) alike. Values it does not keep are recomputed in the
+    backward from the step's carry and x.
+
+    Args:
+        save: ``save(op, name) -> bool``, True to keep the value.
+        offload: the device kept values wait on between forward and backward ("cpu": a CUDA
+            scan's saved values in host memory; eager scans only), None to keep them in place.
+        label: how the policy is shown in errors and graph tokens.
+
+    Raises:
+        ScanError: ``save`` is not callable or ``offload`` not a device.
+
+    Example:
+        >>> import torch
+        >>> from torch_scan_hop import RematPolicy, scan
+        >>> keep_matmuls = RematPolicy(lambda op, name: op is torch.ops.aten.mm.default)
+        >>> W = torch.randn(4, 4, requires_grad=True)
+        >>> h, _ = scan(lambda h, x: (torch.tanh(h @ W + x), None), torch.zeros(1, 4),
+        ...             torch.randn(8, 1, 4), remat=keep_matmuls)
+    """
+
+    save: Callable[[Any, str | None], bool]
     offload: str | None = None
     label: str = "custom"
 

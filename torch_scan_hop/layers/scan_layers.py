@@ -18,13 +18,15 @@ every layer unchanged; tensor ones are closed over (constants of the call).
 """
 import collections
 import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
 from .. import _compat
 from ..api import scan
-from ..core import schedule
-from ..core.remat import as_policy
+from ..core import route, schedule
+from ..core.remat import Remat, as_policy
 from ..core.torch_xla_keywords import remat_with_torch_xla_keywords
 from ..core.trees import ScanError, flatten
 from ..op.compile_errors import surface
@@ -201,8 +203,11 @@ def _per_layer(layers, broadcast_kwargs, layer_kwargs):
     return [{**broadcast_kwargs, **kw} for kw in layer_kwargs]
 
 
-def scan_layers(layers, *inputs, remat="save_all", unroll=None, partition_fn=None, is_layer_pure=None,
-                layer_kwargs=None, period=1, **broadcast_kwargs):
+def scan_layers(layers: Iterable[torch.nn.Module], *inputs: Any, remat: Remat = "save_all",
+                unroll: int | None = None, partition_fn: Callable[..., Any] | None = None,
+                is_layer_pure: bool | None = None,
+                layer_kwargs: Sequence[dict[str, Any]] | None = None, period: int | str = 1,
+                **broadcast_kwargs: Any) -> Any:
     """``for layer in layers: inputs = layer(*inputs, **broadcast_kwargs)`` as one scan.
 
     ``layers``: an ``nn.ModuleList`` (or sequence) of modules with identical
@@ -238,6 +243,33 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=None, partition_fn=Non
     ``partition_fn`` and ``is_layer_pure`` are torch_xla.experimental.scan_layers' keywords, taken
     here rather than passed to the layers: ``partition_fn`` is ``remat``, ``is_layer_pure`` is ignored
     (``core/torch_xla_keywords.py``).
+
+    Args:
+        layers: an ``nn.ModuleList`` (or sequence) of modules identical up to their weights.
+        *inputs: the hidden state (a tensor or pytree), or several inputs every layer takes.
+        remat: what the backward keeps per layer, as ``scan``'s ``remat``.
+        unroll: layers per loop iteration (above).
+        partition_fn: torch_xla's name for ``remat`` (give one of the two).
+        is_layer_pure: torch_xla's cache flag: accepted, changes nothing.
+        layer_kwargs: one dict of keyword inputs per layer (above).
+        period: the length of the layers' repeating pattern, or "auto" (above).
+        **broadcast_kwargs: keyword inputs every layer gets unchanged (tensors: no gradient).
+
+    Returns:
+        What the last layer returns (above): the hidden state, a tuple of them for several
+        inputs, or the last layer's tuple with the extras stacked; the inputs for no layer.
+
+    Raises:
+        ScanError: layers that differ (naming layer and attribute), bad options, or, traced,
+            module hooks and in-place running statistics.
+
+    Example:
+        >>> import torch
+        >>> from torch_scan_hop import scan_layers
+        >>> layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+        >>> h = scan_layers(layers, torch.randn(2, 8))  # for layer in layers: h = layer(h)
+        >>> tuple(h.shape)
+        (2, 8)
     """
     if period != 1:
         return scan_patterned(layers, *inputs, remat=remat, unroll=unroll, partition_fn=partition_fn,
@@ -264,7 +296,7 @@ def scan_layers(layers, *inputs, remat="save_all", unroll=None, partition_fn=Non
     trained_stacks = stacked is not None and container.grads_mode == "stacked"
     over_rows = False  # eager, over the stacks' rows: hooks and running stats already ruled out
     tensors = flat_inputs + list(states[0].values())
-    if (not callable(remat) and _compat.runs_eagerly(tensors)
+    if (route.runs_the_loop(tensors, remat)
             and not stacks_swapped(container, stacked)):  # a swapped stack: scanned, the layers cannot run it
         # a layer's own attribute: its own code runs it
         over_rows = trained_stacks and differentiates_stacks(container, layers) and _all_attributes_agree(layers)

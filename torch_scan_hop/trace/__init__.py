@@ -3,11 +3,12 @@
 - ``graph``: ``trace_graph``, the one entry for tracing a function to an aten graph;
 - ``lift``: closed-over tensors become explicit inputs (``additional_inputs``);
 - ``flat_body``: the front end's body as the op sees it under Dynamo;
-- ``body_checks``: the checks every traced body passes (carry types, no input mutation);
+- ``body_checks``: a body traced for its input-mutation check (the checks: ``core/checks.py``);
 - ``joint``: one step's joint forward/backward graph, traced from the user's own function;
 - ``partition``: the joint split into ``fwd`` / ``bwd`` (``FwdBwd``);
 - ``remat``: remat policies as partition functions (``policy_partition`` for a ``RematPolicy``);
 - ``peephole``: clean-ups of the partitioned graphs;
+- ``shift``: saved carries read from the previous step's stack (one stacked buffer fewer per carry);
 - ``cache``: reuse of partitions and lowerings, keyed by graphs (never by functions);
 - ``xla_formulas``: autograd formulas for torch_xla ops a joint meets.
 

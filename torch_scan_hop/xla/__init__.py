@@ -4,7 +4,8 @@
 - ``lower``: the While(s) built by the C++ extension (``torch_scan_hop._hlo_scan``,
   csrc/hlo_scan.cc) around it, cached per graph;
 - ``eager``: an eager scan on XLA tensors routed through Dynamo, whose guards say when
-  the body is unchanged.
+  the body is unchanged;
+- ``sharding``: SPMD: each gradient leaves the scan with its tensor's sharding.
 
 May import: ``core``, ``trace``, ``_compat``.
 """
