@@ -30,12 +30,12 @@ from torch.utils import checkpoint as _ckpt
 
 from .. import _compat
 from ..core import dtensors as dt
+from ..core.checks import check_carry, check_pair, flatten_y
 from ..core.op_args import slice_example
 from ..core.drain import drain_at_exit, drain_at_thread_end
 from ..core.recompute import StepReplay
 from ..core.remat import as_policy, binomial_slots, nothing_saveable
 from ..core.schedule import step_order
-from ..core.checks import check_carry, check_pair, flatten_y
 from ..core.trees import LEAF, ScanError
 
 
