@@ -59,10 +59,10 @@ def _unwritten_carries(code, context=None):
         if loop is None:
             continue
         indent, name = loop.group(1), loop.group(2)
-        head = re.match(rf"^{indent}{name} = \[(.*?)\](?:;|$)", lines[i - 1]) if i else None
+        head = re.match(rf"^{indent}{name} = \[(.*)\]$", lines[i - 1]) if i else None
         if head is None:
             return f"the loop {name}'s list of carried values is not on the line before it"
-        carried = len([v for v in head.group(1).split(",") if v.strip()])
+        carried = len(loop_kernel._split(head.group(1)))  # top-level commas: an item may be a view call
         body = lines[i + 1:python_text._body_end(lines, i, indent)]
         written = {int(m.group(1)) for b in body if (m := re.match(rf"^{indent}    {name}\[(\d+)\] = \S", b))}
         if written != set(range(carried)):
