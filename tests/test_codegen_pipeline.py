@@ -137,3 +137,17 @@ def test_passes_off_skips_a_pass():
     with codegen.passes_off("release_finished_loops"):
         assert pipeline.run(passes.PYTHON_WRAPPER, code) == code
     assert "del buf5" in pipeline.run(passes.PYTHON_WRAPPER, code)
+
+
+def test_the_pools_precondition_reads_a_carried_view_as_one_value():
+    """A carried value may be a view call with commas of its own; a body that hands on fewer
+    values than it carries (a torch writing its outputs another way) fails the precondition."""
+    code = ("        buf5 = [buf1, reinterpret_tensor(buf0, (2, 3), (3, 1), 0)]\n"
+            "        for buf5_step in range(4):\n"
+            "            b_buf5 = empty_strided_cpu((2, 3), (3, 1), torch.float32)\n"
+            "            buf5[0] = buf5[0]\n"
+            "            buf5[1] = b_buf5\n"
+            "        buf6 = buf5[1]")
+    assert passes._unwritten_carries(code) is None
+    short = code.replace("    buf5[1] = b_buf5\n", "")
+    assert "writes back carried values [0] of 2" in passes._unwritten_carries(short)

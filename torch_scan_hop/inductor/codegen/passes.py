@@ -42,28 +42,36 @@ def _unreadable_kernel_definitions(code, context=None):
     return None
 
 
+def _loop_bodies(lines):
+    """``(loop name, indentation, body lines)`` of each counted loop of the Python wrapper."""
+    for i, line in enumerate(lines):
+        if loop := python_text._FOR.match(line):
+            yield i, loop.group(1), loop.group(2), lines[i + 1:python_text._body_end(lines, i, loop.group(1))]
+
+
 def _unreadable_counter_steps(code, context=None):
-    for line in code.split("\n"):
-        if _COUNT_STEP_CALL in line and not python_text._COUNT_STEP.match(line):
-            return f"a counter step of another form: {line.strip()[:120]!r}"
+    """A reason when a counted loop's body steps a counter in a form ``drop_counter_steps``
+    does not read (the only lines it rewrites are in such bodies)."""
+    for _, _, _, body in _loop_bodies(code.split("\n")):
+        for line in body:
+            if _COUNT_STEP_CALL in line and not python_text._COUNT_STEP.match(line):
+                return f"a counter step of another form: {line.strip()[:120]!r}"
     return None
 
 
 def _unwritten_carries(code, context=None):
     """A reason when a counted loop's body does not hand each carried value on as
     ``<loop>[k] = value`` (how inductor writes an inlined subgraph's outputs): the pool's
-    check of what a step hands on would then see nothing and pool buffers that live longer."""
+    check of what a step hands on would then see nothing and pool buffers that live longer.
+    Only loops that allocate CPU buffers (all the pass pools) are checked."""
     lines = code.split("\n")
-    for i, line in enumerate(lines):
-        loop = python_text._FOR.match(line)
-        if loop is None:
-            continue
-        indent, name = loop.group(1), loop.group(2)
+    for i, indent, name, body in _loop_bodies(lines):
+        if not any("empty_strided_cpu(" in b for b in body):
+            continue  # nothing the pass could pool
         head = re.match(rf"^{indent}{name} = \[(.*)\]$", lines[i - 1]) if i else None
         if head is None:
             return f"the loop {name}'s list of carried values is not on the line before it"
         carried = len(loop_kernel._split(head.group(1)))  # top-level commas: an item may be a view call
-        body = lines[i + 1:python_text._body_end(lines, i, indent)]
         written = {int(m.group(1)) for b in body if (m := re.match(rf"^{indent}    {name}\[(\d+)\] = \S", b))}
         if written != set(range(carried)):
             return f"the loop {name}'s body writes back carried values {sorted(written)} of {carried}"
