@@ -124,6 +124,18 @@ def _unclosed_cpp_loops(code, context=None):
 
 
 def _unreadable_cpu_allocations(code, context=None):
+    """A reason when a CPU allocation inside our loops (what ``pool_cpp_loop_buffers`` pools) is
+    not in the form the pass reads."""
+    lines = code.split("\n")
+    for start, end in cpp_text._loop_bodies(lines):
+        text = "\n".join(lines[start:end])
+        reason = _unreadable_cpu_allocation_in(text)
+        if reason is not None:
+            return reason
+    return None
+
+
+def _unreadable_cpu_allocation_in(code):
     for line in code.split("\n"):
         text = line.strip()
         if text.startswith(_CPP_CPU_EMPTY) and "cached_torch_device_type_cpu" in text \
