@@ -286,7 +286,7 @@ def dtensor_min_cut_uneven_shards():
     one rank's backward gathered a closure again where the other's did not: gloo aborted the
     process ("Received data size doesn't match expected size"). Found by a random body
     (``dtensor_random_bodies``, seed 1072); a body with collectives is now partitioned as
-    save_all is (``trace/remat._min_cut_partition``)."""
+    save_all is (``remat/partition._min_cut_partition``)."""
     import _dtensor_random
 
     for mode in ("aot_eager", "inductor"):

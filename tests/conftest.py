@@ -28,17 +28,17 @@ def capture_graphs():
 
 @pytest.fixture
 def engines(monkeypatch):
-    """The eager remat engines (``core.recompute.StepReplay``) the test's scans make, in order."""
-    from torch_scan_hop.core import recompute
+    """The eager remat engines (``remat.replay.StepReplay``) the test's scans make, in order."""
+    from torch_scan_hop.remat import replay
 
     made = []
-    init = recompute.StepReplay.__init__
+    init = replay.StepReplay.__init__
 
     def spy(self, *args, **kwargs):
         init(self, *args, **kwargs)
         made.append(self)
 
-    monkeypatch.setattr(recompute.StepReplay, "__init__", spy)
+    monkeypatch.setattr(replay.StepReplay, "__init__", spy)
     return made
 
 

@@ -11,6 +11,7 @@ still a cycle: the two modules cannot be understood, tested or moved apart). Flo
     op/                   the HigherOrderOperator and its rules
     xla/                  the XLA While (uses trace/)
     trace/, inductor/     tracing and partitioning; inductor lowering
+    remat/                what a step keeps for its backward: policies, eager engine, partitioning
     core/                 pytrees and errors, the schedule, the op's arguments
     _compat/              private torch / torch_xla APIs, importing nothing of ours
 
@@ -27,6 +28,7 @@ FLOORS = {
     "_compat": 0,
     "_hlo_scan": 0,  # the C++ extension (csrc/), imports nothing
     "core": 1,
+    "remat": 1.5,  # policies, the eager engine, partition functions: above core, below trace
     "trace": 2,
     "inductor": 2,
     "xla": 3,

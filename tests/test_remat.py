@@ -380,8 +380,8 @@ def test_an_error_inside_the_backward_leaves_the_process_able_to_exit():
     # forward's restore turned off) left exp's node in the engine's queue, and the interpreter died at
     # exit (SIGSEGV) before drain.drain_at_exit. A child raises it under every policy and exits.
     code = ("import torch, test_remat as t\n"
-            "from torch_scan_hop.core import recompute\n"
-            "recompute.StepReplay._restore_kept_carry = lambda self, pos: None\n"
+            "from torch_scan_hop.remat import replay\n"
+            "replay.StepReplay._restore_kept_carry = lambda self, pos: None\n"
             "for policy in t.POLICIES:\n"
             "    try:\n"
             "        t.test_a_body_modifying_its_carry_in_place_matches_the_loop(policy)\n"
@@ -736,7 +736,7 @@ def test_compiled_peaks_no_worse_than_eager_on_cuda():
 
     peaks = _peaks("cuda", peak, 1024, 64, 128)  # the body and sizes
     for remat, (eager, compiled) in peaks.items():
-        # eager min_cut keeps at most half of save_all's bytes (core/keep.py); compiled min_cut is
+        # eager min_cut keeps at most half of save_all's bytes (remat/keep.py); compiled min_cut is
         # functorch's partitioner, which never recomputes a matmul: no more than save_all there
         bound = peaks["save_all"][0] if remat == "min_cut" else eager
         assert compiled <= 1.1 * bound, (remat, peaks)
@@ -744,7 +744,7 @@ def test_compiled_peaks_no_worse_than_eager_on_cuda():
 
 @pytest.mark.parametrize("seed", range(20))
 def test_min_cut_gains_are_what_keeping_a_value_saves(seed):
-    from torch_scan_hop.core import cheap, keep
+    from torch_scan_hop.remat import keep, recipes as cheap
 
     rng = random.Random(seed)
     n = rng.randint(1, 30)

@@ -2,7 +2,7 @@
 
 Such a policy keeps the outputs of the calls that run an op it saves and recomputes the rest of
 what the backward reads from the step's recorded recipes, as ``save_only_these_names`` does; the
-body is never re-run while recipes serve (core/cheap.py, core/policy_ops.py). Checked here: the
+body is never re-run while recipes serve (remat/recipes.py, remat/policy_ops.py). Checked here: the
 loop's values and gradients on random problems (pytrees, closures used several times, lengths 0
 and 1, reverse, dim), in eager and traced; what a step keeps; what the backward recomputes.
 """

@@ -7,6 +7,7 @@ The folders are the architecture, each importing only the ones below it:
     api.py, fwd_bwd.py, layers/    front ends: scan, fwd_bwd, scan_layers / stack_layers
     op/                            the HigherOrderOperator and one module per dispatch rule
     trace/  xla/  inductor/        tracing and partitioning; XLA While lowering; inductor lowering
+    remat/                         what a step keeps for its backward: policies, eager engine, partitioning
     core/                          pytrees and input errors, the loop schedule, the op's arguments
     _compat/                       every private torch / torch_xla API, importing nothing of ours
 
@@ -14,7 +15,7 @@ The folders are the architecture, each importing only the ones below it:
 """
 from . import _compat
 from .api import clear_cache, scan
-from .core.remat import (
+from .remat.policies import (
     RematPolicy,
     checkpoint_name,
     dots_saveable,

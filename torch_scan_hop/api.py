@@ -8,13 +8,13 @@ from . import _compat
 from .core import route
 from .core.checks import check_carry, check_pair, flatten_y
 from .core.op_args import example_args
-from .core.remat import Remat, as_token, validated
 from .core.schedule import sqrt_split
 from .core.torch_xla_keywords import remat_with_torch_xla_keywords
 from .core.trees import LEAF, ScanError, ScanInputs, flatten, prepare_inputs, shown
 from .op.compile_errors import surface
 from .op.hop import scan_op
 from .op.loop import run_tree
+from .remat.policies import Remat, as_token, validated
 from .trace import cache
 from .trace.body_checks import mark_checked
 from .trace.flat_body import dynamo_body

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .api import FlatBody
-from .core.remat import Remat, validated
 from .core.trees import ScanInputs, flatten, require_tensor_leaves
+from .remat.policies import Remat, validated
 from .trace.lift import trace_and_lift
 from .trace.partition import FwdBwd, _differentiable, partition_body
 

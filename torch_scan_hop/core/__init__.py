@@ -1,7 +1,5 @@
 """What every layer of the package shares; imports only ``_compat``.
 
-Inputs, checks and paths:
-
 - ``trees``: pytree bookkeeping of ``scan``'s inputs and outputs, and ``ScanError`` with the
   messages for bad input (which leaf, which shape, what to do);
 - ``checks``: what every step's output must satisfy (the carry keeps init's structure, shape
@@ -12,16 +10,8 @@ Inputs, checks and paths:
 - ``op_args``: the op's flat calling convention (examples to trace one step, output split);
 - ``dtensors``: a DTensor as local tensor plus layout (public ``torch.distributed.tensor`` API);
 - ``torch_xla_keywords``: torch_xla's scan keywords (``partition_fn``, ``is_fn_pure``) mapped
-  onto ours.
-
-Remat (what a step keeps for its backward):
-
-- ``remat``: the policies as plain objects (``RematPolicy``, ``checkpoint_name``, the strings)
-  and their one validator;
-- ``recompute``: eager remat's replay engine, one per scan;
-- ``cheap``: recipes recorded per call, so saved values are recomputed without re-running the body;
-- ``keep``: which recorded values an eager ``"min_cut"`` step keeps within its memory budget;
-- ``policy_ops``: which recorded calls an op-level ``RematPolicy`` keeps the outputs of;
-- ``revolve``: binomial checkpointing's schedule for ``("binomial", k)``;
+  onto ours;
 - ``drain``: autograd work a failed backward leaves queued, freed while Python still runs.
+
+(Remat, what a step keeps for its backward, is the ``remat`` folder above this one.)
 """

@@ -82,7 +82,7 @@ def block_order(unroll, reverse=False):
 
 def sqrt_block(length):
     """``remat="sqrt"``'s block: k = ceil(sqrt(T)) steps, so that T/k kept carries and
-    one block's activations are both ~sqrt(T). The eager engine (``core/recompute.py``)
+    one block's activations are both ~sqrt(T). The eager engine (``remat/replay.py``)
     and the traced two-level scan (``api._sqrt_scan``) read it here so they block alike."""
     return max(1, math.ceil(math.sqrt(length)))
 

@@ -26,7 +26,7 @@ import torch
 from .. import _compat
 from ..api import scan
 from ..core import route, schedule
-from ..core.remat import Remat, as_policy
+from ..remat.policies import Remat, as_policy
 from ..core.torch_xla_keywords import remat_with_torch_xla_keywords
 from ..core.trees import ScanError, flatten
 from ..op.compile_errors import surface

@@ -4,7 +4,7 @@ from typing import TypeVar
 
 import torch
 
-from ..core.remat import as_policy
+from ..remat.policies import as_policy
 from ..core.trees import ScanError
 from ..layers import patterns
 from ..layers.scan_layers import blocks_of, stack_plan

@@ -23,7 +23,7 @@ from .._compat import versions
 from ..core import dtensors as dt
 from ..core.checks import input_name, mutation_message
 from ..core.op_args import slice_example
-from ..core.remat import RematPolicy, as_token
+from ..remat.policies import RematPolicy, as_token
 from ..trace.flat_body import _ERROR
 from .compile_errors import GRAPH_BREAK, capture_failure, compile_error
 

@@ -4,65 +4,36 @@ Nothing is traced or cached in eager mode, so whatever the loop supports the
 scan supports, with the loop's values, gradients and side effects:
 ``no_grad`` regions, custom ``autograd.Function``s, hooks, RNG draws, grad-mode
 branches, double backward and ``torch.func`` transforms. ``remat`` is realised
-by one replay engine per scan (``core/recompute.py``):
+by one replay engine per scan (``remat/replay.py``, applied by ``remat/step.py``):
 
 * ``"save_all"``: the plain tape.
 * ``"recompute_all"``: each step's inputs are kept; saved values are recomputed
-  in the backward from recipes recorded in the forward (``core/cheap.py``), or,
+  in the backward from recipes recorded in the forward (``remat/recipes.py``), or,
   for a body calling a function it does not know (a random op), by re-running
   the step (RNG state restored, so dropout masks match; the body's Python side
   effects run again there).
 * ``"min_cut"``: at most half of the bytes save_all keeps per step (the carry
-  counted), the values whose recompute costs most (``core/keep.py``); the rest
+  counted), the values whose recompute costs most (``remat/keep.py``); the rest
   is recomputed from recipes, nothing re-run (an unknown function's outputs kept).
 * ``save_only_these_names``: the named values are kept, the rest as recompute_all.
 * any other ``RematPolicy``: the outputs of the calls that run an op the policy
   saves (and its ``checkpoint_name``d values) are kept where the backward reads
-  them, the rest as recompute_all (``core/policy_ops.py``).
+  them, the rest as recompute_all (``remat/policy_ops.py``).
 * ``"sqrt"``: every ~sqrt(T)-th carry is kept; blocks are re-run in the backward.
-* ``("binomial", k)``: at most k carries, as revolve places them (``core/revolve.py``).
+* ``("binomial", k)``: at most k carries, as revolve places them (``remat/revolve.py``).
 """
 import contextlib
-import functools
 
 import torch
-from torch.utils import checkpoint as _ckpt
 
 from .. import _compat
 from ..core import dtensors as dt
 from ..core.checks import check_carry, check_pair, flatten_y
 from ..core.op_args import slice_example
-from ..core.drain import drain_at_exit, drain_at_thread_end
-from ..core.recompute import StepReplay
-from ..core.remat import as_policy, binomial_slots, nothing_saveable
+from ..core.drain import drain_at_thread_end
 from ..core.schedule import step_order
 from ..core.trees import LEAF, ScanError
-
-
-def _sac_policy(policy):
-    def decide(ctx, op, *args, **kwargs):
-        saves = policy.saves(op, None)
-        return _ckpt.CheckpointPolicy.MUST_SAVE if saves else _ckpt.CheckpointPolicy.PREFER_RECOMPUTE
-    return decide
-
-
-def remat_step(step, remat, length=None):
-    """``step`` with the remat policy applied (see the module docstring).
-
-    With ``length`` (a scan's loop) one ``StepReplay`` serves all steps; without
-    (one call per layer, ``scan_layers``) each call is a torch.utils.checkpoint.
-    Under torch.func transforms (which refuse saved-tensor hooks) the tape saves all."""
-    policy = as_policy(remat)
-    if policy is None or _compat.functorch_transforms_active():
-        return step
-    drain_at_exit()  # the steps' nodes carry saved-tensor hooks: see core/drain.py
-    if length is not None:
-        return StepReplay(step, policy, length, sqrt=remat == "sqrt", min_cut=remat == "min_cut",
-                          slots=binomial_slots(remat))
-    if policy.save is nothing_saveable.save:
-        return functools.partial(_ckpt.checkpoint, step, use_reentrant=False)
-    contexts = functools.partial(_compat.replayable_selective_checkpoint_contexts, _sac_policy(policy))
-    return functools.partial(_ckpt.checkpoint, step, use_reentrant=False, context_fn=contexts)
+from ..remat.step import remat_step
 
 
 def stack_column(column, k):

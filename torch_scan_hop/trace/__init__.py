@@ -5,8 +5,7 @@
 - ``flat_body``: the front end's body as the op sees it under Dynamo;
 - ``body_checks``: a body traced for its input-mutation check (the checks: ``core/checks.py``);
 - ``joint``: one step's joint forward/backward graph, traced from the user's own function;
-- ``partition``: the joint split into ``fwd`` / ``bwd`` (``FwdBwd``);
-- ``remat``: remat policies as partition functions (``policy_partition`` for a ``RematPolicy``);
+- ``partition``: the joint split into ``fwd`` / ``bwd`` (``FwdBwd``), by ``remat/partition.py``'s functions;
 - ``peephole``: clean-ups of the partitioned graphs;
 - ``shift``: saved carries read from the previous step's stack (one stacked buffer fewer per carry);
 - ``cache``: reuse of partitions and lowerings, keyed by graphs (never by functions);

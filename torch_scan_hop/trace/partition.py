@@ -19,10 +19,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import _compat
+from ..remat.partition import drop_names, partition_fn
 from .graph import trace_graph
 from .joint import flags_and_joint
 from .peephole import drop_aliases, recompute_saved_extrema, save_dense_layouts, simplify
-from .remat import drop_names, partition_fn
 
 
 def _differentiable(t):

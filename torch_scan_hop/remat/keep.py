@@ -7,12 +7,12 @@ benchmark body (4 of save_all's 5 values per step). Eager "min_cut" is a
 memory-budget cut instead, as functorch's ``activation_memory_budget``: a step
 keeps at most ``BUDGET`` of the bytes save_all keeps for it (its new carry
 counted: every policy keeps it), choosing the values whose recomputation costs
-the most, and recomputes the rest from the step's recipes (``core/cheap.py``).
+the most, and recomputes the rest from the step's recipes (``remat/recipes.py``).
 
 The choice is a knapsack (bytes kept against recompute saved), solved greedily:
 starting from recomputing everything, repeatedly keep the value that saves the
 most recompute per byte while it fits. The cost of a recipe is the elements it
-makes, a matmul-class call (``cheap.DOTS``) ``DOT_WEIGHT`` times that (views
+makes, a matmul-class call (``recipes.DOTS``) ``DOT_WEIGHT`` times that (views
 none). On the benchmark body (5 saved values per step, the last the carry)
 the budget leaves room for one value besides the carry: a middle layer's
 output, so the backward re-runs 2 of the 4 matmuls (recompute_all: 3).
@@ -35,7 +35,7 @@ def remember(key, plan):
 
 
 def parents(args, out):
-    """Recipe ids an argument template refers to (``cheap._Ref``s, found by their ``rid``)."""
+    """Recipe ids an argument template refers to (``recipes._Ref``s, found by their ``rid``)."""
     if hasattr(args, "rid"):
         out.add(args.rid)
     elif isinstance(args, dict):

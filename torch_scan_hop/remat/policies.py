@@ -6,7 +6,7 @@ gave it (None otherwise), as JAX's ``jax.checkpoint_policies`` are functions of
 the primitive and its params. Values it saves are kept; everything else the
 backward needs is recomputed from the step's carry and x. The same object
 drives every path: the eager loop replays a step with the saved values
-(``core/recompute.py``), the traced paths partition the step's joint graph
+(``remat/replay.py``), the traced paths partition the step's joint graph
 with it (``trace/partition.py``), so eager, make_fx, torch.compile, export and
 XLA keep the same values.
 
@@ -15,7 +15,7 @@ live on between the forward and the backward (host memory for a CUDA scan).
 
 The strings stay: "save_all", "recompute_all", "min_cut" (traced: functorch's
 min-cut partitioner; eager: keep at most half of save_all's bytes per step,
-for the least recompute, ``core/keep.py``), "sqrt" (eager: only every k-th carry, k ~ sqrt(T), each
+for the least recompute, ``remat/keep.py``), "sqrt" (eager: only every k-th carry, k ~ sqrt(T), each
 block recomputed once in the backward) and ``("binomial", k)`` (eager: at most
 k carries, placed as revolve places them; stands in graphs as "binomial:k").
 Traced, "sqrt" of a static length is two scans (``api._sqrt_scan``: an outer scan
@@ -32,8 +32,8 @@ from typing import Any, Union
 import torch
 
 from .. import _compat
-from . import route
-from .trees import ScanError
+from ..core import route
+from ..core.trees import ScanError
 
 STRINGS = ("save_all", "min_cut", "recompute_all", "sqrt")
 # What ``remat=`` takes: a name, ("binomial", k), a RematPolicy or an AOTAutograd partition function.
@@ -69,7 +69,7 @@ def namers():
 
 @contextlib.contextmanager
 def naming(engine):
-    """``checkpoint_name`` calls inside this block go to ``engine.named`` (core/recompute.py)."""
+    """``checkpoint_name`` calls inside this block go to ``engine.named`` (remat/replay.py)."""
     stack = namers()
     stack.append(engine)
     try:
@@ -251,7 +251,7 @@ def resolve(remat):
 def as_policy(remat):
     """The policy object a string stands for in eager ("save_all" -> None: the plain tape; "min_cut"
     -> dots_saveable where a per-call checkpoint serves it, scan_layers' layers: a scan's own engine
-    runs min_cut by recipes, core/cheap.py)."""
+    runs min_cut by recipes, remat/recipes.py)."""
     remat = resolve(remat)
     if isinstance(remat, RematPolicy) or remat is None:
         return remat

@@ -6,7 +6,7 @@ call builds its own frame, hook objects, device and RNG bookkeeping, and
 selective checkpointing runs torch's Python caching modes on top. Here ONE
 ``StepReplay`` serves every step of a scan. ``recompute_all``, ``min_cut`` and
 every ``RematPolicy`` without ``offload`` (names, ``dots_saveable``, a user's)
-recompute saved values from recipes recorded in the forward (``core/cheap.py``;
+recompute saved values from recipes recorded in the forward (``remat/recipes.py``;
 ``_recorded_step``) while every function the body calls is known and
 deterministic; otherwise, and for ``sqrt``, binomial and offloading policies:
 
@@ -35,12 +35,11 @@ import contextlib
 import torch
 
 from .. import _compat
-from . import cheap, keep, revolve
-from .drain import drain_at_thread_end
-from . import remat as policies
+from ..core.drain import drain_at_thread_end
+from ..core.schedule import sqrt_block
+from ..core.trees import ScanError, map_tensors, own_copy, requiring_grad
+from . import keep, policies, recipes, revolve
 from .policy_ops import OpKeeps, saves_op
-from .schedule import sqrt_block
-from .trees import ScanError, map_tensors, own_copy, requiring_grad
 
 
 def _map_tensors(fn, value):
@@ -88,17 +87,17 @@ class StepReplay:
         self.step, self.policy = step, policy
         self.selective = policy.save is not policies.nothing_saveable.save
         self.by_ops = self.selective and policy.reads_ops  # else names only: no dispatch mode
-        # recompute_all, policies and min_cut recompute from recipes while they can (core/cheap.py):
-        # policies keep what they save (names: ``named``; ops: core/policy_ops.py), min_cut what its
-        # plan says (core/keep.py)
-        recipes = policy.offload is None and not sqrt and slots is None
-        self.hot = cheap.HotValues(recompute=not min_cut, budget=keep.BUDGET if min_cut else None,
-                                   keeps=OpKeeps(policy) if self.by_ops else None) \
-            if min_cut or recipes else None
+        # recompute_all, policies and min_cut recompute from recipes while they can (remat/recipes.py):
+        # policies keep what they save (names: ``named``; ops: remat/policy_ops.py), min_cut what its
+        # plan says (remat/keep.py)
+        by_recipes = policy.offload is None and not sqrt and slots is None
+        self.hot = recipes.HotValues(recompute=not min_cut, budget=keep.BUDGET if min_cut else None,
+                                     keeps=OpKeeps(policy) if self.by_ops else None) \
+            if min_cut or by_recipes else None
         self.unreplayed = set()  # op-level policy: steps recipes stopped in, re-run without handing back
         self.offload = policy.offload
         self.block = sqrt_block(length) if sqrt else 1
-        self.slots = slots  # binomial: at most this many carries at once (core/revolve.py)
+        self.slots = slots  # binomial: at most this many carries at once (remat/revolve.py)
         self.carry_flags = []  # binomial: each step's carry leaves' requires_grad
         self.keep_at = None if slots is None else {0, *revolve.descent(0, length, slots - 1)}
         self.rest, self.carries, self.counts, self.kept = [], {}, [], []
@@ -166,7 +165,7 @@ class StepReplay:
         return out
 
     def _recorded_step(self, pos, carry, rest):
-        """A step whose saved values recipes serve (core/cheap.py): the hooks and the recording mode
+        """A step whose saved values recipes serve (remat/recipes.py): the hooks and the recording mode
         built once per scan, ``checkpoint_name`` answered by this engine (the identity: under the mode
         its own checks would each be a recorded call). No RNG state is noted: a step served by
         recipes is never re-run, and the first function that is not recorded notes it for its step
@@ -174,7 +173,7 @@ class StepReplay:
         hot, namers = self.hot, policies.namers()
         if self._recording is None:
             self._recording = (torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack),
-                               cheap.Forward(hot))
+                               recipes.Forward(hot))
         hooks, mode = self._recording
         hot.start_step()
         out = None
@@ -202,7 +201,7 @@ class StepReplay:
     def _hooks(self, pack, unpack):
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             if self.hot is not None and self.hot.usable:
-                with cheap.Forward(self.hot):
+                with recipes.Forward(self.hot):
                     yield
                 return
             if not self.selective:
@@ -214,8 +213,8 @@ class StepReplay:
     def _pack(self, t):
         k = self.n
         self.n += 1
-        if self.hot is not None and self.hot.usable:  # kept as it is, or a recipe (core/cheap.py)
-            return self.hot.pack(t) or cheap.Kept(t)
+        if self.hot is not None and self.hot.usable:  # kept as it is, or a recipe (remat/recipes.py)
+            return self.hot.pack(t) or recipes.Kept(t)
         return self.pos, k
 
     def _rng_now(self):
@@ -260,10 +259,10 @@ class StepReplay:
             mutable = self.mutable[func] = schema is not None and schema.is_mutable
         if not mutable:
             return
-        written = {cheap.storage_key(t) for t in _leaves((args, kwargs), [])} - {0}
+        written = {recipes.storage_key(t) for t in _leaves((args, kwargs), [])} - {0}
         kept = self.kept[self.pos]
         for i, (key, value, versions) in enumerate(kept):
-            if any(cheap.storage_key(t) in written for t in _leaves(value, [])):
+            if any(recipes.storage_key(t) in written for t in _leaves(value, [])):
                 kept[i] = (key, value, _STALE)
 
     def _take(self, key, like_device):
@@ -310,9 +309,9 @@ class StepReplay:
 
     def _unpack(self, handle):
         drain_at_thread_end()  # the backward may run in a thread the forward did not: core/drain.py
-        if isinstance(handle, cheap.Kept):
+        if isinstance(handle, recipes.Kept):
             return handle.get()
-        if isinstance(handle, cheap.Handle):
+        if isinstance(handle, recipes.Handle):
             return self.hot.value(handle)
         pos, k = handle
         cached = self.cached.get(pos)

@@ -19,7 +19,7 @@ from math import comb
 
 import torch
 
-from .trees import own_copy, requiring_grad
+from ..core.trees import own_copy, requiring_grad
 
 
 def descent(start, n, free):

@@ -1,4 +1,4 @@
-"""Remat policies as partition functions of a step's joint graph (see ``core/remat.py``).
+"""Remat policies as partition functions of a step's joint graph (see ``remat/policies.py``).
 
 ``partition_fn`` maps what ``scan``'s ``remat`` may be to a function
 ``(joint, inputs, *, num_fwd_outputs) -> (fwd, bwd)``: functorch's partitioners
@@ -12,7 +12,7 @@ import operator
 import torch
 
 from .. import _compat
-from ..core import remat as policies
+from . import policies
 from ..core.trees import ScanError
 
 

@@ -15,8 +15,8 @@ tensors, so double backward reaches the forward. What a step keeps:
   recipes off (``usable``): the engine re-runs the body for what is saved after;
 - ``save_only_these_names``: the named values besides (the engine's ``named``);
 - an op-level policy (``dots_saveable``, a user's ``RematPolicy``): the outputs of the calls that
-  run an op it saves (``core/policy_ops.py``) and the values it names, where the backward reads them;
-- ``"min_cut"``: besides the carry, what its plan says (``core/keep.py``): at
+  run an op it saves (``remat/policy_ops.py``) and the values it names, where the backward reads them;
+- ``"min_cut"``: besides the carry, what its plan says (``remat/keep.py``): at
   most half of the bytes save_all keeps, for the least recompute. A value made
   by a function outside ``DETERMINISTIC``, or computed from one, is "hot": kept
   as it is when saved (recomputing it could mean a redraw), never recorded.
@@ -29,8 +29,8 @@ tape raises its version error).
 """
 import torch
 
+from ..core.trees import ScanError
 from . import keep
-from .trees import ScanError
 
 
 def storage_key(t):
@@ -81,7 +81,7 @@ class Handle:
 
 
 # Functions whose outputs are cheap to recompute from their inputs (pointwise, views, reductions,
-# norms): min_cut's plan prices them by the elements they make (core/keep.py).
+# norms): min_cut's plan prices them by the elements they make (remat/keep.py).
 CHEAP = frozenset((
     "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
     "__neg__", "__pow__", "__rpow__", "__getitem__", "__get__", "add", "sub", "mul", "div", "neg", "exp",
@@ -114,7 +114,7 @@ class HotValues:
     recipe (nothing is hot); the first function outside ``DETERMINISTIC`` (or an in-place one)
     turns recipes off (``usable``) and the engine re-runs the body for the values saved after.
     ``budget`` serves ``min_cut``: values that cannot be recorded are hot, each step keeps what
-    its plan says (core/keep.py)."""
+    its plan says (remat/keep.py)."""
 
     def __init__(self, recompute=False, budget=None, keeps=None):
         self.recompute, self.usable = recompute, True
@@ -122,7 +122,7 @@ class HotValues:
         self.policy_kept = []  # this step's recipe ids kept for the policy
         self.saved_rids = set()  # with ``keeps``: this step's recipe ids autograd saved
         self.snapshot = self.on_unusable = None  # the engine's: RNG state now; "recipes stop here"
-        self.budget = budget  # min_cut: keep at most this share of save_all's bytes per step (core/keep.py)
+        self.budget = budget  # min_cut: keep at most this share of save_all's bytes per step (remat/keep.py)
         self.plans = {}  # min_cut: step shape -> recipe ids to keep
         self.saved = []  # min_cut: this step's saved values, (recipe id or None for a hot one, tensor)
         self.seeds = []  # per step: recipe id -> Kept value (the new carry, named or planned values)
@@ -192,7 +192,7 @@ class HotValues:
                     seeds[rid] = Kept(t)
 
     def _plan(self, recipes, seeds, saved):
-        """The recipe ids this step shape keeps (core/keep.py), from the bytes save_all would keep."""
+        """The recipe ids this step shape keeps (remat/keep.py), from the bytes save_all would keep."""
         outputs = {e[0].rid: e[1] for e in self.cheap.values() if e[2]}
         saved_bytes = {storage_key(t): t.untyped_storage().nbytes() for _, t in saved}
         saved_bytes.pop(0, None)

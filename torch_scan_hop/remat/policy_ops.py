@@ -1,7 +1,7 @@
 """Which recorded torch function calls an op-level ``RematPolicy`` keeps the outputs of.
 
 A policy is a function of aten ops (``dots_saveable`` saves ``aten.mm``,
-``aten.addmm``, ...), while eager recipes (``core/cheap.py``) are recorded a
+``aten.addmm``, ...), while eager recipes (``remat/recipes.py``) are recorded a
 level up, per torch function (``F.linear``, ``torch.tanh``), where a recording
 mode costs a third of a dispatch mode per call. What a function runs below
 autograd depends on the function and on its arguments' kinds (``F.linear``
