@@ -3,7 +3,7 @@ text passes over the generated wrappers as ONE declared pipeline per wrapper kin
 kernels some of them write. ``_compat`` holds only the hooks into inductor's private codegen
 that call this package (``_compat.inductor_loop``, ``_compat.cpp_loop``, ``_compat.loop_blas``).
 
-May import: ``core``, ``_compat`` (and ``inductor``'s own modules below it: none today).
+May import: ``core``, ``_compat`` (nothing else of ``inductor``: ``lowering`` calls ``install``).
 
 Modules:
 

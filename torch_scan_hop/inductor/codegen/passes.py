@@ -43,7 +43,7 @@ def _unreadable_kernel_definitions(code, context=None):
 
 
 def _loop_bodies(lines):
-    """``(loop name, indentation, body lines)`` of each counted loop of the Python wrapper."""
+    """``(line index, indentation, loop name, body lines)`` of each counted loop of the Python wrapper."""
     for i, line in enumerate(lines):
         if loop := python_text._FOR.match(line):
             yield i, loop.group(1), loop.group(2), lines[i + 1:python_text._body_end(lines, i, loop.group(1))]
