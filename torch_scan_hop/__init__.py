@@ -4,6 +4,7 @@ Importing the package installs ``scan_op`` as ``torch.ops.higher_order.scan``.
 
 The folders are the architecture, each importing only the ones below it:
 
+    models/                        whole models: scan_model (a transformers model's layers as scans)
     api.py, fwd_bwd.py, layers/    front ends: scan, fwd_bwd, scan_layers / stack_layers
     op/                            the HigherOrderOperator and one module per dispatch rule
     trace/  xla/  inductor/        tracing and partitioning; XLA While lowering; inductor lowering
@@ -28,6 +29,7 @@ from .inductor.buffer_pool import empty_cache
 from .layers import intact
 from .layers.scan_layers import scan_layers
 from .layers.storage import stack_layers
+from .models import scan_model
 from .op import dynamo as _dynamo_rule
 from .op.hop import scan_op
 from .trace.partition import FwdBwd
@@ -37,5 +39,5 @@ _dynamo_rule.install()
 intact.install()
 workarounds.fake_float64_attention_logsumexp_as_float64()
 
-__all__ = ["scan", "scan_layers", "stack_layers", "scan_op", "fwd_bwd", "ScanError", "FwdBwd", "clear_cache", "empty_cache",
+__all__ = ["scan", "scan_layers", "stack_layers", "scan_model", "scan_op", "fwd_bwd", "ScanError", "FwdBwd", "clear_cache", "empty_cache",
            "RematPolicy", "checkpoint_name", "dots_saveable", "save_only_these_names"]

@@ -66,7 +66,8 @@ def _is_plain(value):
 
 
 def _per_layer_data(trees):
-    """The attribute paths holding a different number in every layer (``layer_idx``)."""
+    """The attribute paths holding a different number in every layer that has them (``layer_idx``;
+    an attention's, present in the attention layers only)."""
     if len(trees) < 2:
         return frozenset()
     columns = collections.defaultdict(list)
@@ -75,7 +76,7 @@ def _per_layer_data(trees):
             columns[path].append(value)
     return frozenset(
         path for path, values in columns.items()
-        if len(values) == len(trees) and all(type(v) in (int, float) for v in values)
+        if len(values) >= 2 and all(type(v) in (int, float) for v in values)
         and len(set(values)) == len(values))
 
 

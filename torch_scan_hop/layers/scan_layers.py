@@ -282,8 +282,6 @@ def scan_layers(layers: Iterable[torch.nn.Module], *inputs: Any, remat: Remat = 
         if not layers:
             return _as_output(inputs)
         per_layer = _per_layer(layers, broadcast_kwargs, layer_kwargs)
-        shared, varying = (broadcast_kwargs, None) if layer_kwargs is None else split_kwargs(
-            per_layer, lambda i: layer_name(layers, i))
         # torch.export keeps the per-call stack: its program then lifts the layers' registered parameters
         stacked = None if _compat.is_exporting() else stacked_storage(container)
         # stacked storage was checked for identical structure when made: layer 0's state suffices here
@@ -302,11 +300,13 @@ def scan_layers(layers: Iterable[torch.nn.Module], *inputs: Any, remat: Remat = 
         over_rows = trained_stacks and differentiates_stacks(container, layers) and _all_attributes_agree(layers)
         if not over_rows:
             return _eager_loop(layers, inputs, remat, per_layer)
-    if stacked is None:
-        try:
+    try:  # traced: the per-layer keywords split into shared ones and stacked rows
+        shared, varying = (broadcast_kwargs, None) if layer_kwargs is None else split_kwargs(
+            per_layer, lambda i: layer_name(layers, i))
+        if stacked is None:
             check_sharded_alike(states)
-        except ScanError as e:
-            surface(e)
+    except ScanError as e:
+        surface(e)
     fsdp_meshes, tp_specs = check_fsdp(layers[0]), {}  # meshes None: not sharded by FSDP2
     if fsdp_meshes is not None and stacked is None:
         states, tp_specs = tensor_parallel_parts(states, fsdp_meshes)

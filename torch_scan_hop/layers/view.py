@@ -17,6 +17,9 @@ from ..core.trees import ScanError
 from .layer_state import MISSING, check_peers_agree
 
 
+_WRITTEN = "written"  # the key of an attribute the body wrote: (_WRITTEN, path) in the view tree's dict
+
+
 class _LayerView:
     """Layer 0 seen with one layer's slice of the stacked weights.
 
@@ -33,7 +36,8 @@ class _LayerView:
     every step, so it is compared with the same attribute of every layer
     (``peers``) as it is read: a layer that differs is a ScanError naming it.
     Checking on read covers exactly what the code uses, and is the one form
-    Dynamo can trace (it cannot enumerate a module's ``__dict__``).
+    Dynamo can trace (it cannot enumerate a module's ``__dict__``). Attributes
+    the body writes are kept per step (``__setattr__``), not on the module.
     """
 
     def __init__(self, module, state, prefix="", peers=(), checked=None, parent=None, recorder=None):
@@ -43,11 +47,25 @@ class _LayerView:
         self._view_checked = {} if checked is None else checked  # names compared with the peers, whole tree
         self._view_recorder = recorder  # capture.StepRecords while a transformers model collects, else None
 
+    def __setattr__(self, name, value):
+        """A plain attribute the body writes (RecurrentGemma's ``self.recurrent_states = None``)
+        is kept for the rest of the step, for every view of the same module, and never
+        written to the module: the body reads back what it wrote, as the loop would, and
+        the scan has no side effects on the layers."""
+        if name.startswith("_view_"):
+            object.__setattr__(self, name, value)
+            return
+        d = self.__dict__
+        d["_view_checked"][(_WRITTEN, d["_view_prefix"] + name)] = value
+
     def __getattr__(self, name):
         d = self.__dict__
         if "_view_m" not in d:  # Dynamo probing a not-yet-initialized stand-in
             raise AttributeError(name)
         module, state, prefix = d["_view_m"], d["_view_state"], d["_view_prefix"]
+        written = (_WRITTEN, prefix + name)
+        if written in d["_view_checked"]:
+            return d["_view_checked"][written]
         if prefix + name in state:
             return state[prefix + name]
         children = _compat.nn.child_modules(module)

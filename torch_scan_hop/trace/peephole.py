@@ -60,10 +60,13 @@ def fuse_accumulate(graph, add_node):
     return fused
 
 
-def _views_to_reshapes(graph):
+def views_to_reshapes(graph):
     """Per-step inputs of a step graph are slices of stacked tensors, which are
     contiguous even where the traced value was not (a saved transpose, say):
-    a ``view`` that relied on the traced strides would fail, ``reshape`` adapts."""
+    a ``view`` that relied on the traced strides would fail, ``reshape`` adapts.
+    Also applied to a body re-traced into an outer graph (``op.proxy``): there too
+    a runtime value's strides may differ from its trace's (Qwen3-Next's gated delta
+    rule's backward had a view of a gradient that came out laid out otherwise)."""
     for node in graph.nodes:
         if _is(node, aten.view.default) or _is(node, aten._unsafe_view.default):
             node.target = aten.reshape.default
@@ -79,7 +82,7 @@ def simplify(gm, keep_detach=False):
     """
     if not keep_detach:
         _drop_detach(gm.graph)
-    _views_to_reshapes(gm.graph)
+    views_to_reshapes(gm.graph)
     _fold_double_transpose(gm.graph)
     gm.graph.eliminate_dead_code()
     gm.recompile()

@@ -1,0 +1,186 @@
+"""scan_model: a transformers model's decoder stack as scans, against its unscanned twin.
+
+Every family of ``hf_families`` (tiny random configs, float32, CPU): the plan (one scan per run
+of identical layers, one scan over blocks of a repeating pattern), logits, loss and every
+parameter's gradient in eager and under torch.compile (aot_eager; inductor for three), greedy
+generate() with the default cache, a static cache and no cache, weights saved and loaded, and
+the errors for models it cannot scan.
+"""
+import copy
+import pickle
+
+import pytest
+import torch
+from conftest import capture_graphs
+from hf_families import FAMILIES, PLANS, build, ids, logits_and_loss
+
+from torch_scan_hop import ScanError, scan_model
+from torch_scan_hop.models import scan_plan
+
+pytest.importorskip("transformers", minversion="5")
+TOL = dict(rtol=1e-4, atol=1e-5)
+SLOW_INDUCTOR = ["llama", "gemma3", "qwen3_next"]
+
+
+def _twins(family):
+    torch.manual_seed(0)
+    ref = build(family)
+    scanned = scan_model(copy.deepcopy(ref))
+    return ref, scanned
+
+
+def _step(model, f=logits_and_loss, tokens=None):
+    model.train()
+    logits, loss = f(model, ids() if tokens is None else tokens)
+    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+    return logits, loss, grads
+
+
+def _assert_step_close(got, want):
+    torch.testing.assert_close(got[0], want[0], **TOL)
+    torch.testing.assert_close(got[1], want[1], **TOL)
+    for i, (g, w) in enumerate(zip(got[2], want[2])):
+        assert (g is None) == (w is None), f"parameter {i}: gradient presence differs"
+        if g is not None:
+            torch.testing.assert_close(g, w, **TOL)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_plan_and_state_unchanged(family):
+    ref, scanned = _twins(family)
+    assert scan_plan(scanned) == PLANS[family]
+    assert list(scanned.state_dict()) == list(ref.state_dict())
+    assert [n for n, _ in scanned.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    assert scan_model(scanned) is scanned  # a second call changes nothing
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_step_eager_and_compiled(family, fresh_dynamo):
+    ref, scanned = _twins(family)
+    want = _step(ref)
+    _assert_step_close(_step(scanned), want)
+    graphs, backend = capture_graphs()
+    torch.compile(logits_and_loss, backend=backend, fullgraph=True)(scanned, ids())
+    scans = [n for gm in graphs for n in gm.graph.nodes if n.target is torch.ops.higher_order.scan]
+    assert len(scans) == sum("scan" in line for line in PLANS[family])
+    torch._dynamo.reset()
+    _assert_step_close(_step(scanned, torch.compile(logits_and_loss, backend="aot_eager", fullgraph=True)), want)
+
+
+@pytest.mark.parametrize("family", SLOW_INDUCTOR)
+def test_training_step_inductor(family, fresh_dynamo):
+    ref, scanned = _twins(family)
+    _assert_step_close(_step(scanned, torch.compile(logits_and_loss, fullgraph=True)), _step(ref))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generate(family):
+    ref, scanned = _twins(family)
+    ref.eval(), scanned.eval()
+    prompt, kw = ids(length=5, seed=3), dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    want = ref.generate(prompt, **kw)
+    assert torch.equal(scanned.generate(prompt, **kw), want)  # the default cache: the layers one by one
+    assert torch.equal(scanned.generate(prompt, use_cache=False, **kw), want)  # no cache: the scans
+    if family not in ("recurrent_gemma", "qwen3_next"):  # their caches are not static ones
+        assert torch.equal(scanned.generate(prompt, cache_implementation="static", **kw), want)
+
+
+def test_generate_with_the_step_compiled(fresh_dynamo):
+    ref, scanned = _twins("llama")
+    ref.eval(), scanned.eval()
+    prompt, kw = ids(length=5, seed=3), dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want = ref.generate(prompt, use_cache=False, **kw)
+    scanned.forward = torch.compile(scanned.forward, backend="aot_eager", dynamic=True)
+    assert torch.equal(scanned.generate(prompt, use_cache=False, **kw), want)
+
+
+def test_weights_round_trip(tmp_path):
+    ref, scanned = _twins("gemma3")
+    scanned.save_pretrained(tmp_path)
+    loaded = type(ref).from_pretrained(tmp_path)
+    loaded.config._attn_implementation = "eager"
+    scan_model(loaded)
+    _assert_step_close(_step(loaded), _step(ref))
+    again = pickle.loads(pickle.dumps(scanned))
+    _assert_step_close(_step(again), _step(ref))
+
+
+def test_training_forward_keeps_a_cache_it_is_given():
+    ref, scanned = _twins("llama")
+    ref.eval(), scanned.eval()
+    out_ref, out = ref(ids(), use_cache=True), scanned(ids(), use_cache=True)
+    torch.testing.assert_close(out.logits, out_ref.logits, **TOL)
+    assert out.past_key_values.get_seq_length() == out_ref.past_key_values.get_seq_length() == 7
+
+
+def test_outside_the_forward_the_layers_are_the_layers():
+    _, scanned = _twins("llama")
+    layers = scanned.model.layers
+    assert all(type(m).__name__ == "LlamaDecoderLayer" for m in layers)
+    assert all(type(m).__name__ == "LlamaDecoderLayer" for m in layers[:2])
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, h, scale=1.0):
+        return torch.tanh(self.lin(h)) * scale
+
+
+class _CollectsByHand(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Layer() for _ in range(3)])
+
+    def forward(self, h):
+        seen = []
+        for layer in self.layers:
+            seen.append(h)
+            h = layer(h)
+        return h, seen
+
+
+class _ChangesBetweenLayers(_CollectsByHand):
+    def forward(self, h):
+        for layer in self.layers:
+            h = layer(h) * 2
+        return h
+
+
+class _NoLoop(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Layer()])
+
+    def forward(self, h):
+        return self.layers[0](h)
+
+
+class _PlainLoop(_CollectsByHand):
+    def forward(self, h):
+        for i, layer in enumerate(self.layers):
+            h = layer(h, scale=0.5 + i)
+        return h
+
+
+@pytest.mark.parametrize("model, message", [
+    (_CollectsByHand(), r"_CollectsByHand.forward's loop over its layers \(line \d+\) does more than"),
+    (_ChangesBetweenLayers(), r"does more than `hidden = layer\(hidden, ...\)`: 'h = layer\(h\) \* 2'"),
+    (_NoLoop(), r"_NoLoop.forward has no loop over its layers"),
+    ("not a model", r"expected a transformers model \(an nn.Module\), got str"),
+])
+def test_models_it_cannot_scan_are_refused(model, message):
+    with pytest.raises(ScanError, match=message):
+        scan_model(model)
+
+
+def test_any_module_with_the_loop_scans(fresh_dynamo):
+    model = _PlainLoop()
+    h = torch.randn(2, 4)
+    want = model(h)
+    scan_model(model)
+    torch.testing.assert_close(model(h), want)
+    with pytest.raises(Exception, match="scale"):  # a plain value differing per layer cannot be a scan input
+        torch.compile(model, backend="aot_eager", fullgraph=True)(h)
