@@ -24,7 +24,7 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "support"))
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import interleaved_times, paired_ratio, print_table  # noqa: E402
 from decoder import make_stack, run_loop  # noqa: E402

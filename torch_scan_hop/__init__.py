@@ -12,7 +12,7 @@ The folders are the architecture, each importing only the ones below it:
     core/                          pytrees and input errors, the loop schedule, the op's arguments
     _compat/                       every private torch / torch_xla API, importing nothing of ours
 
-(tests/test_layering.py keeps it so: no import cycles, no import up a floor.)
+(tests/arch/test_imports.py keeps it so: no import cycles, no import up a floor.)
 """
 from . import _compat
 from .api import clear_cache, scan

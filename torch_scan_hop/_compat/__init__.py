@@ -3,7 +3,7 @@
 torch's HOP internals move between releases; keeping the imports and the thin
 adapters here means a new torch version changes this package, not the rules.
 Nothing else in torch_scan_hop imports a private torch name
-(tests/test_compat.py checks). One module per subsystem:
+(tests/arch/test_private_names.py checks). One module per subsystem:
 
 - ``dispatch``: dispatch keys, active modes and transforms, operator and tensor internals;
 - ``tracing``: make_fx / proxy mode, fake tensors, functionalization, ``trace_aten_graph``,

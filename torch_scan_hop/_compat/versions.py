@@ -1,7 +1,7 @@
 """The torch versions this package supports, as data: the one place that states the range.
 
 ``pyproject.toml``'s dependency, the package's warnings and the README / docs lines that
-name the range all say what is written here (``tests/test_versions.py`` checks them).
+name the range all say what is written here (``tests/arch/test_versions.py`` checks them).
 Widening the range (``docs/contributing.md``, "a new torch version") changes ``NEWEST``
 here, the dependency and the lines that test names.
 """

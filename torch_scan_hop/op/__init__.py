@@ -22,7 +22,7 @@ selective checkpoint modes     ``checkpoint``      traced: the scan is one op to
 May import: ``core``, ``trace``, ``xla``, ``inductor``, ``_compat``. Rules import only
 ``hop`` (the operator), ``loop`` (the eager loop they share), ``compile_errors`` (the
 ScanErrors of a failed torch.compile capture, also raised by the front ends under Dynamo)
-and the layers below, never each other (tests/test_layering.py checks).
+and the layers below, never each other (tests/arch/test_imports.py checks).
 """
 from . import (
     autograd,

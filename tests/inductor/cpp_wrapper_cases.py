@@ -1,4 +1,4 @@
-"""Checks that tests/test_cpp_wrapper.py runs in a child interpreter (tests/_isolated.py): a
+"""Checks that tests/inductor/test_cpp_wrapper.py runs in a child interpreter (tests/support/_isolated.py): a
 C++ wrapper that crashes (torch 2.9 segfaulted on a compiled scan with the global
 ``torch._inductor.config.cpp_wrapper = True``) then fails one test instead of killing pytest.
 

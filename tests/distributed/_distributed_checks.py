@@ -1,7 +1,7 @@
-"""The checks of tests/test_distributed.py, run in each of 2 gloo processes on 127.0.0.1.
+"""The checks of tests/distributed/test_distributed.py, run in each of 2 gloo processes on 127.0.0.1.
 
-    python tests/_distributed_checks.py RANK WORLD PORT OUT.json
-    SCAN_DIST_SUITE=2d python tests/_distributed_checks.py RANK 4 PORT OUT.json   (FSDP2 + TP)
+    python tests/distributed/_distributed_checks.py RANK WORLD PORT OUT.json
+    SCAN_DIST_SUITE=2d python tests/distributed/_distributed_checks.py RANK 4 PORT OUT.json   (FSDP2 + TP)
 
 Every check compares scan / scan_layers (eager and torch.compile) with the Python
 loop it stands for, values and gradients, on both ranks; the results (None or the

@@ -1,6 +1,6 @@
 """torch_xla's FSDPv2 (``SpmdFullyShardedDataParallel``) with scan, on 4 virtual CPU devices (SPMD):
 scan_layers over FSDPv2-wrapped layers, and a scan body calling an FSDPv2-wrapped module. Run by
-tests/test_spmd.py in the SPMD child; helpers and the mesh from spmd_cases."""
+tests/distributed/test_spmd.py in the SPMD child; helpers and the mesh from spmd_cases."""
 import copy
 import functools
 

@@ -1,7 +1,7 @@
-"""Differential fuzzing: random scan problems (tests/_fuzz.py) against the Python loop in every mode.
+"""Differential fuzzing: random scan problems (tests/differential/_fuzz.py) against the Python loop in every mode.
 
 Each case is one (mode, seed) and the problem is a pure function of the seed:
-``pytest tests/test_differential.py -k "eager-seed_17]"`` replays one case, ``-k "seed_17]"``
+``pytest tests/differential/test_differential.py -k "eager-seed_17]"`` replays one case, ``-k "seed_17]"``
 the seed in every mode; a failure prints the generated body and shapes. Values and
 gradients (of a weighted sum of the float outputs w.r.t. float inputs, closures and module
 parameters) are compared; export is inference only. XLA cases run in a child interpreter

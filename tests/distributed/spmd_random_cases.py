@@ -1,6 +1,6 @@
 """Random sharded scans on 4 virtual CPU devices (SPMD), against the plain loop on the CPU.
 
-Run by tests/test_spmd.py in the SPMD child (``_isolated.SPMD``). Each seed draws a mesh
+Run by tests/distributed/test_spmd.py in the SPMD child (``_isolated.SPMD``). Each seed draws a mesh
 (2x2, 4, 1x4), shapes that the mesh does not divide (a batch of 5 rows over 2 devices),
 lengths 0 to 5, reverse, ``remat`` and ``unroll``, in-place shardings of the inputs, and
 ``mark_sharding_with_gradients`` annotations at random points of a tanh RNN body (the

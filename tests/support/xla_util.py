@@ -14,12 +14,12 @@ import pytest
 import torch.utils._pytree as pytree
 
 torch_xla = pytest.importorskip("torch_xla", reason="torch_xla is not installed: the XLA tests need the [xla] extra (torch 2.9)")
+import _isolated  # noqa: E402
 from conftest import assert_trees_close, reference_scan  # noqa: E402
 
 from torch_scan_hop import scan  # noqa: E402
 
 DEV = torch_xla.device()
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def to_cpu(tree):
@@ -87,7 +87,7 @@ def assert_matches_loop(make_body, closures, init, xs, *, grad=False, loops=("cp
 def run_isolated(code, timeout=300):
     """Run ``code`` in a fresh Python: what could abort the process must not take pytest with it.
     Returns (returncode, combined output)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]),
+    env = dict(os.environ, PYTHONPATH=_isolated.pythonpath(),
                PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
     return proc.returncode, proc.stdout + proc.stderr

@@ -1,4 +1,4 @@
-"""Makes the exit race of a thread's stranded autograd tasks certain (tests/failure_cases.py "threads").
+"""Makes the exit race of a thread's stranded autograd tasks certain (tests/api/failure_cases.py "threads").
 
 A backward that fails in a thread leaves tasks in that thread's C++ thread_local ready queue;
 they were freed by its thread_local destructors after the thread's Python state was gone, and

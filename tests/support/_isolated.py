@@ -18,14 +18,25 @@ import sys
 import tempfile
 
 MARK = "@@isolated-result@@ "
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.abspath(__file__))  # tests/support
+TESTS = os.path.dirname(HERE)
+REPO = os.path.dirname(TESTS)
+# tests/ (conftest) and every folder of it, as pyproject.toml's pythonpath puts them on pytest's path: test
+# modules import conftest, these helpers and one another by bare name, in pytest and in child interpreters
+TEST_PATH = [TESTS] + sorted(e.path for e in os.scandir(TESTS) if e.is_dir() and not e.name.startswith(("_", ".")))
 SPMD = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "ISOLATED_USE_SPMD": "1"}
 _children = {}  # the env's items -> (process, stderr log)
 
 
+def pythonpath(*first):
+    """PYTHONPATH for a child interpreter that imports test modules by bare name: ``first``, every
+    test folder (``TEST_PATH``), the repository, then the caller's own PYTHONPATH."""
+    return os.pathsep.join([*first, *TEST_PATH, REPO, os.environ.get("PYTHONPATH", "")])
+
+
 def _start(extra):
     log = tempfile.TemporaryFile(mode="w+")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=pythonpath())
     env.update(extra)
     proc = subprocess.Popen([sys.executable, "-u", "-c", "import _isolated; _isolated.serve()"], env=env, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)

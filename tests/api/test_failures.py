@@ -1,6 +1,6 @@
 """An error raised while a scan runs (forward or backward, any route) never kills the process.
 
-Each route runs in a child interpreter (tests/failure_cases.py) that injects errors into the
+Each route runs in a child interpreter (tests/api/failure_cases.py) that injects errors into the
 body's forward and backward, checks that the next correct call still gives the loop's values
 and gradients (no poisoned cache or state), and exits right after a failed backward: the
 child must exit with code 0. torch 2.15 died at exit with SIGSEGV after an error in any node
@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 
+import _isolated
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -32,8 +33,8 @@ def _xla():
 @pytest.mark.parametrize("route", ["eager", "compiled", pytest.param("xla", marks=_xla()), "threads"])
 def test_an_error_in_a_scan_leaves_the_process_working_and_able_to_exit(route):
     """"threads": backwards that fail in other threads, whose ends meet the interpreter's exit
-    (tests/_exit_race.py, imported first, makes that meeting certain)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
+    (tests/api/_exit_race.py, imported first, makes that meeting certain)."""
+    env = dict(os.environ, PYTHONPATH=_isolated.pythonpath(HERE),
                PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
     first = "import _exit_race; " if route == "threads" else ""  # before anything registers an atexit handler
     out = subprocess.run([sys.executable, "-c", f"{first}import failure_cases; failure_cases.main({route!r})"],

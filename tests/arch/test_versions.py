@@ -10,7 +10,7 @@ import re
 
 from torch_scan_hop._compat import versions
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # tests/arch/ -> the repository
 # "2.9-2.14", "2.9 to 2.14", "2.9 - 2.15", "2.9..2.15", "2.9 through 2.16", "2.9–2.15"
 RANGE = re.compile(r"(?<![\d.])(\d+)\.(\d+)\s*(?:-|–|to|through|\.\.)\s*(\d+)\.(\d+)(?![\d.])")
 # Files another engineer is editing now (issue 61): their ranges are reworded with their change.

@@ -1,7 +1,7 @@
 """The C++ wrapper's counted loops (``_compat.cpp_loop``, ``inductor.codegen.cpp_text``) and the
 loop-body rewrites of ``inductor.body_passes``: the text rewrite that pools a loop's per-step buffers, and
 ``addmm`` unfused where the bias add can join the body's pointwise kernel. Compiled C++
-wrappers run in a child interpreter: tests/test_cpp_wrapper.py."""
+wrappers run in a child interpreter: tests/inductor/test_cpp_wrapper.py."""
 import pytest
 import torch
 from conftest import assert_trees_close, reference_scan

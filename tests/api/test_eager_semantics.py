@@ -295,11 +295,11 @@ def in_subprocess(request):
     """Re-run this test alone in a fresh interpreter (threads can wreck process-global tracing state)."""
     if os.environ.get("SCAN_TEST_IN_SUBPROCESS"):
         return False
-    here = os.path.dirname(os.path.abspath(__file__))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/api/ -> the repository
     env = dict(os.environ, SCAN_TEST_IN_SUBPROCESS="1",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:logging", "--tb=short",
-           "--rootdir", os.path.dirname(here), f"{__file__}::{request.node.name}"]
+           "--rootdir", repo, f"{__file__}::{request.node.name}"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-2000:]
     return True

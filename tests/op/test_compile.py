@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 
+import _isolated
 import expecttest
 import pytest
 import torch
@@ -168,13 +169,13 @@ def test_autograd_function_sees_the_carry_require_grad_from_step_two_on(backend,
 
 
 INDUCTOR_SCRIPT = textwrap.dedent("""
-    import json, sys
+    import json, os, sys
     import torch._inductor.fx_passes.post_grad  # inductor and Dynamo's HOP table first:
     import torch._dynamo.variables.higher_order_ops  # import order must not matter
     import torch
     from torch._inductor.utils import run_and_get_code
     import torch_scan_hop
-    sys.path.insert(0, sys.argv[1])
+    sys.path[:0] = sys.argv[1].split(os.pathsep)
     from test_compile import body_with_everything, everything_inputs, loss_and_grads
     from conftest import loops_in
 
@@ -196,7 +197,7 @@ INDUCTOR_SCRIPT = textwrap.dedent("""
 
 
 def test_inductor_matches_eager_keeps_loop_rolled_and_ignores_import_order():
-    out = subprocess.run([sys.executable, "-c", INDUCTOR_SCRIPT, os.path.dirname(__file__)],
+    out = subprocess.run([sys.executable, "-c", INDUCTOR_SCRIPT, os.pathsep.join(_isolated.TEST_PATH)],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])

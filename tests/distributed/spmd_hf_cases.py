@@ -1,7 +1,7 @@
 """Hugging Face layers through ``scan_layers`` under XLA SPMD (4 virtual CPU devices), against the
 model's own loop on the CPU: the output and the gradients of every parameter and input.
 
-Run by tests/test_spmd.py in the SPMD child (``_isolated.SPMD``). The layers' weights are sharded
+Run by tests/distributed/test_spmd.py in the SPMD child (``_isolated.SPMD``). The layers' weights are sharded
 as trainers shard them: FSDP-style (dim 0 over the "fsdp" axis) or Megatron-style on a
 ("fsdp", "tensor") mesh (q/k/v and gate/up column-parallel, o and down row-parallel); the model
 and its keyword inputs come from ``test_hf_layers.build``.

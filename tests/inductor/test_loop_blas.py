@@ -1,6 +1,6 @@
 """Float32 matmuls in the Python wrapper's counted loops call BLAS as ATen's mm would
 (``inductor.codegen.blas``): the same bits as the loop's torch.mm, for the layouts ATen hands to
-BLAS as they are. The C++ wrapper's twin: tests/test_cpp_wrapper.py."""
+BLAS as they are. The C++ wrapper's twin: tests/inductor/test_cpp_wrapper.py."""
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code

@@ -21,7 +21,7 @@ sibling folder on the same floor.
 import ast
 import pathlib
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "torch_scan_hop"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "torch_scan_hop"  # tests/arch/ -> the repository
 NAME = PACKAGE.name
 
 FLOORS = {

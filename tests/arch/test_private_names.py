@@ -15,7 +15,7 @@ import tokenize
 
 import pytest
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "torch_scan_hop"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "torch_scan_hop"  # tests/arch/ -> the repository
 EXEMPT = set()
 ROOTS = ("torch", "torch_xla", "functorch")
 

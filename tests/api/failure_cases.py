@@ -267,7 +267,7 @@ _POOL = []  # alive until exit: its workers end in threading's exit hook, just b
 
 def threads(failures):
     """Backwards that fail in threads other than the main one; every thread here ends at exit's
-    doorstep (tests/_exit_race.py), where their stranded autograd tasks aborted the process."""
+    doorstep (tests/api/_exit_race.py), where their stranded autograd tasks aborted the process."""
     import concurrent.futures
 
     for policy in ("save_all", "recompute_all", "names"):

@@ -363,7 +363,7 @@ def test_attention_in_the_body_in_float64_and_float32(dtype):
 
 def test_a_scan_in_an_inlined_scan_body():
     """The outer loop runs as a for loop around its inlined body, which holds the inner loop,
-    a for loop too (``tests/test_inductor_nested.py``). Values of the eager loop."""
+    a for loop too (``tests/inductor/test_inductor_nested.py``). Values of the eager loop."""
     w = torch.randn(4, 4, dtype=torch.float64)
 
     def outer(c, xs):

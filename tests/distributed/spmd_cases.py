@@ -1,4 +1,4 @@
-"""XLA SPMD checks, run by tests/test_spmd.py in one child interpreter started on
+"""XLA SPMD checks, run by tests/distributed/test_spmd.py in one child interpreter started on
 4 virtual CPU devices in SPMD mode (``_isolated.call(..., env=_isolated.SPMD)``):
 SPMD is process-wide, and a native crash must fail one test, not pytest.
 

@@ -1,4 +1,4 @@
-"""Seeded random scan problems for tests/test_differential.py.
+"""Seeded random scan problems for tests/differential/test_differential.py.
 
 A problem is everything one integer seed decides: pytrees of float/int/bool
 leaves for the carry and xs, closed-over tensors (used 0-3 times), maybe an

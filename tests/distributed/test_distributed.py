@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import _isolated
 import pytest
 import torch
 import torch.distributed as dist
@@ -38,7 +39,7 @@ def _free_port():
 def _run_checks(tmp, world, **env):
     """Every check of the suite ``env`` names, run by ``world`` gloo processes: each rank's results."""
     port = _free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
+    env = dict(os.environ, PYTHONPATH=_isolated.pythonpath(),
                OMP_NUM_THREADS="1", **env)
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "_distributed_checks.py"), str(rank), str(world),
                                str(port), str(tmp / f"rank{rank}.json")], env=env, stdout=subprocess.PIPE,
