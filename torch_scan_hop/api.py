@@ -5,7 +5,7 @@ from typing import Any, TypeVar
 import torch
 
 from . import _compat
-from .core import route
+from .core import modes, route
 from .core.checks import check_carry, check_pair, flatten_y
 from .core.op_args import example_args
 from .core.schedule import sqrt_split
@@ -240,7 +240,7 @@ def _call_op(fn, inputs, **kwargs):
     """Run the op on the flat inputs, the body traced with its closures lifted;
     returns (flat outputs, y spec)."""
     init, xs = inputs.init_leaves, inputs.xs_leaves
-    if not _compat.under_make_fx() and any(_compat.is_functional(t) for t in (*init, *xs)):
+    if not _compat.under_make_fx() and any(modes.is_functional(t) for t in (*init, *xs)):
         # Under torch.func.functionalize in eager make_fx cannot see through
         # the wrappers; the Functionalize rule unwraps and runs the body directly.
         body = FlatBody(fn, inputs)

@@ -194,14 +194,14 @@ def test_a_graph_body_reuses_its_plan_with_no_trace(monkeypatch):
     as it is: an identical graph needs no trace of its joint to find its plan."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from torch_scan_hop import _compat
     from torch_scan_hop.op.hop import scan_op
+    from torch_scan_hop.trace import graph as trace_graph_module
 
     w = torch.randn(3, 3, dtype=D, requires_grad=True)
     body = make_fx(lambda c, x, w: [torch.tanh(c @ w + x), c.sum(-1)])(
         torch.zeros(2, 3, dtype=D), torch.zeros(2, 3, dtype=D), w.detach())
-    traces, real = [], _compat.trace_aten_graph
-    monkeypatch.setattr(_compat, "trace_aten_graph", lambda *a, **k: traces.append(1) or real(*a, **k))
+    traces, real = [], trace_graph_module.trace_aten_graph
+    monkeypatch.setattr(trace_graph_module, "trace_aten_graph", lambda *a, **k: traces.append(1) or real(*a, **k))
     part = CountingPartition()
     for seed in range(3):
         gen = torch.Generator().manual_seed(seed)

@@ -9,7 +9,8 @@ import pytest
 import torch
 from conftest import assert_trees_close
 
-from torch_scan_hop import ScanError, _compat, clear_cache, scan, scan_layers
+from torch_scan_hop import ScanError, clear_cache, scan, scan_layers
+from torch_scan_hop.trace import graph as trace_graph_module
 from torch_scan_hop.xla import eager as xla_eager
 
 torch_xla = pytest.importorskip("torch_xla", reason="torch_xla is not installed: the XLA tests need the [xla] extra (torch 2.9)")
@@ -22,13 +23,13 @@ SCALE = 0.5  # read by a body as a global
 def traces(monkeypatch):
     """Counts make_fx traces of bodies (the cost the guards avoid)."""
     count = [0]
-    real = _compat.trace_aten_graph
+    real = trace_graph_module.trace_aten_graph
 
     def counting(*args, **kwargs):
         count[0] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(_compat, "trace_aten_graph", counting)
+    monkeypatch.setattr(trace_graph_module, "trace_aten_graph", counting)
     return count
 
 

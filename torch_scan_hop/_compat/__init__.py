@@ -6,10 +6,10 @@ Nothing else in torch_scan_hop imports a private torch name
 (tests/arch/test_private_names.py checks). One module per subsystem:
 
 - ``dispatch``: dispatch keys, active modes and transforms, operator and tensor internals;
-- ``tracing``: make_fx / proxy mode, fake tensors, functionalization, ``trace_aten_graph``,
-  closure stand-ins, ``tracing_lock``, pytree;
+- ``tracing``: make_fx / proxy mode, fake tensors, functionalization, what the body trace
+  (``trace.graph``) and the reads closure stand-ins need (``trace.closures``), ``tracing_lock``, pytree;
 - ``hop``: ``torch._ops`` / ``torch._higher_order_ops`` (schema, registry, subgraphs);
-- ``autograd``: partitioners, joint tags, compiled autograd, SAC storage, custom-op formulas;
+- ``autograd``: partitioners, joint node meta, compiled autograd, SAC modes, custom-op formulas;
 - ``functorch``: vmap levels and batched tensors;
 - ``inductor``: post-grad scan pass, pattern matcher, subgraph lowering;
 - ``cpp_wrapper``: inductor's C++ wrapper (AOTInductor): whether a graph gets one, its while_loop defects;
@@ -58,9 +58,7 @@ from .autograd import (  # noqa: F401
     leaf_grad_hooks,
     partitioner,
     rename_node,
-    replayable_selective_checkpoint_contexts,
     selective_checkpoint_modes,
-    tag_forward_nodes,
 )
 from .dispatch import (  # noqa: F401
     AutoDispatchBelowAutograd,
@@ -74,13 +72,10 @@ from .dispatch import (  # noqa: F401
     is_concrete,
     is_dynamo_compiling,
     is_exporting,
-    is_functional,
     is_op_or_packet,
     is_op_overload,
     on_xla,
-    only_user_modes_active,
     op_schema,
-    runs_eagerly,
     storage_use_count,
     tensor_version,
 )
@@ -125,12 +120,9 @@ from .tracing import (  # noqa: F401
     disable_proxy_modes_tracing,
     fresh_fake_mode,
     inside_our_trace,
-    known_contiguous,
     known_int,
     make_fx,
     pytree,
-    recording_functional_closures,
-    trace_aten_graph,
     tracing_context_fake_mode,
     tracing_lock,
     track_tensor_tree,

@@ -1,26 +1,10 @@
-"""Autograd internals: functorch's partitioners, the joint trace's tags,
-compiled autograd, selective-checkpoint storage and custom-op formulas."""
+"""Autograd internals: functorch's partitioners, the joint trace's node meta,
+compiled autograd, selective checkpointing's modes and storage marker, custom-op formulas.
+SAC's replaying storage is ``remat.sac_replay``."""
 import contextlib
 
 import torch
 from torch._functorch.utils import unwrap_dead_wrappers
-from torch.fx.experimental import proxy_tensor as _proxy_tensor
-
-
-def tag_forward_nodes(num_primals):
-    """Tag what the joint trace has recorded so far as the forward, as
-    AOTAutograd does: newer torch's default_partition takes the forward to be
-    every node up to the last one tagged "is_forward" (untagged, "save_all"
-    would recompute everything). torch 2.9 reads only the backward tags;
-    torch 2.14 reads both (``_has_tag_is_forward``). One tagging serves both."""
-    mode = _proxy_tensor.get_proxy_mode()
-    if mode is None:
-        return
-    placeholders = 0
-    for node in mode.tracer.graph.nodes:
-        is_tangent = node.op == "placeholder" and placeholders >= num_primals
-        placeholders += node.op == "placeholder"
-        node.meta["partitioner_tag"] = "is_backward" if is_tangent else "is_forward"
 
 
 def drop_checkpoint_tags(graph_module):
@@ -77,31 +61,12 @@ def eager_autograd_engine():
         yield
 
 
-class _ReplayList(list):
-    """torch 2.9's SAC storage: a list per op that the backward ``pop(0)``s.
-    Replaying instead of consuming lets a step checkpointed selectively be
-    backwarded more than once, as the loop's own tape can (retain_graph,
-    gradcheck); positions restart at each recompute."""
+def checkpoint_consumed_marker():
+    """The value torch's SAC storage puts in place of a saved entry once the backward used it:
+    ``torch.utils.checkpoint._CONSUMED`` (torch 2.14 on), None where there is none (2.9)."""
+    from torch.utils import checkpoint as ckpt
 
-    pos = 0
-
-    def pop(self, index=-1):
-        item = self[self.pos]
-        self.pos += 1
-        return item
-
-
-class _ReplayDict(dict):
-    """Newer torch's SAC storage (2.14): ``{call index: saved}`` per op, an entry
-    marked consumed (``checkpoint._CONSUMED``) once used. Keeping the entry
-    allows a second backward."""
-
-    def __setitem__(self, key, value):
-        from torch.utils import checkpoint as ckpt
-
-        if key in self and value is getattr(ckpt, "_CONSUMED", None):
-            return
-        super().__setitem__(key, value)
+    return getattr(ckpt, "_CONSUMED", None)
 
 
 def selective_checkpoint_modes():
@@ -111,31 +76,6 @@ def selective_checkpoint_modes():
     from torch.utils import checkpoint as ckpt
 
     return ckpt._CachingTorchDispatchMode, ckpt._CachedTorchDispatchMode
-
-
-def replayable_selective_checkpoint_contexts(policy_fn):
-    """torch's ``create_selective_checkpoint_contexts`` with replaying storage.
-
-    The storage's default factory tells the layouts apart: ``dict`` is torch
-    2.14's indexed storage (``_ReplayDict``), ``list`` torch 2.9's (``_ReplayList``,
-    and a cached-context subclass that resets positions per recompute).
-    """
-    from torch.utils import checkpoint as ckpt
-
-    caching, cached = ckpt.create_selective_checkpoint_contexts(policy_fn)
-    storage = caching.storage
-    if storage.default_factory is dict:  # newer torch: indexed entries
-        storage.default_factory = _ReplayDict
-        return caching, cached
-
-    class Replaying(type(cached)):  # torch 2.9: lists, positions reset per recompute
-        def __enter__(self):
-            for saved in self.storage.values():
-                saved.pos = 0
-            return super().__enter__()
-
-    storage.default_factory = _ReplayList
-    return caching, Replaying(policy_fn, storage, False)
 
 
 def custom_op_lacks_autograd(qualified_name):

@@ -10,7 +10,7 @@ import torch
 def realize_copies_of_aliased_while_carries():
     """Make the copies ``WhileLoop._clone_aliased_inputs`` gives carries that share a
     buffer realized buffers. Idempotent; a no-op where they already are (torch 2.14).
-    torch 2.9-2.14: ``ir.WhileLoop._clone_aliased_inputs(carried)`` (a staticmethod),
+    torch 2.9 to 2.15: ``ir.WhileLoop._clone_aliased_inputs(carried)`` (a staticmethod),
     ``ir.ExternKernel.copy_input``, ``ir.is_storage_and_layout``."""
     from torch._inductor import ir
 
@@ -30,7 +30,7 @@ def realize_copies_of_aliased_while_carries():
 def _visit_while_outputs(tag, visit):
     """Wrap ``ir.WhileLoop.create`` so that ``visit(loop, output)`` runs for each output of each
     loop it makes; ``tag`` marks the wrapper, so a second call with the same tag is a no-op.
-    torch 2.9-2.15: ``ir.WhileLoop.create`` is a classmethod returning the loop's
+    torch 2.9 to 2.15: ``ir.WhileLoop.create`` is a classmethod returning the loop's
     ``MultiOutput``s, whose ``inputs[0]`` is the loop."""
     from torch._inductor import ir
 
@@ -55,7 +55,7 @@ def keep_while_carried_inputs_unreused():
     ``V.graph.never_reuse_buffers``: a loop output is its carried input when the body
     returns that input unchanged, or runs no iteration, so that storage must not be
     handed on when the input's last use (the loop) is over. Idempotent.
-    torch 2.9-2.15: a loop's ``carried_inputs`` are realized buffers or views,
+    torch 2.9 to 2.15: a loop's ``carried_inputs`` are realized buffers or views,
     ``V.graph.never_reuse_buffers``."""
     from torch._inductor.virtualized import V
 
@@ -69,7 +69,7 @@ def keep_while_carried_inputs_unreused():
 def mark_while_outputs_unaligned(ours):
     """Put the outputs of the ``WhileLoop``s whose body subgraph's name ``ours(name)`` accepts
     in ``V.graph.unaligned_buffers``: the wrapper then asserts no alignment for them, and the
-    kernels that read them assume none. Idempotent. torch 2.9-2.15:
+    kernels that read them assume none. Idempotent. torch 2.9 to 2.15:
     ``WhileLoop.body_subgraph.name``, ``V.graph.unaligned_buffers`` (read by
     ``codegen_alignment_asserts``)."""
     from torch._inductor.virtualized import V
@@ -87,7 +87,7 @@ def pair_while_mutations_by_index():
     list in order; from 2.10 on ``check_input_alias_and_mutation`` lists them in the order
     the body's ops write them (2.9 sorted them), so a body writing carry 1 before carry 0
     gave output 1 carry 0's buffer (2.11: a scan's ys came back as its loop counter).
-    torch 2.15 takes ``all_inputs[idx]`` itself. Sorting is what 2.9 returned. torch 2.9-2.15:
+    torch 2.15 takes ``all_inputs[idx]`` itself. Sorting is what 2.9 returned. torch 2.9 to 2.15:
     ``torch._higher_order_ops.utils.check_input_alias_and_mutation(gm, fake_args)`` (maps,
     mutated indices), imported by ``ir.WhileLoop.create`` when it runs."""
     import torch._higher_order_ops.utils as hop_utils
@@ -118,7 +118,7 @@ def add_fake_rule(name, op, applies, adjust):
     """Under FakeTensorMode, for calls of ``op`` where ``applies(args, kwargs)``: run its
     meta kernel, then return ``adjust(meta_outputs, args, kwargs)`` (meta tensors) as
     fakes on the inputs' device. Once per ``name``; clears the fake dispatch cache
-    (results cached before may be stale). torch 2.9-2.14:
+    (results cached before may be stale). torch 2.9 to 2.15:
     ``fake_impls.op_implementations_checks`` (consulted before meta kernels),
     ``fake_tensor.in_kernel_invocation_manager``, ``FakeTensor(mode, meta, device)``,
     ``FakeTensorMode.cache_clear``."""
@@ -158,7 +158,7 @@ def tensor_repr_releases_its_guard():
     the repr of a dual tensor there raises (torch's own ``_fw_primal`` assert). Every
     ``torch.func`` transform after it then failed ("Cannot access storage of TensorWrapper",
     internal asserts in ``_make_dual``). Here the guard is dropped as the repr returns or raises.
-    torch 2.9-2.15: ``_tensor_str._str(self, *, tensor_contents)`` = no_grad + modes disabled +
+    torch 2.9 to 2.15: ``_tensor_str._str(self, *, tensor_contents)`` = no_grad + modes disabled +
     the guard around ``_str_intern``; ``Tensor.__repr__`` looks ``_str`` up on the module."""
     from torch import _tensor_str
 

@@ -12,14 +12,12 @@ import torch
 from torch._C import DispatchKey  # noqa: F401  (re-exported for the rules)
 from torch._ops import _len_torch_dispatch_stack_pre_dispatch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from .functorch import _functionalize_transform_active, _is_transform_wrapped, is_functorch_wrapped
+from .functorch import _functionalize_transform_active, _is_transform_wrapped
 
 AutoDispatchBelowAutograd = torch._C._AutoDispatchBelowAutograd
-_peek_interpreter = torch._C._functorch.peek_interpreter_stack  # None: no torch.func transform
 
 
 @contextlib.contextmanager
@@ -49,24 +47,30 @@ def dispatch_modes_active():
     return _len_torch_dispatch_stack() > 0
 
 
-def tracing_modes_active():
-    """A tracing mode is on the stack: fake, proxy or functional (torch's "infra"
-    modes), or a pre-dispatch trace. Other modes (FlopCounterMode, selective
-    checkpointing's caching modes, a user's logging mode) trace nothing: under them
-    the scan is the loop, each body op passing through the mode as in a for loop.
-
-    torch 2.9 to 2.15: ``TorchDispatchMode.is_infra_mode``, the stack getter of
-    ``torch.utils._python_dispatch`` and ``torch._ops``' pre-dispatch stack."""
-    if _len_torch_dispatch_stack_pre_dispatch() > 0:
-        return True
-    if torch._C._len_torch_dispatch_stack() == 0:  # the common case, without building the stack's list
-        return False
-    return any(getattr(m, "is_infra_mode", lambda: False)() for m in _get_current_dispatch_mode_stack())
+def pre_dispatch_modes_depth():
+    """How many pre-dispatch modes (a pre-dispatch trace) are on. torch 2.9 to 2.15:
+    ``torch._ops._len_torch_dispatch_stack_pre_dispatch``."""
+    return _len_torch_dispatch_stack_pre_dispatch()
 
 
-def only_user_modes_active():
-    """Dispatch modes are on the stack and none of them traces (see ``tracing_modes_active``)."""
-    return dispatch_modes_active() and not tracing_modes_active()
+def dispatch_modes_depth():
+    """How many TorchDispatchModes are on (``torch._C._len_torch_dispatch_stack``)."""
+    return torch._C._len_torch_dispatch_stack()
+
+
+def dispatch_mode_stack():
+    """The TorchDispatchModes on the stack, bottom first (``_get_current_dispatch_mode_stack``)."""
+    return _get_current_dispatch_mode_stack()
+
+
+def is_functional_tensor(t):
+    """A functional wrapper (every XLA tensor is one). torch 2.9 to 2.15: ``torch._is_functional_tensor``."""
+    return torch._is_functional_tensor(t)
+
+
+peek_interpreter = torch._C._functorch.peek_interpreter_stack  # None: no torch.func transform
+functionalize_transform_active = _functionalize_transform_active
+is_transform_wrapped = _is_transform_wrapped
 
 
 def is_dynamo_compiling():
@@ -86,44 +90,6 @@ def is_exporting():
     if torch.compiler.is_dynamo_compiling():
         return bool(torch._dynamo.config.do_not_emit_runtime_asserts)
     return torch.compiler.is_exporting()
-
-
-def is_functional(t):
-    """Wrapped by a functionalization pass (torch.func.functionalize, a
-    FunctionalTensorMode). XLA tensors are functional wrappers by construction
-    (torch_xla's own functionalization); they are not counted here, nor is the
-    level-0 wrapper an op's Functionalize rule puts on its XLA outputs (counted,
-    a scan whose init was another scan's final carry ran its body untraced under
-    grad: constants in the HLO, and XLA refused them).
-
-    torch 2.9 to 2.15: ``torch._is_functional_tensor`` and functorch's wrapper
-    test are unchanged."""
-    if t.device.type == "xla":
-        return isinstance(t, FunctionalTensor) or _is_transform_wrapped(t)
-    return isinstance(t, FunctionalTensor) or torch._is_functional_tensor(t) or is_functorch_wrapped(t)
-
-
-def _is_eager_tensor(t):
-    if isinstance(t, (FakeTensor, FunctionalTensor)) or torch._is_functional_tensor(t):
-        return False
-    return t.is_cpu or t.is_cuda or t.device.type not in ("xla", "lazy")  # cheap properties first
-
-
-def runs_eagerly(tensors):
-    """No tracer (make_fx, fake mode, Dynamo, functionalization) is active (modes that
-    trace nothing, e.g. FlopCounterMode, may be) and
-    every tensor holds real data off XLA: the scan is the Python loop.
-    torch.func's vmap/grad/jvp wrappers count as eager: the loop composes with them.
-
-    torch 2.9 to 2.15: the mode stack, fake / functional tensor classes and the
-    functorch interpreter stack it reads are the same on all."""
-    if is_dynamo_compiling() or tracing_modes_active() or (
-            _peek_interpreter() is not None and _functionalize_transform_active()):
-        return False
-    for t in tensors:  # a plain loop: all() over a generator costs more than the few checks
-        if isinstance(t, torch.Tensor) and not _is_eager_tensor(t):
-            return False
-    return True
 
 
 def on_xla(tensors):
@@ -199,19 +165,3 @@ def empty_strided(size, stride, dtype, device):
     if device.type == "cpu":
         return torch._C._dynamo.guards._empty_strided_cpu(size, stride, dtype)
     return torch.empty_strided(size, stride, dtype=dtype, device=device)
-
-
-def has_meta_kernel(op):
-    """FakeTensor can run ``op`` without its real kernel: it has a Meta kernel, or a composite
-    one (views, most ops defined by others). Without either, FakeTensor runs the real kernel
-    on zeros, and refuses to when an input has a symbolic stride or offset (GRUCell's
-    ``aten._thnn_fused_gru_cell`` on CUDA, ``aten._standard_gamma_grad``).
-
-    torch 2.9 to 2.15: ``torch._C._dispatch_has_kernel_for_dispatch_key`` (the registered
-    kernels, not the computed table, which also counts fallbacks that raise)."""
-    name = op.name()
-    return any(torch._C._dispatch_has_kernel_for_dispatch_key(name, key) for key in _FAKE_CAPABLE_KEYS)
-
-
-_FAKE_CAPABLE_KEYS = ("Meta", "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional",
-                      "CompositeImplicitAutograd")

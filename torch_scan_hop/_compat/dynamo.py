@@ -32,33 +32,18 @@ def unsupported_error_classes():
     return (Unsupported, ObservedException)
 
 
-def wraps_a_raised_error(e):
-    """Was ``e`` (a failed capture) an exception the body's own code raised, or one of its ops
-    raised on fake tensors, rather than a graph break? Dynamo simulates a ``raise`` in traced code
-    as an ObservedException (torch 2.9 to 2.15) and re-raises an op's failed fake run as a
-    TorchRuntimeError (2.9) or an ObservedException (2.15) around the op's error."""
+def raised_error_classes():
+    """What Dynamo wraps an error the body's own code raised in: ``ObservedException`` (a simulated
+    ``raise``, torch 2.9 to 2.15; an op's failed fake run on 2.15) and ``TorchRuntimeError`` (an
+    op's failed fake run, 2.9)."""
     from torch._dynamo.exc import ObservedException, TorchRuntimeError
 
-    return isinstance(e, (ObservedException, TorchRuntimeError))
+    return (ObservedException, TorchRuntimeError)
 
 
 def is_dynamo_exception(e):
     """One of Dynamo's own exception classes (its wrappers around an error), not the error itself."""
     return type(e).__module__.startswith("torch._dynamo")
-
-
-def raised_exception(tx):
-    """``(type, args)`` of the exception the body raised, from the translator's exception stack
-    (torch 2.9's ObservedException says only ``ExceptionVariable(<class 'ValueError'>)``; 2.15's
-    names the arguments itself; torch up to 2.14 ``get_current_exception``, 2.15 ``get_raised_exception``).
-    None when it cannot be read."""
-    stack = getattr(tx, "exn_vt_stack", None)
-    get = getattr(stack, "get_current_exception", None) or getattr(stack, "get_raised_exception", None)
-    try:
-        exc = get()
-        return exc.exc_type, tuple(a.as_python_constant() if a.is_python_constant() else a for a in exc.args)
-    except Exception:  # no stack, no current exception, or a translator of another shape
-        return None
 
 
 def tracker_base():

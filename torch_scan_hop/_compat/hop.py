@@ -9,7 +9,6 @@ adds the keyword ``supports_training_input_mutation=False``), and from
 ``input_mutations_and_outputs``).
 """
 import torch
-import torch.utils._python_dispatch
 from torch._higher_order_ops.utils import (  # noqa: F401
     _from_fun,
     _maybe_run_with_interpreter,
@@ -91,8 +90,9 @@ def scan_schema(op, combine_fn, gm, outputs, init, xs, additional_inputs, option
     return gen.gen_schema()
 
 
-def _effectful(op):
-    """torch 2.14 registers some ops as ordered effects (2.9 has no such registry)."""
+def effectful(op):
+    """``op`` is registered as an ordered effect: torch 2.14 registers some
+    (``torch._higher_order_ops.effects._get_effect``); 2.9 has no such registry."""
     try:
         from torch._higher_order_ops.effects import _get_effect
     except ImportError:
@@ -101,40 +101,3 @@ def _effectful(op):
         return _get_effect(op) is not None
     except Exception:  # noqa: BLE001  (an op the registry does not know)
         return False
-
-
-class _DropEffectfulChecks(torch.utils._python_dispatch.TorchDispatchMode):
-    """Runs every op but the host-side checks torch 2.14 made effectful.
-
-    A scan nested in the body reaches this mode as a higher-order operator:
-    it runs as is (its own body is traced under a mode of its own)."""
-
-    supports_higher_order_operators = True
-
-    def __init__(self, ops):
-        super().__init__()
-        self.ops = ops
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.ops:
-            return None
-        return func(*args, **(kwargs or {}))
-
-
-def without_effectful_checks(fn):
-    """``fn`` traced without ``aten._linalg_check_errors`` when it is an effect
-    (torch 2.14): traced under AOTAutograd, an effectful op takes an effect
-    token that a scan body cannot thread through its loop, so a body using
-    ``linalg.inv``/``solve`` failed to compile. The check raises on a singular
-    matrix on the host; a compiled loop body has no host step to raise in (XLA
-    drops it the same way). torch 2.9: ``fn`` unchanged."""
-    check = getattr(torch.ops.aten, "_linalg_check_errors", None)
-    ops = {check.default} if check is not None and _effectful(check.default) else set()
-    if not ops:
-        return fn
-
-    def traced(*args):
-        with _DropEffectfulChecks(ops):
-            return fn(*args)
-
-    return traced

@@ -3,20 +3,19 @@ subgraph lowering that scan's while_loops go through.
 
 Checked against torch 2.14's ``torch/_inductor``: ``post_grad`` still looks
 ``decompose_scan_to_while_loop`` up by name when its passes run, still has
-``resolve_shape_to_proxy(shape, bound_symbols)`` (ours calls its core,
-``sympy_interp``); ``PatternMatcherPass`` adds an optional ``subsystem``;
+``resolve_shape_to_proxy(shape, bound_symbols)`` (``inductor.lowering`` calls its core,
+``sympy_interp``, through ``python_value_of``); ``PatternMatcherPass`` adds an optional ``subsystem``;
 ``SubgraphLowering.__init__`` still inherits the parent's ``bw_donated_idxs``
 (the fix in ``inductor.workarounds`` is still needed).
+``ir``, ``virtualized``, ``lowerings`` and ``free_symbols`` hand inductor's modules to the
+lowering that writes a y into its row (``inductor.extern_rows``).
 The C++ wrapper's adapters are in ``cpp_wrapper``.
 """
 import functools
 
-import sympy
-import torch
-
 
 def post_grad_module():
-    """``torch._inductor.fx_passes.post_grad`` (torch 2.9-2.14), whose
+    """``torch._inductor.fx_passes.post_grad`` (torch 2.9 to 2.15), whose
     module-level pass functions are looked up by name each compile."""
     from torch._inductor.fx_passes import post_grad
 
@@ -45,7 +44,7 @@ def call_pattern_pass(target, extra_check, handler):
     """A pattern pass (``.apply(gm)``) that calls ``handler(match, *args,
     **kwargs)`` for each ``call_function`` node of ``target`` passing
     ``extra_check(match)``; ``match.nodes`` and ``match.replace_by_example``
-    are the pattern matcher's. torch 2.9-2.14: ``torch._inductor.pattern_matcher``
+    are the pattern matcher's. torch 2.9 to 2.15: ``torch._inductor.pattern_matcher``
     (2.14's PatternMatcherPass takes an optional ``subsystem``, unused here)."""
     from torch._inductor.pattern_matcher import (
         CallFunctionVarArgs,
@@ -58,34 +57,20 @@ def call_pattern_pass(target, extra_check, handler):
     return pass_
 
 
-def resolve_shape_to_proxy(shape, symbols):
-    """Sizes or strides with symbols replaced by traced values computed from
-    ``symbols`` ({sympy expression: SymInt}), as upstream's scan decomposition
-    preallocates its ys (``post_grad.resolve_shape_to_proxy``). A key may also be a
-    compound expression whose symbols no input carries (xs made by ``cat([a, a])``:
-    length ``2*s``): it is substituted as a whole first. torch 2.9-2.15:
-    ``torch.utils._sympy.interp.sympy_interp(analysis, env, expr)``,
-    ``torch.utils._sympy.reference.PythonReferenceAnalysis``."""
+def python_value_of(expr, env):
+    """The sympy expression ``expr`` computed in Python from ``env`` ({symbol: value}; traced
+    SymInts give traced values), as upstream's scan decomposition sizes its ys. torch 2.9 to 2.15:
+    ``torch.utils._sympy.interp.sympy_interp(PythonReferenceAnalysis, env, expr)``."""
     from torch.utils._sympy.interp import sympy_interp
     from torch.utils._sympy.reference import PythonReferenceAnalysis
 
-    compound = {e: sympy.Dummy() for e in symbols if not e.is_symbol}
-    env = {compound.get(e, e): v for e, v in symbols.items()}
-    out = []
-    for s in shape:
-        if isinstance(s, torch.SymInt):
-            expr = s.node.expr
-            expr = compound[expr] if expr in compound else expr.subs(compound) if compound else expr
-            out.append(sympy_interp(PythonReferenceAnalysis, env, expr))
-        else:
-            out.append(s)
-    return out
+    return sympy_interp(PythonReferenceAnalysis, env, expr)
 
 
 def run_after_subgraph_lowering_init(after):
     """Call ``after(lowering)`` at the end of every ``SubgraphLowering.__init__``
     (a while_loop's cond and body graphs are lowered by one). Not idempotent:
-    call once. torch 2.9-2.14: ``torch._inductor.graph.SubgraphLowering``."""
+    call once. torch 2.9 to 2.15: ``torch._inductor.graph.SubgraphLowering``."""
     from torch._inductor.graph import SubgraphLowering
 
     init = SubgraphLowering.__init__
@@ -103,7 +88,7 @@ def skip_input_asserts_of_subgraphs(skipped):
     per iteration and assert every carried input each time (~1.3 us each,
     ~140 per decoder layer of a training step); their layouts are fixed by the
     while_loop lowering, and the outer graph still asserts its own inputs. Not
-    idempotent: call once. torch 2.9-2.14:
+    idempotent: call once. torch 2.9 to 2.15:
     ``torch._inductor.codegen.wrapper.SubgraphPythonWrapperCodegen`` (with
     ``subgraph_name``), whose ``codegen_input_size_asserts`` is inherited."""
     from torch._inductor.codegen.wrapper import SubgraphPythonWrapperCodegen
@@ -125,7 +110,7 @@ def keep_loop_outputs_out_of_cuda_graphs(ours):
     are views of buffers the loop wrote there; inductor put those views (``MultiOutput``s,
     GPU nodes) into a graphed partition of their own, whose outputs cudagraph trees then
     found neither in their memory pool nor aliasing a tensor input: "These storage data
-    ptrs are not allocated in pool" (torch 2.11, H200). Idempotent. torch 2.9-2.15:
+    ptrs are not allocated in pool" (torch 2.11, H200). Idempotent. torch 2.9 to 2.15:
     ``Scheduler.should_partition(node)`` (a reason, or None where the node may be graphed),
     ``ir.MultiOutput.inputs[0]`` (the loop), ``ir.WhileLoop.body_subgraph.name``."""
     from torch._inductor import ir
@@ -156,7 +141,7 @@ def reuse_no_aliasing_buffers():
     use. In a scan body unrolled in blocks (its steps' values are
     concatenated) the block's new carry took the storage of a step's slice:
     it could overwrite the block's saved values, and the loop's carry came out
-    as a misaligned view (inductor's alignment assert failed, 3x5 float64). torch 2.9-2.14: ``PythonWrapperCodegen.can_reuse``.
+    as a misaligned view (inductor's alignment assert failed, 3x5 float64). torch 2.9 to 2.15: ``PythonWrapperCodegen.can_reuse``.
     Idempotent."""
     from torch._inductor import ir
     from torch._inductor.codegen.wrapper import PythonWrapperCodegen
@@ -175,124 +160,38 @@ def reuse_no_aliasing_buffers():
     PythonWrapperCodegen.can_reuse = reuse_unless_view
 
 
-def write_extern_outputs_into_rows(in_scan_body):
-    """In a graph that ``in_scan_body(name)`` accepts, lower ``row.copy_(y)``
-    (``row`` a view of an input buffer: a scan's ys buffer) by letting ``y``'s
-    extern kernel (``extern_kernels.mm``/``addmm``/``bmm``: every weight
-    gradient of a training backward, saved matmul outputs) or reduction
-    kernel write the row itself, as inductor does for the inputs of a ``cat``:
-    the output buffer becomes a non-owning view of the row. Anywhere else, and where
-    that is not exactly a copy (``_extern_output_into``), inductor's own
-    ``copy_`` lowering runs unchanged. Not idempotent: call once.
-    torch 2.9-2.15: ``lowering.lowerings``, ``ir.NonOwningLayout``,
-    ``ir.ExternKernelOut``, ``ir.Reduction``, ``ir.ComputedBuffer``,
-    ``V.graph.never_reuse_buffers``."""
-    import torch
-    from torch._inductor.lowering import lowerings
+def ir():
+    """``torch._inductor.ir`` (torch 2.9 to 2.15: ``NonOwningLayout``, ``ExternKernelOut``,
+    ``Reduction``, ``ComputedBuffer``, ``StorageBox``, ``InputBuffer``, ``BaseView``,
+    ``FlexibleLayout``, ``FixedLayout``, ``ExternKernel.convert_to_reinterpret_view``)."""
+    from torch._inductor import ir as ir_module
+
+    return ir_module
+
+
+def virtualized():
+    """``torch._inductor.virtualized.V`` (``V.graph``: ``name``, ``current_node``, ``sizevars``,
+    ``never_reuse_buffers``, ``mark_buffer_mutated``), torch 2.9 to 2.15."""
     from torch._inductor.virtualized import V
 
-    op = torch.ops.aten.copy_.default
-    copy_ = lowerings[op]
-    _allocate_no_input_buffers()
-
-    def copy_into_row(dst, src, non_blocking=False):
-        if in_scan_body(getattr(V.graph, "name", None) or "") and _extern_output_into(dst, src):
-            return dst
-        return copy_(dst, src, non_blocking)
-
-    lowerings[op] = copy_into_row
+    return V
 
 
-def _extern_output_into(dst, src):
-    """Make ``src``'s extern kernel write ``dst`` directly when that is the
-    same as copying it there; True if done."""
-    from torch._inductor import ir
-    from torch._inductor.virtualized import V
+def lowerings():
+    """Inductor's lowering table, ``{op: lowering}`` (``torch._inductor.lowering.lowerings``)."""
+    from torch._inductor.lowering import lowerings as table
 
-    node = V.graph.current_node
-    if node is None or len(node.args) < 2 or any(u.op == "output" for u in getattr(node.args[1], "users", ())):
-        return False  # a y that is also a carry must not alias the ys buffer
-    row = _row_view(dst)
-    kernel = _extern_kernel_of(src)
-    if row is None or kernel is None:
-        return False
-    base = row.data.data
-    if base.get_name() in kernel.get_read_names():
-        return False
-    lay, rlay, sv = kernel.layout, row.layout, V.graph.sizevars
-
-    def equal(a, b):
-        return len(a) == len(b) and all(sv.statically_known_equals(p, q) for p, q in zip(a, b))
-
-    dense = ir.FlexibleLayout.contiguous_strides(rlay.size)
-    if not (lay.dtype == rlay.dtype and lay.device == rlay.device and equal(lay.size, rlay.size)
-            and equal(rlay.stride, dense) and sv.statically_known_equals(lay.offset, 0)
-            and (isinstance(lay, ir.FlexibleLayout) or equal(lay.stride, rlay.stride))):
-        return False  # not the whole output, or not dense in the row's layout
-    if type(kernel) is ir.ComputedBuffer and sympy.Mod(rlay.offset * rlay.dtype.itemsize, 16) != 0:
-        return False  # a kernel's output must start 16-byte aligned (torch 2.15's while_loop checks it)
-    kernel.layout = ir.NonOwningLayout(row)
-    V.graph.never_reuse_buffers.add(kernel.get_name())  # its storage is the row: never handed on
-    V.graph.mark_buffer_mutated(base.get_name())
-    _also_uses_symbols_of(kernel, rlay.offset)
-    return True
+    return table
 
 
-def _row_view(dst):
-    """``dst`` (a TensorBox) as a ReinterpretView of an input buffer, or None."""
-    from torch._inductor import ir
-
-    data = getattr(dst, "data", None)
-    if not isinstance(data, ir.BaseView):
-        return None
-    try:
-        view = ir.ExternKernel.convert_to_reinterpret_view(data)
-    except Exception:  # noqa: BLE001 - not strides over one buffer: copy as usual
-        return None
-    box = view.data
-    if not (isinstance(box, ir.StorageBox) and isinstance(box.data, ir.InputBuffer)):
-        return None
-    return view
-
-
-def _extern_kernel_of(src):
-    """The buffer that is the whole of ``src``, its layout still its own (not yet
-    aliased elsewhere): a plain extern kernel call, or a reduction (realized here:
-    a ``y = c.sum(-1)`` was computed into a buffer of its own and copied into the
-    row, an allocation and a copy per step), else None. An unrealized pointwise
-    ``src`` needs none of this: inductor's ``copy_`` computes it into the row."""
-    from torch._inductor import ir
-
-    box = getattr(src, "data", None)
-    if not isinstance(box, ir.StorageBox):
-        return None
-    if isinstance(box.data, ir.Reduction):
-        box.realize()
-    kernel = box.data
-    if type(kernel) is ir.ExternKernelOut and type(kernel.layout) in (ir.FixedLayout, ir.FlexibleLayout):
-        return kernel
-    if type(kernel) is ir.ComputedBuffer and type(kernel.layout) is ir.FlexibleLayout:
-        return kernel
-    return None
-
-
-def _also_uses_symbols_of(kernel, offset):
-    """The kernel now writes at an offset of the loop index (an unbacked
-    symbol): the scheduler must place it after the index is read, and it only
-    orders kernels by the symbols they use."""
+def free_symbols(expr, unbacked_only):
+    """``torch._inductor.utils.get_free_symbols(expr, unbacked_only)`` (torch 2.9 to 2.15)."""
     from torch._inductor.utils import get_free_symbols
 
-    if not get_free_symbols(offset, unbacked_only=True):
-        return
-    uses = kernel.get_free_symbol_uses
-
-    def get_free_symbol_uses(unbacked_only=False):
-        return uses(unbacked_only) | get_free_symbols(offset, unbacked_only)
-
-    kernel.get_free_symbol_uses = get_free_symbol_uses
+    return get_free_symbols(expr, unbacked_only)
 
 
-def _allocate_no_input_buffers():
+def allocate_no_input_buffers():
     """torch 2.9's wrapper allocates the base of a ``NonOwningLayout`` view
     before aliasing it, also when that base is a graph input (a fresh
     ``empty_strided`` shadowing the input): skip input buffers, as torch
@@ -318,7 +217,7 @@ def skip_output_asserts_of(op):
     each output of a call to ``op`` (an OpOverload whose outputs are made
     exactly as its fake kernel says: our pool's ``stacked_buffers``, ~25
     outputs a training step, two asserts each, every call). Idempotent per op.
-    torch 2.9-2.14: ``ir.MultiOutput.skip_size_stride_alignment_checks``, its
+    torch 2.9 to 2.15: ``ir.MultiOutput.skip_size_stride_alignment_checks``, its
     producer being ``inputs[0]`` (a ``FallbackKernel`` with ``op_overload``)."""
     from torch._inductor import ir
 

@@ -104,71 +104,12 @@ def with_op_sharding(tensor, sharding):
     return out
 
 
-def _functions_raised_through(error, path):
-    """Names of the functions of the file ending in ``path`` that ``error`` passed through."""
-    import traceback
-
-    return [f.name for f in traceback.extract_tb(error.__traceback__)
-            if f.filename.replace("\\", "/").endswith(path)]
-
-
-def raised_by_in_place_sharding(error):
-    """Did ``error`` come out of torch_xla's in-place ``mark_sharding`` (the
-    torch_xla 2.9 function in ``distributed/spmd/xla_sharding.py``)?"""
-    frames = _functions_raised_through(error, "spmd/xla_sharding.py")
-    return "mark_sharding" in frames and "_aot_mark_sharding" not in frames
-
-
-def raised_in_fsdp_v2_forward(error):
-    """Did ``error`` come out of the forward of torch_xla's FSDPv2 wrapper (its default
-    ``shard_output`` annotates the output in place)?"""
-    return len(_functions_raised_through(error, "experimental/spmd_fully_sharded_data_parallel.py")) > 0
-
-
-_mesh_texts = {"installed": False, "made": 0}
-
-
-def keep_mesh_texts():
-    """Let Dynamo capture bodies that call ``mark_sharding_with_gradients``.
-
-    torch_xla 2.9's ``MarkShardingFunction`` passes ``str(mesh)`` to its op,
-    and ``Mesh.__str__`` formats ``device_ids.tolist()``, a numpy array that
-    Dynamo traces as a tensor: the string is no constant and the capture fails,
-    so every eager scan on XLA with such a body re-traced it on the make_fx
-    route. A mesh is not changed after it is made, so its text is kept on it the
-    first time it is made (at construction, or the first ``str``) and read back
-    as a plain attribute, which Dynamo reads as a constant (guarded by value).
-    Installed once, only when torch_xla's SPMD module is loaded."""
+def spmd_module():
+    """torch_xla's ``distributed.spmd.xla_sharding`` module (``Mesh``) if it is loaded, else None
+    (torch_xla 2.9; nothing is imported)."""
     import sys
 
-    module = sys.modules.get("torch_xla.distributed.spmd.xla_sharding")
-    if _mesh_texts["installed"] or module is None:
-        return
-    mesh_type, formatted, init = module.Mesh, module.Mesh.__str__, module.Mesh.__init__
-
-    def text_of(mesh):
-        text = mesh.__dict__.get("_torch_scan_hop_text")
-        if text is None:
-            text = mesh.__dict__["_torch_scan_hop_text"] = formatted(mesh)
-            _mesh_texts["made"] += 1
-        return text
-
-    def __str__(self):
-        text = getattr(self, "_torch_scan_hop_text", None)  # what Dynamo reads: an attribute
-        return text_of(self) if text is None else text
-
-    def __init__(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        text_of(self)
-
-    mesh_type.__str__, mesh_type.__init__ = __str__, __init__
-    _mesh_texts["installed"] = True
-
-
-def mesh_texts_made():
-    """How many meshes' texts ``keep_mesh_texts`` has made so far: a body whose
-    capture failed on a mesh made before it was installed is worth one more try."""
-    return _mesh_texts["made"]
+    return sys.modules.get("torch_xla.distributed.spmd.xla_sharding")
 
 
 # torch_xla's FSDPv2 wrapper, told by its class's module and name (torch_xla is not imported for it)

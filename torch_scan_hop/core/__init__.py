@@ -6,6 +6,7 @@
   and dtype; no input mutated), one message each, for the pytree front end and the flat op;
 - ``route``: which path a scan takes (the eager loop, Dynamo, XLA's eager entry or the op),
   decided in one place;
+- ``modes``: which dispatch modes and tensors mean a tracer is at work (``runs_eagerly``);
 - ``schedule``: the loop schedule (step order, ``unroll`` blocks and remainder) every path runs;
 - ``op_args``: the op's flat calling convention (examples to trace one step, output split);
 - ``dtensors``: a DTensor as local tensor plus layout (public ``torch.distributed.tensor`` API);

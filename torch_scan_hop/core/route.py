@@ -6,6 +6,7 @@ change to it reaches all of them. The answer depends on the active tracers and t
 only, never on the body.
 """
 from .. import _compat
+from . import modes
 
 LOOP = "loop"  # the Python loop on the autograd tape (op/loop.py)
 DYNAMO = "dynamo"  # torch.compile is tracing: op/dynamo.py captures the body as a subgraph
@@ -16,9 +17,9 @@ OP = "op"  # the HigherOrderOperator on a traced body (make_fx, export, XLA, fun
 def runs_the_loop(tensors, remat="save_all"):
     """The scan is the Python loop: no tracer is active and every tensor holds real data off
     XLA (modes that trace nothing and torch.func's wrappers count as eager; see
-    ``_compat.runs_eagerly``). A partition function as ``remat`` only means something to a
+    ``core.modes.runs_eagerly``). A partition function as ``remat`` only means something to a
     traced backward, so with one the op runs, traced in eager."""
-    return not callable(remat) and _compat.runs_eagerly(tensors)
+    return not callable(remat) and modes.runs_eagerly(tensors)
 
 
 def route(tensors, remat="save_all", *, xla_eager=None):
@@ -60,4 +61,4 @@ def differentiated_by_a_transform(tensors):
     access storage of TensorWrapper")."""
     if not _compat.differentiating_transform_active():
         return False
-    return _compat.dispatch_modes_active() or _compat.runs_eagerly(tensors)
+    return _compat.dispatch_modes_active() or modes.runs_eagerly(tensors)

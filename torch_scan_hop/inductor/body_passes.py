@@ -78,7 +78,7 @@ def copy_slices_into_unfaked_ops(body, num_carry, num_xs):
     for node in list(body.graph.nodes):
         if node.op != "call_function" or not _compat.is_op_overload(node.target):
             continue
-        if _compat.dispatch.has_meta_kernel(node.target) or _compat.op_schema(node.target).is_mutable:
+        if _has_meta_kernel(node.target) or _compat.op_schema(node.target).is_mutable:
             continue
         for arg in {a for a in node.all_input_nodes if _root_of_views(a) in slices}:
             with body.graph.inserting_before(node):
@@ -88,6 +88,22 @@ def copy_slices_into_unfaked_ops(body, num_carry, num_xs):
             node.replace_input_with(arg, copy)
             copies += 1
     return _recompiled_if(body, copies)
+
+
+def _has_meta_kernel(op):
+    """FakeTensor can run ``op`` without its real kernel: it has a Meta kernel, or a composite
+    one (views, most ops defined by others). Without either, FakeTensor runs the real kernel
+    on zeros, and refuses to when an input has a symbolic stride or offset (GRUCell's
+    ``aten._thnn_fused_gru_cell`` on CUDA, ``aten._standard_gamma_grad``).
+
+    ``_compat.has_kernel_for`` reads the registered kernels, not the computed table, which also
+    counts fallbacks that raise."""
+    name = op.name()
+    return any(_compat.has_kernel_for(name, key) for key in _FAKE_CAPABLE_KEYS)
+
+
+_FAKE_CAPABLE_KEYS = ("Meta", "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional",
+                      "CompositeImplicitAutograd")
 
 
 def _contiguous_like(val):

@@ -15,12 +15,13 @@ expanded gradient), as while_loop requires; scans of static length 0 become
 their init and empty ys. ``install`` also puts in the workarounds of
 ``workarounds`` that every scan's while_loop needs on torch 2.9.
 """
+import sympy
 import torch
 
 from .. import _compat
 from ..core.schedule import segments, step_index
 from ..core.trees import ScanError, split_counts
-from . import body_passes, buffer_pool, codegen, counter as loop_counter, host_rows, workarounds
+from . import body_passes, buffer_pool, codegen, counter as loop_counter, extern_rows, host_rows, workarounds
 
 _installed = False
 _WHILE = torch.ops.higher_order.while_loop
@@ -53,7 +54,7 @@ def install():
     _compat.cpp_wrapper.track_cpp_wrapper_compiles()
     _compat.cpp_wrapper.name_mutated_carries_in_cpp_while_loops()
     _compat.cpp_wrapper.plan_cpp_subgraph_reuse_without_peak_estimate()
-    _compat.inductor.write_extern_outputs_into_rows(lambda name: name.startswith(_LOOP_PREFIX) and "_body_" in name)
+    extern_rows.write_extern_outputs_into_rows(lambda name: name.startswith(_LOOP_PREFIX) and "_body_" in name)
     codegen.install(lambda name: name.startswith(_LOOP_PREFIX))  # after the C++ while_loop fix above
     _compat.inductor.skip_output_asserts_of(torch.ops.torch_scan_hop.stacked_buffers.default)
     _installed = True
@@ -263,7 +264,7 @@ def _in_traced_layout(init):
 def _preallocate(ys_vals, symbols):
     """Empty ys like ``ys_vals``, on storage reused between calls (see ``buffer_pool``):
     one operator call per dtype and device."""
-    resolve = _compat.inductor.resolve_shape_to_proxy
+    resolve = _resolve_shape
     groups = {}
     for i, v in enumerate(ys_vals):
         groups.setdefault((v.dtype, v.device), []).append(i)
@@ -273,6 +274,25 @@ def _preallocate(ys_vals, symbols):
         for i, y in zip(idx, buffer_pool.stacked_buffers(shapes, dtype, device)):
             ys[i] = y
     return ys
+
+
+def _resolve_shape(shape, symbols):
+    """Sizes or strides with symbols replaced by traced values computed from ``symbols``
+    ({sympy expression: SymInt}), as upstream's scan decomposition preallocates its ys
+    (``post_grad.resolve_shape_to_proxy``). A key may also be a compound expression whose
+    symbols no input carries (xs made by ``cat([a, a])``: length ``2*s``): it is substituted
+    as a whole first."""
+    compound = {e: sympy.Dummy() for e in symbols if not e.is_symbol}
+    env = {compound.get(e, e): v for e, v in symbols.items()}
+    out = []
+    for s in shape:
+        if isinstance(s, torch.SymInt):
+            expr = s.node.expr
+            expr = compound[expr] if expr in compound else expr.subs(compound) if compound else expr
+            out.append(_compat.inductor.python_value_of(expr, env))
+        else:
+            out.append(s)
+    return out
 
 
 def _loop_inputs(lifted):

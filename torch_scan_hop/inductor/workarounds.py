@@ -153,7 +153,7 @@ _STRIDED_XS_MISREAD = torch.__version__ < (2, 15)  # defect 7
 def _symbolically_strided(val):
     """Defect 7's xs: symbolic strides that are not known to be the contiguous ones."""
     return (_STRIDED_XS_MISREAD and isinstance(val, torch.Tensor)
-            and not all(isinstance(st, int) for st in val.stride()) and not _compat.known_contiguous(val))
+            and not all(isinstance(st, int) for st in val.stride()) and not _known_contiguous(val))
 
 
 def materialize_expanded_operands(gm):
@@ -168,3 +168,14 @@ def materialize_expanded_operands(gm):
         node.args = (combine, init, xs, *rest)
     gm.graph.lint()
 
+
+def _known_contiguous(t):
+    """``t``'s strides are known, without a guard, to be the contiguous ones of its sizes
+    (a tensor with symbolic sizes: each stride compared as a symbolic expression)."""
+    statically_known_true = _compat.tracing.statically_known_true
+    expected = 1
+    for size, stride in reversed(list(zip(t.shape, t.stride()))):
+        if not statically_known_true(size <= 1) and not statically_known_true(stride == expected):
+            return False
+        expected = expected * size
+    return True

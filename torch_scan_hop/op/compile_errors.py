@@ -40,14 +40,14 @@ def _body_raised(chain, tx):
     are not (torch 2.9 also drops the raised exception's arguments). None for anything else: a
     graph break, a data dependence, our own ScanError (each has its own message). ``chain``: the
     failed capture's exception and those it was raised from (``_chain``)."""
-    if not any(_compat.dynamo.wraps_a_raised_error(c) for c in chain) or any(
+    if not any(_wraps_a_raised_error(c) for c in chain) or any(
             isinstance(c, ScanError) or _compat.is_data_dependence_error(c) for c in chain):
         return None
     plain = [c for c in chain if not _compat.dynamo.is_dynamo_exception(c)]
     if plain:  # the op's own error, kept as the cause of Dynamo's wrappers
         kind, text = type(plain[-1]), str(plain[-1])
     else:  # simulated by Dynamo: the exception lives on the translator's stack
-        raised = _compat.dynamo.raised_exception(tx)
+        raised = _raised_exception(tx)
         if raised is None:
             return None
         kind, args = raised
@@ -179,3 +179,25 @@ def _with_hints(message, e):
     if any("/distributed/fsdp/" in f.filename.replace("\\", "/") for f in stack):
         return message + _FSDP_HINT
     return message
+
+
+def _wraps_a_raised_error(e):
+    """Was ``e`` (a failed capture) an exception the body's own code raised, or one of its ops
+    raised on fake tensors, rather than a graph break? Dynamo simulates a ``raise`` in traced code
+    as an ObservedException (torch 2.9 to 2.15) and re-raises an op's failed fake run as a
+    TorchRuntimeError (2.9) or an ObservedException (2.15) around the op's error."""
+    return isinstance(e, _compat.dynamo.raised_error_classes())
+
+
+def _raised_exception(tx):
+    """``(type, args)`` of the exception the body raised, from the translator's exception stack
+    (torch 2.9's ObservedException says only ``ExceptionVariable(<class 'ValueError'>)``; 2.15's
+    names the arguments itself; torch up to 2.14 ``get_current_exception``, 2.15 ``get_raised_exception``).
+    None when it cannot be read."""
+    stack = getattr(tx, "exn_vt_stack", None)
+    get = getattr(stack, "get_current_exception", None) or getattr(stack, "get_raised_exception", None)
+    try:
+        exc = get()
+        return exc.exc_type, tuple(a.as_python_constant() if a.is_python_constant() else a for a in exc.args)
+    except Exception:  # no stack, no current exception, or a translator of another shape
+        return None

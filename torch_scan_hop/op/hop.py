@@ -17,7 +17,7 @@ for ``torch.export`` (a scan over the indices L-1..0) and torch_xla's bridge
 import torch
 
 from .. import _compat
-from ..core import route
+from ..core import modes, route
 from ..core.checks import input_name, mutation_message
 from ..core.op_args import example_args
 from ..core.trees import ScanError
@@ -38,7 +38,7 @@ class ScanOp(_compat.HigherOrderOperator):
         if subclass_rule is not None:
             return subclass_rule(combine_fn, list(init), list(xs), tuple(additional_inputs),
                                  reverse=reverse, remat=remat, unroll=unroll)
-        if _compat.only_user_modes_active():
+        if modes.only_user_modes_active():
             if route.runs_the_loop(flat):  # remat: the loop below takes a partition function as save_all
                 return _loop_under_user_modes(combine_fn, init, xs, additional_inputs, reverse, remat)
         kwargs = {}

@@ -19,6 +19,7 @@ from ..core.op_args import example_args, split_out
 from ..core.schedule import block_order, segments
 from ..inductor import lowering as inductor_lowering
 from ..core.checks import check_flat_carry, check_graph_mutation
+from ..trace.effects import without_effectful_checks
 from ..trace.peephole import views_to_reshapes
 from .hop import scan_op
 from .loop import carry_after_no_step, empty_ys
@@ -27,7 +28,7 @@ from .loop import carry_after_no_step, empty_ys
 def trace_body(combine_fn, init, xs, additional_inputs):
     with _compat.disable_proxy_modes_tracing():
         args = example_args(init, xs, additional_inputs)
-    body = _compat.reenter_make_fx(_compat.hop.without_effectful_checks(combine_fn))(*args)
+    body = _compat.reenter_make_fx(without_effectful_checks(combine_fn))(*args)
     views_to_reshapes(body.graph)
     body.recompile()
     return body

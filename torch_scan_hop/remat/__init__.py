@@ -7,6 +7,7 @@ One policy object drives every path, so the remat code lives together, by what i
   one validator (``validated``);
 - ``step``: a step with its policy applied, what the eager loop runs (``op/loop.py``);
 - ``replay``: the eager replay engine, one per scan (``StepReplay``);
+- ``sac_replay``: selective checkpointing whose saved values replay (a second backward);
 - ``recipes``: recipes recorded per call, so saved values are recomputed without re-running the body;
 - ``keep``: which recorded values an eager ``"min_cut"`` step keeps within its memory budget;
 - ``policy_ops``: which recorded calls an op-level ``RematPolicy`` keeps the outputs of;

@@ -12,6 +12,7 @@ from .. import _compat
 from ..core.drain import drain_at_exit
 from .policies import as_policy, binomial_slots, nothing_saveable
 from .replay import StepReplay
+from .sac_replay import replayable_selective_checkpoint_contexts
 
 
 def _sac_policy(policy):
@@ -36,5 +37,5 @@ def remat_step(step, remat, length=None):
                           slots=binomial_slots(remat))
     if policy.save is nothing_saveable.save:
         return functools.partial(_ckpt.checkpoint, step, use_reentrant=False)
-    contexts = functools.partial(_compat.replayable_selective_checkpoint_contexts, _sac_policy(policy))
+    contexts = functools.partial(replayable_selective_checkpoint_contexts, _sac_policy(policy))
     return functools.partial(_ckpt.checkpoint, step, use_reentrant=False, context_fn=contexts)

@@ -1,7 +1,9 @@
 """From a body to graphs: tracing, closure lifting, the joint, partitioning, caches.
 
 - ``graph``: ``trace_graph``, the one entry for tracing a function to an aten graph;
+- ``effects``: bodies traced without the host-side checks torch 2.14 made effects;
 - ``lift``: closed-over tensors become explicit inputs (``additional_inputs``);
+- ``closures``: the stand-ins a body reads for closed-over tensors while it is traced;
 - ``flat_body``: the front end's body as the op sees it under Dynamo;
 - ``body_checks``: a body traced for its input-mutation check (the checks: ``core/checks.py``);
 - ``joint``: one step's joint forward/backward graph, traced from the user's own function;

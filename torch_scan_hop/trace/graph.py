@@ -1,14 +1,19 @@
 """``trace_graph``: one function traced to an aten graph, with the errors a user can act on.
 
 Every trace of a body (its forward, its joint, the checks) goes through here:
-``_compat.trace_aten_graph`` does the tracing; this adds what is ours, the torch_xla
-ops' autograd formulas a joint needs (``xla_formulas``) and a body that reads a
-tensor's value reported as a ``ScanError`` in the user's terms.
+``trace_aten_graph`` chooses how to trace (re-enter an outer make_fx or fake mode, or a
+fresh fake trace); ``trace_graph`` adds the torch_xla ops' autograd formulas a joint needs
+(``xla_formulas``) and reports a body that reads a tensor's value as a ``ScanError`` in the
+user's terms.
 """
 import contextlib
 
+import torch
+
 from .. import _compat
+from .._compat import tracing as _tracing
 from ..core.trees import ScanError
+from .effects import without_effectful_checks
 from .xla_formulas import register_missing
 
 
@@ -17,9 +22,55 @@ def trace_graph(fn, args, *, force_enable_grad=False):
     if force_enable_grad:  # differentiating: torch_xla's custom ops need their formulas
         register_missing()
     with _data_dependence_as_scan_error(), _in_place_sharding_as_scan_error():
-        gm = _compat.trace_aten_graph(fn, args, force_enable_grad=force_enable_grad)
+        gm = trace_aten_graph(fn, args, force_enable_grad=force_enable_grad)
     _refuse_value_dependent_sizes(gm)
     return gm
+
+
+def trace_aten_graph(fn, args, *, force_enable_grad=False):
+    """Trace ``fn(*args)`` to an aten GraphModule in whatever mode is active.
+
+    Re-enters an outer make_fx trace (or fake mode) if there is one; on real
+    tensors traces with a fresh fake mode, so nothing real is computed and
+    closed-over real tensors become constants (which ``trace.lift`` turns into inputs).
+    """
+    fn = without_effectful_checks(fn)
+    if _compat.under_make_fx():
+        if _of_another_fake_mode(args):
+            return _trace_fresh(fn, args, force_enable_grad)
+        with _tracing.outer_grad_mode_recorders_suspended():
+            return _compat.materialize_as_graph(fn, tuple(args), force_enable_grad=force_enable_grad)
+    if _compat.detect_fake_mode(args) is not None:
+        return _compat.materialize_as_graph(fn, tuple(args), force_enable_grad=force_enable_grad)
+    return _trace_fresh(fn, args, force_enable_grad)
+
+
+def _of_another_fake_mode(args):
+    """True when ``args`` are fake tensors of another fake mode than the one the running
+    make_fx (``tracing_mode`` fake or symbolic) made for itself.
+
+    Upstream's front end ``torch._higher_order_ops.scan.scan`` compiles itself with
+    Dynamo even inside a make_fx trace; Dynamo's fake run of our node then hands us
+    Dynamo's own fake tensors. Re-entering the outer tracer on them mixes two fake
+    modes ("Mixing fake modes NYI"); a trace of their own (make_fx adopts their mode)
+    is what the outer trace later sees run. A make_fx on real tensors has no mode of
+    its own (None): export runs it under its ambient fake mode, whose tensors must be
+    traced into the export graph, so that case re-enters as before.
+    """
+    outer = _tracing.make_fx_fake_mode()
+    return outer is not None and any(isinstance(a, _compat.FakeTensor) and a.fake_mode is not outer for a in args)
+
+
+def _trace_fresh(fn, args, force_enable_grad):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_compat.tracing_lock())
+        # Functional wrappers (torch.func.functionalize, XLA) would hide the
+        # body from make_fx: trace on plain stand-ins of the same metadata.
+        stack.enter_context(_tracing.functionalization_suspended())
+        args = [_compat._from_fun(a) for a in args]
+        if force_enable_grad:
+            stack.enter_context(torch.enable_grad())
+        return _tracing.fake_trace(fn)(*args)
 
 
 def _refuse_value_dependent_sizes(gm):
@@ -39,13 +90,13 @@ def _in_place_sharding_as_scan_error():
     try:
         yield
     except RuntimeError as e:
-        if not _compat.xla.raised_by_in_place_sharding(e):
+        if not _raised_by_in_place_sharding(e):
             raise
         fsdp_v2 = (" Here it is the forward of a module wrapped by torch_xla's SpmdFullyShardedDataParallel "
                    "(FSDPv2), which annotates its output so: wrap the module that calls scan instead, or build "
                    "the wrapper with shard_output=lambda output, mesh: None and annotate the output in the "
                    "body as above (scan_layers over FSDPv2-wrapped layers does that itself)."
-                   if _compat.xla.raised_in_fsdp_v2_forward(e) else "")
+                   if _raised_in_fsdp_v2_forward(e) else "")
         raise ScanError(
             "scan: the body calls torch_xla's in-place xs.mark_sharding(t, mesh, spec), which annotates a "
             "tensor's device data and cannot be traced into the scan's graph. Use "
@@ -80,3 +131,24 @@ def data_dependence_message(detail):
         "torch.compile, export, XLA) cannot capture as one graph of fixed shapes. Use torch.where / "
         "masking instead (for a router: every expert on every token, masked), or run eagerly. "
         f"({detail})")
+
+
+def _functions_raised_through(error, path):
+    """Names of the functions of the file ending in ``path`` that ``error`` passed through."""
+    import traceback
+
+    return [f.name for f in traceback.extract_tb(error.__traceback__)
+            if f.filename.replace("\\", "/").endswith(path)]
+
+
+def _raised_by_in_place_sharding(error):
+    """Did ``error`` come out of torch_xla's in-place ``mark_sharding`` (the
+    torch_xla 2.9 function in ``distributed/spmd/xla_sharding.py``)?"""
+    frames = _functions_raised_through(error, "spmd/xla_sharding.py")
+    return "mark_sharding" in frames and "_aot_mark_sharding" not in frames
+
+
+def _raised_in_fsdp_v2_forward(error):
+    """Did ``error`` come out of the forward of torch_xla's FSDPv2 wrapper (its default
+    ``shard_output`` annotates the output in place)?"""
+    return len(_functions_raised_through(error, "experimental/spmd_fully_sharded_data_parallel.py")) > 0

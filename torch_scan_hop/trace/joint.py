@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _compat
+from .closures import recording_functional_closures
 from .graph import trace_graph
 from .lift import source_of
 from .xla_formulas import functions_as_ops
@@ -35,14 +36,14 @@ def stepping(combine_fn, primals):
     itself, or for a lifted closure what the body read in its place (its
     stand-in) and the closure itself (a custom autograd.Function receives it
     as an argument, untouched by stand-ins). ``outer`` maps a traced
-    stand-in back to the user's tensor (``_compat.recording_functional_closures``).
+    stand-in back to the user's tensor (``closures.recording_functional_closures``).
     """
     src = source_of(combine_fn)
     if src is None:
         yield list(combine_fn(*primals)), [[p] for p in primals], lambda t: t
         return
     n = len(primals) - len(src.lifted)
-    with _compat.recording_functional_closures(primals) as closures:
+    with recording_functional_closures(primals) as closures:
         outs = list(src.body(*primals[:n]))
         reached = [_reached(closures.inner(t), t) for t in src.lifted]
         yield outs, [*([p] for p in primals[:n]), *reached], closures.outer
@@ -182,6 +183,22 @@ def _no_anomaly_check():
     return torch.autograd.set_detect_anomaly(False, check_nan=False)
 
 
+def _tag_forward_nodes(num_primals):
+    """Tag what the joint trace has recorded so far as the forward, as
+    AOTAutograd does: newer torch's default_partition takes the forward to be
+    every node up to the last one tagged "is_forward" (untagged, "save_all"
+    would recompute everything). torch 2.9 reads only the backward tags;
+    torch 2.14 reads both (``_has_tag_is_forward``). One tagging serves both."""
+    mode = _compat.tracing.proxy_mode()
+    if mode is None:
+        return
+    placeholders = 0
+    for node in mode.tracer.graph.nodes:
+        is_tangent = node.op == "placeholder" and placeholders >= num_primals
+        placeholders += node.op == "placeholder"
+        node.meta["partitioner_tag"] = "is_backward" if is_tangent else "is_forward"
+
+
 def _joint_fn(combine_fn, grad_mask, stash):
     """primals, tangents -> (*outputs, *grads): the shape AOTAutograd's partitioners expect."""
     num_primals = len(grad_mask)
@@ -191,7 +208,7 @@ def _joint_fn(combine_fn, grad_mask, stash):
         with stepping(combine_fn, primals) as (outs, wrt, stash["outer"]):
             pass  # the backward below runs outside the stand-ins: its ops must not move devices
         stash["out_flags"] = [isinstance(o, torch.Tensor) and o.requires_grad for o in outs]
-        _compat.tag_forward_nodes(num_primals)
+        _tag_forward_nodes(num_primals)
         pairs = [(o, t) for o, t in zip(outs, tangents) if isinstance(o, torch.Tensor) and o.requires_grad]
         wanted = [reach for reach, m in zip(wrt, grad_mask) if m]
         used = [w for reach in wanted for w in reach if w.requires_grad]

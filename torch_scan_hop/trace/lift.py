@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _compat
+from .closures import recording_functional_closures
 from .graph import trace_graph
 
 
@@ -94,7 +94,7 @@ def trace_and_lift(flat_body, example_args):
     """
     # Traced in the caller's grad mode: a body that branches on
     # torch.is_grad_enabled() takes the branch the loop would take.
-    with _compat.recording_functional_closures(example_args) as closures:
+    with recording_functional_closures(example_args) as closures:
         gm = trace_graph(flat_body, example_args)
         users = [closures.outer(t) for t in lift_constants(gm)]
     lifted = [closures.op_input(t) for t in users]  # outside the stand-ins: a real device copy

@@ -5,6 +5,7 @@
   csrc/hlo_scan.cc) around it, cached per graph;
 - ``eager``: an eager scan on XLA tensors routed through Dynamo, whose guards say when
   the body is unchanged;
+- ``mesh_texts``: SPMD meshes that keep their text, so Dynamo captures bodies that annotate shardings;
 - ``sharding``: SPMD: each gradient leaves the scan with its tensor's sharding.
 
 May import: ``core``, ``trace``, ``_compat``.

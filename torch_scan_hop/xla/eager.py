@@ -30,6 +30,8 @@ import types
 import torch
 
 from .. import _compat
+from ..core import modes
+from . import mesh_texts
 
 _MAX_BODIES = 256  # distinct body codes with an entry of their own
 # compiles per body code: each new shape is one (static shapes: XLA compiles per
@@ -40,14 +42,14 @@ _entries = {}  # body code -> compiled entry (one per code: Dynamo's recompile l
 _refused = set()  # bodies Dynamo could not capture: (code, closure types)
 _MAX_SEEN = 4096
 _seen = collections.OrderedDict()  # (code, input signature) of calls made on the make_fx path
-_compat.xla.keep_mesh_texts()  # now if torch_xla's SPMD module is loaded, so that meshes made next keep theirs
+mesh_texts.keep_mesh_texts()  # now if torch_xla's SPMD module is loaded, so that meshes made next keep theirs
 
 
 def applies(fn, leaves, remat):
     """A plain eager call on XLA tensors, with no tracer, transform or mode active."""
     if callable(remat) or not leaves or getattr(fn, "__code__", None) is None or _compat.is_dynamo_compiling():
         return False  # under Dynamo: a scan in a captured body, which Dynamo captures with it
-    if not all(isinstance(t, torch.Tensor) and t.device.type == "xla" and not _compat.is_functional(t)
+    if not all(isinstance(t, torch.Tensor) and t.device.type == "xla" and not modes.is_functional(t)
                for t in leaves):  # first: off XLA (most calls) this is one device check
         return False
     if _compat.dispatch_modes_active() or _compat.under_make_fx() \
@@ -116,12 +118,12 @@ class NotCaptured(Exception):
     def __init__(self, key):
         super().__init__()
         self.key = key
-        self.mesh_texts = _compat.xla.mesh_texts_made()
+        self.mesh_texts = mesh_texts.mesh_texts_made()
 
 
 def call(scan_impl, fn, init, xs, options):
     """``scan_impl(fn, init, xs, **options)`` captured by Dynamo (``scan_impl`` must not route here again)."""
-    _compat.xla.keep_mesh_texts()  # SPMD bodies: see there
+    mesh_texts.keep_mesh_texts()  # SPMD bodies: see there
     try:
         with _compat.dynamo.recompile_limit_at_least(_RECOMPILES):
             return _entry_for(fn.__code__)(scan_impl, fn, init, xs, options)
@@ -132,8 +134,8 @@ def call(scan_impl, fn, init, xs, options):
 def refuse(failure):
     """The make_fx path ran a body Dynamo failed on (``failure``, the NotCaptured):
     do not offer it to Dynamo again, unless that run made the text of an SPMD mesh
-    the capture could not read before (``_compat.xla.keep_mesh_texts``)."""
-    if _compat.xla.mesh_texts_made() != failure.mesh_texts:
+    the capture could not read before (``mesh_texts.keep_mesh_texts``)."""
+    if mesh_texts.mesh_texts_made() != failure.mesh_texts:
         return
     with _lock:
         _refused.add(failure.key)

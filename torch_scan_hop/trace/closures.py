@@ -1,0 +1,183 @@
+"""Closed-over tensors stood in for while a body is traced (``recording_functional_closures``).
+
+make_fx cannot trace through a functional wrapper it did not create (every XLA tensor is one),
+a closure batched by a vmap active before the trace, or an outer symbolic trace's value whose
+sizes the re-entered tracer has never seen; the body reads stand-ins instead, and lifting
+(``trace.lift``, ``trace.joint``) maps them back to the user's tensors. The private reads this
+needs are ``_compat.tracing``'s adapters.
+"""
+import contextlib
+
+import torch
+
+from .. import _compat
+from .._compat import tracing as _tracing
+
+
+class _ClosureStandIns(torch.overrides.TorchFunctionMode):
+    """Swaps closed-over functional tensors (every XLA tensor is one) for their
+    unwrapped values as torch functions receive them, and remembers which is which.
+
+    make_fx cannot trace through a functional wrapper it did not create: ops
+    on it run below the tracer and their results come out untracked. The plain
+    inner value traces like any constant; lifting then hands back the user's
+    tensor, which keeps its autograd identity. A stand-in requires grad when
+    its tensor does, so a joint trace can differentiate with respect to it.
+    CPU tensors meeting XLA ones are stood in for by device copies, and closures
+    batched by a vmap that was active before the trace by plain constants of
+    their logical shape (``_batched_stand_in``).
+
+    The private reads (functional wrappers, batched levels, proxy slots) are ``_compat.tracing``'s.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._outer, self._by_id, self._moved, self.xla, self.inputs = {}, {}, {}, None, {}
+        self._aliases = {}
+        self.vmap_levels = _tracing.active_vmap_levels()
+
+    def _stand_in(self, t, user=None):
+        if user is None and self.vmap_levels and self._batched_outside(t) and id(t) not in self.inputs:
+            return self._batched_stand_in(t)
+        if user is None and (not (isinstance(t, torch.Tensor) and _compat.dispatch.is_functional_tensor(t))
+                             or isinstance(t, _compat.FakeTensor) or id(t) in self.inputs):
+            return t
+        user = t if user is None else user
+        hit = self._by_id.get(id(user))
+        if hit is None:
+            plain = _tracing.functional_value(t)  # its value, without the wrapper
+            self._outer[id(plain)] = user
+            used = plain.detach().requires_grad_() if user.requires_grad else plain
+            hit = self._by_id[id(user)] = (used, user, plain, t)  # plain and t kept alive: ids are keys
+        return hit[0]
+
+    def _batched_outside(self, t):
+        """A closure batched by a vmap that was active before the trace began (the body
+        is traced on unbatched stand-ins of its carries and x while that vmap is still
+        on the interpreter stack). A vmap inside the body has a higher level."""
+        level = _compat.functorch_level(t) if isinstance(t, torch.Tensor) else None
+        return level is not None and level in self.vmap_levels and all(type(d) is int for d in t.shape)
+
+    def _batched_stand_in(self, t):
+        """make_fx traces the batched closure's physical value under the vmap, so the
+        body's outputs came out batched, untracked: the body's graph returned them as
+        constants (wrong values, silently). The body reads a plain constant of the
+        closure's logical shape instead; lifting hands back the batched tensor, and
+        the op's vmap rule batches the body over it, as over a batched carry."""
+        hit = self._by_id.get(id(t))
+        if hit is None:
+            with _compat.unset_fake_temporarily(), _compat.disable_proxy_modes_tracing():
+                plain = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+            self._outer[id(plain)] = t
+            used = plain.requires_grad_() if t.requires_grad and plain.is_floating_point() else plain
+            hit = self._by_id[id(t)] = (used, t, plain, t)
+        return hit[0]
+
+    def _onto(self, device):
+        """CPU tensors meeting XLA ones move to the device, as torch_xla moves
+        them per op in eager (fake tracing rejects the mix): a traced value in
+        the graph, a closure as a device copy standing in for it."""
+        def onto(t):
+            if not _cpu_array(t) or id(t) in self.inputs:
+                return t
+            if isinstance(t, _compat.FakeTensor):
+                return t.to(device)
+            if id(t) not in self._by_id:
+                with _compat.unset_fake_temporarily(), _compat.disable_proxy_modes_tracing():
+                    moved = t.detach().to(device)
+                self._stand_in(moved, user=t)
+            return self._by_id[id(t)][0]
+        return onto
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.autograd.grad:  # differentiates w.r.t. the tensors named, stand-ins or not
+            return func(*args, **(kwargs or {}))
+        tree_map = _compat.pytree.tree_map
+        if func in _METADATA_READS and args:
+            args = (self._traced_view(args[0]), *args[1:])
+            args, kwargs = tree_map(self._stand_in, (args, kwargs or {}))
+        elif getattr(func, "__name__", None) == "__get__":  # an attribute read (t.layout in FX's codegen)
+            args, kwargs = tree_map(self._stand_in, (args, kwargs or {}))
+        else:  # an op on an outer trace's value (``v[0]`` in a nested scan's body) reads its sizes too
+            args, kwargs = tree_map(self._traced_or_stood_in, (args, kwargs or {}))
+        leaves = _compat.pytree.tree_leaves((args, kwargs))
+        xla = next((t.device for t in leaves if isinstance(t, torch.Tensor) and t.device.type == "xla"), None)
+        self.xla = self.xla or xla
+        if self.xla is not None and any(_cpu_array(t) for t in leaves):  # also ops on CPU tensors alone
+            args, kwargs = tree_map(self._onto(self.xla), (args, kwargs))
+        return func(*args, **kwargs)
+
+    def _traced_or_stood_in(self, t):
+        """A fake value (never stood in for) as the current trace can read it; anything else stood in for."""
+        return self._traced_view(t) if isinstance(t, _compat.FakeTensor) else self._stand_in(t)
+
+    def _traced_view(self, t):
+        """What a size read of ``t`` reads: ``t``, or an alias the current trace knows.
+
+        A closure from an outer symbolic trace has sizes like ``s3`` that the
+        body's own (re-entered) tracer has never seen: a body reading only
+        ``W.shape[-1]`` would fail deep in torch ("s3 is not tracked with
+        proxy"). One traced ``alias`` of it is a graph constant (lifted like
+        any closure) whose sizes, strides and numel the trace can compute.
+        """
+        mode = _tracing.proxy_mode() if isinstance(t, _compat.FakeTensor) else None
+        if mode is None or _tracing.has_proxy_slot(t, mode.tracer):  # traced here: its sizes are too
+            return t
+        key = (id(mode.tracer), id(t))
+        if key not in self._aliases:
+            sizes = (*t.shape, *t.stride(), t.storage_offset(), t.numel())
+            if all(_tracing.get_proxy_slot(s, mode.tracer, None) is not None
+                   for s in sizes if isinstance(s, torch.SymInt)):
+                return t
+            self._aliases[key] = (torch.ops.aten.alias.default(t), t, mode.tracer)  # t, tracer kept alive: ids are keys
+        return self._aliases[key][0]
+
+    def outer(self, t):
+        """The user's tensor that stand-in ``t`` replaced (else ``t``)."""
+        return self._outer.get(id(t), t)
+
+    def inner(self, t):
+        """What the body read in place of the user's ``t``: its stand-in, ``t``
+        itself if it needed none, None if a functional ``t`` was never read."""
+        hit = self._by_id.get(id(t))
+        if hit is not None:
+            return hit[0]
+        return None if _compat.dispatch.is_functional_tensor(t) and not isinstance(t, _compat.FakeTensor) else t
+
+    def op_input(self, user):
+        """What the op receives for the user's closure ``user``. A CPU closure
+        that requires grad in a body on XLA becomes a differentiable copy on
+        the device: its gradient comes back to it through the copy, and the
+        body's backward stays on one device (autograd would run CPU nodes on
+        another thread, both dispatching into one fake mode while partitioning)."""
+        if self.xla is None or user.device.type != "cpu" or not user.requires_grad or isinstance(user, _compat.FakeTensor):
+            return user
+        if id(user) not in self._moved:
+            with _compat.disable_proxy_modes_tracing(), torch.enable_grad():
+                self._moved[id(user)] = user.to(self.xla)
+        return self._moved[id(user)]
+
+
+_METADATA_READS = frozenset({
+    torch.Tensor.shape.__get__, torch.Tensor.size, torch.Tensor.stride, torch.Tensor.storage_offset,
+    torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.__len__,
+})
+
+
+def _cpu_array(t):
+    """A CPU tensor with dims: fake tracing lets only 0-dim ones mix with XLA tensors."""
+    return isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() > 0
+
+
+@contextlib.contextmanager
+def recording_functional_closures(tensors=()):
+    """Yields the stand-in mode: ``.outer(t)`` / ``.inner(t)`` map between the
+    user's closures and what the traced body read, ``.op_input(t)`` says what
+    the op receives for a closure. With XLA ``tensors`` (the step's inputs),
+    every CPU tensor the body touches is on the device from the start
+    (see ``_ClosureStandIns``)."""
+    mode = _ClosureStandIns()
+    mode.xla = next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "xla"), None)
+    mode.inputs = {id(t): t for t in tensors}  # the step's own inputs are traced, not stood in for
+    with mode:
+        yield mode
