@@ -114,7 +114,6 @@ from .tracing import (  # noqa: F401
     FunctionalTensor,
     ProxyTorchDispatchMode,
     allow_scalar_outputs,
-    detached_examples,
     detect_fake_mode,
     disable_functional_mode,
     disable_proxy_modes_tracing,

@@ -186,17 +186,6 @@ def get_proxy_slot(obj, tracer, default):
     return _proxy_tensor.get_proxy_slot(obj, tracer, default)
 
 
-def detached_examples(values):
-    """Detached example values of one step, outside any graph. Under a fake
-    mode a real tensor (a constant the body created, lifted) becomes fake, with
-    static shapes: a fresh symbol would become a guard export cannot evaluate.
-    torch 2.9 to 2.15: ``FakeTensorMode.from_tensor(static_shapes=True)`` on all."""
-    mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
-    with disable_proxy_modes_tracing():
-        return [(mode.from_tensor(v, static_shapes=True) if mode is not None and not isinstance(v, FakeTensor) else v).detach()
-                if isinstance(v, torch.Tensor) else v for v in values]
-
-
 def fresh_fake_mode():
     """A fake mode that accepts real inputs (constants). torch 2.9 to 2.15: the
     same ``FakeTensorMode(allow_non_fake_inputs=True)`` on all."""

@@ -4,7 +4,7 @@ make_fx cannot trace through a functional wrapper it did not create (every XLA t
 a closure batched by a vmap active before the trace, or an outer symbolic trace's value whose
 sizes the re-entered tracer has never seen; the body reads stand-ins instead, and lifting
 (``trace.lift``, ``trace.joint``) maps them back to the user's tensors. The private reads this
-needs are ``_compat.tracing``'s adapters.
+needs are ``_compat``'s adapters (``tracing``, ``dispatch``, ``functorch``).
 """
 import contextlib
 
@@ -27,7 +27,7 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
     batched by a vmap that was active before the trace by plain constants of
     their logical shape (``_batched_stand_in``).
 
-    The private reads (functional wrappers, batched levels, proxy slots) are ``_compat.tracing``'s.
+    The private reads (functional wrappers, batched levels, proxy slots) are ``_compat``'s adapters.
     """
 
     def __init__(self):

@@ -331,7 +331,7 @@ def trace_step(body: Callable, carry, x, lifted, requires_grad) -> JointStep:
     ``requires_grad`` flags the inputs that require grad (for the carries:
     init's flags; the carries' fixed point is computed here).
     """
-    examples = _compat.detached_examples([*carry, *x, *lifted])
+    examples = _detached_examples([*carry, *x, *lifted])
     out_vals = _output_metas(body, examples) or _output_metas(trace_graph(body, examples), examples)
     with _compat.disable_proxy_modes_tracing():
         tangents = [torch.zeros(v.shape, dtype=v.dtype, device=v.device) for v in out_vals]
@@ -388,3 +388,18 @@ def partition_step(step: JointStep, remat="save_all") -> FwdBwd:
 def partition_body(body: Callable, carry, x, lifted, requires_grad, remat="save_all") -> FwdBwd:
     """``trace_step`` then ``partition_step``."""
     return partition_step(trace_step(body, carry, x, lifted, requires_grad), remat)
+
+
+def _detached_examples(values):
+    """Detached example values of one step, outside any graph. Under a fake
+    mode a real tensor (a constant the body created, lifted) becomes fake, with
+    static shapes: a fresh symbol would become a guard export cannot evaluate
+    (``FakeTensorMode.from_tensor(static_shapes=True)``, torch 2.9 to 2.15)."""
+    mode = _compat.detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+    def example(v):
+        if mode is not None and not isinstance(v, _compat.FakeTensor):
+            v = mode.from_tensor(v, static_shapes=True)
+        return v.detach()
+
+    with _compat.disable_proxy_modes_tracing():
+        return [example(v) if isinstance(v, torch.Tensor) else v for v in values]
