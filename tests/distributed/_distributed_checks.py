@@ -822,6 +822,15 @@ def hf_layers_sharded():
 
 
 @check
+def hf_model_scanned_fsdp():
+    """scan_model on a whole Llama causal LM sharded by FSDP2 (per layer and root), compiled with
+    aot_eager: loss and full gradients against the sharded model's own loop (``_hf_sharded``)."""
+    _hf_sharded = _hf_sharded_module()
+    torch._dynamo.reset()
+    _hf_sharded.run_model_case("llama", "aot_eager", MESH[0], recording_backend, scan_nodes)
+
+
+@check
 def fsdp_mixed_precision_is_a_scan_error():
     torch.manual_seed(0)
     model = sharded(Model(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))

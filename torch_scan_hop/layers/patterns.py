@@ -43,6 +43,35 @@ def kinds(layers):
     return tuple(out)
 
 
+def kinds_traced(layers):
+    """``kinds`` from what Dynamo can read: module types and parameter and buffer signatures (it
+    cannot enumerate a module's plain attributes). Layers told apart only by attributes fall into
+    one kind, and the body's check on read refuses the attribute that differs (a ScanError, never
+    a wrong number); ``scan_model`` and a first eager call read the full kinds outside the trace."""
+    seen, out = [], []
+    for layer in layers:
+        sig = _weights_signature(layer)
+        for i, other in enumerate(seen):
+            if other == sig:
+                out.append(i)
+                break
+        else:
+            out.append(len(seen))
+            seen.append(sig)
+    return tuple(out)
+
+
+def _weights_signature(module):
+    sig = [type(module)]
+    for name, t in module._parameters.items():
+        sig.append((name, None if t is None else (tuple(t.shape), t.dtype)))
+    for name, t in module._buffers.items():
+        sig.append((name, None if t is None else (tuple(t.shape), t.dtype)))
+    for name, child in module._modules.items():
+        sig.append((name, None if child is None else tuple(_weights_signature(child))))
+    return sig
+
+
 def _tree_signature(module, prefix=""):
     """``[(path, value)]``: every module's type, parameter and buffer signature, and plain attribute."""
     sig = [(prefix + "<type>", f"{type(module).__module__}.{type(module).__qualname__}")]

@@ -377,16 +377,19 @@ def stack_plan(container, layers, period):
     cache = _plan_cache(container)
     key = (len(layers), period)
     if key not in cache:
-        ks = patterns.kinds(layers)
-        if period == "auto":
-            segments = patterns.plan(ks)
-        else:
-            count = len(layers) // period if period > 1 else 0
-            head = [patterns.Segment(0, period, count)] if count >= 1 else []
-            rest = patterns.plan(ks[count * period:], max_period=1)
-            segments = tuple(head) + tuple(s._replace(start=s.start + count * period) for s in rest)
-        cache[key] = segments
+        if _compat.is_dynamo_compiling():  # not cached: a first eager call reads the full kinds
+            return _segments(patterns.kinds_traced(layers), len(layers), period)
+        cache[key] = _segments(patterns.kinds(layers), len(layers), period)
     return cache[key]
+
+
+def _segments(ks, depth, period):
+    if period == "auto":
+        return patterns.plan(ks)
+    count = depth // period if period > 1 else 0
+    head = [patterns.Segment(0, period, count)] if count >= 1 else []
+    rest = patterns.plan(ks[count * period:], max_period=1)
+    return tuple(head) + tuple(s._replace(start=s.start + count * period) for s in rest)
 
 
 def _cache(container, name):
