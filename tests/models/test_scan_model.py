@@ -7,6 +7,7 @@ generate() with the default cache, a static cache and no cache, weights saved an
 the errors for models it cannot scan.
 """
 import copy
+import os
 import pickle
 
 import pytest
@@ -53,17 +54,17 @@ def test_plan_and_state_unchanged(family):
     assert scan_model(scanned) is scanned  # a second call changes nothing
 
 
-# Qwen3-Next's body (its gated delta rule loops over chunks) takes minutes to trace on 2 cores: compiled
-# on the newest torch only, to keep CI in its budget (by hand on 2.9 too: it passes)
-SLOW_TRACE = {"qwen3_next": (2, 15)}
+# Qwen3-Next's body (its gated delta rule loops over chunks) takes ~2-5 minutes to trace on 2 cores:
+# compiled only with SCAN_SLOW_MODELS=1 (passed by hand on torch 2.9, 2026-11-28), to keep CI in budget
+SLOW_TRACE = {"qwen3_next"}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_training_step_eager_and_compiled(family, fresh_dynamo):
     ref, scanned = _twins(family)
-    if family in SLOW_TRACE and torch.__version__ < SLOW_TRACE[family]:
+    if family in SLOW_TRACE and os.environ.get("SCAN_SLOW_MODELS") != "1":
         _assert_step_close(_step(scanned), _step(ref))
-        pytest.skip(f"eager checked; compiled {family} runs on torch >= {SLOW_TRACE[family]} (CI budget)")
+        pytest.skip(f"eager checked; compiled {family} runs with SCAN_SLOW_MODELS=1 (minutes of tracing)")
     want = _step(ref)
     _assert_step_close(_step(scanned), want)
     graphs, backend = _aot_eager_recording()
