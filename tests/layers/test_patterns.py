@@ -189,3 +189,20 @@ def test_attributes_the_body_writes_are_read_back_within_the_step(fresh_dynamo):
     got = torch.compile(lambda: scan_layers(layers, h), backend="aot_eager", fullgraph=True)()
     torch.testing.assert_close(got, want)
     assert all(layer.state is None for layer in layers)  # the traced scan writes nothing to the layers
+
+
+def test_a_replaced_layer_is_planned_and_blocked_again(fresh_dynamo):
+    """The plan and the blocks are cached on the container: replacing a layer must not leave a
+    block running the old one."""
+    layers = _stack(GEMMA_LIKE * 2)
+    h = torch.randn(2, D, dtype=torch.float64)
+    masks = {"sliding": torch.rand(D, dtype=torch.float64), "full": torch.rand(D, dtype=torch.float64)}
+    scan_layers(layers, h, layer_kwargs=_kwargs(layers, masks), period="auto")
+    torch.manual_seed(1)
+    layers[4] = Kind("sliding", 4)
+    per_layer = _kwargs(layers, masks)
+    want = _loop(layers, h, per_layer)
+    torch.testing.assert_close(scan_layers(layers, h, layer_kwargs=per_layer, period="auto"), want)
+    got = torch.compile(lambda: scan_layers(layers, h, layer_kwargs=per_layer, period="auto"),
+                        backend="aot_eager", fullgraph=True)()
+    torch.testing.assert_close(got, want)

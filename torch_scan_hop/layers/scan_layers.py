@@ -370,17 +370,24 @@ def scan_patterned(layers, hidden, *, remat="save_all", unroll=None, partition_f
 
 def stack_plan(container, layers, period):
     """The segments of ``layers`` for ``period`` (an int or "auto"), cached on a module container
-    with the blocks they need (``patterns.LayerBlock``, made once: never inside a traced call
+    for the layers it holds now (``blocks_of`` caches the blocks alike: made outside a traced call
     when the first call ran, or ``scan_model`` prepared them, outside one)."""
     if period != "auto" and (isinstance(period, bool) or not isinstance(period, int) or period < 1):
         raise ScanError(f"scan_layers: period must be a positive int or 'auto', got {period!r}.")
-    cache = _plan_cache(container)
+    cache = _cache(container, "_scan_layers_plans")
     key = (len(layers), period)
-    if key not in cache:
-        if _compat.is_dynamo_compiling():  # not cached: a first eager call reads the full kinds
-            return _segments(patterns.kinds_traced(layers), len(layers), period)
-        cache[key] = _segments(patterns.kinds(layers), len(layers), period)
-    return cache[key]
+    hit = cache.get(key)
+    if hit is not None and _same_modules(hit[0], layers):  # a layer replaced since: planned again
+        return hit[1]
+    if _compat.is_dynamo_compiling():  # not cached: a first eager call reads the full kinds
+        return _segments(patterns.kinds_traced(layers), len(layers), period)
+    segments = _segments(patterns.kinds(layers), len(layers), period)
+    cache[key] = (tuple(layers), segments)
+    return segments
+
+
+def _same_modules(a, b):
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def _segments(ks, depth, period):
@@ -403,17 +410,16 @@ def _cache(container, name):
     return cache
 
 
-def _plan_cache(container):
-    return _cache(container, "_scan_layers_plans")
-
-
 def blocks_of(container, layers, seg):
-    """The ``LayerBlock`` modules of a segment over blocks, made once per container."""
+    """The ``LayerBlock`` modules of a segment over blocks, made once per container and made
+    again when a layer was replaced since (a block holds its layers: a stale one would run the
+    old layer)."""
     cache = _cache(container, "_scan_layers_blocks")
     key = (seg.start, seg.period, seg.count)
-    if key not in cache:
-        cache[key] = [patterns.LayerBlock(layers[seg.start + b * seg.period: seg.start + (b + 1) * seg.period])
-                      for b in range(seg.count)]
+    members = [layers[seg.start + b * seg.period: seg.start + (b + 1) * seg.period] for b in range(seg.count)]
+    hit = cache.get(key)
+    if hit is None or not all(_same_modules(list(block._modules.values()), m) for block, m in zip(hit, members)):
+        cache[key] = [patterns.LayerBlock(m) for m in members]
     return cache[key]
 
 
