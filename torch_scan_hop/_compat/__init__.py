@@ -65,6 +65,7 @@ from .dispatch import (  # noqa: F401
     DispatchKey,
     TorchDispatchMode,
     alias_storage,
+    storage_identity,
     dispatch_modes_active,
     empty_strided,
     functionalization_on,

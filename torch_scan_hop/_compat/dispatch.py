@@ -148,6 +148,13 @@ def storage_use_count(storage):
     return torch._C._storage_Use_Count(storage._cdata)
 
 
+def storage_identity(t):
+    """A key equal for two tensors exactly when they share a storage, fake tensors included
+    (``_base`` is not set on views that a decomposition rebuilt, a ``reshape`` of a contiguous
+    value, say). torch 2.9 to 2.15: ``UntypedStorage._cdata`` (the StorageImpl's address)."""
+    return t.untyped_storage()._cdata
+
+
 def alias_storage(base, size, stride):
     """A new tensor on ``base``'s storage (from its start) with these sizes and
     strides, and ``base``'s dtype: not a view (no ``_base``, own version

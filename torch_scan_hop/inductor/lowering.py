@@ -233,10 +233,12 @@ def _in_layout_of(new, old):
 def _unaliased(carries):
     """``carries`` with each one that is (a view of) an earlier one cloned. A body may return one
     value as two carries (``return (h, h), y``), as in eager; inductor's while_loop refuses outputs
-    that alias ("Output aliasing is currently not supported in compiled torch.while_loop")."""
+    that alias ("Output aliasing is currently not supported in compiled torch.while_loop").
+    Aliasing is read from the storage, not ``_base``: a ``reshape`` (the body's views become
+    reshapes, ``trace.peephole.views_to_reshapes``) decomposes into a view with no ``_base``."""
     seen, out = set(), []
     for c in carries:
-        key = id(c if c._base is None else c._base) if isinstance(c, torch.Tensor) else None
+        key = _compat.storage_identity(c) if isinstance(c, torch.Tensor) else None
         out.append(c.clone() if key is not None and key in seen else c)
         seen.add(key)
     return out
