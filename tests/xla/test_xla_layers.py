@@ -200,3 +200,19 @@ class _Stack(torch.nn.Module):
 
     def forward(self, x):
         return scan_layers(self.layers, x, unroll=UNROLL)
+
+
+def test_an_eager_step_then_the_same_layers_under_openxla():
+    """The gradient rows' index tensors cached by an eager step were real tensors handed to the
+    openxla trace's fake tensor mode ("Please convert all Tensors to FakeTensors first")."""
+    layers, x = make(), torch.randn(2, 8).to(torch_xla.device())
+    assert_trees_close(*both(layers, x))
+
+    def train(layers, x):
+        h = scan_layers(layers, x, unroll=UNROLL)
+        return torch.autograd.grad(h.pow(2).mean(), list(layers.parameters()))
+
+    grads = torch.compile(train, backend="openxla")(layers, x)
+    layers.zero_grad(set_to_none=True)
+    _, want = step(layers, x, False)
+    assert_trees_close([g.cpu() for g in grads], want)

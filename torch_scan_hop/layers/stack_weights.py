@@ -134,7 +134,14 @@ _ROWS = {}
 
 
 def _row_indices(device, n):
-    """One-element index tensors 0..n-1, made once per device (device data, not per-step uploads)."""
+    """One-element index tensors 0..n-1, made once per device (device data, not per-step uploads).
+
+    While a graph is traced (openxla's AOTAutograd, make_fx) they are made afresh and become the
+    graph's constants: a cached real tensor is refused by fake tensor mode ("Please convert all
+    Tensors to FakeTensors first": an eager XLA step, then the same model compiled), and a tensor
+    made under tracing must not be cached for a later eager step."""
+    if _compat.dispatch_modes_active():
+        return [torch.tensor([i], device=device) for i in range(n)]
     key = (str(device), n)
     if key not in _ROWS:
         _ROWS[key] = [torch.tensor([i], device=device) for i in range(n)]
