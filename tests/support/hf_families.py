@@ -17,13 +17,14 @@ _COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_attention
                head_dim=8)
 
 
-def _gemma3_types(n):
-    return ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)]
+def _gemma3_types(n, full_every):
+    return ["full_attention" if (i + 1) % full_every == 0 else "sliding_attention" for i in range(n)]
 
 
-def build(family, layers=None):
+def build(family, layers=None, full_every=6):
     """A causal LM of ``family`` with ``layers`` decoder layers (its default when None), eager
-    attention and no dropout, so that two copies compute the same numbers."""
+    attention and no dropout, so that two copies compute the same numbers. Gemma 3 has a full
+    attention layer every ``full_every`` layers (6: the real model's 5:1)."""
     import transformers as T  # noqa: PLC0415, N812
 
     n = layers or DEFAULT_DEPTH[family]
@@ -38,7 +39,7 @@ def build(family, layers=None):
         model = T.Qwen3ForCausalLM(T.Qwen3Config(num_hidden_layers=n, **_COMMON))
     elif family == "gemma3":
         model = T.Gemma3ForCausalLM(T.Gemma3TextConfig(num_hidden_layers=n, sliding_window=4,
-                                                       layer_types=_gemma3_types(n), **_COMMON))
+                                                       layer_types=_gemma3_types(n, full_every), **_COMMON))
     elif family == "gpt_oss":
         model = T.GptOssForCausalLM(T.GptOssConfig(
             num_hidden_layers=n, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,

@@ -18,6 +18,7 @@ import warnings
 import torch
 
 from .. import _compat
+from .._compat import versions
 from .ownership import layers_hold_stack_parameters
 
 _NAME = "torch_scan_hop_layers_intact"
@@ -119,7 +120,7 @@ def install():
     try:
         registry.setdefault(_NAME, _make_tracker_class())
     except (AttributeError, TypeError, ImportError) as e:  # a torch whose Dynamo internals moved
-        warnings.warn(f"torch_scan_hop supports torch 2.9 to 2.14; on torch {torch.__version__} the "
+        warnings.warn(f"torch_scan_hop supports {versions.supported_range()}; on torch {torch.__version__} the "
                       f"tracker of stacked storage's check could not be installed ({e}): under "
                       "torch.compile the check is traced, compile time then grows with depth.")
         return
