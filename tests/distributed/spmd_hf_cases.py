@@ -48,3 +48,30 @@ def check_hf_layers_sharded(name, style, mesh_shape, unroll):
     got = hf.value_and_grads(stack, run, inputs)
     torch_xla.sync()
     assert_trees_close(pytree.tree_map(lambda t: t if t is None else t.detach().cpu(), got), want, **hf.TOL)
+
+
+def check_scan_model_sharded(family, style, mesh_shape):
+    """A whole model through ``scan_model`` (one While: ``unroll=1``) with every decoder layer's
+    weights sharded (``style`` as above), against its unscanned twin on the CPU: logits and every
+    parameter's gradient."""
+    import torch
+    from hf_families import build, ids, logits_and_loss
+
+    from torch_scan_hop import scan_model
+
+    torch.manual_seed(0)
+    ref = build(family)
+    model = scan_model(copy.deepcopy(ref), unroll=1).to(torch_xla.device())
+    mesh = xs.Mesh(np.arange(4), mesh_shape, ("fsdp", "tensor")[:len(mesh_shape)])
+    for layer in model.model.layers:
+        for pname, p in layer.named_parameters():
+            spec = _spec(pname, p, style)
+            if any(spec):
+                xs.mark_sharding(p, mesh, spec)
+    want_logits, want_loss = logits_and_loss(ref, ids())
+    want = [want_logits, list(torch.autograd.grad(want_loss, list(ref.parameters())))]
+    logits, loss = logits_and_loss(model, ids().to(torch_xla.device()))
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    assert "while" in torch_xla._XLAC._get_xla_tensors_hlo([logits, *grads])
+    torch_xla.sync()
+    assert_trees_close([logits.cpu(), [g.cpu() for g in grads]], want, rtol=1e-4, atol=1e-4)

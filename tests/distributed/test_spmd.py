@@ -100,6 +100,13 @@ def test_hugging_face_layers_sharded(name, style, mesh_shape, unroll):
     _isolated.call("spmd_hf_cases", "check_hf_layers_sharded", name, style, mesh_shape, unroll, env=_isolated.SPMD)
 
 
+def test_scan_model_over_sharded_layers():
+    """A whole Llama through ``scan_model`` (one While), its layers' weights sharded Megatron-style on
+    a 2x2 mesh: logits and every gradient as the unscanned model's on the CPU (``spmd_hf_cases``)."""
+    pytest.importorskip("transformers", minversion="5")
+    _isolated.call("spmd_hf_cases", "check_scan_model_sharded", "llama", "megatron", (2, 2), env=_isolated.SPMD)
+
+
 def test_scan_cumsum_outputs_sharded_like_inputs():
     spmd("check_cumsum_output_shardings")
 
