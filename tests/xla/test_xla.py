@@ -5,7 +5,7 @@ import expecttest
 
 import pytest
 import torch
-from conftest import assert_trees_close
+from conftest import assert_trees_close, reference_scan
 
 import torch_scan_hop
 from torch_scan_hop import scan
@@ -460,3 +460,23 @@ def test_a_body_with_no_carry_and_no_y(grad):
     xs = torch.randn(4, 2, 3).to(DEV).requires_grad_(grad)
     carry, ys = scan(lambda c, x: ({"h": None}, None) if (x @ w).sum() is not None else None, {"h": None}, xs)
     assert carry == {"h": None} and ys is None
+
+
+def test_a_scans_outputs_are_ordinary_xla_tensors_for_torch_compile():
+    """Eager XLA outputs were wrapped at functorch level 0: a function compiled with Dynamo
+    failed on them ("assert t.unwrapped is not None"), and so did the capture of a second scan
+    fed the first one's carry, which was then traced again on every step (a scanned model's
+    leftover layers after its blocks)."""
+    dev = torch_xla.device()
+    xs, c0 = torch.randn(3, 2), torch.zeros(2)
+    c, ys = scan(lambda c, x: (c + x, c * 2), c0.to(dev), xs.to(dev))
+    f = lambda a, b: a * 2 + b.sum(0)  # noqa: E731
+    want = f(*reference_scan(lambda c, x: (c + x, c * 2), c0, xs))
+    got = torch.compile(f, backend="openxla", fullgraph=True)(c, ys)
+    torch.testing.assert_close(got.cpu(), want)
+    def second(c, x):
+        return c * x, c
+
+    for _ in range(2):  # the first call is traced, the next captured by Dynamo: not refused
+        scan(second, c, xs.to(dev))
+    assert torch_scan_hop.xla.eager.applies(second, [c, xs.to(dev)], "save_all")

@@ -163,6 +163,14 @@ def functional_value(t):
     return torch._from_functional_tensor(t)
 
 
+def plain_functional_wrapper(t):
+    """``t`` (a tensor below functionalization) wrapped as the C++ functionalization wraps
+    an ordinary op's output: no functorch level. ``CppFunctionalizeAPI.wrap_tensors`` wraps at
+    level 0, which Dynamo's fake conversion of an XLA tensor cannot read ("assert t.unwrapped
+    is not None"). torch 2.9 to 2.15: ``torch._to_functional_tensor``."""
+    return torch._to_functional_tensor(t) if isinstance(t, torch.Tensor) else t
+
+
 def active_vmap_levels():
     """The levels of the vmaps on the functorch interpreter stack (torch 2.9 to 2.15:
     ``retrieve_all_functorch_interpreters``, each with ``key()`` and ``level()``)."""
