@@ -11,8 +11,8 @@ batch 2 x 16 tokens, one thread.
 ``--device xla`` runs the same on PyTorch/XLA (``PJRT_DEVICE=CPU``): ``--backend none`` is the lazy
 tensor path (trace, XLA compile, run at the sync), ``--backend openxla`` torch.compile's XLA backend;
 a step ends when XLA's device work does, and "first" is the first two steps (a scanned stack's second
-step compiles again: it runs on the weights stacked by the first). ``--unroll 1`` makes every scan a While (XLA's default runs
-a short stack straight-line).
+step compiles again: it runs on the weights stacked by the first). ``--unroll 1`` makes every scan a
+While (XLA's default runs a short stack straight-line).
 Run: python benchmarks/models.py [--families llama,gemma3] [--depths 4,16] [--backend inductor|none|openxla]
      [--device cpu|xla] [--unroll N] [--reps 10]
 """

@@ -21,9 +21,9 @@ def test_training_step_on_xla(family, depth, compiled):
     _isolated.call("test_scan_model_xla", "check_training_step", family, depth, compiled)
 
 
-def _step_on_cpu(model, f, tokens, expect_while=False):
-    """Logits and every parameter's gradient of one training step, computed on XLA in one graph,
-    returned on the CPU."""
+def step_on_cpu(model, f, tokens, expect_while=False):
+    """Logits and every parameter's gradient of one training step (on XLA: in one graph), returned
+    on the CPU. Also the SPMD check's (``spmd_hf_cases``)."""
     import torch_xla
 
     model.train()
@@ -46,9 +46,9 @@ def check_training_step(family, depth, compiled):
     ref = build(family, depth, full_every=3)  # Gemma 3: 2 blocks of (2 sliding + 1 full), then 1
     model = scan_model(copy.deepcopy(ref), unroll=1).to(dev)
     # the twin on XLA: Gemma 3's embedding gradient on XLA differs from the CPU's by ~0.2, loop or scan
-    want_logits, want_grads = _step_on_cpu(ref.to(dev), logits_and_loss, ids().to(dev))
+    want_logits, want_grads = step_on_cpu(ref.to(dev), logits_and_loss, ids().to(dev))
     f = torch.compile(logits_and_loss, backend="openxla") if compiled else logits_and_loss
-    logits, grads = _step_on_cpu(model, f, ids().to(dev), expect_while=not compiled)
+    logits, grads = step_on_cpu(model, f, ids().to(dev), expect_while=not compiled)
     torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-5)
     assert len(grads) == len(want_grads)
     for g, w in zip(grads, want_grads):

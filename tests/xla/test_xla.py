@@ -474,6 +474,7 @@ def test_a_scans_outputs_are_ordinary_xla_tensors_for_torch_compile():
     want = f(*reference_scan(lambda c, x: (c + x, c * 2), c0, xs))
     got = torch.compile(f, backend="openxla", fullgraph=True)(c, ys)
     torch.testing.assert_close(got.cpu(), want)
+
     def second(c, x):
         return c * x, c
 

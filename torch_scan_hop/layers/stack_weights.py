@@ -141,8 +141,12 @@ def _row_indices(device, n):
     Tensors to FakeTensors first": an eager XLA step, then the same model compiled), and a tensor
     made under tracing must not be cached for a later eager step."""
     if _compat.dispatch_modes_active():
-        return [torch.tensor([i], device=device) for i in range(n)]
+        return _new_row_indices(device, n)
     key = (str(device), n)
     if key not in _ROWS:
-        _ROWS[key] = [torch.tensor([i], device=device) for i in range(n)]
+        _ROWS[key] = _new_row_indices(device, n)
     return _ROWS[key]
+
+
+def _new_row_indices(device, n):
+    return [torch.tensor([i], device=device) for i in range(n)]

@@ -39,8 +39,8 @@ def scan_functionalize(ctx, combine_fn, init, xs, additional_inputs, **kwargs):
             body = ctx.functionalize(_compat._maybe_run_with_interpreter(combine_fn))
         out = scan_op(body, init, xs, tuple(additional_inputs), **kwargs)
     if isinstance(ctx, _compat.CppFunctionalizeAPI) and _compat.on_xla(out):
-        # XLA's eager outputs wrapped as any XLA op's are: at level 0 (wrap_tensors), a
-        # scan's output fed to the next scan failed Dynamo's capture on every call, and
-        # that scan was traced again on every step (a scanned model's second scan)
+        # wrapped as any XLA op's outputs are, not at level 0 (wrap_tensors): Dynamo cannot
+        # fakify those, so a scan fed the previous scan's output failed its capture on every
+        # call and was traced again every step (a scanned model's second scan)
         return [_compat.tracing.plain_functional_wrapper(t) for t in out]
     return ctx.wrap_tensors(out)
