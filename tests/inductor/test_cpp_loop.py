@@ -1,4 +1,4 @@
-"""The C++ wrapper's counted loops (``_compat.cpp_loop``, ``inductor.codegen.cpp_text``) and the
+"""The C++ wrapper's counted loops (``inductor.codegen.cpp_loop``, ``inductor.codegen.cpp_text``) and the
 loop-body rewrites of ``inductor.body_passes``: the text rewrite that pools a loop's per-step buffers, and
 ``addmm`` unfused where the bias add can join the body's pointwise kernel. Compiled C++
 wrappers run in a child interpreter: tests/inductor/test_cpp_wrapper.py."""

@@ -296,8 +296,8 @@ def test_transforms_after_a_failed_compiled_capture_under_vmap_of_jacfwd():
     """A body that Dynamo fails to run on fake tensors under ``vmap(jacfwd(...))`` (torch's own
     ``_fw_primal`` internal assert on dual tensors; the compiled loop fails alike) left
     functorch's and autograd's dispatch keys excluded for the rest of the process, once the
-    garbage collector freed the failed trace (``_compat.defects``: torch's tensor repr keeps its
-    guard alive in a traceback). Every later transform failed ("Cannot access storage of
+    garbage collector freed the failed trace (``op.compile_errors.tensor_repr_releases_its_guard``:
+    torch's tensor repr keeps its guard alive in a traceback). Every later transform failed ("Cannot access storage of
     TensorWrapper"). Length 1: the capture that left it (torch 2.15). Run in a process of its
     own: the failure it guards against outlives the test that causes it."""
     out = subprocess.run([sys.executable, "-c", AFTER_A_FAILED_CAPTURE, "1"], capture_output=True, text=True,

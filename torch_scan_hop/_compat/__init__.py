@@ -11,14 +11,9 @@ Nothing else in torch_scan_hop imports a private torch name
 - ``hop``: ``torch._ops`` / ``torch._higher_order_ops`` (schema, registry, subgraphs);
 - ``autograd``: partitioners, joint node meta, compiled autograd, SAC modes, custom-op formulas;
 - ``functorch``: vmap levels and batched tensors;
-- ``inductor``: post-grad scan pass, pattern matcher, subgraph lowering;
-- ``cpp_wrapper``: inductor's C++ wrapper (AOTInductor): whether a graph gets one, its while_loop defects;
-- ``inductor_loop``: hooks into the Python wrapper's codegen for scan's counted loops (the for loop,
-  the generated text handed to ``inductor.codegen``'s pipeline);
-- ``cpp_loop``: the same hooks into the C++ wrapper's codegen;
-- ``loop_blas``: the hook that writes the Python wrapper's float32 matmuls in those loops as
-  ``inductor.codegen.blas``'s kernels;
-- ``defects``: the mechanics of the torch 2.9 workarounds (an inductor IR patch, a fake rule);
+- ``inductor``: post-grad scan pass, pattern matcher, subgraph lowering, and inductor's modules
+  and classes (``ir``, ``V``, ``config``, the wrappers' codegen, the scheduler) for the patches that
+  live in ``inductor/`` (``workarounds``, ``wrapper_patches``, ``cpp_wrapper``, ``codegen``);
 - ``nn``: ``nn.Module`` internals (state dicts, hooks);
 - ``distributed``: FSDP2's hooks and policies (scan_layers over ``fully_shard`` layers);
 - ``transformers``: Hugging Face transformers' output-capturing hooks (which of them are inert);
@@ -33,17 +28,12 @@ here, so ``_compat.X`` keeps working; subsystem-only adapters are reached as
 """
 from . import (  # noqa: F401
     autograd,
-    cpp_loop,
-    cpp_wrapper,
-    defects,
     dispatch,
     distributed,
     dynamo,
     functorch,
     hop,
     inductor,
-    inductor_loop,
-    loop_blas,
     nn,
     tracing,
     transformers,

@@ -73,6 +73,22 @@ functionalize_transform_active = _functionalize_transform_active
 is_transform_wrapped = _is_transform_wrapped
 
 
+def current_modes_disabled():
+    """A context with no TorchDispatchMode on (torch 2.9 to 2.15:
+    ``torch.utils._python_dispatch._disable_current_modes``)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+def tensor_str_module():
+    """The module ``torch._tensor_str``, whose ``_str`` ``Tensor.__repr__`` looks up when it runs
+    (torch 2.9 to 2.15: ``_str`` around ``_str_intern``)."""
+    from torch import _tensor_str
+
+    return _tensor_str
+
+
 def is_dynamo_compiling():
     """Dynamo is tracing this frame. Public on torch 2.9 to 2.15; kept here so the
     rules ask every "which tracer is on" question in one place."""

@@ -41,6 +41,12 @@ def is_functorch_wrapped(t):
     return torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
+def functorch_disabled_guard():
+    """A guard object that excludes functorch's dispatch keys while it lives, restoring the
+    state it was made in when it is freed (torch 2.9 to 2.15: ``torch._C._DisableFuncTorch``)."""
+    return torch._C._DisableFuncTorch()
+
+
 def _is_transform_wrapped(t):
     """Wrapped by a live torch.func transform (grad, vmap, jvp, functionalize): a
     functorch wrapper with a level. A higher-order op's Functionalize rule wraps its

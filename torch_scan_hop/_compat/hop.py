@@ -21,6 +21,14 @@ from torch._ops import HigherOrderOperator  # noqa: F401
 from torch._ops import key_extractor as _key_extractor
 
 
+def utils_module():
+    """The module ``torch._higher_order_ops.utils`` itself (torch 2.9 to 2.15), for a patch of a
+    function that inductor looks up there when it runs (``check_input_alias_and_mutation``)."""
+    import torch._higher_order_ops.utils as hop_utils
+
+    return hop_utils
+
+
 def input_mutations_and_outputs(gm):
     """(indices of the inputs ``gm`` mutates, its example outputs).
 

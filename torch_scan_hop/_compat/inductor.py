@@ -1,5 +1,7 @@
-"""Inductor internals: the post-grad scan pass, its pattern matcher, and the
-subgraph lowering that scan's while_loops go through.
+"""Inductor internals, as adapters: the post-grad scan pass and pattern matcher, the subgraph
+lowering that scan's while_loops go through, and inductor's modules and classes handed to the
+rooms that patch or read them (``inductor.workarounds``, ``inductor.wrapper_patches``,
+``inductor.cpp_wrapper``, ``inductor.extern_rows``, ``inductor.codegen``).
 
 Checked against torch 2.14's ``torch/_inductor``: ``post_grad`` still looks
 ``decompose_scan_to_while_loop`` up by name when its passes run, still has
@@ -7,9 +9,6 @@ Checked against torch 2.14's ``torch/_inductor``: ``post_grad`` still looks
 ``sympy_interp``, through ``python_value_of``); ``PatternMatcherPass`` adds an optional ``subsystem``;
 ``SubgraphLowering.__init__`` still inherits the parent's ``bw_donated_idxs``
 (the fix in ``inductor.workarounds`` is still needed).
-``ir``, ``virtualized``, ``lowerings`` and ``free_symbols`` hand inductor's modules to the
-lowering that writes a y into its row (``inductor.extern_rows``).
-The C++ wrapper's adapters are in ``cpp_wrapper``.
 """
 import functools
 
@@ -67,6 +66,17 @@ def python_value_of(expr, env):
     return sympy_interp(PythonReferenceAnalysis, env, expr)
 
 
+def true_in_ranges(expr, ranges):
+    """Whether the sympy relation ``expr`` is true for every value of its symbols in ``ranges``
+    (``{symbol: (low, high)}``), as inductor's value-range analysis bounds it. torch 2.9 to 2.15:
+    ``torch.utils._sympy.value_ranges.bound_sympy``, ``ValueRanges``."""
+    import sympy
+    from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
+
+    bounds = bound_sympy(expr, {s: ValueRanges(lo, hi) for s, (lo, hi) in ranges.items()})
+    return bounds.is_singleton() and bounds.lower == sympy.true
+
+
 def run_after_subgraph_lowering_init(after):
     """Call ``after(lowering)`` at the end of every ``SubgraphLowering.__init__``
     (a while_loop's cond and body graphs are lowered by one). Not idempotent:
@@ -82,88 +92,12 @@ def run_after_subgraph_lowering_init(after):
     SubgraphLowering.__init__ = __init__
 
 
-def skip_input_asserts_of_subgraphs(skipped):
-    """Leave out the per-call input size/stride asserts of the subgraphs whose
-    name ``skipped(name)`` accepts. A while_loop's cond and body are called once
-    per iteration and assert every carried input each time (~1.3 us each,
-    ~140 per decoder layer of a training step); their layouts are fixed by the
-    while_loop lowering, and the outer graph still asserts its own inputs. Not
-    idempotent: call once. torch 2.9 to 2.15:
-    ``torch._inductor.codegen.wrapper.SubgraphPythonWrapperCodegen`` (with
-    ``subgraph_name``), whose ``codegen_input_size_asserts`` is inherited."""
-    from torch._inductor.codegen.wrapper import SubgraphPythonWrapperCodegen
-
-    asserts = SubgraphPythonWrapperCodegen.codegen_input_size_asserts
-
-    def codegen_input_size_asserts(self):
-        if skipped(getattr(self, "subgraph_name", "")):
-            return None
-        return asserts(self)
-
-    SubgraphPythonWrapperCodegen.codegen_input_size_asserts = codegen_input_size_asserts
-
-
-def keep_loop_outputs_out_of_cuda_graphs(ours):
-    """With CUDA graphs (``mode="reduce-overhead"``), put the outputs of the while_loops
-    whose body subgraph ``ours(name)`` accepts in the loop's own (not graphed) partition.
-    A scan's loop runs outside CUDA graphs (its counter is a CPU tensor), and its outputs
-    are views of buffers the loop wrote there; inductor put those views (``MultiOutput``s,
-    GPU nodes) into a graphed partition of their own, whose outputs cudagraph trees then
-    found neither in their memory pool nor aliasing a tensor input: "These storage data
-    ptrs are not allocated in pool" (torch 2.11, H200). Idempotent. torch 2.9 to 2.15:
-    ``Scheduler.should_partition(node)`` (a reason, or None where the node may be graphed),
-    ``ir.MultiOutput.inputs[0]`` (the loop), ``ir.WhileLoop.body_subgraph.name``."""
-    from torch._inductor import ir
-    from torch._inductor.scheduler import Scheduler
-
-    should_partition = Scheduler.should_partition
-    if getattr(should_partition, "_scan_loops", False):
-        return
-
-    def partition_loop_outputs(self, node, *args, **kwargs):  # 2.9: should_log=
-        reason = should_partition(self, node, *args, **kwargs)
-        out = getattr(node, "node", None)
-        if reason is None and isinstance(out, ir.MultiOutput) and out.inputs:
-            loop = out.inputs[0]
-            if isinstance(loop, ir.WhileLoop) and ours(loop.body_subgraph.name):
-                return "a scan loop's outputs (the loop runs outside CUDA graphs)"
-        return reason
-
-    partition_loop_outputs._scan_loops = True
-    Scheduler.should_partition = partition_loop_outputs
-
-
-def reuse_no_aliasing_buffers():
-    """Never hand a buffer that is a view of another (``NonOwningLayout``: a
-    ``cat`` input written into its slice of the cat's buffer) on for reuse.
-    Inductor's wrapper reuses a dead buffer's storage for a later one of the
-    same size; for such a view that storage is a slice of a buffer still in
-    use. In a scan body unrolled in blocks (its steps' values are
-    concatenated) the block's new carry took the storage of a step's slice:
-    it could overwrite the block's saved values, and the loop's carry came out
-    as a misaligned view (inductor's alignment assert failed, 3x5 float64). torch 2.9 to 2.15: ``PythonWrapperCodegen.can_reuse``.
-    Idempotent."""
-    from torch._inductor import ir
-    from torch._inductor.codegen.wrapper import PythonWrapperCodegen
-
-    can_reuse = PythonWrapperCodegen.can_reuse
-    if getattr(can_reuse, "_scan_skips_views", False):
-        return
-
-    def reuse_unless_view(self, input_buffer, output_buffer=None):
-        buffer = getattr(input_buffer, "node", input_buffer)  # a SchedulerBuffer or an ir.Buffer
-        if isinstance(getattr(buffer, "layout", None), ir.NonOwningLayout):
-            return False
-        return can_reuse(self, input_buffer, output_buffer)
-
-    reuse_unless_view._scan_skips_views = True
-    PythonWrapperCodegen.can_reuse = reuse_unless_view
-
-
 def ir():
     """``torch._inductor.ir`` (torch 2.9 to 2.15: ``NonOwningLayout``, ``ExternKernelOut``,
     ``Reduction``, ``ComputedBuffer``, ``StorageBox``, ``InputBuffer``, ``BaseView``,
-    ``FlexibleLayout``, ``FixedLayout``, ``ExternKernel.convert_to_reinterpret_view``)."""
+    ``FlexibleLayout``, ``FixedLayout``, ``ExternKernel.convert_to_reinterpret_view`` and
+    ``copy_input``, ``MultiOutput``, ``AssertScalar``, ``WhileLoop`` (``create``, a classmethod;
+    ``_clone_aliased_inputs``, a staticmethod), ``is_storage_and_layout``)."""
     from torch._inductor import ir as ir_module
 
     return ir_module
@@ -171,10 +105,19 @@ def ir():
 
 def virtualized():
     """``torch._inductor.virtualized.V`` (``V.graph``: ``name``, ``current_node``, ``sizevars``,
-    ``never_reuse_buffers``, ``mark_buffer_mutated``), torch 2.9 to 2.15."""
+    ``never_reuse_buffers``, ``unaligned_buffers``, ``removed_buffers``, ``mark_buffer_mutated``,
+    ``cpp_wrapper``, ``aot_mode``, ``is_dual_wrapper_mode`` (2.15); ``V.aot_compilation``),
+    torch 2.9 to 2.15."""
     from torch._inductor.virtualized import V
 
     return V
+
+
+def config():
+    """``torch._inductor.config`` (``cpp_wrapper``, ``patch``), torch 2.9 to 2.15."""
+    from torch._inductor import config as config_module
+
+    return config_module
 
 
 def lowerings():
@@ -191,47 +134,34 @@ def free_symbols(expr, unbacked_only):
     return get_free_symbols(expr, unbacked_only)
 
 
-def allocate_no_input_buffers():
-    """torch 2.9's wrapper allocates the base of a ``NonOwningLayout`` view
-    before aliasing it, also when that base is a graph input (a fresh
-    ``empty_strided`` shadowing the input): skip input buffers, as torch
-    2.14's ``PythonWrapperCodegen.codegen_allocation`` does. Idempotent."""
-    from torch._inductor import ir
-    from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+def wrapper_codegen():
+    """``torch._inductor.codegen.wrapper`` (torch 2.9 to 2.15): ``PythonWrapperCodegen``,
+    ``SubgraphPythonWrapperCodegen``, ``EnterSubgraphLine`` / ``ExitSubgraphLine``,
+    ``ExternKernelOutLine``, ``AllocateLine``."""
+    from torch._inductor.codegen import wrapper
 
-    allocate = PythonWrapperCodegen.codegen_allocation
-    if getattr(allocate, "_scan_skips_inputs", False):
-        return
-
-    def codegen_allocation(self, buffer):
-        if isinstance(buffer, ir.InputBuffer):
-            return None
-        return allocate(self, buffer)
-
-    codegen_allocation._scan_skips_inputs = True
-    PythonWrapperCodegen.codegen_allocation = codegen_allocation
+    return wrapper
 
 
-def skip_output_asserts_of(op):
-    """Leave out the size/stride and alignment asserts inductor writes after
-    each output of a call to ``op`` (an OpOverload whose outputs are made
-    exactly as its fake kernel says: our pool's ``stacked_buffers``, ~25
-    outputs a training step, two asserts each, every call). Idempotent per op.
-    torch 2.9 to 2.15: ``ir.MultiOutput.skip_size_stride_alignment_checks``, its
-    producer being ``inputs[0]`` (a ``FallbackKernel`` with ``op_overload``)."""
-    from torch._inductor import ir
+def cpp_wrapper_codegen():
+    """The C++ wrapper's codegen class, ``torch._inductor.codegen.cpp_wrapper_cpu.CppWrapperCpu``
+    (torch 2.9 to 2.15; a subclass of ``PythonWrapperCodegen``)."""
+    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
 
-    codegen = ir.MultiOutput.codegen
-    skipped = getattr(codegen, "_scan_skipped_ops", None)
-    if skipped is None:
-        skipped = set()
+    return CppWrapperCpu
 
-        def multi_output_codegen(self, wrapper):
-            producer = self.inputs[0] if self.inputs else None
-            if getattr(producer, "op_overload", None) in skipped:
-                self.skip_size_stride_alignment_checks = True
-            return codegen(self, wrapper)
 
-        multi_output_codegen._scan_skipped_ops = skipped
-        ir.MultiOutput.codegen = multi_output_codegen
-    skipped.add(op)
+def scheduler():
+    """``torch._inductor.scheduler.Scheduler`` (torch 2.9 to 2.15: ``should_partition``)."""
+    from torch._inductor.scheduler import Scheduler
+
+    return Scheduler
+
+
+def fx_compile():
+    """The class whose ``codegen_and_compile(gm, example_inputs, inputs_to_check, graph_kwargs)``
+    runs inductor's post-grad passes and codegen, also in a compile subprocess: torch 2.9 to 2.15
+    ``torch._inductor.compile_fx._InProcessFxCompile``."""
+    from torch._inductor.compile_fx import _InProcessFxCompile
+
+    return _InProcessFxCompile

@@ -194,6 +194,23 @@ def get_proxy_slot(obj, tracer, default):
     return _proxy_tensor.get_proxy_slot(obj, tracer, default)
 
 
+def fake_rule_checks():
+    """The list FakeTensorMode consults before an op's meta kernel, ``[(applies(func),
+    rule(fake_mode, func, *args, **kwargs))]`` (a rule returning NotImplemented passes the call
+    on). torch 2.9 to 2.15: ``torch._subclasses.fake_impls.op_implementations_checks``."""
+    from torch._subclasses import fake_impls
+
+    return fake_impls.op_implementations_checks
+
+
+def in_kernel_invocation(fake_mode):
+    """A context in which a fake rule runs a meta kernel on the fakes' meta tensors.
+    torch 2.9 to 2.15: ``torch._subclasses.fake_tensor.in_kernel_invocation_manager``."""
+    from torch._subclasses.fake_tensor import in_kernel_invocation_manager
+
+    return in_kernel_invocation_manager(fake_mode)
+
+
 def fresh_fake_mode():
     """A fake mode that accepts real inputs (constants). torch 2.9 to 2.15: the
     same ``FakeTensorMode(allow_non_fake_inputs=True)`` on all."""

@@ -30,6 +30,7 @@ import threading
 import torch
 
 from .. import _compat
+from . import cpp_wrapper
 
 _MIN_BYTES = 128 * 1024  # smaller blocks come from (and go back to) malloc's heap
 _KEYS = 64  # distinct (bytes, device) sizes kept
@@ -255,7 +256,7 @@ def stacked_buffers(shapes, dtype, device):
     whole gap between a 16-step RNN scan and the compiled loop."""
     if not shapes:
         return []
-    if _compat.cpp_wrapper.cpp_wrapper_active() or all(_unpooled(size, stride, dtype, device) for size, stride in shapes):
+    if cpp_wrapper.cpp_wrapper_active() or all(_unpooled(size, stride, dtype, device) for size, stride in shapes):
         return [torch.empty_strided(size, stride, dtype=dtype, device=device) for size, stride in shapes]
     symbols = []
 

@@ -11,7 +11,7 @@ index is the Python loop variable.
 """
 import torch
 
-from .. import _compat
+from . import cpp_wrapper
 
 _LIB = torch.library.Library("torch_scan_hop", "FRAGMENT")
 _LIB.define("loop_counter() -> Tensor", tags=(torch.Tag.pt2_compliant_tag,))
@@ -46,7 +46,7 @@ def uses_operators(tensors):
     and the wrapper is Python (a C++ wrapper or an AOTInductor package builds C++ anyway,
     and a package must run where this library is not imported)."""
     devices = {t.device.type for t in tensors if isinstance(t, torch.Tensor)}
-    return bool(devices) and "cpu" not in devices and not _compat.cpp_wrapper.cpp_wrapper_active()
+    return bool(devices) and "cpu" not in devices and not cpp_wrapper.cpp_wrapper_active()
 
 
 def new_counter(operators):

@@ -9,6 +9,7 @@ import sympy
 import torch
 
 from .. import _compat
+from . import wrapper_patches
 
 _inductor = _compat.inductor
 
@@ -26,7 +27,7 @@ def write_extern_outputs_into_rows(in_scan_body):
     lowerings, V = _inductor.lowerings(), _inductor.virtualized()
     op = torch.ops.aten.copy_.default
     copy_ = lowerings[op]
-    _inductor.allocate_no_input_buffers()
+    wrapper_patches.allocate_no_input_buffers()
 
     def copy_into_row(dst, src, non_blocking=False):
         if in_scan_body(getattr(V.graph, "name", None) or "") and _extern_output_into(dst, src):

@@ -21,7 +21,17 @@ import torch
 from .. import _compat
 from ..core.schedule import segments, step_index
 from ..core.trees import ScanError, split_counts
-from . import body_passes, buffer_pool, codegen, counter as loop_counter, extern_rows, host_rows, workarounds
+from . import (
+    body_passes,
+    buffer_pool,
+    codegen,
+    counter as loop_counter,
+    cpp_wrapper,
+    extern_rows,
+    host_rows,
+    workarounds,
+    wrapper_patches,
+)
 
 _installed = False
 _WHILE = torch.ops.higher_order.while_loop
@@ -43,20 +53,20 @@ def install():
         _lower_scans(gm)
 
     _compat.inductor.run_before_scan_decomposition(before_upstream)
-    _compat.inductor.skip_input_asserts_of_subgraphs(lambda name: _LOOP_PREFIX in name)
-    _compat.inductor.keep_loop_outputs_out_of_cuda_graphs(lambda name: _LOOP_PREFIX in name)
+    wrapper_patches.skip_input_asserts_of_subgraphs(lambda name: _LOOP_PREFIX in name)
+    wrapper_patches.keep_loop_outputs_out_of_cuda_graphs(lambda name: _LOOP_PREFIX in name)
     workarounds.keep_subgraph_inputs_undonated()
     workarounds.realize_copies_of_aliased_carries()
     workarounds.keep_carried_inputs_unreused()
     workarounds.pair_mutated_carries_by_index()
     workarounds.mark_loop_outputs_unaligned(lambda name: _LOOP_PREFIX in name)
-    _compat.inductor.reuse_no_aliasing_buffers()
-    _compat.cpp_wrapper.track_cpp_wrapper_compiles()
-    _compat.cpp_wrapper.name_mutated_carries_in_cpp_while_loops()
-    _compat.cpp_wrapper.plan_cpp_subgraph_reuse_without_peak_estimate()
+    wrapper_patches.reuse_no_aliasing_buffers()
+    cpp_wrapper.track_cpp_wrapper_compiles()
+    cpp_wrapper.name_mutated_carries_in_cpp_while_loops()
+    cpp_wrapper.plan_cpp_subgraph_reuse_without_peak_estimate()
     extern_rows.write_extern_outputs_into_rows(lambda name: name.startswith(_LOOP_PREFIX) and "_body_" in name)
     codegen.install(lambda name: name.startswith(_LOOP_PREFIX))  # after the C++ while_loop fix above
-    _compat.inductor.skip_output_asserts_of(torch.ops.torch_scan_hop.stacked_buffers.default)
+    wrapper_patches.skip_output_asserts_of(torch.ops.torch_scan_hop.stacked_buffers.default)
     _installed = True
 
 

@@ -75,6 +75,7 @@ import torch
 
 from .. import _compat
 
+_inductor = _compat.inductor
 _subgraph_fix_installed = False
 
 
@@ -93,23 +94,106 @@ def keep_subgraph_inputs_undonated():
 
 
 def realize_copies_of_aliased_carries():
-    """Defect 3: the copies of carries that share a buffer are realized buffers."""
-    _compat.defects.realize_copies_of_aliased_while_carries()
+    """Defect 3: the copies ``WhileLoop._clone_aliased_inputs`` gives carries that share a
+    buffer are realized buffers. Idempotent; a no-op where they already are (torch 2.14).
+    torch 2.9 to 2.15: ``ir.WhileLoop._clone_aliased_inputs(carried)`` (a staticmethod),
+    ``ir.ExternKernel.copy_input``, ``ir.is_storage_and_layout``."""
+    ir = _inductor.ir()
+    clone_aliased = ir.WhileLoop._clone_aliased_inputs
+    if getattr(clone_aliased, "_scan_realized", False):
+        return
+
+    def clone_aliased_inputs(carried_inputs):
+        result = clone_aliased(carried_inputs)
+        return [new if new is old or ir.is_storage_and_layout(new) else ir.ExternKernel.copy_input(old)
+                for new, old in zip(result, carried_inputs)]
+
+    clone_aliased_inputs._scan_realized = True
+    ir.WhileLoop._clone_aliased_inputs = staticmethod(clone_aliased_inputs)
+
+
+def _visit_while_outputs(tag, visit):
+    """Wrap ``ir.WhileLoop.create`` so that ``visit(loop, output)`` runs for each output of each
+    loop it makes; ``tag`` marks the wrapper, so a second call with the same tag is a no-op.
+    torch 2.9 to 2.15: ``ir.WhileLoop.create`` is a classmethod returning the loop's
+    ``MultiOutput``s, whose ``inputs[0]`` is the loop."""
+    ir = _inductor.ir()
+    create = ir.WhileLoop.create.__func__
+    if getattr(create, tag, False):
+        return
+
+    def create_visited(cls, *args, **kwargs):
+        outputs = create(cls, *args, **kwargs)
+        for out in outputs if isinstance(outputs, (list, tuple)) else [outputs]:
+            loop = out.inputs[0] if isinstance(out, ir.MultiOutput) else None
+            if isinstance(loop, ir.WhileLoop):
+                visit(loop, out)
+        return outputs
+
+    setattr(create_visited, tag, True)
+    ir.WhileLoop.create = classmethod(create_visited)
 
 
 def keep_carried_inputs_unreused():
-    """Defect 5: a while_loop's carried inputs keep their storage."""
-    _compat.defects.keep_while_carried_inputs_unreused()
+    """Defect 5: put the buffers a ``WhileLoop`` carries in (and their views' buffers) in
+    ``V.graph.never_reuse_buffers``: a loop output is its carried input when the body
+    returns that input unchanged, or runs no iteration, so that storage must not be
+    handed on when the input's last use (the loop) is over. Idempotent.
+    torch 2.9 to 2.15: a loop's ``carried_inputs`` are realized buffers or views,
+    ``V.graph.never_reuse_buffers``."""
+    V = _inductor.virtualized()
+
+    def unreused(loop, _out):
+        for inp in loop.carried_inputs or ():
+            V.graph.never_reuse_buffers.add(inp.get_name())
+
+    _visit_while_outputs("_scan_unreused", unreused)
 
 
 def mark_loop_outputs_unaligned(ours):
-    """Defect 8: the outputs of our loops (``ours(body name)``) are not assumed aligned."""
-    _compat.defects.mark_while_outputs_unaligned(ours)
+    """Defect 8: put the outputs of the ``WhileLoop``s whose body subgraph's name ``ours(name)``
+    accepts in ``V.graph.unaligned_buffers``: the wrapper then asserts no alignment for them, and
+    the kernels that read them assume none. Idempotent. torch 2.9 to 2.15:
+    ``WhileLoop.body_subgraph.name``, ``V.graph.unaligned_buffers`` (read by
+    ``codegen_alignment_asserts``)."""
+    V = _inductor.virtualized()
+
+    def unaligned(loop, out):
+        if ours(loop.body_subgraph.name):
+            V.graph.unaligned_buffers.add(out.get_name())
+
+    _visit_while_outputs("_scan_unaligned", unaligned)
 
 
 def pair_mutated_carries_by_index():
-    """Defect 6: a while_loop's mutated carries are paired with outputs by index."""
-    _compat.defects.pair_while_mutations_by_index()
+    """Defect 6: give ``WhileLoop.create`` the carries its body mutates in index order.
+    Idempotent. torch 2.9-2.11's ``create`` pairs each mutated carry with its output by walking
+    that list in order; from 2.10 on ``check_input_alias_and_mutation`` lists them in the order
+    the body's ops write them (2.9 sorted them), so a body writing carry 1 before carry 0 gave
+    output 1 carry 0's buffer (2.11: a scan's ys came back as its loop counter). torch 2.15 takes ``all_inputs[idx]`` itself.
+    Sorting is what 2.9 returned. torch 2.9 to 2.15: ``check_input_alias_and_mutation(gm,
+    fake_args)`` (maps, mutated indices) of ``_compat.hop.utils_module()``, looked up there by
+    ``ir.WhileLoop.create`` when it runs."""
+    ir, hop_utils = _inductor.ir(), _compat.hop.utils_module()
+    create = ir.WhileLoop.create.__func__
+    if getattr(create, "_scan_sorted", False):
+        return
+
+    def create_sorted(cls, *args, **kwargs):
+        check = hop_utils.check_input_alias_and_mutation
+
+        def sorted_check(*a, **k):
+            *maps, mutated = check(*a, **k)
+            return (*maps, sorted(set(mutated)))
+
+        hop_utils.check_input_alias_and_mutation = sorted_check
+        try:
+            return create(cls, *args, **kwargs)
+        finally:
+            hop_utils.check_input_alias_and_mutation = check
+
+    create_sorted._scan_sorted = True
+    ir.WhileLoop.create = classmethod(create_sorted)
 
 
 def fake_float64_attention_logsumexp_as_float64():
@@ -128,7 +212,32 @@ def fake_float64_attention_logsumexp_as_float64():
         out, lse = outs
         return out, torch.empty_strided(lse.size(), lse.stride(), dtype=torch.float64, device=lse.device)
 
-    _compat.defects.add_fake_rule("float64 attention logsumexp", op, float64_query, logsumexp_as_float64)
+    _add_fake_rule("float64 attention logsumexp", op, float64_query, logsumexp_as_float64)
+
+
+def _add_fake_rule(name, op, applies, adjust):
+    """Under FakeTensorMode, for calls of ``op`` where ``applies(args, kwargs)``: run its
+    meta kernel, then return ``adjust(meta_outputs, args, kwargs)`` (meta tensors) as
+    fakes on the inputs' device. Once per ``name``; clears the fake dispatch cache
+    (results cached before may be stale). torch 2.9 to 2.15: the rules FakeTensorMode
+    consults before meta kernels (``_compat.tracing.fake_rule_checks``), the kernel
+    invocation context (``_compat.tracing.in_kernel_invocation``), ``FakeTensor(mode, meta,
+    device)``, ``FakeTensorMode.cache_clear``."""
+    checks = _compat.tracing.fake_rule_checks()
+    if any(getattr(rule, "_scan_rule", None) == name for _, rule in checks):
+        return
+
+    def rule(fake_mode, func, *args, **kwargs):
+        if not applies(args, kwargs):
+            return NotImplemented
+        device = next(t.device for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor))
+        with _compat.tracing.in_kernel_invocation(fake_mode):
+            outs = adjust(func(*args, **kwargs), args, kwargs)
+        return tuple(_compat.FakeTensor(fake_mode, t, device) for t in outs)
+
+    rule._scan_rule = name
+    checks.append((lambda func: func is op, rule))
+    _compat.FakeTensorMode.cache_clear()
 
 
 def _is_expanded(val):

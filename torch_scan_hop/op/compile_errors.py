@@ -4,8 +4,10 @@ Dynamo reports most failures inside a HOP's body alike (a graph break); the trac
 (``op.dynamo``) hands each one here, which tells apart an exception the body itself
 raised, a graph break, a data dependence and a ScanError of our own checks, and makes
 the one error Dynamo lets through unchanged (``compile_error``). ``surface`` is the way
-out of Dynamo for the front ends' own checks.
+out of Dynamo for the front ends' own checks. A failed capture renders tensors, whose repr
+must not leave functorch's keys excluded (``tensor_repr_releases_its_guard``).
 """
+import contextlib
 import re
 
 import torch
@@ -201,3 +203,42 @@ def _raised_exception(tx):
         return exc.exc_type, tuple(a.as_python_constant() if a.is_python_constant() else a for a in exc.args)
     except Exception:  # no stack, no current exception, or a translator of another shape
         return None
+
+
+@contextlib.contextmanager
+def tensor_repr_releases_its_guard():
+    """Within this block a tensor's repr that raises leaves functorch's keys as they were.
+
+    torch's ``_tensor_str._str`` holds a ``_DisableFuncTorch`` guard in a local variable. When
+    the repr raises, the exception's traceback keeps that frame, and with it the guard, alive;
+    when the garbage collector frees it, later and at no fixed point, its destructor restores
+    the dispatch-key state of the moment it was made: functorch's and autograd's keys excluded
+    for the rest of the process. A scan body that Dynamo fails to run on fake tensors under
+    ``vmap(jacfwd(...))`` gets such a repr: fake tensor validation renders the failing call, and
+    the repr of a dual tensor there raises (torch's own ``_fw_primal`` assert). Every
+    ``torch.func`` transform after it then failed ("Cannot access storage of TensorWrapper",
+    internal asserts in ``_make_dual``). Here the guard is dropped as the repr returns or raises.
+    torch 2.9 to 2.15: ``_tensor_str._str(self, *, tensor_contents)`` = no_grad + modes disabled +
+    the guard around ``_str_intern``; ``Tensor.__repr__`` looks ``_str`` up on the module
+    (``_compat.dispatch.tensor_str_module``)."""
+    tensor_str = _compat.dispatch.tensor_str_module()
+    original = tensor_str._str
+    intern = getattr(tensor_str, "_str_intern", None)
+    if intern is None or getattr(original, "_releases_guard", False):
+        yield
+        return
+
+    def _str(self, *, tensor_contents=None):
+        with torch.no_grad(), _compat.dispatch.current_modes_disabled():
+            guard = _compat.functorch.functorch_disabled_guard()
+            try:
+                return intern(self, tensor_contents=tensor_contents)
+            finally:
+                del guard
+
+    _str._releases_guard = True
+    tensor_str._str = _str
+    try:
+        yield
+    finally:
+        tensor_str._str = original

@@ -25,7 +25,7 @@ from ..core.checks import input_name, mutation_message
 from ..core.op_args import slice_example
 from ..remat.policies import RematPolicy, as_token
 from ..trace.flat_body import _ERROR
-from .compile_errors import GRAPH_BREAK, capture_failure, compile_error
+from .compile_errors import GRAPH_BREAK, capture_failure, compile_error, tensor_repr_releases_its_guard
 
 
 def _make_tracker_class():
@@ -43,7 +43,7 @@ def _make_tracker_class():
             if self.value is not scan_op:  # upstream's own op object: upstream's rules
                 return self.upstream(self.value, self.source)._call_function(tx, args, kwargs)
             try:
-                with _compat.defects.tensor_repr_releases_its_guard():  # a failed fake run renders reprs
+                with tensor_repr_releases_its_guard():  # a failed fake run renders reprs
                     return self._call_ours(tx, args, kwargs)
             except Exception as e:
                 failure = capture_failure(e, tx, uncaptured, unsupported)

@@ -1,7 +1,7 @@
 """Inductor code generation for scan's counted loops: which while_loops run as ``for`` loops, the
 text passes over the generated wrappers as ONE declared pipeline per wrapper kind, and the C++
-kernels some of them write. ``_compat`` holds only the hooks into inductor's private codegen
-that call this package (``_compat.inductor_loop``, ``_compat.cpp_loop``, ``_compat.loop_blas``).
+kernels some of them write, and the patches of inductor's private codegen that call them (its
+modules and classes handed over by ``_compat.inductor``'s adapters).
 
 May import: ``core``, ``_compat`` (nothing else of ``inductor``: ``lowering`` calls ``install``).
 
@@ -18,7 +18,11 @@ Modules:
 - ``cpp_text``: the C++ wrapper's passes (buffer pools, row views as pointers, mm as BLAS);
 - ``blas``: float32 matmuls as ATen's own BLAS call (kernel sources, ATen's layout decisions);
 - ``counted_loops``: which loops are counted, and what their bodies read while generated;
-- ``hooks``: ``install``, the ``_compat`` hooks wired to the above.
+- ``python_loop``: the Python wrapper's ``codegen_while_loop`` (and dynamic scalars, asserts) patched
+  to write a counted loop as ``for``, and its generated text handed to the pipeline;
+- ``cpp_loop``: the same for the C++ wrapper (inductor's own loop, three of its calls answered);
+- ``hooks``: ``install``, the patches above wired to the decisions and pipelines, and the patch of
+  extern kernel calls that writes a planned matmul as a ``blas`` kernel call.
 
 ``pass_counts()`` holds, besides the text passes, ``python_for_loops`` / ``cpp_for_loops`` (a
 while_loop of ours written as a counted loop, or left to inductor's loop) and

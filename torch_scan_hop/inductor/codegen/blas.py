@@ -1,7 +1,7 @@
 """Float32 matmuls in scan's counted loops as the BLAS call ATen's ``mm`` makes, without
 ATen's dispatch around it: the kernels' sources, ATen's layout decisions (``mm_plan``) and, for the
 Python wrapper, which extern ``mm``/``addmm`` calls become such a kernel (``plan_extern_call``) and
-the line that calls it (``call_line``); ``_compat.loop_blas`` hooks them into inductor's codegen.
+the line that calls it (``call_line``); ``hooks`` patches them into inductor's codegen.
 The C++ wrapper's text rewrite is ``cpp_text.call_blas_for_mm`` (its helper: ``BLAS_MM_OUT``).
 
 A step of the tanh RNN (H=64, B=8, one thread) spends ~0.5 us in MKL's ``sgemm_`` and, around

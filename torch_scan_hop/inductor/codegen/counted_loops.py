@@ -6,7 +6,7 @@ iteration, besides the body's kernels: a call of the cond subgraph (an argument 
 buffer, a C++ kernel, a tensor-to-bool conversion), a call of the body subgraph with its argument
 list, and the body's ``counter.item()`` (a tensor read back, ~1 us). Measured on a tanh RNN (H=64,
 B=8), that was 1.2-1.4x the compiled unrolled loop's step. Both wrappers instead write a ``for``
-over the loop variable around the body (``_compat.inductor_loop``, ``_compat.cpp_loop``: the
+over the loop variable around the body (``python_loop``, ``cpp_loop``: the
 hooks into inductor's codegen); this module decides which loops (``trip_count``) and answers
 their hooks while a body is generated: a read of the counter is the loop variable
 (``step_read_by``), and asserts that hold for every value of it are left out
@@ -96,7 +96,7 @@ def implied_by_steps(cond):
     if not steps:
         return False
     if len(steps) == len(symbols) and all(isinstance(n, int) for n in steps.values()):
-        return _compat.inductor_loop.true_in_ranges(cond, {s: (0, n - 1) for s, n in steps.items()})
+        return _compat.inductor.true_in_ranges(cond, {s: (0, n - 1) for s, n in steps.items()})
     if not isinstance(cond, sympy.core.relational.Relational):
         return False
     gap = cond.lhs - cond.rhs

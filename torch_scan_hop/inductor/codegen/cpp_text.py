@@ -1,5 +1,5 @@
 """Text passes over inductor's generated C++ wrapper (``cpp_wrapper=True``, AOTInductor) inside
-scan's counted loops, ``for (int64_t <loop>_step ...)`` (written by ``_compat.cpp_loop``); run in
+scan's counted loops, ``for (int64_t <loop>_step ...)`` (written by ``cpp_loop``); run in
 the order ``passes.CPP_WRAPPER`` declares.
 
 - ``pool_cpp_loop_buffers``: the CPU buffers a loop allocates every step taken from two per

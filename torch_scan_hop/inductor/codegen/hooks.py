@@ -1,20 +1,21 @@
-"""Where the codegen package meets inductor: the ``_compat`` hooks installed with this package's
-decisions and pipelines as their callbacks, in the one order they must go in."""
+"""Where the codegen package meets inductor: the patches of inductor's codegen (``python_loop``,
+``cpp_loop`` and, here, ``write_extern_calls_as_kernels``) installed with this package's decisions
+and pipelines as their callbacks, in the one order they must go in."""
 from ... import _compat
-from . import blas, counted_loops, passes, pipeline
+from . import blas, counted_loops, cpp_loop, passes, pipeline, python_loop
 
 
 def install(is_ours):
     """Counted loops for the while_loops whose cond subgraph's name ``is_ours(name)`` accepts,
     in both wrappers; the two text pipelines; float32 matmuls in those loops as BLAS calls. Install
-    after ``_compat.cpp_wrapper.name_mutated_carries_in_cpp_while_loops`` (the C++ loop wraps the
+    after ``inductor.cpp_wrapper.name_mutated_carries_in_cpp_while_loops`` (the C++ loop wraps the
     ``codegen_while_loop`` then installed). Not idempotent: ``lowering.install`` calls it once."""
     counted_loops.count_loops_named(is_ours)
-    _compat.inductor_loop.run_counted_loops_as_for_loops(counted_loops)
-    _compat.cpp_loop.run_counted_loops_as_cpp_for_loops(counted_loops)
-    _compat.inductor_loop.rewrite_generated_python_wrapper(rewrite_python_wrapper)
-    _compat.cpp_loop.rewrite_generated_cpp_wrapper(rewrite_cpp_wrapper)
-    _compat.loop_blas.write_extern_calls_as_kernels(plan_blas_call, blas.kernel_definition, blas.call_line)
+    python_loop.run_counted_loops_as_for_loops(counted_loops)
+    cpp_loop.run_counted_loops_as_cpp_for_loops(counted_loops)
+    python_loop.rewrite_generated_python_wrapper(rewrite_python_wrapper)
+    cpp_loop.rewrite_generated_cpp_wrapper(rewrite_cpp_wrapper)
+    write_extern_calls_as_kernels(plan_blas_call, blas.kernel_definition, blas.call_line)
 
 
 def rewrite_python_wrapper(code):
@@ -35,3 +36,45 @@ def plan_blas_call(node):
     if trip_counts and getattr(node, "python_kernel_name", None) in blas.KINDS:
         pipeline.record("blas_extern_calls", "applied" if plan is not None else "skipped")
     return plan
+
+
+def write_extern_calls_as_kernels(plan_for, definition_of, line_of):
+    """In the Python wrapper, write an extern kernel call (``extern_kernels.mm(a, b, out=c)``)
+    for which ``plan_for(node)`` gives a plan as ``line_of(plan, args, out)`` (``args``: the
+    node's argument references, ``out``: its output's), the kernel that line calls defined once
+    per wrapper from ``definition_of(plan)`` (``(name, header text)``). Idempotent.
+
+    torch 2.9 to 2.15: ``PythonWrapperCodegen.generate_extern_kernel_out(node)`` writing an
+    ``ExternKernelOutLine(wrapper, node)`` whose ``codegen(code)`` calls the node's
+    ``codegen_args()`` / ``codegen_reference()`` / ``output_view``; the wrapper's ``header``
+    (``splice``); ``V.graph.cpp_wrapper``."""
+    wrapper, V = _compat.inductor.wrapper_codegen(), _compat.inductor.virtualized()
+    python_wrapper, extern_line = wrapper.PythonWrapperCodegen, wrapper.ExternKernelOutLine
+    if getattr(python_wrapper.generate_extern_kernel_out, "_scan_blas", False):
+        return
+    generate_out = python_wrapper.generate_extern_kernel_out
+    line_codegen = extern_line.codegen
+
+    def generate_extern_kernel_out(self, node):
+        plan = None if V.graph.cpp_wrapper else plan_for(node)
+        if plan is not None:
+            name, definition = definition_of(plan)
+            defined = self.__dict__.setdefault("_scan_blas_defined", set())
+            if name not in defined:
+                defined.add(name)
+                self.header.splice(definition)
+            node._scan_blas_plan = plan  # read by the ExternKernelOutLine written next
+        return generate_out(self, node)
+
+    def codegen(self, code):
+        node = self.node
+        plan = getattr(node, "_scan_blas_plan", None)
+        if plan is None:
+            return line_codegen(self, code)
+        out = node.output_view.codegen_reference() if node.output_view else node.codegen_reference()
+        code.writeline(line_of(plan, node.codegen_args(), out))
+        return None
+
+    generate_extern_kernel_out._scan_blas = True
+    python_wrapper.generate_extern_kernel_out = generate_extern_kernel_out
+    extern_line.codegen = codegen

@@ -1,7 +1,7 @@
 """A counted loop of the Python wrapper whose body only calls C++ kernels, run as ONE C++ kernel:
 the body's kernels as functions of one source and a ``for (step ...)`` loop calling them.
 
-Why: with the body's lines inlined in ``for <loop>_step in range(n)`` (``_compat.inductor_loop``),
+Why: with the body's lines inlined in ``for <loop>_step in range(n)`` (``python_loop``),
 a step of the tanh RNN (H=64, B=8, one thread) still ran ~15 Python statements around its two kernel
 calls (the carried list, a pooled buffer, a ``reinterpret_tensor`` for the y's row, the kernels'
 argument parsing): ~1 us of a ~2.7 us step, the gap between the Python wrapper's loop and the C++

@@ -1,7 +1,8 @@
-"""Hooks into inductor's C++ wrapper codegen (``cpp_wrapper=True``, AOTInductor) for scan's
-counted loops: ``for (int64_t step = 0; step < n; ++step)`` around the body, its counter read as
-``step``, and the finished wrapper's text handed to a rewrite (``inductor.codegen``'s C++
-pipeline: buffer pools, cheaper per-step calls). Which loops count is ``inductor.codegen``'s.
+"""Inductor's C++ wrapper codegen (``cpp_wrapper=True``, AOTInductor) patched for scan's counted
+loops: ``for (int64_t step = 0; step < n; ++step)`` around the body, its counter read as ``step``,
+and the finished wrapper's text handed to a rewrite (``pipeline`` over ``passes.CPP_WRAPPER``:
+buffer pools, cheaper per-step calls). Which loops count is ``counted_loops``'s; ``hooks.install``
+wires the two together.
 
 The C++ wrapper's own ``codegen_while_loop`` pays per iteration, besides the
 body's kernels: the cond subgraph (an argument handle per carried value, a
@@ -24,19 +25,21 @@ torch 2.9 to 2.15: ``CppWrapperCpu.codegen_while_loop(while_loop, stack_output)`
 ``codegen_tensor_item(dtype, tensor, scalar, indented_buffer=None)``,
 ``codegen_dynamic_scalar(node)`` (``node.inputs``, ``node.keypath``,
 ``node.sym``), ``unbacked_symbol_decls``, ``GraphLowering.is_dual_wrapper_mode``
-(2.15 only).
+(2.15 only). Inductor's classes are ``_compat.inductor``'s adapters.
 """
 import dataclasses
 
+from ... import _compat
+
+_inductor = _compat.inductor
+
 
 def run_counted_loops_as_cpp_for_loops(loops):
-    """The C++ wrapper's twin of ``inductor_loop.run_counted_loops_as_for_loops``: same
+    """The C++ wrapper's twin of ``python_loop.run_counted_loops_as_for_loops``: same
     contract (``loops.trip_count(cond_subgraph, "cpp")`` names the loops and their trip
-    counts). Install after ``cpp_wrapper.name_mutated_carries_in_cpp_while_loops`` (it wraps
-    whatever ``codegen_while_loop`` is then installed). Not idempotent: call once."""
-    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
-    from torch._inductor.virtualized import V
-
+    counts). Install after ``inductor.cpp_wrapper.name_mutated_carries_in_cpp_while_loops`` (it
+    wraps whatever ``codegen_while_loop`` is then installed). Not idempotent: call once."""
+    CppWrapperCpu, V = _inductor.cpp_wrapper_codegen(), _inductor.virtualized()
     codegen = CppWrapperCpu.codegen_while_loop
     dynamic_scalar = CppWrapperCpu.codegen_dynamic_scalar
 
@@ -119,9 +122,7 @@ def rewrite_generated_cpp_wrapper(rewrite):
     torch 2.9 to 2.15: ``CppWrapperCpu.generate(is_inference)`` returns the code first, as a
     ``ValueWithLineMap``-like object whose ``value`` is the text; ``V.graph.aot_mode``. Not
     idempotent: call once."""
-    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
-    from torch._inductor.virtualized import V
-
+    CppWrapperCpu, V = _inductor.cpp_wrapper_codegen(), _inductor.virtualized()
     generate = CppWrapperCpu.generate
 
     def generate_rewritten(self, is_inference):

@@ -1,7 +1,7 @@
-"""Hooks into inductor's Python wrapper codegen for scan's counted loops: ``for step in range(n)``
+"""Inductor's Python wrapper codegen patched for scan's counted loops: ``for step in range(n)``
 with the body's lines inlined, its counter read as ``step``, and the finished wrapper's text handed
-to a rewrite (``inductor.codegen``'s Python pipeline). What a counted loop is, and what the text
-passes do, is decided in ``inductor.codegen``; here are only the patches that call it.
+to a rewrite (``pipeline`` over ``passes.PYTHON_WRAPPER``). Which loops count is
+``counted_loops``'s; ``hooks.install`` wires the two together.
 
 The loop is a Python ``for`` around the body's own lines (inlined as inductor inlines subgraphs
 for AOTInductor: the body's buffers are scoped to the loop by its ``EnterSubgraphLine``), and the
@@ -11,12 +11,16 @@ body's read of the counter is the loop variable. Python wrapper only: a C++ wrap
 torch 2.9 to 2.15: ``PythonWrapperCodegen.codegen_while_loop(while_loop, stack_output)``,
 ``codegen_subgraph_by_inlining``, ``codegen_dynamic_scalar(node)`` (``node.inputs``,
 ``node.keypath``, ``node.sym``), ``EnterSubgraphLine``/``ExitSubgraphLine``,
-``ir.AssertScalar.codegen(wrapper)`` (``.scalar``), ``torch.utils._sympy.value_ranges``,
-``PythonWrapperCodegen.generate(is_inference)`` returning the code as a ``ValueWithLineMap``
-dataclass first (the FX wrapper's GraphModule is left alone; ``CppWrapperCpu.generate`` calls
-this one through ``super()``: its text is ``cpp_loop``'s to rewrite).
+``ir.AssertScalar.codegen(wrapper)`` (``.scalar``), ``PythonWrapperCodegen.generate(is_inference)``
+returning the code as a ``ValueWithLineMap`` dataclass first (the FX wrapper's GraphModule is left
+alone; ``CppWrapperCpu.generate`` calls this one through ``super()``: its text is ``cpp_loop``'s to
+rewrite). Inductor's modules and classes are ``_compat.inductor``'s adapters.
 """
 import dataclasses
+
+from ... import _compat
+
+_inductor = _compat.inductor
 
 
 def run_counted_loops_as_for_loops(loops):
@@ -25,16 +29,10 @@ def run_counted_loops_as_for_loops(loops):
     step, n)`` active while the body is generated; a dynamic scalar ``loops.step_read_by``
     names is that loop variable, and an assert ``loops.implied_by_steps`` accepts is left out.
     Not idempotent: call once."""
-    from torch._inductor import config, ir
-    from torch._inductor.codegen.wrapper import (
-        EnterSubgraphLine,
-        ExitSubgraphLine,
-        PythonWrapperCodegen,
-    )
-    from torch._inductor.virtualized import V
-
-    codegen = PythonWrapperCodegen.codegen_while_loop
-    dynamic_scalar = PythonWrapperCodegen.codegen_dynamic_scalar
+    ir, V, config, wrapper = _inductor.ir(), _inductor.virtualized(), _inductor.config(), _inductor.wrapper_codegen()
+    python_wrapper = wrapper.PythonWrapperCodegen
+    codegen = python_wrapper.codegen_while_loop
+    dynamic_scalar = python_wrapper.codegen_dynamic_scalar
     assert_scalar = ir.AssertScalar.codegen
 
     def codegen_while_loop(self, while_loop, stack_output=False):
@@ -50,13 +48,13 @@ def run_counted_loops_as_for_loops(loops):
         inputs += [buf.codegen_reference() for buf in while_loop.additional_inputs]
         self.writeline(f"{name} = [{', '.join(carried)}]")
         self.writeline(f"for {name}_step in range({loops.trip_count_code(self, n)}):")
-        self.writeline(EnterSubgraphLine(self, body.graph))
+        self.writeline(wrapper.EnterSubgraphLine(self, body.graph))
         with loops.counting(body, f"{name}_step", n), config.patch("graph_partition", False):
             self.codegen_subgraph_by_inlining(body, inputs, inputs[:len(carried)])
         # the body's lines are planned with the outer graph's: a buffer the body's kernels
         # fused away must not be allocated there (a y's temporary, every step)
         V.graph.removed_buffers |= body.graph.removed_buffers
-        self.writeline(ExitSubgraphLine(self))
+        self.writeline(wrapper.ExitSubgraphLine(self))
         return None
 
     def codegen_dynamic_scalar(self, node):
@@ -72,8 +70,8 @@ def run_counted_loops_as_for_loops(loops):
             return None
         return assert_scalar(self, wrapper)
 
-    PythonWrapperCodegen.codegen_while_loop = codegen_while_loop
-    PythonWrapperCodegen.codegen_dynamic_scalar = codegen_dynamic_scalar
+    python_wrapper.codegen_while_loop = codegen_while_loop
+    python_wrapper.codegen_dynamic_scalar = codegen_dynamic_scalar
     ir.AssertScalar.codegen = codegen_assert_scalar
 
 
@@ -81,30 +79,17 @@ def rewrite_generated_python_wrapper(rewrite):
     """Hand the Python wrapper's generated text to ``rewrite(text) -> text`` before inductor
     compiles it. Not the C++ wrapper's (``cpp_loop.rewrite_generated_cpp_wrapper``) nor the FX
     wrapper's (a GraphModule). Not idempotent: call once."""
-    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
-    from torch._inductor.codegen.wrapper import PythonWrapperCodegen
-
-    generate_code = PythonWrapperCodegen.generate
+    python_wrapper, cpp_wrapper = _inductor.wrapper_codegen().PythonWrapperCodegen, _inductor.cpp_wrapper_codegen()
+    generate_code = python_wrapper.generate
 
     def generate(self, is_inference):
         result = generate_code(self, is_inference)
         code = result[0]
-        if isinstance(self, CppWrapperCpu) or not isinstance(getattr(code, "value", None), str):
+        if isinstance(self, cpp_wrapper) or not isinstance(getattr(code, "value", None), str):
             return result
         new = rewrite(code.value)
         if new == code.value:
             return result
         return (dataclasses.replace(code, value=new), *result[1:])
 
-    PythonWrapperCodegen.generate = generate
-
-
-def true_in_ranges(expr, ranges):
-    """Whether the sympy relation ``expr`` is true for every value of its symbols in ``ranges``
-    (``{symbol: (low, high)}``), as inductor's value-range analysis bounds it. torch 2.9 to 2.15:
-    ``torch.utils._sympy.value_ranges.bound_sympy``, ``ValueRanges``."""
-    import sympy
-    from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
-
-    bounds = bound_sympy(expr, {s: ValueRanges(lo, hi) for s, (lo, hi) in ranges.items()})
-    return bounds.is_singleton() and bounds.lower == sympy.true
+    python_wrapper.generate = generate

@@ -1,5 +1,7 @@
 """Inductor's C++ wrapper (``cpp_wrapper=True``, AOTInductor): knowing that a
-graph gets one, and two torch 2.9 defects of its while_loop codegen.
+graph gets one (``cpp_wrapper_active``: code that must not call back into Python, read by
+``counter`` and ``buffer_pool``), and two torch 2.9 defects of its while_loop codegen.
+Installed by ``lowering``; inductor's classes are ``_compat.inductor``'s adapters.
 
 Checked against torch 2.15's ``torch/_inductor``: ``_InProcessFxCompile.codegen_and_compile``
 still takes ``graph_kwargs``; its C++ wrapper pairs mutated while_loop carries itself
@@ -7,6 +9,10 @@ still takes ``graph_kwargs``; its C++ wrapper pairs mutated while_loop carries i
 """
 import functools
 import threading
+
+from .. import _compat
+
+_inductor = _compat.inductor
 
 _compiling = threading.local()  # .cpp_wrapper: the graph_kwargs of the compile running on this thread
 
@@ -32,10 +38,9 @@ def track_cpp_wrapper_compiles():
 
     torch 2.9 to 2.15: ``compile_fx._InProcessFxCompile.codegen_and_compile(gm,
     example_inputs, inputs_to_check, graph_kwargs)`` runs the post-grad passes (also
-    in a compile subprocess). Idempotent."""
-    from torch._inductor.compile_fx import _InProcessFxCompile
-
-    codegen = _InProcessFxCompile.codegen_and_compile
+    in a compile subprocess; ``_compat.inductor.fx_compile``). Idempotent."""
+    fx_compile = _inductor.fx_compile()
+    codegen = fx_compile.codegen_and_compile
     if getattr(codegen, "_scan_tracks_cpp_wrapper", False):
         return
 
@@ -49,7 +54,7 @@ def track_cpp_wrapper_compiles():
             _compiling.cpp_wrapper = outer
 
     codegen_and_compile._scan_tracks_cpp_wrapper = True
-    _InProcessFxCompile.codegen_and_compile = codegen_and_compile
+    fx_compile.codegen_and_compile = codegen_and_compile
 
 
 def cpp_wrapper_active():
@@ -57,9 +62,7 @@ def cpp_wrapper_active():
     globally or as an option, AOTInductor): code that must not call back into Python.
     torch 2.9 to 2.15: the inner compile's ``graph_kwargs`` (``track_cpp_wrapper_compiles``),
     ``config.cpp_wrapper`` (on inside a compile with the option) and ``V.aot_compilation``."""
-    from torch._inductor import config
-    from torch._inductor.virtualized import V
-
+    config, V = _inductor.config(), _inductor.virtualized()
     return bool(getattr(_compiling, "cpp_wrapper", False) or config.cpp_wrapper or V.aot_compilation)
 
 
@@ -71,8 +74,7 @@ def name_mutated_carries_in_cpp_while_loops():
     with their ``MutationOutput`` instead, as torch 2.14's
     ``CppWrapperCpu._get_while_loop_carried_output_names`` does. A no-op where
     that method exists. Idempotent."""
-    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
-
+    CppWrapperCpu = _inductor.cpp_wrapper_codegen()
     codegen = CppWrapperCpu.codegen_while_loop
     if hasattr(CppWrapperCpu, "_get_while_loop_carried_output_names") or getattr(codegen, "_scan_fixed", False):
         return
@@ -103,8 +105,7 @@ def plan_cpp_subgraph_reuse_without_peak_estimate():
     reusing; where it cannot be made, do not reuse (costs memory, never
     correctness). torch 2.9 to 2.15: ``codegen.wrapper.AllocateLine.should_reuse_buffer``.
     Idempotent."""
-    from torch._inductor.codegen.wrapper import AllocateLine
-
+    AllocateLine = _inductor.wrapper_codegen().AllocateLine
     should_reuse = getattr(AllocateLine, "should_reuse_buffer", None)
     if should_reuse is None or getattr(should_reuse, "_scan_fixed", False):
         return
