@@ -5,7 +5,7 @@ from typing import Any, TypeVar
 import torch
 
 from . import _compat
-from .core import modes, route
+from .core import modes, route, trace_lock
 from .core.checks import check_carry, check_pair, flatten_y
 from .core.op_args import example_args
 from .core.schedule import sqrt_split
@@ -176,7 +176,19 @@ def _two_level(remat, inputs):
     length (``torch.compile(dynamic=True)``, make_fx's symbolic mode) stays one scan partitioned
     as ``"recompute_all"`` (one carry saved per step), as binomial does: blocks of a symbolic
     size would guard on ``T % k`` and symbolic nested lengths do not lower in inductor."""
-    return isinstance(remat, str) and remat == "sqrt" and _compat.known_int(inputs.length) and inputs.length >= 2
+    return isinstance(remat, str) and remat == "sqrt" and _known_int(inputs.length) and inputs.length >= 2
+
+
+def _known_int(n):
+    """Is the int ``n`` known at trace time: a Python int, not a size left symbolic
+    (``torch.compile(dynamic=True)``, make_fx's symbolic mode)?
+
+    Under Dynamo a symbolic int passes ``isinstance(n, int)`` and ``type(n) is int``,
+    and comparing it installs a guard (one graph per value); ``statically_known_true``
+    (``_compat.tracing``) is evaluated by Dynamo on the symbol without a guard. Any known
+    int is below 2**62; a backed size symbol's range is unbounded above, so the bound is
+    not known for it."""
+    return isinstance(n, (int, torch.SymInt)) and _compat.tracing.statically_known_true(n < 2 ** 62)
 
 
 def _sqrt_scan(fn, init, inputs, reverse, unroll):
@@ -240,12 +252,12 @@ def _call_op(fn, inputs, **kwargs):
     """Run the op on the flat inputs, the body traced with its closures lifted;
     returns (flat outputs, y spec)."""
     init, xs = inputs.init_leaves, inputs.xs_leaves
-    if not _compat.under_make_fx() and any(modes.is_functional(t) for t in (*init, *xs)):
+    if not trace_lock.under_make_fx() and any(modes.is_functional(t) for t in (*init, *xs)):
         # Under torch.func.functionalize in eager make_fx cannot see through
         # the wrappers; the Functionalize rule unwraps and runs the body directly.
         body = FlatBody(fn, inputs)
         return scan_op(body, init, xs, (), **kwargs), body.y_spec
-    with _compat.tracing_lock():
+    with trace_lock.tracing_lock():
         gm, lifted, y_spec = _traced_body(fn, inputs)
         return scan_op(gm, init, xs, tuple(lifted), **kwargs), y_spec
 
@@ -257,7 +269,7 @@ def _traced_body(fn, inputs):
     with _compat.disable_proxy_modes_tracing():
         args = example_args(inputs.init_leaves, inputs.xs_leaves, ())
     gm, lifted = trace_and_lift(body, args)
-    if not _compat.under_make_fx():  # checked once here, on the graph we already have
+    if not trace_lock.under_make_fx():  # checked once here, on the graph we already have
         mark_checked(gm, inputs.num_carry, inputs.num_x)
     return gm, lifted, body.y_spec
 

@@ -163,9 +163,9 @@ def test_graph_key_of_a_module_follows_its_recompiled_graph_and_its_tensors():
 
 
 def test_traced_path_does_not_grow_linecache_without_bound(monkeypatch):
-    from torch_scan_hop._compat import tracing
+    from torch_scan_hop.core import trace_lock
 
-    monkeypatch.setattr(tracing, "_MAX_OUR_SOURCES", 40)
+    monkeypatch.setattr(trace_lock, "_MAX_OUR_SOURCES", 40)
     part = CountingPartition()
     init, xs = torch.randn(2, 3), torch.randn(3, 2, 3)
 

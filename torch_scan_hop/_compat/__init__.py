@@ -3,11 +3,16 @@
 torch's HOP internals move between releases; keeping the imports and the thin
 adapters here means a new torch version changes this package, not the rules.
 Nothing else in torch_scan_hop imports a private torch name
-(tests/arch/test_private_names.py checks). One module per subsystem:
+(tests/arch/test_private_names.py checks). Adapters only: an import, a function returning a
+private module, class or attribute, or a thin wrapper (a call, a hook that runs the caller's
+callback); the logic that decides with them (passes, patch bodies, policies) lives in the room it
+serves (``inductor/workarounds.py``, ``inductor/codegen/``, ``core/trace_lock.py``, ...).
+One module per subsystem:
 
 - ``dispatch``: dispatch keys, active modes and transforms, operator and tensor internals;
 - ``tracing``: make_fx / proxy mode, fake tensors, functionalization, what the body trace
-  (``trace.graph``) and the reads closure stand-ins need (``trace.closures``), ``tracing_lock``, pytree;
+  (``trace.graph``), the reads closure stand-ins (``trace.closures``) and the tracing lock
+  (``core.trace_lock``) need, pytree;
 - ``hop``: ``torch._ops`` / ``torch._higher_order_ops`` (schema, registry, subgraphs);
 - ``autograd``: partitioners, joint node meta, compiled autograd, SAC modes, custom-op formulas;
 - ``functorch``: vmap levels and batched tensors;
@@ -94,7 +99,6 @@ from .hop import (  # noqa: F401
     is_hop,
     materialize_as_graph,
     reenter_make_fx,
-    scan_schema,
     unique_graph_id,
 )
 from .nn import global_module_hooks_registered  # noqa: F401
@@ -109,14 +113,10 @@ from .tracing import (  # noqa: F401
     disable_functional_mode,
     disable_proxy_modes_tracing,
     fresh_fake_mode,
-    inside_our_trace,
-    known_int,
     make_fx,
     pytree,
     tracing_context_fake_mode,
-    tracing_lock,
     track_tensor_tree,
-    under_make_fx,
     unset_fake_temporarily,
 )
 from .unbacked import first_value_dependent_node, is_data_dependence_error, is_zero_here  # noqa: F401

@@ -47,6 +47,21 @@ def dispatch_modes_active():
     return _len_torch_dispatch_stack() > 0
 
 
+def torch_function_modes_depth():
+    """How many torch-function modes are on (``torch._C._len_torch_function_stack``, 2.9 to 2.15)."""
+    return torch._C._len_torch_function_stack()
+
+
+def pop_torch_function_mode():
+    """The innermost torch-function mode, popped off the stack (``torch._C._pop_torch_function_stack``)."""
+    return torch._C._pop_torch_function_stack()
+
+
+def push_torch_function_mode(mode):
+    """``mode`` pushed as the innermost torch-function mode (``torch._C._push_on_torch_function_stack``)."""
+    torch._C._push_on_torch_function_stack(mode)
+
+
 def pre_dispatch_modes_depth():
     """How many pre-dispatch modes (a pre-dispatch trace) are on. torch 2.9 to 2.15:
     ``torch._ops._len_torch_dispatch_stack_pre_dispatch``."""

@@ -76,26 +76,13 @@ def is_hop(target):
     return isinstance(target, HigherOrderOperator)
 
 
-def scan_schema(op, combine_fn, gm, outputs, init, xs, additional_inputs, options):
-    """torch's HopSchemaGenerator filled in for a scan call (torch 2.9's API):
-    ``gm`` is the body ``combine_fn`` as a graph, ``outputs`` its output values.
-
-    torch 2.14's ``HopSchemaGenerator`` has the same add_arg / add_output /
-    add_schema_tree_spec / gen_schema methods.
-    """
+def schema_generator(op):
+    """torch's builder of a HigherOrderOperator call's FunctionSchema for ``op`` (torch 2.9 to
+    2.15: ``torch._higher_order_ops.schema.HopSchemaGenerator``; ``add_arg(name, value,
+    kw_only=)``, ``add_output``, ``add_schema_tree_spec``, ``gen_schema``)."""
     from torch._higher_order_ops.schema import HopSchemaGenerator
 
-    gen = HopSchemaGenerator(op)
-    gen.add_arg("combine_fn", gm)
-    for prefix, values in (("init", init), ("xs", xs), ("additional_input", additional_inputs)):
-        for i, value in enumerate(values):
-            gen.add_arg(f"{prefix}{i}", value)
-    for name, value in options.items():  # a remat partition function is named, not embedded
-        gen.add_arg(name, value if not callable(value) else getattr(value, "__name__", repr(value)), kw_only=True)
-    for out in outputs:
-        gen.add_output(out)
-    gen.add_schema_tree_spec(combine_fn, init, xs, additional_inputs, **options)
-    return gen.gen_schema()
+    return HopSchemaGenerator(op)
 
 
 def effectful(op):

@@ -1,6 +1,6 @@
 """Tracing: make_fx and its proxy mode, fake tensors, functionalization, the
-adapters the body trace (``trace.graph``) and closure stand-ins (``trace.closures``)
-use, and the tracing lock.
+adapters the body trace (``trace.graph``), closure stand-ins (``trace.closures``)
+and the tracing lock (``core.trace_lock``) use.
 
 Names re-exported as they are (torch 2.9 to 2.15, same API on all; 2.14 adds
 only optional arguments): ``make_fx``, ``ProxyTorchDispatchMode``,
@@ -11,10 +11,7 @@ only optional arguments): ``make_fx``, ``ProxyTorchDispatchMode``,
 (``torch._subclasses.functional_tensor``); ``pytree`` (``torch.utils._pytree``,
 whose tree_map / tree_leaves / tree_flatten / TreeSpec are the same on all).
 """
-import collections
 import contextlib
-import itertools
-import threading
 
 import torch
 import torch.utils._pytree as pytree  # noqa: F401  (re-exported for core.trees and op.proxy)
@@ -39,100 +36,25 @@ from torch.fx.experimental.proxy_tensor import (  # noqa: F401
 
 
 
-def under_make_fx():
-    """True while a make_fx trace runs on THIS thread (so subgraphs must re-enter it).
-
-    make_fx keeps its tracer in a process-wide global; another thread's trace
-    must not count, so the tracer only counts with a proxy mode on this
-    thread's stack or inside one of our own traces here (``tracing_lock``).
-    torch 2.9 to 2.15: the global is ``proxy_tensor._CURRENT_MAKE_FX_TRACER`` on all.
-    """
-    if _proxy_tensor._CURRENT_MAKE_FX_TRACER is None:
-        return False
-    return _local_depth() > 0 or _proxy_tensor.get_proxy_mode() is not None
+def make_fx_tracer():
+    """The tracer of the make_fx trace under way in any thread (a process-wide global), else None.
+    torch 2.9 to 2.15: ``proxy_tensor._CURRENT_MAKE_FX_TRACER`` on all."""
+    return _proxy_tensor._CURRENT_MAKE_FX_TRACER
 
 
-_TRACE_LOCK = threading.RLock()
-_LOCAL = threading.local()
-_MAX_OUR_SOURCES = 512
-_our_sources = collections.deque()
-
-
-def inside_our_trace():
-    """True inside one of this package's own traces on this thread (a scan body's)."""
-    return _local_depth() > 0
-
-
-def _local_depth():
-    return getattr(_LOCAL, "depth", 0)
-
-
-@contextlib.contextmanager
-def tracing_lock():
-    """Serializes this package's traces across threads (make_fx's tracer is a
-    process-wide global) and bounds the FX sources they leave in linecache.
-
-    Every GraphModule compiles its code under a fresh ``<eval_with_key>.N``
-    entry that torch never drops; a scan traced on every call would grow them
-    without bound. Only the newest few hundred of ours are kept (they serve
-    tracebacks only; the compiled code does not need them).
-    torch 2.9 to 2.15: ``torch.fx.graph_module._loader.eval_cache`` on all.
-    """
-    with _TRACE_LOCK:
-        depth = _local_depth()
-        _LOCAL.depth = depth + 1
-        before = len(_fx_loader().eval_cache) if depth == 0 else None
-        try:
-            yield
-        finally:
-            _LOCAL.depth = depth
-            if before is not None:
-                _forget_old_sources(before)
-
-
-def _fx_loader():
+def fx_source_cache():
+    """FX's cache of generated GraphModule sources, ``{"<eval_with_key>.N": source}`` in the order
+    they were made (linecache reads it for tracebacks), which torch never empties. torch 2.9 to
+    2.15: ``torch.fx.graph_module._loader.eval_cache`` on all."""
     from torch.fx import graph_module
 
-    return graph_module._loader
+    return graph_module._loader.eval_cache
 
 
-def _forget_old_sources(before):
-    import linecache
-
-    cache = _fx_loader().eval_cache
-    new = len(cache) - before
-    _our_sources.extend(reversed(list(itertools.islice(reversed(cache), max(new, 0)))))
-    while len(_our_sources) > _MAX_OUR_SOURCES:
-        key = _our_sources.popleft()
-        cache.pop(key, None)
-        linecache.cache.pop(key, None)
-
-
-@contextlib.contextmanager
-def outer_grad_mode_recorders_suspended():
-    """The outer pre-dispatch trace's torch-function mode (export's) off the stack while a body
-    is traced into a subgraph.
-
-    That mode records ``torch._C._set_grad_enabled`` calls (a body's ``torch.no_grad()``) as
-    graph nodes. The re-entered body trace has its own, which records them into the body, then
-    runs the call, which reaches the outer mode below it: the outer graph got a stray grad-mode
-    region of its own, which ``torch.export.load`` rejects ("Node.meta
-    wrap_with_set_grad_enabled is missing val field"). Other torch-function modes stay.
-    torch 2.9 to 2.15: ``proxy_tensor.PreDispatchTorchFunctionMode`` and ``torch._C``'s
-    ``_len_torch_function_stack`` / ``_pop_torch_function_stack`` / ``_push_on_torch_function_stack``.
-    """
-    recorder = _proxy_tensor.PreDispatchTorchFunctionMode
-    popped = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
-    kept = [m for m in reversed(popped) if not isinstance(m, recorder)]  # bottom first
-    for mode in kept:
-        torch._C._push_on_torch_function_stack(mode)
-    try:
-        yield
-    finally:
-        for _ in kept:
-            torch._C._pop_torch_function_stack()
-        for mode in reversed(popped):
-            torch._C._push_on_torch_function_stack(mode)
+def pre_dispatch_function_mode():
+    """The class of the torch-function mode a pre-dispatch trace (export's) records grad-mode
+    changes with (torch 2.9 to 2.15: ``proxy_tensor.PreDispatchTorchFunctionMode``)."""
+    return _proxy_tensor.PreDispatchTorchFunctionMode
 
 
 def make_fx_fake_mode():
@@ -241,20 +163,6 @@ def allow_scalar_outputs(shape_env):
 
     if shape_env is not None and not shape_env.settings.allow_scalar_outputs:
         shape_env.settings = dataclasses.replace(shape_env.settings, allow_scalar_outputs=True)
-
-
-def known_int(n):
-    """Is the int ``n`` known at trace time: a Python int, not a size left symbolic
-    (``torch.compile(dynamic=True)``, make_fx's symbolic mode)?
-
-    Under Dynamo a symbolic int passes ``isinstance(n, int)`` and ``type(n) is int``,
-    and comparing it installs a guard (one graph per value); ``statically_known_true``
-    is evaluated by Dynamo on the symbol without a guard. Any known int is below 2**62;
-    a backed size symbol's range is unbounded above, so the bound is not known for it.
-    torch 2.9 to 2.15: ``torch.fx.experimental.symbolic_shapes.statically_known_true``."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    return isinstance(n, (int, torch.SymInt)) and statically_known_true(n < 2 ** 62)
 
 
 def statically_known_true(expr):

@@ -62,23 +62,6 @@ def materialize(tensors):
     xlac()._xla_sync_multi(list(tensors), devices=[], wait=False)
 
 
-def annotate_sharding(tensor, mesh, partition_spec):
-    """What ``xla::aot_mark_sharding(tensor, mesh, partition_spec)`` stages
-    out, safe on a lowering placeholder: a copy of ``tensor`` under a Sharding
-    custom call. torch_xla 2.9: the op calls ``mark_sharding``, which annotates
-    a computed value this way (``custom_sharding_``) but, when the value is
-    device data, reads it to the host to upload it sharded, and a placeholder
-    has no buffer to read (a segfault). ``annotate_custom_sharding`` always
-    takes the custom-call path."""
-    import ast
-
-    import torch_xla.distributed.spmd as xs
-
-    mesh = xs.Mesh.from_str(mesh)
-    out = xs.annotate_custom_sharding(tensor.clone(), mesh, ast.literal_eval(partition_spec))
-    return getattr(out, "global_tensor", out)
-
-
 def spmd_active():
     """Is XLA SPMD on? Off it, no tensor carries a sharding. torch_xla 2.9-2.x keeps
     the switch in an environment variable (``runtime.use_spmd`` sets it; ``is_spmd``

@@ -7,6 +7,8 @@
 - ``route``: which path a scan takes (the eager loop, Dynamo, XLA's eager entry or the op),
   decided in one place;
 - ``modes``: which dispatch modes and tensors mean a tracer is at work (``runs_eagerly``);
+- ``trace_lock``: this package's traces serialized across threads (``tracing_lock``), whether a
+  make_fx trace is this thread's (``under_make_fx``), and the FX sources they leave bounded;
 - ``schedule``: the loop schedule (step order, ``unroll`` blocks and remainder) every path runs;
 - ``op_args``: the op's flat calling convention (examples to trace one step, output split);
 - ``dtensors``: a DTensor as local tensor plus layout (public ``torch.distributed.tensor`` API);

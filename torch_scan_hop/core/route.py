@@ -6,7 +6,7 @@ change to it reaches all of them. The answer depends on the active tracers and t
 only, never on the body.
 """
 from .. import _compat
-from . import modes
+from . import modes, trace_lock
 
 LOOP = "loop"  # the Python loop on the autograd tape (op/loop.py)
 DYNAMO = "dynamo"  # torch.compile is tracing: op/dynamo.py captures the body as a subgraph
@@ -46,7 +46,7 @@ def nested_on_xla(tensors):
     its steps are traced inline into the outer step (the inner loop unrolled in
     the outer While's body). Its own scan node there would carry the outer
     trace's fake stand-ins of the closures it lifted as if they were inputs."""
-    return _compat.inside_our_trace() and _compat.on_xla(tensors)
+    return trace_lock.inside_our_trace() and _compat.on_xla(tensors)
 
 
 def differentiated_by_a_transform(tensors):

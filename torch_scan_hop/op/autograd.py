@@ -16,7 +16,7 @@ import copy
 import torch
 
 from .. import _compat
-from ..core import route
+from ..core import route, trace_lock
 from ..core.op_args import example_args
 from ..trace import cache, shift
 from ..trace.body_checks import mark_functional
@@ -273,6 +273,6 @@ def scan_autograd(combine_fn, init, xs, additional_inputs, *, reverse=False, rem
     if not _needs_grad(flat):
         with _compat.AutoDispatchBelowAutograd():
             return scan_op(combine_fn, init, xs, additional_inputs, reverse=reverse, unroll=unroll)
-    with _compat.tracing_lock():
+    with trace_lock.tracing_lock():
         plan = build_plan(combine_fn, init, xs, additional_inputs, reverse, remat)
     return list(ScanAutogradFn.apply(plan, unroll, len(init), len(xs), *flat))

@@ -63,7 +63,7 @@ class ScanOp(_compat.HigherOrderOperator):
         mutated, outputs = _compat.input_mutations_and_outputs(gm)
         if mutated:
             raise ScanError(mutation_message(", ".join(input_name(i, len(init), len(xs)) for i in sorted(mutated))))
-        return _compat.scan_schema(self, combine_fn, gm, outputs, init, xs, additional_inputs, kwargs)
+        return _scan_schema(self, combine_fn, gm, outputs, init, xs, additional_inputs, kwargs)
 
 
 scan_op = ScanOp()
@@ -83,6 +83,23 @@ def _subclass_rule(flat):
         if any(isinstance(t, cls) for t in flat):
             return None if route.runs_the_loop(flat) else rule
     return None
+
+
+def _scan_schema(op, combine_fn, gm, outputs, init, xs, additional_inputs, options):
+    """torch's HopSchemaGenerator (``_compat.hop.schema_generator``) filled in for a scan call:
+    ``gm`` is the body ``combine_fn`` as a graph, ``outputs`` its output values. torch 2.9 to
+    2.15: the same add_arg / add_output / add_schema_tree_spec / gen_schema methods."""
+    gen = _compat.hop.schema_generator(op)
+    gen.add_arg("combine_fn", gm)
+    for prefix, values in (("init", init), ("xs", xs), ("additional_input", additional_inputs)):
+        for i, value in enumerate(values):
+            gen.add_arg(f"{prefix}{i}", value)
+    for name, value in options.items():  # a remat partition function is named, not embedded
+        gen.add_arg(name, value if not callable(value) else getattr(value, "__name__", repr(value)), kw_only=True)
+    for out in outputs:
+        gen.add_output(out)
+    gen.add_schema_tree_spec(combine_fn, init, xs, additional_inputs, **options)
+    return gen.gen_schema()
 
 
 def _loop_under_user_modes(combine_fn, init, xs, additional_inputs, reverse, remat):

@@ -31,8 +31,7 @@ from typing import Any, Union
 
 import torch
 
-from .. import _compat
-from ..core import route
+from ..core import route, trace_lock
 from ..core.trees import ScanError
 
 STRINGS = ("save_all", "min_cut", "recompute_all", "sqrt")
@@ -115,7 +114,7 @@ def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:
     stack = namers()
     if stack:
         return stack[-1].named(x, name)
-    if not route.runs_the_loop([x]) or _compat.under_make_fx():
+    if not route.runs_the_loop([x]) or trace_lock.under_make_fx():
         return NAMED_VALUE(x, name)
     return x
 

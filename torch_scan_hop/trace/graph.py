@@ -12,6 +12,7 @@ import torch
 
 from .. import _compat
 from .._compat import tracing as _tracing
+from ..core.trace_lock import tracing_lock, under_make_fx
 from ..core.trees import ScanError
 from .effects import without_effectful_checks
 from .xla_formulas import register_missing
@@ -35,14 +36,42 @@ def trace_aten_graph(fn, args, *, force_enable_grad=False):
     closed-over real tensors become constants (which ``trace.lift`` turns into inputs).
     """
     fn = without_effectful_checks(fn)
-    if _compat.under_make_fx():
+    if under_make_fx():
         if _of_another_fake_mode(args):
             return _trace_fresh(fn, args, force_enable_grad)
-        with _tracing.outer_grad_mode_recorders_suspended():
+        with _outer_grad_mode_recorders_suspended():
             return _compat.materialize_as_graph(fn, tuple(args), force_enable_grad=force_enable_grad)
     if _compat.detect_fake_mode(args) is not None:
         return _compat.materialize_as_graph(fn, tuple(args), force_enable_grad=force_enable_grad)
     return _trace_fresh(fn, args, force_enable_grad)
+
+
+@contextlib.contextmanager
+def _outer_grad_mode_recorders_suspended():
+    """The outer pre-dispatch trace's torch-function mode (export's) off the stack while a body
+    is traced into a subgraph.
+
+    That mode records ``torch._C._set_grad_enabled`` calls (a body's ``torch.no_grad()``) as
+    graph nodes. The re-entered body trace has its own, which records them into the body, then
+    runs the call, which reaches the outer mode below it: the outer graph got a stray grad-mode
+    region of its own, which ``torch.export.load`` rejects ("Node.meta
+    wrap_with_set_grad_enabled is missing val field"). Other torch-function modes stay.
+    torch 2.9 to 2.15: ``proxy_tensor.PreDispatchTorchFunctionMode`` and the torch-function mode
+    stack (``_compat.dispatch``'s adapters).
+    """
+    dispatch = _compat.dispatch
+    recorder = _tracing.pre_dispatch_function_mode()
+    popped = [dispatch.pop_torch_function_mode() for _ in range(dispatch.torch_function_modes_depth())]
+    kept = [m for m in reversed(popped) if not isinstance(m, recorder)]  # bottom first
+    for mode in kept:
+        dispatch.push_torch_function_mode(mode)
+    try:
+        yield
+    finally:
+        for _ in kept:
+            dispatch.pop_torch_function_mode()
+        for mode in reversed(popped):
+            dispatch.push_torch_function_mode(mode)
 
 
 def _of_another_fake_mode(args):
@@ -63,7 +92,7 @@ def _of_another_fake_mode(args):
 
 def _trace_fresh(fn, args, force_enable_grad):
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_compat.tracing_lock())
+        stack.enter_context(tracing_lock())
         # Functional wrappers (torch.func.functionalize, XLA) would hide the
         # body from make_fx: trace on plain stand-ins of the same metadata.
         stack.enter_context(_tracing.functionalization_suspended())

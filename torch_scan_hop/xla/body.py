@@ -138,6 +138,23 @@ def check_runs_on_xla(body):
             raise ScanError(f"scan on XLA: the body's {node.target} ({node.name}) {problem}.")
 
 
+def _annotate_sharding(tensor, mesh, partition_spec):
+    """What ``xla::aot_mark_sharding(tensor, mesh, partition_spec)`` stages
+    out, safe on a lowering placeholder: a copy of ``tensor`` under a Sharding
+    custom call. torch_xla 2.9: the op calls ``mark_sharding``, which annotates
+    a computed value this way (``custom_sharding_``) but, when the value is
+    device data, reads it to the host to upload it sharded, and a placeholder
+    has no buffer to read (a segfault). ``annotate_custom_sharding`` (public)
+    always takes the custom-call path."""
+    import ast
+
+    import torch_xla.distributed.spmd as xs
+
+    mesh = xs.Mesh.from_str(mesh)
+    out = xs.annotate_custom_sharding(tensor.clone(), mesh, ast.literal_eval(partition_spec))
+    return getattr(out, "global_tensor", out)
+
+
 def _sharding(node):
     """An ``xla::aot_mark_sharding`` node (``mark_sharding_with_gradients`` and its gradient)."""
     return node.op == "call_function" and _compat.is_op_overload(node.target) \
@@ -155,7 +172,7 @@ def keep_on_device(body):
     in the gradient of a CPU scalar closure (autograd moves it back after).
     ``xla::aot_mark_sharding`` of a body input (a carry whose annotation is
     the first op, the carry's gradient when no y feeds it) would make
-    torch_xla read the placeholder's value: ``_compat.xla.annotate_sharding``
+    torch_xla read the placeholder's value: ``_annotate_sharding``
     stages out the same annotation without reading it.
     """
     if not isinstance(body, torch.fx.GraphModule) or not any(
@@ -168,7 +185,7 @@ def keep_on_device(body):
         elif _host_check(node) and not node.users:
             gm.graph.erase_node(node)
         elif _sharding(node):
-            node.target = _compat.xla.annotate_sharding
+            node.target = _annotate_sharding
         elif (where := _empty_dim_reduction(node)) is not None:
             node.target = _OverEveryDim(node.target, where)
     gm.graph.eliminate_dead_code()

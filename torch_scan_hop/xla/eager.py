@@ -30,7 +30,7 @@ import types
 import torch
 
 from .. import _compat
-from ..core import modes
+from ..core import modes, trace_lock
 from . import mesh_texts
 
 _MAX_BODIES = 256  # distinct body codes with an entry of their own
@@ -52,7 +52,7 @@ def applies(fn, leaves, remat):
     if not all(isinstance(t, torch.Tensor) and t.device.type == "xla" and not modes.is_functional(t)
                for t in leaves):  # first: off XLA (most calls) this is one device check
         return False
-    if _compat.dispatch_modes_active() or _compat.under_make_fx() \
+    if _compat.dispatch_modes_active() or trace_lock.under_make_fx() \
             or _compat.functorch_transforms_active():
         return False
     return _body_key(fn) not in _refused
