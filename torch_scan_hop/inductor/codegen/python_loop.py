@@ -29,8 +29,8 @@ def run_counted_loops_as_for_loops(loops):
     step, n)`` active while the body is generated; a dynamic scalar ``loops.step_read_by``
     names is that loop variable, and an assert ``loops.implied_by_steps`` accepts is left out.
     Not idempotent: call once."""
-    ir, V, config, wrapper = _inductor.ir(), _inductor.virtualized(), _inductor.config(), _inductor.wrapper_codegen()
-    python_wrapper = wrapper.PythonWrapperCodegen
+    ir, V, config, lines = _inductor.ir(), _inductor.virtualized(), _inductor.config(), _inductor.wrapper_codegen()
+    python_wrapper = lines.PythonWrapperCodegen
     codegen = python_wrapper.codegen_while_loop
     dynamic_scalar = python_wrapper.codegen_dynamic_scalar
     assert_scalar = ir.AssertScalar.codegen
@@ -48,13 +48,13 @@ def run_counted_loops_as_for_loops(loops):
         inputs += [buf.codegen_reference() for buf in while_loop.additional_inputs]
         self.writeline(f"{name} = [{', '.join(carried)}]")
         self.writeline(f"for {name}_step in range({loops.trip_count_code(self, n)}):")
-        self.writeline(wrapper.EnterSubgraphLine(self, body.graph))
+        self.writeline(lines.EnterSubgraphLine(self, body.graph))
         with loops.counting(body, f"{name}_step", n), config.patch("graph_partition", False):
             self.codegen_subgraph_by_inlining(body, inputs, inputs[:len(carried)])
         # the body's lines are planned with the outer graph's: a buffer the body's kernels
         # fused away must not be allocated there (a y's temporary, every step)
         V.graph.removed_buffers |= body.graph.removed_buffers
-        self.writeline(wrapper.ExitSubgraphLine(self))
+        self.writeline(lines.ExitSubgraphLine(self))
         return None
 
     def codegen_dynamic_scalar(self, node):
