@@ -2,7 +2,7 @@
 
 Every family of ``hf_families`` (tiny random configs, float32, CPU): the plan (one scan per run
 of identical layers, one scan over blocks of a repeating pattern), logits, loss and every
-parameter's gradient in eager and under torch.compile (aot_eager; inductor for three), greedy
+parameter's gradient in eager and under torch.compile (aot_eager; inductor for Gemma 3), greedy
 generate() with the default cache, a static cache and no cache, weights saved and loaded, and
 the errors for models it cannot scan.
 """
@@ -19,7 +19,7 @@ from torch_scan_hop.models import scan_plan
 
 pytest.importorskip("transformers", minversion="5")
 TOL = dict(rtol=1e-4, atol=1e-5)
-SLOW_INDUCTOR = ["gemma3"]  # by hand also: every other family but GPT-OSS (README)
+SLOW_INDUCTOR = ["gemma3"]  # by hand also: every other family (README; ~1 min each on 2 cores)
 # compiled, Gemma 3 keeps its shape (blocks of sliding layers and a full one, then a leftover layer) at half
 # the depth: 7 layers, a full one every 3 (2 blocks of 3 + 1); 14 layers of 5:1 took ~4 min under inductor
 COMPILED_SHAPE = {"gemma3": dict(layers=7, full_every=3)}
