@@ -209,3 +209,24 @@ def test_any_module_with_the_loop_scans(fresh_dynamo):
     torch.testing.assert_close(model(h), want)
     with pytest.raises(Exception, match="scale"):  # a plain value differing per layer cannot be a scan input
         torch.compile(model, backend="aot_eager", fullgraph=True)(h)
+
+
+def test_compiled_decode_step_with_a_static_cache_is_one_scan(fresh_dynamo):
+    """With a static cache and the forward compiled, a decode step runs the stack as ONE scan
+    (the cache's per-layer keys, values and lengths scanned as rows and copied back into the
+    cache), whatever the depth: the tokens and every layer's cache after generate() are the
+    unscanned model's. (The prefill, which fills the cache lazily, runs the layers one by one.)"""
+    ref, scanned = _twins("llama")
+    ref.eval(), scanned.eval()
+    prompt = ids(length=5, seed=3)
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="static",
+              return_dict_in_generate=True)
+    want = ref.generate(prompt, **kw)
+    graphs, backend = _aot_eager_recording()
+    scanned.forward = torch.compile(scanned.forward, backend=backend)
+    got = scanned.generate(prompt, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    for g, w in zip(got.past_key_values.layers, want.past_key_values.layers, strict=True):
+        torch.testing.assert_close((g.keys, g.values, g.cumulative_length), (w.keys, w.values, w.cumulative_length))
+    scans = [sum(n.target is torch.ops.higher_order.scan for n in gm.graph.nodes) for gm in graphs]
+    assert scans == [0, 1], scans  # the prefill's graph, then one decode graph for every decode step
