@@ -269,3 +269,45 @@ def test_a_body_that_raises_under_compile_is_named_as_such_not_as_a_graph_break(
     assert re.search(message, first) and "not a graph break" in first and "captured whole" not in first, first
     with pytest.raises((ValueError, RuntimeError, AssertionError)):  # eager: the body's (or its backward's) own error
         torch.autograd.grad(scan(body, c0, xs)[0].sum(), c0) if grad else scan(body, c0, xs)
+
+
+_DATA_DEPENDENT_UNDER_SYMBOLIC_MAKE_FX = r'''
+import sys, torch
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch_scan_hop import ScanError, scan
+
+def f(buf, h, xs, W):
+    def body(carry, x):
+        t, h = carry
+        h = torch.tanh(h @ W + x)
+        if sys.argv[1] == "indexed write":
+            buf[:, t] = h  # a closed-over buffer indexed by a carried step
+        elif sys.argv[1] == "python branch":
+            if t.item() > 2:  # the guard fails outside any torch function
+                h = h * 2
+        else:
+            h = h + buf[0, 0]
+            if h.sum() > 0:
+                h = h * 2
+        return (t + 1, h), None
+    return scan(body, (torch.tensor(0), h), xs)[0]
+
+try:
+    make_fx(f, tracing_mode="symbolic")(torch.zeros(2, 5, 3), torch.zeros(2, 3), torch.randn(5, 2, 3), torch.randn(3, 3))
+except ScanError as e:
+    print("ScanError:", e)
+'''
+
+
+@pytest.mark.parametrize("case", ["indexed write", "python branch", "tensor branch"])
+def test_a_data_dependent_body_under_symbolic_make_fx_is_an_error_not_a_hang(case):
+    """make_fx(tracing_mode="symbolic") of a body over closed-over tensors that reads a tensor's
+    value NEVER RETURNED: FX prints the failed trace's partial graph into its error, reading
+    every node's sizes through the closure stand-ins, which added an ``alias`` node per read to
+    the graph being printed. In a child process with a time limit (a hang must fail, not block)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _DATA_DEPENDENT_UNDER_SYMBOLIC_MAKE_FX, case],
+                          capture_output=True, text=True, timeout=180)
+    assert "ScanError:" in done.stdout and "depend on a tensor's values" in done.stdout, done.stdout + done.stderr

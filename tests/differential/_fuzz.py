@@ -220,6 +220,9 @@ class _BodyWriter:
                "({a} > 0.0123).to(%s) * {b}" % self.dt(), "torch.softmax({a}, -1)", "{a}.detach() * {b}",
                "{a}.clone().mul_({b})", "{a} * torch.arange(3, dtype=%s, device={a}.device)" % self.dt(),
                "{a}.t().t() * {b}", "torch.cat(torch.split({a}, [1, 2], -1)[::-1], -1)",
+               # gathers of repeated rows: their gradients are zeros and then a scatter-add into them
+               "{a}[torch.tensor([1, 1], device={a}.device)] * {b}",
+               "{a}.index_select(-1, torch.tensor([2, 0, 2], device={a}.device)) + {b}",
                "torch.einsum('bd->db', {a}).T + torch.einsum('bd,de->be', {b}, {c}.T @ {a})",
                "torch.tanh({a}.t().contiguous().t() * {b})",  # a value over transposed memory, saved
                # ops with several outputs or an extern kernel (saved values of other dtypes/layouts)

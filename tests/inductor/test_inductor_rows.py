@@ -149,3 +149,33 @@ def test_qkv_matmul_writes_its_saved_row():
         c, _ = body(c, Ws[i])
     assert_trees_close(out, c, rtol=1e-7, atol=1e-9)
     assert_trees_close(grads, torch.autograd.grad(c.sum(), (c0, Ws)), rtol=1e-7, atol=1e-9)
+
+
+IDS = torch.tensor([0, 1, 1, 3, 0, 2])
+# a y that a kernel computes and another op then writes into: every row gets the written values
+WRITTEN_AFTER = {
+    "indexed rows (their gradient: zeros, then index_put accumulate)": lambda c, b: (c + b[IDS] * 0.5, None),
+    "gather (scatter_add)": lambda c, b: (c * b.gather(0, IDS[:, None].expand(6, 3)), None),
+    "index_select (index_add)": lambda c, b: (torch.tanh(c + b.index_select(0, IDS)), None),
+    "embedding (an MoE expert bias)": lambda c, b: (c + torch.nn.functional.embedding(IDS, b), None),
+    "a y that is index_add_ into zeros": lambda c, b: (c * 0.9 + b[0], torch.zeros(4, 3, dtype=D).index_add_(0, IDS, c)),
+}
+
+
+@pytest.mark.parametrize("name", list(WRITTEN_AFTER))
+def test_a_y_written_after_its_kernel_keeps_the_writes(name):
+    """A y computed into a buffer that a later op writes into (``zeros`` then a scatter: the
+    gradient of ``b[ids]``, so of every MoE expert bias) is not moved into its row, which lost
+    the scatter: its rows were zeros. Values and float64 gradients against the loop."""
+    body = WRITTEN_AFTER[name]
+    bs = torch.randn(5, 4, 3, dtype=D, requires_grad=True)
+    c0 = torch.randn(6, 3, dtype=D, requires_grad=True)
+    got = torch.compile(lambda c, b: scan(body, c, b), backend="inductor")(c0, bs)
+    c, ys = c0, []
+    for b in bs:
+        c, y = body(c, b)
+        ys.append(y)
+    want = (c, None if ys[0] is None else torch.stack(ys))
+    assert_trees_close(got, want, rtol=1e-7, atol=1e-9)
+    got_g = torch.autograd.grad(got[0].sum(), (c0, bs))
+    assert_trees_close(got_g, torch.autograd.grad(want[0].sum(), (c0, bs)), rtol=1e-7, atol=1e-9)

@@ -11,7 +11,7 @@ from conftest import capture_graphs
 
 from torch_scan_hop import ScanError, scan_layers
 from torch_scan_hop.layers import patterns
-from torch_scan_hop.layers.scan_layers import stack_plan
+from torch_scan_hop.layers.patterns import stack_plan
 
 D = 6
 

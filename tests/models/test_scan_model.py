@@ -2,7 +2,7 @@
 
 Every family of ``hf_families`` (tiny random configs, float32, CPU): the plan (one scan per run
 of identical layers, one scan over blocks of a repeating pattern), logits, loss and every
-parameter's gradient in eager and under torch.compile (aot_eager; inductor for three), greedy
+parameter's gradient in eager and under torch.compile (aot_eager; inductor for Gemma 3), greedy
 generate() with the default cache, a static cache and no cache, weights saved and loaded, and
 the errors for models it cannot scan.
 """
@@ -19,7 +19,7 @@ from torch_scan_hop.models import scan_plan
 
 pytest.importorskip("transformers", minversion="5")
 TOL = dict(rtol=1e-4, atol=1e-5)
-SLOW_INDUCTOR = ["gemma3"]  # by hand also: every other family but GPT-OSS (README)
+SLOW_INDUCTOR = ["gemma3"]  # by hand also: every other family (README; ~1 min each on 2 cores)
 # compiled, Gemma 3 keeps its shape (blocks of sliding layers and a full one, then a leftover layer) at half
 # the depth: 7 layers, a full one every 3 (2 blocks of 3 + 1); 14 layers of 5:1 took ~4 min under inductor
 COMPILED_SHAPE = {"gemma3": dict(layers=7, full_every=3)}
@@ -209,3 +209,24 @@ def test_any_module_with_the_loop_scans(fresh_dynamo):
     torch.testing.assert_close(model(h), want)
     with pytest.raises(Exception, match="scale"):  # a plain value differing per layer cannot be a scan input
         torch.compile(model, backend="aot_eager", fullgraph=True)(h)
+
+
+def test_compiled_decode_step_with_a_static_cache_is_one_scan(fresh_dynamo):
+    """With a static cache and the forward compiled, a decode step runs the stack as ONE scan
+    (the cache's per-layer keys, values and lengths scanned as rows and copied back into the
+    cache), whatever the depth: the tokens and every layer's cache after generate() are the
+    unscanned model's. (The prefill, which fills the cache lazily, runs the layers one by one.)"""
+    ref, scanned = _twins("llama")
+    ref.eval(), scanned.eval()
+    prompt = ids(length=5, seed=3)
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="static",
+              return_dict_in_generate=True)
+    want = ref.generate(prompt, **kw)
+    graphs, backend = _aot_eager_recording()
+    scanned.forward = torch.compile(scanned.forward, backend=backend)
+    got = scanned.generate(prompt, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    for g, w in zip(got.past_key_values.layers, want.past_key_values.layers, strict=True):
+        torch.testing.assert_close((g.keys, g.values, g.cumulative_length), (w.keys, w.values, w.cumulative_length))
+    scans = [sum(n.target is torch.ops.higher_order.scan for n in gm.graph.nodes) for gm in graphs]
+    assert scans == [0, 1], scans  # the prefill's graph, then one decode graph for every decode step

@@ -171,3 +171,15 @@ def statically_known_true(expr):
     from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 
     return known(expr)
+
+
+def printing_fx_code():
+    """Whether FX is writing a graph's Python code further up this thread's stack
+    (``torch.fx.graph.CodeGen._gen_python_code``, torch 2.9 to 2.15), e.g. the partial graph
+    that ``Tracer.trace`` prints into a data-dependent error, reading every node's sizes."""
+    import sys
+
+    code, frame = torch.fx.graph.CodeGen._gen_python_code.__code__, sys._getframe(1)
+    while frame is not None and frame.f_code is not code:
+        frame = frame.f_back
+    return frame is not None

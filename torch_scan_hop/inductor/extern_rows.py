@@ -47,7 +47,7 @@ def _extern_output_into(dst, src):
         return False  # a y that is also a carry must not alias the ys buffer
     row = _row_view(dst)
     kernel = _extern_kernel_of(src)
-    if row is None or kernel is None:
+    if row is None or kernel is None or _mutated_by_another_op(kernel):
         return False
     base = row.data.data
     if base.get_name() in kernel.get_read_names():
@@ -69,6 +69,17 @@ def _extern_output_into(dst, src):
     V.graph.mark_buffer_mutated(base.get_name())
     _also_uses_symbols_of(kernel, rlay.offset)
     return True
+
+
+def _mutated_by_another_op(kernel):
+    """Some other operation writes into ``kernel``'s buffer after it is computed: ``y =
+    zeros.index_put_(ids, g, accumulate=True)`` (the gradient of ``b[ids]``: every MoE expert
+    bias's) is a ``full`` kernel then a scatter into its buffer. Moving the ``full`` into the
+    row lost the scatter (the row got the zeros: the gradient was 0), so such a ``y`` is copied
+    into its row as inductor copies it."""
+    V = _inductor.virtualized()
+    name = kernel.get_name()
+    return any(name in op.get_mutation_names() for op in V.graph.operations if op is not kernel)
 
 
 def _row_view(dst):

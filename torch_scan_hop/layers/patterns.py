@@ -19,7 +19,8 @@ what the body reads with every peer and refuses a difference (a ScanError naming
 guess here costs a refusal, never a wrong number.
 
 Plain Python over ints and tuples, computed once per stack (``kinds``) outside any tracer;
-``plan`` is cheap enough to run in traced code.
+``plan`` is cheap enough to run in traced code. ``stack_plan`` and ``blocks_of`` keep a container's
+plan and blocks on it (``scan_model`` makes them before any trace).
 """
 import collections
 
@@ -192,3 +193,58 @@ def hidden_of(out, k):
                         "a scan over blocks of different layers carries the hidden state alone. Call the model "
                         "without outputs that layers return (attentions, router logits), or scan without a period.")
     return out
+
+
+def stack_plan(container, layers, period):
+    """The segments of ``layers`` for ``period`` (an int or "auto"), cached on a module container
+    for the layers it holds now (``blocks_of`` caches the blocks alike: made outside a traced call
+    when the first call ran, or ``scan_model`` prepared them, outside one)."""
+    if period != "auto" and (isinstance(period, bool) or not isinstance(period, int) or period < 1):
+        raise ScanError(f"scan_layers: period must be a positive int or 'auto', got {period!r}.")
+    cache = _cache(container, "_scan_layers_plans")
+    key = (len(layers), period)
+    hit = cache.get(key)
+    if hit is not None and _same_modules(hit[0], layers):  # a layer replaced since: planned again
+        return hit[1]
+    if _compat.is_dynamo_compiling():  # not cached: a first eager call reads the full kinds
+        return _segments(kinds_traced(layers), len(layers), period)
+    segments = _segments(kinds(layers), len(layers), period)
+    cache[key] = (tuple(layers), segments)
+    return segments
+
+
+def _same_modules(a, b):
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def _segments(ks, depth, period):
+    if period == "auto":
+        return plan(ks)
+    count = depth // period if period > 1 else 0
+    head = [Segment(0, period, count)] if count >= 1 else []
+    rest = plan(ks[count * period:], max_period=1)
+    return tuple(head) + tuple(s._replace(start=s.start + count * period) for s in rest)
+
+
+def _cache(container, name):
+    """A dict kept on a module container (plain attribute reads and writes: Dynamo traces those)."""
+    if not isinstance(container, torch.nn.Module):
+        return {}
+    cache = getattr(container, name, None)
+    if cache is None:
+        cache = {}
+        setattr(container, name, cache)
+    return cache
+
+
+def blocks_of(container, layers, seg):
+    """The ``LayerBlock`` modules of a segment over blocks, made once per container and made
+    again when a layer was replaced since (a block holds its layers: a stale one would run the
+    old layer)."""
+    cache = _cache(container, "_scan_layers_blocks")
+    key = (seg.start, seg.period, seg.count)
+    members = [layers[seg.start + b * seg.period: seg.start + (b + 1) * seg.period] for b in range(seg.count)]
+    hit = cache.get(key)
+    if hit is None or not all(_same_modules(list(block._modules.values()), m) for block, m in zip(hit, members)):
+        cache[key] = [LayerBlock(m) for m in members]
+    return cache[key]

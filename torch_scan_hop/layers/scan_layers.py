@@ -42,7 +42,7 @@ from .checks import (
 from .fsdp import check_fsdp, gathered_state, tensor_parallel_parts
 from .grads import check_flags_traced, stacks_swapped
 from .layer_state import check_sharded_alike, layer_state, layer_states, same_value
-from . import patterns
+from . import patterns, written_rows
 from .layer_kwargs import split as split_kwargs
 from .outputs import join_output, layer_name, split_output, stack_extras
 from .ownership import container_of, container_token, owner_of
@@ -127,6 +127,7 @@ def _eager_loop(layers, inputs, remat, per_layer):
     for i, layer in enumerate(layers):
         call = lambda h, layer=layer, kw=per_layer[i]: layer(*((h,) if n == 1 else h), **kw)  # noqa: E731
         h, extra = split_output(call(h) if saves_all else remat_step(call, remat)(h), h, n, layers, i)
+        written_rows.settle(per_layer[i])
         extras.append(extra)
     return join_output(h, stack_extras(extras, layers), n)
 
@@ -301,6 +302,7 @@ def scan_layers(layers: Iterable[torch.nn.Module], *inputs: Any, remat: Remat = 
         if not over_rows:
             return _eager_loop(layers, inputs, remat, per_layer)
     try:  # traced: the per-layer keywords split into shared ones and stacked rows
+        per_layer, slots = written_rows.as_rows(per_layer)
         shared, varying = (broadcast_kwargs, None) if layer_kwargs is None else split_kwargs(
             per_layer, lambda i: layer_name(layers, i))
         if stacked is None:
@@ -327,10 +329,11 @@ def scan_layers(layers: Iterable[torch.nn.Module], *inputs: Any, remat: Remat = 
     if not dynamo and not over_rows:  # checked here, in Python: the traced body then reads no peer
         check_no_running_stat_updates(template)  # other layers agree with layer 0 or are refused as read
     peers = () if over_rows or (not dynamo and _all_attributes_agree(layers)) else layers[1:]
+    selecting = written_rows.selecting_reads(template, slots[0])  # compared with no peer
 
     def step(h, params_and_rows):
         params, rows = params_and_rows
-        kwargs = shared if varying is None else varying.rebuild(rows)
+        kwargs, writes = written_rows.at_step(shared if varying is None else varying.rebuild(rows), slots[0])
         if dynamo:  # in the body: under torch.compile only errors raised there stay ScanErrors
             check_no_running_stat_updates(template)
             if trained_stacks:
@@ -339,15 +342,16 @@ def scan_layers(layers: Iterable[torch.nn.Module], *inputs: Any, remat: Remat = 
         if fsdp_meshes is not None:  # FSDP2's unshard, for this step's layer (its gradient reduce-scattered back)
             params = gathered_state(params, fsdp_meshes, tp_specs)
         records = None if plan is None else StepRecords(plan)
-        out = view_of(template, params, peers=peers, recorder=records)(*args, **kwargs)  # shared kwargs: closed over
+        out = view_of(template, params, peers=peers, checked=dict(selecting),
+                      recorder=records)(*args, **kwargs)  # shared kwargs: closed over
         out, extras = split_output(out, h, len(inputs), layers, 0)  # extras: the scan's ys
-        return out, (extras if records is None else (extras, records.outputs()))
+        return out, (extras, None if records is None else records.outputs(), tuple(w.written() for w in writes))
 
     rows = [] if varying is None else varying.stacks()
-    out, extras = scan(step, _as_output(inputs), (xs, rows), remat=remat, unroll=unroll)
+    out, (extras, recorded, written) = scan(step, _as_output(inputs), (xs, rows), remat=remat, unroll=unroll)
     if plan is not None:
-        extras, recorded = extras
         replay(layers, plan, recorded)
+    written_rows.hand_back(slots, written)
     return join_output(out, extras, len(inputs))
 
 
@@ -359,7 +363,7 @@ def scan_patterned(layers, hidden, *, remat="save_all", unroll=None, partition_f
     try:
         remat = remat_with_torch_xla_keywords(remat, partition_fn, "is_layer_pure", is_layer_pure, "scan_layers")
         _check_call(layers, (hidden,), broadcast_kwargs, layer_kwargs)
-        segments = stack_plan(container, layers, period)
+        segments = patterns.stack_plan(container, layers, period)
     except ScanError as e:
         surface(e)
     per_layer = _per_layer(layers, broadcast_kwargs, layer_kwargs)
@@ -368,69 +372,15 @@ def scan_patterned(layers, hidden, *, remat="save_all", unroll=None, partition_f
     return hidden
 
 
-def stack_plan(container, layers, period):
-    """The segments of ``layers`` for ``period`` (an int or "auto"), cached on a module container
-    for the layers it holds now (``blocks_of`` caches the blocks alike: made outside a traced call
-    when the first call ran, or ``scan_model`` prepared them, outside one)."""
-    if period != "auto" and (isinstance(period, bool) or not isinstance(period, int) or period < 1):
-        raise ScanError(f"scan_layers: period must be a positive int or 'auto', got {period!r}.")
-    cache = _cache(container, "_scan_layers_plans")
-    key = (len(layers), period)
-    hit = cache.get(key)
-    if hit is not None and _same_modules(hit[0], layers):  # a layer replaced since: planned again
-        return hit[1]
-    if _compat.is_dynamo_compiling():  # not cached: a first eager call reads the full kinds
-        return _segments(patterns.kinds_traced(layers), len(layers), period)
-    segments = _segments(patterns.kinds(layers), len(layers), period)
-    cache[key] = (tuple(layers), segments)
-    return segments
-
-
-def _same_modules(a, b):
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
-
-
-def _segments(ks, depth, period):
-    if period == "auto":
-        return patterns.plan(ks)
-    count = depth // period if period > 1 else 0
-    head = [patterns.Segment(0, period, count)] if count >= 1 else []
-    rest = patterns.plan(ks[count * period:], max_period=1)
-    return tuple(head) + tuple(s._replace(start=s.start + count * period) for s in rest)
-
-
-def _cache(container, name):
-    """A dict kept on a module container (plain attribute reads and writes: Dynamo traces those)."""
-    if not isinstance(container, torch.nn.Module):
-        return {}
-    cache = getattr(container, name, None)
-    if cache is None:
-        cache = {}
-        setattr(container, name, cache)
-    return cache
-
-
-def blocks_of(container, layers, seg):
-    """The ``LayerBlock`` modules of a segment over blocks, made once per container and made
-    again when a layer was replaced since (a block holds its layers: a stale one would run the
-    old layer)."""
-    cache = _cache(container, "_scan_layers_blocks")
-    key = (seg.start, seg.period, seg.count)
-    members = [layers[seg.start + b * seg.period: seg.start + (b + 1) * seg.period] for b in range(seg.count)]
-    hit = cache.get(key)
-    if hit is None or not all(_same_modules(list(block._modules.values()), m) for block, m in zip(hit, members)):
-        cache[key] = [patterns.LayerBlock(m) for m in members]
-    return cache[key]
-
-
 def _run_segment(container, layers, seg, hidden, per_layer, remat, unroll):
     if seg.period > 1:
-        blocks = blocks_of(container, layers, seg)
+        blocks = patterns.blocks_of(container, layers, seg)
         block_kwargs = [{"block_kwargs": tuple(per_layer[seg.start + b * seg.period + k] for k in range(seg.period))}
                         for b in range(seg.count)]
         return scan_layers(blocks, hidden, remat=remat, unroll=unroll, layer_kwargs=block_kwargs)
     if seg.count == 1:
         out = layers[seg.start](hidden, **per_layer[seg.start])
+        written_rows.settle(per_layer[seg.start])
         return patterns.hidden_of(out, seg.start)
     run = slice(seg.start, seg.start + seg.count)
     out = scan_layers(layers[run], hidden, remat=remat, unroll=unroll, layer_kwargs=per_layer[run])

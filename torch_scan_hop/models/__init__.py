@@ -5,6 +5,8 @@
   layers only calls each layer on the hidden state;
 - ``deferred``: the container and stand-ins that record the loop's calls and run the stack as
   ``scan_layers(..., period="auto")`` when the last layer is called.
+- ``stacked_cache``: transformers' static KV cache as per-layer rows of a traced scan (a
+  compiled decode step is one scan).
 
 May import: ``layers``, ``api``, ``op``, ``core``, ``_compat``.
 """

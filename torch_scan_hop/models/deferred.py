@@ -10,7 +10,9 @@ on, so the model computes what its own loop computes.
 
 A live cache in a layer's inputs (generation with a ``Cache``) runs the real layers one by
 one instead: each layer writes its own slot of the cache (``layer_idx``), which one scanned
-body cannot do. Outside the model's forward the container is the plain ModuleList it was:
+body cannot do; except, when the scan is traced (torch.compile, XLA), a static cache, whose
+slots the scan reads and writes as per-layer rows (``models.stacked_cache``).
+Outside the model's forward the container is the plain ModuleList it was:
 iteration, indexing, ``fully_shard`` per layer and ``state_dict`` see the real layers.
 
 The running forward is kept on a module-level stack (``_ACTIVE``): plain list operations,
@@ -18,8 +20,10 @@ which Dynamo traces as side effects, so all of this also runs inside ``torch.com
 """
 import torch
 
+from ..core import route
 from ..core.trees import ScanError
 from ..layers.scan_layers import scan_layers
+from .stacked_cache import stacked_slots
 
 _ACTIVE = []  # the containers whose model's forward is running, innermost last
 
@@ -71,7 +75,7 @@ class PendingStack:
 
     def __init__(self, container, indices):
         self.container, self.indices = container, indices
-        self.calls, self.next, self.handed, self.live_cache = [], 0, None, False
+        self.calls, self.next, self.handed, self.live_cache, self.slots = [], 0, None, False, None
         modules = list(container._modules.values())
         self.layers = [modules[i] for i in indices]
 
@@ -94,6 +98,8 @@ class PendingStack:
         self.next += 1
         if k == 0:
             self.live_cache = _holds_cache(args, kwargs, self.container._scan_model_options["cache_type"])
+            self.slots = self._stacked_cache(args, kwargs) if self.live_cache else None
+            self.live_cache = self.live_cache and self.slots is None
         if self.live_cache:
             return layer(*args, **kwargs)
         if not args or not isinstance(args[0], torch.Tensor):
@@ -110,6 +116,10 @@ class PendingStack:
         if k < len(self.layers) - 1:
             self.handed = args[0]
             return args[0]
+        if self.slots is not None:
+            key, slots = self.slots
+            for call, slot in zip(self.calls, slots):
+                call[key] = slot
         whole = len(self.layers) == len(self.container)
         _ACTIVE.append(None)  # the scan sees the real layers when it iterates the container
         try:
@@ -117,6 +127,17 @@ class PendingStack:
                                period="auto", remat=options["remat"], unroll=options["unroll"])
         finally:
             _ACTIVE.pop()
+
+
+    def _stacked_cache(self, args, kwargs):
+        """``(keyword, one StaticRows per layer)`` for a static cache among layer 0's keyword
+        inputs when this scan is traced; else None (the layers run one by one)."""
+        if not args or not isinstance(args[0], torch.Tensor) or route.runs_the_loop([args[0]]):
+            return None
+        cache_type = self.container._scan_model_options["cache_type"]
+        key = next((name for name, v in kwargs.items() if isinstance(v, cache_type)), None)
+        slots = None if key is None else stacked_slots(kwargs[key], list(self.indices))
+        return None if slots is None else (key, slots)
 
 
 class PendingLayer:

@@ -7,7 +7,7 @@ import torch
 from ..remat.policies import as_policy
 from ..core.trees import ScanError
 from ..layers import patterns
-from ..layers.scan_layers import blocks_of, stack_plan
+from ..layers.patterns import blocks_of, stack_plan
 from . import forward_loop
 from .deferred import ScannedForward, ScannedModuleList
 

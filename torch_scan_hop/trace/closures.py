@@ -119,12 +119,19 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
         ``W.shape[-1]`` would fail deep in torch ("s3 is not tracked with
         proxy"). One traced ``alias`` of it is a graph constant (lifted like
         any closure) whose sizes, strides and numel the trace can compute.
+
+        None while FX writes a graph's code (the partial graph of a failed trace, printed into
+        its data-dependent error): it reads each node's sizes through this mode, and an alias
+        per read added a node to the graph being printed, whose printing read it in turn:
+        make_fx never returned.
         """
         mode = _tracing.proxy_mode() if isinstance(t, _compat.FakeTensor) else None
         if mode is None or _tracing.has_proxy_slot(t, mode.tracer):  # traced here: its sizes are too
             return t
         key = (id(mode.tracer), id(t))
         if key not in self._aliases:
+            if _tracing.printing_fx_code():
+                return t
             sizes = (*t.shape, *t.stride(), t.storage_offset(), t.numel())
             if all(_tracing.get_proxy_slot(s, mode.tracer, None) is not None
                    for s in sizes if isinstance(s, torch.SymInt)):
