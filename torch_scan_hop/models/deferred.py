@@ -97,9 +97,9 @@ class PendingStack:
                             f"{self.indices[self.next]} was next; the scanned stack runs its layers in order, once.")
         self.next += 1
         if k == 0:
-            self.live_cache = _holds_cache(args, kwargs, self.container._scan_model_options["cache_type"])
-            self.slots = self._stacked_cache(args, kwargs) if self.live_cache else None
-            self.live_cache = self.live_cache and self.slots is None
+            holds = _holds_cache(args, kwargs, self.container._scan_model_options["cache_type"])
+            self.slots = self._stacked_cache(args, kwargs) if holds else None
+            self.live_cache = holds and self.slots is None
         if self.live_cache:
             return layer(*args, **kwargs)
         if not args or not isinstance(args[0], torch.Tensor):
@@ -127,7 +127,6 @@ class PendingStack:
                                period="auto", remat=options["remat"], unroll=options["unroll"])
         finally:
             _ACTIVE.pop()
-
 
     def _stacked_cache(self, args, kwargs):
         """``(keyword, one StaticRows per layer)`` for a static cache among layer 0's keyword
