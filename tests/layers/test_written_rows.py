@@ -64,3 +64,29 @@ def test_each_layer_writes_its_own_slot(backend, fresh_dynamo):
     assert len(got_rows) == 3
     for g, w in zip(got_rows, want):
         torch.testing.assert_close(g, w)
+
+
+class OtherSlot(Slot):
+    """A slot of another kind, with the same rows: its update would compute something else."""
+
+    def add(self, value, index):
+        self.new = self.written()[0] - value
+        return self.new
+
+
+def test_slots_of_different_kinds_in_one_scan_are_refused(fresh_dynamo):
+    """A scanned step remakes every layer's slot from layer 0's: a layer whose slot is of another
+    class would run layer 0's update on its rows, so the traced scan refuses it (the eager loop,
+    calling each layer with its own slot, runs it)."""
+    from torch_scan_hop import ScanError
+
+    layers = torch.nn.ModuleList([Layer(i) for i in range(2)])
+    h0, totals = torch.randn(2, 4), torch.randn(2, 2, 4)
+
+    def run(h0, totals):
+        slots = [{"slot": kind(totals[i], target=[])} for i, kind in enumerate((Slot, OtherSlot))]
+        return scan_layers(layers, h0, layer_kwargs=slots)
+
+    run(h0, totals)  # eager: the loop
+    with pytest.raises(ScanError, match="layer 1's per-layer state is \\['OtherSlot'\\], layer 0's \\['Slot'\\]"):
+        torch.compile(run, backend="aot_eager", fullgraph=True)(h0, totals)

@@ -211,22 +211,38 @@ def test_any_module_with_the_loop_scans(fresh_dynamo):
         torch.compile(model, backend="aot_eager", fullgraph=True)(h)
 
 
-def test_compiled_decode_step_with_a_static_cache_is_one_scan(fresh_dynamo):
-    """With a static cache and the forward compiled, a decode step runs the stack as ONE scan
-    (the cache's per-layer keys, values and lengths scanned as rows and copied back into the
-    cache), whatever the depth: the tokens and every layer's cache after generate() are the
+def _dynamo_recording():
+    """Dynamo's graphs, run as they are (the scan node by its eager rule)."""
+    graphs = []
+    return graphs, lambda gm, _: graphs.append(gm) or gm.forward
+
+
+@pytest.mark.parametrize("family, cache, prompt_length, recording", [
+    ("gpt2", "static", 5, _aot_eager_recording),  # StaticLayer, the cache passed positionally
+    ("mistral", "static", 2, _dynamo_recording),  # StaticSlidingWindowLayer, filling, then full
+    ("gpt_oss", "dynamic", 3, _dynamo_recording),  # blocks of a DynamicSlidingWindowLayer and a DynamicLayer
+])
+def test_compiled_decode_step_is_one_scan(family, cache, prompt_length, recording, fresh_dynamo):
+    """With the forward compiled, a decode step runs the stack as ONE scan whatever the depth, with
+    transformers' static and dynamic caches, sliding-window layers included: each layer's cache slot
+    is scanned as rows, updated out of place as the cache layer's own update does, and handed back
+    to the cache after the scan. The tokens and every layer's cache after generate() are the
     unscanned model's. (The prefill, which fills the cache lazily, runs the layers one by one.)"""
-    ref, scanned = _twins("llama")
+    ref, scanned = _twins(family)
     ref.eval(), scanned.eval()
-    prompt = ids(length=5, seed=3)
-    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="static",
-              return_dict_in_generate=True)
+    prompt = ids(length=prompt_length, seed=3)
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    if cache == "static":
+        kw["cache_implementation"] = "static"
     want = ref.generate(prompt, **kw)
-    graphs, backend = _aot_eager_recording()
+    graphs, backend = recording()
     scanned.forward = torch.compile(scanned.forward, backend=backend)
     got = scanned.generate(prompt, **kw)
     assert torch.equal(got.sequences, want.sequences)
     for g, w in zip(got.past_key_values.layers, want.past_key_values.layers, strict=True):
-        torch.testing.assert_close((g.keys, g.values, g.cumulative_length), (w.keys, w.values, w.cumulative_length))
+        assert type(g) is type(w)
+        torch.testing.assert_close((g.keys, g.values), (w.keys, w.values))
+        for counter in ("cumulative_length", "cumulative_length_int"):
+            assert getattr(g, counter, None) == getattr(w, counter, None), counter
     scans = [sum(n.target is torch.ops.higher_order.scan for n in gm.graph.nodes) for gm in graphs]
-    assert scans == [0, 1], scans  # the prefill's graph, then one decode graph for every decode step
+    assert len(scans) >= 2 and scans[0] == 0 and set(scans[1:]) == {1}, scans  # the prefill's graph, then decode graphs

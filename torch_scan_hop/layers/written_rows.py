@@ -11,6 +11,7 @@ layer's own object takes its row of them (``take``), e.g. copies it into its cac
 Eager loops call the layers with the objects themselves and then hand each its own writes.
 """
 from .. import _compat
+from ..core.trees import ScanError
 
 
 class WrittenRows:
@@ -59,7 +60,19 @@ def as_rows(per_layer):
         slots.append([leaf for leaf in leaves if _is_written_rows(leaf)])
         leaves = [{_MARK: tuple(leaf.rows())} if _is_written_rows(leaf) else leaf for leaf in leaves]
         plain.append(_compat.pytree.tree_unflatten(leaves, spec))
+    _check_one_kind(slots)
     return plain, slots
+
+
+def _check_one_kind(slots):
+    """A scanned step remakes every layer's objects from layer 0's (``at_step``): each must be of
+    layer 0's class, or layer 0's update code would run on another kind's rows."""
+    for i, objects in enumerate(slots[1:], 1):
+        kinds, first = [type(o) for o in objects], [type(o) for o in slots[0]]
+        if kinds != first:
+            raise ScanError(f"scan_layers: layer {i}'s per-layer state is {[k.__name__ for k in kinds]}, layer 0's "
+                            f"{[k.__name__ for k in first]}; layers scanned together need state of one kind "
+                            "(e.g. cache layers of one type).")
 
 
 def at_step(kwargs, template):

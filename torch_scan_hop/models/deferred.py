@@ -10,8 +10,8 @@ on, so the model computes what its own loop computes.
 
 A live cache in a layer's inputs (generation with a ``Cache``) runs the real layers one by
 one instead: each layer writes its own slot of the cache (``layer_idx``), which one scanned
-body cannot do; except, when the scan is traced (torch.compile, XLA), a static cache, whose
-slots the scan reads and writes as per-layer rows (``models.stacked_cache``).
+body cannot do; except, when the scan is traced (torch.compile, XLA), transformers' static and
+dynamic caches, whose slots the scan reads and writes as per-layer rows (``models.stacked_cache``).
 Outside the model's forward the container is the plain ModuleList it was:
 iteration, indexing, ``fully_shard`` per layer and ``state_dict`` see the real layers.
 
@@ -129,13 +129,15 @@ class PendingStack:
             _ACTIVE.pop()
 
     def _stacked_cache(self, args, kwargs):
-        """``(keyword, one StaticRows per layer)`` for a static cache among layer 0's keyword
-        inputs when this scan is traced; else None (the layers run one by one)."""
+        """``(keyword, one cache twin per layer)`` for a static or dynamic cache among layer 0's
+        keyword inputs when this scan is traced (``models.stacked_cache``); else None (the layers
+        run one by one)."""
         if not args or not isinstance(args[0], torch.Tensor) or route.runs_the_loop([args[0]]):
             return None
-        cache_type = self.container._scan_model_options["cache_type"]
-        key = next((name for name, v in kwargs.items() if isinstance(v, cache_type)), None)
-        slots = None if key is None else stacked_slots(kwargs[key], list(self.indices))
+        options = self.container._scan_model_options
+        named = _named(self.layers[0], args[1:], kwargs, self.indices[0], options["positional"][self.indices[0]])
+        key = next((name for name, v in named.items() if isinstance(v, options["cache_type"])), None)
+        slots = None if key is None else stacked_slots(named[key], list(self.indices), args[0].shape[-2])
         return None if slots is None else (key, slots)
 
 

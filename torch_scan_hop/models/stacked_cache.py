@@ -1,43 +1,65 @@
-"""transformers' static KV cache in a scanned decoder stack (``scan_model``'s decode step).
+"""transformers' KV caches in a scanned decoder stack (``scan_model``'s decode step).
 
 Each attention layer calls ``cache.update(keys, values, layer_idx)``, which writes that layer's
-slot in place. In one scanned body every step is layer 0's code (its ``layer_idx``), and a traced
-scan writes nothing in place, so a scanned step hands each layer a ``StaticRows`` instead: the
-layer's cached keys, values and length as rows of per-layer stacks (``layers.written_rows``),
-updated out of place as ``StaticLayer.update`` updates them. After the scan each layer's rows
-are copied back into its cache tensors, in place: the cache object, its tensors' addresses and
-``generate()``'s view of it are as the layers one by one leave them, and a compiled decode step
-holds ONE scan whatever the depth.
+slot. In one scanned body every step is layer 0's code (its ``layer_idx``), and a traced scan
+writes nothing in place, so a scanned step hands each layer a twin of its cache layer instead
+(``layers.written_rows``): the slot's tensors as rows of per-layer stacks, updated out of place
+exactly as the cache layer's own ``update`` updates them. After the scan each layer's cache takes
+its rows back: copied into a static cache's tensors in place (same object, same addresses, as
+``generate()`` and CUDA graphs need), assigned to a dynamic cache's attributes (which its own
+``update`` replaces every step too). A compiled decode step then holds ONE scan whatever the depth.
 
-Only caches whose layers are all transformers' plain ``StaticLayer`` (``StaticCache`` with full
-attention), filled (after the prefill) and alike, are stacked; any other cache (dynamic,
-sliding-window, linear-attention) runs the layers one by one, as the model's own loop does.
+Twins exist for the four layer classes of transformers' ``StaticCache`` and ``DynamicCache``:
+``StaticLayer``, ``StaticSlidingWindowLayer``, ``DynamicLayer``, ``DynamicSlidingWindowLayer``.
+A cache holding anything else (linear-attention states, an offloaded or quantized cache, a
+subclass), a layer not yet filled (the prefill), or layers whose Python-side counters disagree,
+runs the layers one by one, as the model's own loop does.
 """
+import collections
+
 import torch
 
+from ..core.trees import ScanError
 from ..layers.written_rows import WrittenRows
 
 
-class StaticRows(WrittenRows):
-    """One layer's static cache slot as rows: ``keys``/``values`` ``(B, H, max_len, D)`` and the
-    0-d ``length`` (tokens cached so far). ``update`` is ``StaticLayer.update``'s out-of-place
-    twin; ``take`` copies rows back into the cache layer ``target`` (None inside a scan step).
-    The attention's ``layer_idx`` only picks the slot, which the rows already are."""
+class _Rows(WrittenRows):
+    """What the twins share: the slot's ``keys``/``values`` rows, the layer index is a selector
+    (the rows already are the slot), ``tokens`` (the step's query length, known before the scan:
+    the Python counters of sliding layers advance by it) and ``target``, the real cache layer
+    (None inside a scan step)."""
 
     selects = ("layer_idx",)
 
-    def __init__(self, keys, values, length, target=None):
-        self.keys, self.values, self.length, self.target = keys, values, length, target
-        self.new = None
+    def __init__(self, rows, tokens, target=None):
+        self.keys, self.values = rows[0], rows[1]
+        self.tokens, self.target, self.new = tokens, target, None
 
     def rows(self):
-        return (self.keys, self.values, self.length)
+        return (self.keys, self.values)
 
     def over(self, rows):
-        return StaticRows(*rows)
+        return type(self)(rows, self.tokens)
 
     def written(self):
         return self.rows() if self.new is None else self.new
+
+    def _check_tokens(self, key_states):
+        if key_states.shape[-2] != self.tokens:
+            raise ScanError(f"scan_model: a layer wrote {key_states.shape[-2]} tokens into its cache where the "
+                            f"step's hidden state has {self.tokens}; a scanned stack's cache twins assume one "
+                            "key per token (self-attention).")
+
+
+class StaticRows(_Rows):
+    """``StaticLayer``: keys/values ``(B, H, max_len, D)`` and the 0-d ``length`` so far."""
+
+    def __init__(self, rows, tokens, target=None):
+        super().__init__(rows, tokens, target)
+        self.length = rows[2]
+
+    def rows(self):
+        return (self.keys, self.values, self.length)
 
     def update(self, key_states, value_states, *args, **kwargs):
         keys, values, length = self.written()
@@ -48,33 +70,128 @@ class StaticRows(WrittenRows):
         return keys, values
 
     def take(self, rows):
-        keys, values, length = rows
         layer = self.target
-        layer.keys.copy_(keys)
-        layer.values.copy_(values)
-        layer.cumulative_length.copy_(length)
+        layer.keys.copy_(rows[0])
+        layer.values.copy_(rows[1])
+        layer.cumulative_length.copy_(rows[2])
 
 
-def stacked_slots(cache, indices):
-    """One ``StaticRows`` per layer index of ``cache`` (a transformers ``StaticCache`` of filled
-    plain ``StaticLayer`` s alike), or None when the cache is not such a one."""
-    try:
-        from transformers.cache_utils import StaticCache, StaticLayer  # noqa: PLC0415
+class SlidingStaticRows(StaticRows):
+    """``StaticSlidingWindowLayer``: a window of ``max_len`` rows; its Python count of tokens seen
+    (``filled``, equal in every layer) picks the branch its ``update`` takes, as there."""
+
+    def __init__(self, rows, tokens, target=None, filled=0):
+        super().__init__(rows, tokens, target)
+        self.filled = filled
+
+    def over(self, rows):
+        return SlidingStaticRows(rows, self.tokens, filled=self.filled)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self._check_tokens(key_states)
+        keys, values, length = self.written()
+        window, n = keys.shape[-2], key_states.shape[-2]
+        if self.filled >= window:  # full: drop the oldest rows (a roll and an overwrite when n is 1)
+            full_k, full_v = torch.cat((keys[:, :, 1:], key_states), -2), torch.cat((values[:, :, 1:], value_states), -2)
+        elif self.filled + n > window:  # becoming full on this update
+            full_k = key_states if self.filled == 0 else torch.cat((keys[:, :, :self.filled], key_states), -2)
+            full_v = value_states if self.filled == 0 else torch.cat((values[:, :, :self.filled], value_states), -2)
+        else:
+            return super().update(key_states, value_states)
+        self.new = (full_k[:, :, -window:], full_v[:, :, -window:], length)
+        return full_k, full_v
+
+    def take(self, rows):
+        super().take(rows)
+        self.target.cumulative_length_int += self.tokens
+
+
+class DynamicRows(_Rows):
+    """``DynamicLayer``: keys/values ``(B, H, seen, D)``, grown by concatenation."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        keys, values = self.written()
+        self.new = (torch.cat([keys, key_states], -2), torch.cat([values, value_states], -2))
+        return self.new
+
+    def take(self, rows):
+        self.target.keys, self.target.values = rows
+
+
+class SlidingDynamicRows(_Rows):
+    """``DynamicSlidingWindowLayer`` (not recording the past): keeps the last ``window - 1`` rows
+    and returns the full states; its Python ``cumulative_length`` advances by ``tokens``."""
+
+    def __init__(self, rows, tokens, target=None, window=None):
+        super().__init__(rows, tokens, target)
+        self.window = window
+
+    def over(self, rows):
+        return SlidingDynamicRows(rows, self.tokens, window=self.window)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self._check_tokens(key_states)
+        keys, values = self.written()
+        full_k, full_v = torch.cat([keys, key_states], -2), torch.cat([values, value_states], -2)
+        self.new = (full_k[:, :, -self.window + 1:], full_v[:, :, -self.window + 1:])
+        return full_k, full_v
+
+    def take(self, rows):
+        self.target.keys, self.target.values = rows
+        self.target.cumulative_length += self.tokens
+
+
+_Classes = collections.namedtuple("_Classes", "StaticLayer StaticSlidingWindowLayer DynamicLayer DynamicSlidingWindowLayer")
+
+
+def stacked_slots(cache, indices, tokens):
+    """One twin per layer index of ``cache`` (``tokens``: the step's query length), or None when
+    the cache is not one whose layers can be scanned as rows (see the module docstring)."""
+    try:  # names imported from the module itself: Dynamo cannot trace transformers' lazy top-level module
+        from transformers.cache_utils import (  # noqa: PLC0415
+            DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, StaticCache, StaticLayer, StaticSlidingWindowLayer)
     except ImportError:
         return None
-    if type(cache) is not StaticCache:
+    cu = _Classes(StaticLayer, StaticSlidingWindowLayer, DynamicLayer, DynamicSlidingWindowLayer)
+    if type(cache) not in (StaticCache, DynamicCache) or getattr(cache, "offloading", False):
         return None
     layers = getattr(cache, "layers", None)
-    if layers is None or max(indices) >= len(layers):
+    if not isinstance(tokens, int) or layers is None or max(indices) >= len(layers):
         return None
-    chosen = [layers[i] for i in indices]
-    if not all(type(layer) is StaticLayer and getattr(layer, "is_initialized", False) for layer in chosen):
+    twins = [_twin(cu, layers[i], tokens) for i in indices]
+    if any(t is None for t in twins) or not _alike_by_class(twins):
         return None
-    first = chosen[0]
-    if not all(_alike(layer.keys, first.keys) and _alike(layer.values, first.values) for layer in chosen):
-        return None
-    return [StaticRows(layer.keys, layer.values, layer.cumulative_length, target=layer) for layer in chosen]
+    return twins
 
 
-def _alike(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+def _twin(cu, layer, tokens):
+    kind = type(layer)
+    if not getattr(layer, "is_initialized", False) or layer.keys is None or layer.keys.dim() != 4:
+        return None  # not filled yet: the prefill runs the layers one by one
+    rows = (layer.keys, layer.values)
+    if kind is cu.StaticLayer:
+        return StaticRows((*rows, layer.cumulative_length), tokens, layer)
+    if kind is cu.StaticSlidingWindowLayer:
+        return SlidingStaticRows((*rows, layer.cumulative_length), tokens, layer, filled=layer.cumulative_length_int)
+    if kind is cu.DynamicLayer:
+        return DynamicRows(rows, tokens, layer)
+    if kind is cu.DynamicSlidingWindowLayer and not layer.record_past:
+        return SlidingDynamicRows(rows, tokens, layer, window=layer.sliding_window)
+    return None
+
+
+def _alike_by_class(twins):
+    """Twins of one class hold rows of one shape, dtype and device and one Python state (they may
+    be stacked together; the Python state is read from layer 0's twin in a scanned step)."""
+    first = {}
+    for twin in twins:
+        ref = first.setdefault(type(twin), twin)
+        if _python_state(twin) != _python_state(ref) or not all(
+                a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+                for a, b in zip(twin.rows(), ref.rows())):
+            return False
+    return True
+
+
+def _python_state(twin):
+    return tuple(getattr(twin, name, None) for name in ("filled", "window"))
