@@ -218,22 +218,23 @@ def test_inductor():
     model, inputs = Stacks([b[0] for b in built]), tuple(b[1] for b in built)
     # transformers 5: called as its model's forward calls it, nothing collected (the hooks installed
     # by build(); Dynamo before 2.15 cannot read the collector alone: test_capture_hooks)
-    compiled = torch.compile(Collecting(model, []) if V5 else model, backend="inductor")
+    compiled = torch.compile(Collecting(model, []) if V5 else model, backend="inductor", fullgraph=True)
     got = value_and_grads(model, compiled, inputs)
     assert_trees_close(got, value_and_grads(model, model.loop, fresh(inputs)), **TOL)
 
 
-@pytest.mark.xfail(torch.__version__ < (2, 15), strict=True, raises=ScanError,
-                   reason=(
-    "BertLayer calls transformers' apply_chunking_to_forward(self.feed_forward_chunk, ...), which asks "
-    "inspect.signature of the method; in the scanned body the method is bound to a view of layer 0, and "
-    "Dynamo before torch 2.15 cannot trace inspect.signature of a callable created in the compiled region "
-    "(2.15 can). Eager, export (non-strict) and XLA (its make_fx route) run BERT on every torch."))
-def test_bert_under_torch_compile():
+def test_compiled_fullgraph():
+    """BERT (its layer counts the parameters of ``self.feed_forward_chunk``, a method bound to
+    the body's view: ``inspect.signature`` under Dynamo, which torch before 2.15 could not
+    trace for a ``functools.partial``) and, on transformers 5, Qwen2-MoE (its experts route
+    without data-dependent shapes when traced) under torch.compile(fullgraph=True), compiled
+    together: the loop's values and gradients. (GPT2, BART and Llama: test_inductor.)"""
     torch._dynamo.reset()
-    stack, inputs, _ = build("bert")
-    got = value_and_grads(stack, torch.compile(stack, backend="aot_eager"), inputs)
-    assert_trees_close(got, value_and_grads(stack, stack.loop, fresh(inputs)), **TOL)
+    built = [build(name) for name in ["bert"] + (["qwen2_moe"] if V5 else [])]
+    model, inputs = Stacks([b[0] for b in built]), tuple(b[1] for b in built)
+    compiled = torch.compile(Collecting(model, []) if V5 else model, backend="aot_eager", fullgraph=True)
+    got = value_and_grads(model, compiled, inputs)
+    assert_trees_close(got, value_and_grads(model, model.loop, fresh(inputs)), **TOL)
 
 
 @pytest.mark.parametrize("name", TRACEABLE)
@@ -425,7 +426,7 @@ def test_capture_hooks(name):
     ep = torch.export.export(model, pytree.tree_map(torch.Tensor.detach, inputs))
     with torch.no_grad():
         assert_trees_close(ep.module()(*fresh(inputs)), want[0], **TOL)
-    if name != "qwen2_moe":  # routing under compile: test_moe_experts_traced
+    if name != "qwen2_moe":  # routing under compile: test_compiled_fullgraph
         torch._dynamo.reset()
         assert_trees_close(value_and_grads(model, torch.compile(model, backend="aot_eager"), inputs), want, **TOL)
     if _compat.dynamo.guards_context_vars():  # alone, the collector is a ContextVar: read and guarded

@@ -8,6 +8,7 @@ or be recorded (transformers' capture, ``layers.capture``), and for the forward 
 torch_xla's FSDPv2 wrapper, whose output annotation is in place.
 """
 import functools
+import inspect
 import types
 
 import torch
@@ -78,8 +79,8 @@ class _LayerView:
         attr = getattr(type(module), name, None)
         if isinstance(attr, property):
             return attr.fget(self)
-        if isinstance(attr, types.FunctionType):  # a method: bound to the view (partial: Dynamo traces it)
-            return functools.partial(attr, self)
+        if isinstance(attr, types.FunctionType):  # a method: bound to the view
+            return _ViewMethod(attr, self)
         value = getattr(module, name)
         if prefix + name not in d["_view_checked"]:  # once per trace: a check reads the attribute of every layer
             check_peers_agree(prefix + name, value, [getattr(p, name, MISSING) for p in _peers_of(d)])
@@ -121,6 +122,42 @@ class _LayerView:
 
     def __getitem__(self, idx):
         return list(self._modules.values())[idx]
+
+
+class _ViewMethod:
+    """A method of the layer's class bound to a view: ``view.feed_forward_chunk``.
+
+    Not ``types.MethodType``, which Dynamo before torch 2.15 cannot create in traced code,
+    nor ``functools.partial``, whose ``inspect.signature`` Dynamo before 2.15 traces into
+    inspect's own code and stops at (``hasattr(type(partial), "__get__")``): layer code
+    does ask, BertLayer's ``apply_chunking_to_forward(self.feed_forward_chunk, ...)``
+    counts the method's parameters. ``inspect.signature`` reads ``__signature__`` before
+    anything else it could trip on, so this object answers with the bound method's
+    signature, made in Python, not traced (``_bound_signature``).
+    """
+
+    def __init__(self, func, view):
+        self.__func__, self.__self__ = func, view
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    @property
+    def __signature__(self):
+        return _bound_signature(self.__func__)
+
+
+_SIGNATURES = {}  # a layer class's function -> its signature as a bound method
+
+
+@torch.compiler.assume_constant_result  # run in Python when traced: Dynamo holds the Signature it returns
+def _bound_signature(func):
+    """``inspect.signature`` of ``func`` bound to an instance (its first parameter dropped, as
+    Python drops it for a method), once per function: the layer's class does not change."""
+    sig = _SIGNATURES.get(func)
+    if sig is None:
+        sig = _SIGNATURES[func] = inspect.signature(types.MethodType(func, object()))
+    return sig
 
 
 def _run_layout_pre_hooks(module, view, args, kwargs):
