@@ -26,7 +26,8 @@ def _passes_through(fn):
 
 class CountsItsMethodsParameters(torch.nn.Module):
     """Scales by the parameter counts of two of its methods, as bound methods: 3 and 1 (with
-    ``self`` counted, or a wrapper's ``*args, **kwargs`` seen, the values change)."""
+    ``self`` counted, or a wrapper's ``*args, **kwargs`` seen, the values change); calls a
+    static method."""
 
     def __init__(self):
         super().__init__()
@@ -39,10 +40,14 @@ class CountsItsMethodsParameters(torch.nn.Module):
     def shift(self, h):
         return h + 1
 
+    @staticmethod
+    def halve(h):  # read through the view as it is: no self to bind
+        return h / 2
+
     def forward(self, h):
         n = len(inspect.signature(self.mix).parameters)
         m = len(inspect.signature(self.shift).parameters)
-        return self.shift(self.mix(h, scale=float(n))) * m
+        return self.halve(self.shift(self.mix(h, scale=float(n))) * m)
 
 
 @pytest.mark.parametrize("mode", ["compile", "make_fx"])

@@ -79,8 +79,8 @@ class _LayerView:
         attr = getattr(type(module), name, None)
         if isinstance(attr, property):
             return attr.fget(self)
-        if isinstance(attr, types.FunctionType):  # a method: bound to the view
-            return _ViewMethod(attr, self)
+        if isinstance(attr, types.FunctionType):  # a method: bound to the view; a staticmethod as it is
+            return attr if _is_static(type(module), name) else _ViewMethod(attr, self)
         value = getattr(module, name)
         if prefix + name not in d["_view_checked"]:  # once per trace: a check reads the attribute of every layer
             check_peers_agree(prefix + name, value, [getattr(p, name, MISSING) for p in _peers_of(d)])
@@ -148,6 +148,12 @@ class _ViewMethod:
 
 
 _SIGNATURES = {}  # a layer class's function -> its signature as a bound method
+
+
+@torch.compiler.assume_constant_result  # run in Python when traced: a class's methods do not change
+def _is_static(cls, name):
+    """Whether ``cls.name`` is a ``staticmethod`` (read as a plain function, it takes no ``self``)."""
+    return isinstance(inspect.getattr_static(cls, name, None), staticmethod)
 
 
 @torch.compiler.assume_constant_result  # run in Python when traced: Dynamo holds the Signature it returns
