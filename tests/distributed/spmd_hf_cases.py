@@ -31,8 +31,8 @@ def _spec(name, p, style):
 
 
 def check_hf_layers_sharded(name, style, mesh_shape, unroll):
-    """``style``: "fsdp" or "megatron"; ``mesh_shape``: (4,) or (2, 2); ``unroll``: None
-    (straight-line, 2 layers) or 1 (one While)."""
+    """``style``: "fsdp" or "megatron"; ``mesh_shape``: (4,) or (2, 2); ``unroll``: 2
+    (straight-line, 2 layers) or 1 (one While, the default)."""
     dev = torch_xla.device()
     mesh = xs.Mesh(np.arange(4), mesh_shape, ("fsdp", "tensor")[:len(mesh_shape)])
     stack, inputs, _ = hf.build(name)

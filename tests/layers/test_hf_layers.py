@@ -480,7 +480,7 @@ def test_capture_hooks_xla():
 
 def check_capture_xla(name):
     """test_capture_hooks on XLA: attentions and hidden states collected through a traced
-    scan_layers (one While or straight-line), values and gradients as the loop's on the CPU."""
+    scan_layers (one While), values and gradients as the loop's on the CPU."""
     import torch_xla
     dev = torch_xla.device()
     stack, inputs, _ = build(name)

@@ -404,6 +404,8 @@ def test_copies_of_one_layer_are_fine():
 
 
 def test_xla_matches_cpu_and_grads_land_on_each_layer():
+    """torch_xla's test_scan_layers.py::test_decoder_model, on ours: an 8-layer decoder with the
+    default unroll is a While, in the output's HLO and in every parameter gradient's."""
     if torch_xla is None:
         pytest.skip("torch_xla is not installed")
     dev = torch_xla.device()
@@ -412,9 +414,12 @@ def test_xla_matches_cpu_and_grads_land_on_each_layer():
     want = train_step(run_loop, layers, x, mask)
     layers_x = copy.deepcopy(layers).to(dev)
     layers_x.zero_grad()
-    out = scan_layers(layers_x, x.to(dev), attn_mask=mask.to(dev), unroll=1)  # None: 8 layers run straight-line
+    out = scan_layers(layers_x, x.to(dev), attn_mask=mask.to(dev))
     out.pow(2).mean().backward()
     grads_x = [p.grad for p in layers_x.parameters()]
+    for t in [out, *grads_x]:
+        one = torch_xla._XLAC._get_xla_tensors_hlo([t])
+        assert "while(" in one and "condition=" in one and "body=" in one
     hlo = torch_xla._XLAC._get_xla_tensors_hlo(grads_x)
     assert hlo.count(" while(") == 2  # forward While + backward While, whatever the depth
     # per-layer gradients are gathered rows: XLA compiles each slice output slowly (O(depth) seconds)
@@ -423,11 +428,12 @@ def test_xla_matches_cpu_and_grads_land_on_each_layer():
     assert_trees_close((out.detach().cpu(), [g.cpu() for g in grads_x]), want, atol=1e-4, rtol=1e-3)
 
 
-@pytest.mark.parametrize("depth, storage, whiles", [(8, False, 0), (9, False, 2), (8, True, 2)])
-def test_xla_default_runs_stacks_of_up_to_8_layers_straight_line(depth, storage, whiles):
-    """unroll=None: a stack of at most 8 layers runs every layer in one iteration, which XLA gets
-    as straight-line code (no While); a deeper one, or one in stacked storage (chosen for its
-    compile time), is a forward and a backward While."""
+@pytest.mark.parametrize("depth, storage, unroll, whiles",
+                         [(2, False, None, 2), (8, False, None, 2), (9, False, None, 2), (8, True, None, 2),
+                          (8, False, 8, 0), (8, True, 8, 0)])
+def test_xla_default_is_a_while_at_every_depth(depth, storage, unroll, whiles):
+    """unroll=None: a forward and a backward While at every depth, stacked storage or not (the HLO
+    does not grow with the stack); straight-line code (no While) only when unroll covers every layer."""
     if torch_xla is None:
         pytest.skip("torch_xla is not installed")
     torch.manual_seed(depth)
@@ -435,7 +441,7 @@ def test_xla_default_runs_stacks_of_up_to_8_layers_straight_line(depth, storage,
     want = train_step(lambda l, h, **kw: run_loop(l, h), layers, x, None)
     layers_x = copy.deepcopy(layers)
     layers_x = (torch_scan_hop.stack_layers(layers_x) if storage else layers_x).to(torch_xla.device())
-    out = scan_layers(layers_x, x.to(torch_xla.device()))
+    out = scan_layers(layers_x, x.to(torch_xla.device()), unroll=unroll)
     out.pow(2).mean().backward()
     grads = [p.grad for p in layers_x.parameters()]
     assert torch_xla._XLAC._get_xla_tensors_hlo(grads).count(" while(") == whiles

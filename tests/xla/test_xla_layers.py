@@ -5,8 +5,8 @@ by graph) and takes cheaper routes for what it still does every call (the
 attribute comparison across layers, the weight stack, the gradient rows). These
 check that a changed weight, a changed attribute or a frozen layer is still seen,
 and that every step's values and gradients are the Python loop's. Each runs twice: with
-the default unroll (so short a stack runs straight-line, no While) and with unroll=1 (one
-While).
+the default unroll (one While) and with an unroll covering every layer (straight-line, no
+While: the form a user asks for with unroll=len(layers)).
 """
 import sys
 
@@ -20,7 +20,7 @@ torch_xla = pytest.importorskip("torch_xla")
 UNROLL = None
 
 
-@pytest.fixture(autouse=True, params=[None, 1], ids=["default", "while"])
+@pytest.fixture(autouse=True, params=[None, 64], ids=["default", "straight"])  # 64: >= any depth here
 def _unroll(request, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "UNROLL", request.param)
 

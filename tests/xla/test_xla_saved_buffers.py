@@ -123,7 +123,7 @@ def check_layer_stack():
 
     dump = _dump_folder()
     shutil.rmtree(dump, ignore_errors=True)
-    step = _layer_stack_training_step(ROWS, unroll=1)  # one While (unroll=None runs so short a stack straight-line)
+    step = _layer_stack_training_step(ROWS, unroll=None)  # the default: one While
     assert_trees_close(step(True), step(False), atol=1e-6, rtol=1e-5)
     texts = _optimized_modules(dump)
     scans = [t for t in texts if "scan_loop" in t]
@@ -166,8 +166,8 @@ def check_straight_layer_stack(unroll, rows):
     assert not found, "a While or a layer-stacked buffer in the straight-line step:\n" + "\n".join(found)
 
 
-@pytest.mark.parametrize("unroll, rows", [(DEPTH, ROWS), (None, ROWS // 2)], ids=["unroll_depth", "default"])
-def test_straight_layer_stack_step_stacks_nothing(unroll, rows):  # None: so short a stack runs straight-line
+@pytest.mark.parametrize("unroll, rows", [(DEPTH, ROWS), (2 * DEPTH, ROWS // 2)], ids=["unroll_depth", "unroll_more"])
+def test_straight_layer_stack_step_stacks_nothing(unroll, rows):  # unroll >= the depth: straight-line
     _isolated.call("test_xla_saved_buffers", "check_straight_layer_stack", unroll, rows, env=_ENV)
 
 

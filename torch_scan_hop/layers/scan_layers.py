@@ -51,23 +51,14 @@ from .storage import stacked_storage
 from .view import view_of
 
 
-_STRAIGHT_DEPTH = 8  # on XLA, stacks up to this deep run straight-line unless unroll is given
-
-
-def _resolve_unroll(unroll, depth, tensors, stacked):
-    """``unroll=None``: on XLA a stack of at most ``_STRAIGHT_DEPTH`` layers without stacked
-    storage runs every layer in one iteration, which the lowering emits as straight-line
-    code (csrc/hlo_straight.h): XLA then hands each saved activation to its reader instead
-    of stacking it, and a step costs what the Python loop's does (depth 8 of
-    benchmarks/xla_long.py: 1.25x -> 1.05x the loop; the decoder of benchmarks/layers.py:
-    0.88x -> 0.72x), for an XLA compile of that many body copies (the decoder's first two
-    calls at depth 8: about the same; +60% at 16). Under ``stack_layers`` the first XLA
-    compile at depth 8 took 9.4 s straight-line against 3.6 s, for 0.79x instead of
-    0.82x: stacked storage is chosen for its compile time, so it keeps the While, as do
-    deeper stacks and every other path (unroll 1)."""
-    if unroll is not None:
-        return unroll
-    return depth if depth <= _STRAIGHT_DEPTH and stacked is None and _compat.on_xla(tensors) else 1
+def _resolve_unroll(unroll):
+    """``unroll=None`` is 1 on every path and at every depth: on XLA the stack is ONE ``While``, so
+    its HLO, compile time and compile memory do not grow with the depth (torch_xla's and JAX's
+    contract for scan over layers; torch_xla's test_decoder_model asserts the ``while(`` for 8
+    layers). Straight-line code (csrc/hlo_straight.h) is what ``unroll=len(layers)`` asks for: at
+    depth 8 it compiled as fast and stepped ~1.1x faster than the While did then, but its HLO grows
+    with the stack, which only the user can decide to pay for."""
+    return 1 if unroll is None else unroll
 
 
 def _from_storage(layers, stacked, ref_state, token, trained_stacks):
@@ -228,9 +219,8 @@ def scan_layers(layers: Iterable[torch.nn.Module], *inputs: Any, remat: Remat = 
     scan_layers(model.h, h)`` for a layer returning ``(hidden_states,)``. Any other tuple
     is a ScanError naming the layer, what it returned and what it was given.
 
-    ``unroll``: layers per loop iteration, as in ``scan``. ``None`` is 1, except on XLA for a
-    stack of at most 8 layers without ``stack_layers`` storage, which runs straight-line
-    (``_resolve_unroll``).
+    ``unroll``: layers per loop iteration, as in ``scan``. ``None`` is 1 (one ``While`` on XLA at
+    every depth); ``len(layers)`` runs straight-line, no ``While`` (``_resolve_unroll``).
 
     ``layer_kwargs``: one dict of keyword inputs per layer, beside the ``broadcast_kwargs`` every
     layer gets (``layers.layer_kwargs``): a leaf that is the same object for every layer is closed
@@ -312,7 +302,7 @@ def scan_layers(layers: Iterable[torch.nn.Module], *inputs: Any, remat: Remat = 
     fsdp_meshes, tp_specs = check_fsdp(layers[0]), {}  # meshes None: not sharded by FSDP2
     if fsdp_meshes is not None and stacked is None:
         states, tp_specs = tensor_parallel_parts(states, fsdp_meshes)
-    unroll = _resolve_unroll(unroll, len(layers), tensors, stacked)
+    unroll = _resolve_unroll(unroll)
     # one iteration of every layer: no While on XLA (a bad unroll is scan's ScanError)
     straight = schedule.one_iteration(len(layers), unroll)
     xs = stack_state(states, straight) if stacked is None else _from_storage(
