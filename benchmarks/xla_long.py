@@ -16,9 +16,9 @@ bare token in it, e.g. "intra_op_parallelism_threads=1").
 The second table is the same question for a layer stack: scan_layers' steady
 training step (grads of every parameter) against the Python loop over the
 layers, Linear(256, 256) + GELU on 1024 rows, 8 / 32 / 64 deep, per layer;
-rounds interleave the loop, scan_layers as called by default (target: <= 1.0x
-the loop at every depth), with unroll=1 (one While) and with unroll=depth (the
-straight-line form, no While: csrc/hlo_straight.h; the default up to 8 layers).
+rounds interleave the loop, scan_layers as called by default (one While at every
+depth; target: <= 1.0x the loop at every depth), with unroll=1 (the same While) and
+with unroll=depth (the straight-line form, no While: csrc/hlo_straight.h; only on request).
 ``--one-core`` pins the process to one core and times the wall clock instead: on two
 cores XLA still runs its parallel fusions on a second thread (the flag above only stops
 Eigen's), whose spinning CPU time process_time counts and which a wall clock credits
