@@ -9,6 +9,7 @@ from .core import modes, route, trace_lock
 from .core.checks import check_carry, check_pair, flatten_y
 from .core.op_args import example_args
 from .core.schedule import sqrt_split
+from .core.step_index import with_step_index
 from .core.torch_xla_keywords import remat_with_torch_xla_keywords
 from .core.trees import LEAF, ScanError, ScanInputs, flatten, prepare_inputs, shown
 from .op.compile_errors import surface
@@ -47,13 +48,14 @@ class FlatBody:
         return [*carry_leaves, *y_leaves]
 
 
-def _checked_options(fn, reverse, remat, unroll):
+def _checked_options(fn, reverse, remat, unroll, with_index=False):
     """The options, checked; returns ``remat`` as ``validated`` gives it."""
     remat = validated(remat)
     if not callable(fn):
         raise ScanError(f"scan: fn must be callable as fn(carry, x) -> (new_carry, y), got {type(fn).__name__}.")
-    if not isinstance(reverse, bool):
-        raise ScanError(f"scan: reverse must be a bool, got {shown(reverse)}.")
+    for name, value in (("reverse", reverse), ("with_index", with_index)):
+        if not isinstance(value, bool):
+            raise ScanError(f"scan: {name} must be a bool, got {shown(value)}.")
     if unroll is not None and (not isinstance(unroll, int) or isinstance(unroll, bool) or unroll < 1):
         raise ScanError(f"scan: unroll must be None or an int >= 1, got {shown(unroll)}.")
     return remat
@@ -61,7 +63,7 @@ def _checked_options(fn, reverse, remat, unroll):
 
 def scan(fn: Callable[[Carry, X], tuple[Carry, Y]], init: Carry, xs: X | None = None, *,
          length: int | None = None, reverse: bool = False, dim: int = 0, remat: Remat = "save_all",
-         unroll: int | None = None, partition_fn: Callable[..., Any] | None = None,
+         unroll: int | None = None, with_index: bool = False, partition_fn: Callable[..., Any] | None = None,
          is_fn_pure: bool | None = None) -> tuple[Carry, Y]:
     """Loop ``fn(carry, x) -> (new_carry, y)`` over the slices of ``xs`` along ``dim``.
 
@@ -87,7 +89,8 @@ def scan(fn: Callable[[Carry, X], tuple[Carry, Y]], init: Carry, xs: X | None = 
         fn: the step, ``fn(carry, x) -> (new_carry, y)``. ``new_carry`` has ``init``'s pytree
             structure and each leaf its shape and dtype; ``y`` is any pytree of tensors (None
             for no per-step output) of the same structure, shapes and dtypes at every step.
-            Traced, ``fn`` must not mutate its carry, x or a closed-over tensor in place.
+            With ``with_index=True`` it is called ``fn(carry, x, i)``. Traced, ``fn`` must not
+            mutate its carry, x or a closed-over tensor in place.
         init: the initial carry, a pytree (dict, list, tuple, namedtuple) of tensors of any
             dtype; None leaves mean "no value".
         xs: a pytree of tensors scanned along ``dim`` (all of one length), or None with
@@ -102,6 +105,10 @@ def scan(fn: Callable[[Carry, X], tuple[Carry, Y]], init: Carry, xs: X | None = 
             function (traced paths; eager then traces too).
         unroll: body calls per loop iteration in traced graphs and the XLA While (None: 1);
             eager ignores it.
+        with_index: also pass the step's index ``i`` to ``fn``, a 0-d int64 tensor: the index
+            into ``xs`` of the slice being processed (``T - 1`` down to 0 for ``reverse=True``,
+            as in the loop above); no need to carry a counter. A slice of an internal
+            ``arange`` scanned with ``xs``: its value is never read as a Python number.
         partition_fn: torch_xla.experimental.scan's name for ``remat`` (give one of the two).
         is_fn_pure: torch_xla.experimental.scan's cache flag: accepted, changes nothing.
 
@@ -125,29 +132,36 @@ def scan(fn: Callable[[Carry, X], tuple[Carry, Y]], init: Carry, xs: X | None = 
         >>> final, ys = scan(cumsum, torch.tensor(0.0), torch.arange(4.0))
         >>> final, ys
         (tensor(6.), tensor([0., 1., 3., 6.]))
+        >>> scan(lambda c, x, i: (c + i * x, i), torch.tensor(0), torch.ones(3, dtype=torch.long), with_index=True)
+        (tensor(3), tensor([0, 1, 2]))
     """
     if partition_fn is not None or is_fn_pure is not None:
         remat = remat_with_torch_xla_keywords(remat, partition_fn, "is_fn_pure", is_fn_pure, "scan")
     if (type(init) is type(xs) is torch.Tensor and length is None and unroll is None and type(dim) is int
+            and with_index is False
             and dim == 0 and type(reverse) is bool and type(remat) is str and remat == "save_all"
             and callable(fn) and xs.dim() > 0 and route.runs_the_loop((init, xs))):
         # The most common call (one tensor carry and xs, defaults, plain eager): the options
         # and inputs need no check beyond the condition above, and the loop starts at once.
         return run_tree(fn, init, ScanInputs([init], LEAF, [xs], LEAF, xs.shape[0]), reverse, remat)
     try:
-        remat = _checked_options(fn, reverse, remat, unroll)
+        remat = _checked_options(fn, reverse, remat, unroll, with_index)
         inputs = prepare_inputs(init, xs, length, dim)
     except ScanError as e:
         surface(e)  # under torch.compile, as a ScanError rather than Dynamo's "Observed exception"
     leaves = [*inputs.init_leaves, *inputs.xs_leaves]
+    user_fn = fn
+    if with_index:
+        fn, inputs = with_step_index(fn, inputs)
     if route.runs_the_loop(leaves, remat):
         return run_tree(fn, init, inputs, reverse, remat)  # plain eager, the common case: the loop
-    path = route.route(leaves, remat, xla_eager=lambda: xla_eager.applies(fn, leaves, remat))
-    if path == route.XLA_EAGER:
-        options = {"length": length, "reverse": reverse, "dim": dim, "remat": remat, "unroll": unroll}
-        if xla_eager.first_sight(fn, leaves, options):  # traced once with make_fx: cheaper than a capture
+    path = route.route(leaves, remat, xla_eager=lambda: xla_eager.applies(user_fn, leaves, remat))
+    if path == route.XLA_EAGER:  # keyed by the user's fn: the index is added inside (_scan_entry)
+        options = {"length": length, "reverse": reverse, "dim": dim, "remat": remat, "unroll": unroll,
+                   "with_index": with_index}
+        if xla_eager.first_sight(user_fn, leaves, options):  # traced once with make_fx: cheaper than a capture
             return _scan(fn, init, inputs, reverse, remat, unroll or 1)
-        return _scan_on_xla(fn, init, xs, options)
+        return _scan_on_xla(user_fn, init, xs, options)
     return _scan(fn, init, inputs, reverse, remat, unroll, path)
 
 
@@ -231,9 +245,12 @@ def _sqrt_scan(fn, init, inputs, reverse, unroll):
     return carry, y_spec.unflatten(ys_leaves)
 
 
-def _scan_entry(fn, init, xs, *, length, reverse, dim, remat, unroll):
+def _scan_entry(fn, init, xs, *, length, reverse, dim, remat, unroll, with_index):
     """What ``xla_eager`` hands to Dynamo: ``scan`` without the route to it."""
-    return _scan(fn, init, prepare_inputs(init, xs, length, dim), reverse, remat, unroll or 1)
+    inputs = prepare_inputs(init, xs, length, dim)
+    if with_index:
+        fn, inputs = with_step_index(fn, inputs)
+    return _scan(fn, init, inputs, reverse, remat, unroll or 1)
 
 
 def _scan_on_xla(fn, init, xs, options):
