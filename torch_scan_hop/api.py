@@ -6,7 +6,7 @@ import torch
 
 from . import _compat
 from .core import modes, route, trace_lock
-from .core.checks import check_carry, check_pair, flatten_y
+from .core.checks import check_carry, check_pair, flatten_y, mutation_message
 from .core.op_args import example_args
 from .core.schedule import sqrt_split
 from .core.step_index import with_step_index
@@ -17,8 +17,8 @@ from .op.hop import scan_op
 from .op.loop import run_tree
 from .remat.policies import Remat, as_token, validated
 from .trace import cache
-from .trace.body_checks import mark_checked
-from .trace.flat_body import dynamo_body
+from .trace.body_checks import is_leaf_write_error, mark_checked, writes_only_carries
+from .trace.flat_body import copied_carries, dynamo_body
 from .trace.lift import trace_and_lift
 from .xla import eager as xla_eager
 
@@ -36,10 +36,13 @@ class FlatBody:
 
     def __init__(self, fn, inputs: ScanInputs):
         self.fn, self.inputs, self.y_spec = fn, inputs, None
+        self.copy_carry = False  # set when the body writes into its carry in place: see _traced_body
 
     def __call__(self, *args):
         inputs = self.inputs
         nc = inputs.num_carry
+        if self.copy_carry:
+            args = copied_carries(args, nc)
         carry = inputs.init_spec.unflatten(args[:nc])
         x = None if inputs.xs_spec is None else inputs.xs_spec.unflatten(args[nc:nc + inputs.num_x])
         new_carry, y = check_pair(self.fn(carry, x))
@@ -89,8 +92,9 @@ def scan(fn: Callable[[Carry, X], tuple[Carry, Y]], init: Carry, xs: X | None = 
         fn: the step, ``fn(carry, x) -> (new_carry, y)``. ``new_carry`` has ``init``'s pytree
             structure and each leaf its shape and dtype; ``y`` is any pytree of tensors (None
             for no per-step output) of the same structure, shapes and dtypes at every step.
-            With ``with_index=True`` it is called ``fn(carry, x, i)``. Traced, ``fn`` must not
-            mutate its carry, x or a closed-over tensor in place.
+            With ``with_index=True`` it is called ``fn(carry, x, i)``. It may write into its carry
+            in place (``c.mul_(a)``, ``buf[:, t] = h`` with ``t`` a 0-d int tensor, also on traced
+            paths). Traced, it must not write into ``x`` (a view of ``xs``) or a closed-over tensor.
         init: the initial carry, a pytree (dict, list, tuple, namedtuple) of tensors of any
             dtype; None leaves mean "no value".
         xs: a pytree of tensors scanned along ``dim`` (all of one length), or None with
@@ -121,7 +125,7 @@ def scan(fn: Callable[[Carry, X], tuple[Carry, Y]], init: Carry, xs: X | None = 
         ScanError: bad input or a body breaking the contract above, naming the leaf path and
             what differs (``scan: the carry leaf carry['h'] changed across an iteration: shape
             (2, 6) vs init's (2, 3)``); traced, also a body reading a tensor's value as a
-            Python value or mutating an input.
+            Python value or writing into an x slice or a closed-over tensor in place.
 
     Example:
         >>> import torch
@@ -272,7 +276,9 @@ def _call_op(fn, inputs, **kwargs):
     if not trace_lock.under_make_fx() and any(modes.is_functional(t) for t in (*init, *xs)):
         # Under torch.func.functionalize in eager make_fx cannot see through
         # the wrappers; the Functionalize rule unwraps and runs the body directly.
+        # A body writing into its carries writes into copies (no trace says here whether it does).
         body = FlatBody(fn, inputs)
+        body.copy_carry = True
         return scan_op(body, init, xs, (), **kwargs), body.y_spec
     with trace_lock.tracing_lock():
         gm, lifted, y_spec = _traced_body(fn, inputs)
@@ -283,12 +289,35 @@ def _traced_body(fn, inputs):
     """The lifted body graph: traced on every call (only a graph can say what
     fn computes; work on it is reused by graph, see cache.graph_key)."""
     body = FlatBody(fn, inputs)
-    with _compat.disable_proxy_modes_tracing():
-        args = example_args(inputs.init_leaves, inputs.xs_leaves, ())
-    gm, lifted = trace_and_lift(body, args)
+    gm, lifted = _trace_on_copies_if_written(body, inputs)
     if not trace_lock.under_make_fx():  # checked once here, on the graph we already have
         mark_checked(gm, inputs.num_carry, inputs.num_x)
     return gm, lifted, body.y_spec
+
+
+def _trace_on_copies_if_written(body, inputs):
+    """``trace_and_lift(body)``; a body that writes into its carries in place (and into no other
+    input) is traced again on copies of them (``FlatBody.copy_carry``): its graph then takes the
+    written values as the new carry, and the op's inputs are never written."""
+    def traced():
+        with _compat.disable_proxy_modes_tracing():
+            args = example_args(inputs.init_leaves, inputs.xs_leaves, ())
+        return trace_and_lift(body, args)
+
+    try:
+        gm, lifted = traced()
+        if not writes_only_carries(gm, inputs.num_carry):
+            return gm, lifted
+    except RuntimeError as e:  # a write into a carry requiring grad fails at once
+        if not is_leaf_write_error(e):
+            raise
+    body.copy_carry = True
+    try:
+        return traced()
+    except RuntimeError as e:
+        if is_leaf_write_error(e):
+            raise ScanError(mutation_message("an x slice or closed-over tensor that requires grad")) from e
+        raise
 
 
 def clear_cache():

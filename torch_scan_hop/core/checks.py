@@ -116,8 +116,10 @@ def input_name(i, num_carry, num_x):
 
 
 def mutation_message(names):
-    return (f"scan: fn mutates its input in place ({names}). Scan bodies must be functional: "
-            "use out-of-place ops (c = c + x, not c += x / c.add_(x)).")
+    return (f"scan: fn mutates its input in place ({names}). A traced scan (make_fx, torch.compile, "
+            "export, XLA) takes writes into the carry as the new carry, but cannot write into an x slice "
+            "(a view of xs) or a closed-over tensor: write into a copy (x = x.clone()), or carry the "
+            "tensor and use the final carry.")
 
 
 def check_graph_mutation(gm, num_carry, num_x):

@@ -15,6 +15,7 @@ from .._compat import tracing as _tracing
 from ..core.trace_lock import tracing_lock, under_make_fx
 from ..core.trees import ScanError
 from .effects import without_effectful_checks
+from .indexing import TensorIndexRewrite
 from .xla_formulas import register_missing
 
 
@@ -22,7 +23,7 @@ def trace_graph(fn, args, *, force_enable_grad=False):
     """``fn(*args)`` as an aten GraphModule, traced in whatever mode is active."""
     if force_enable_grad:  # differentiating: torch_xla's custom ops need their formulas
         register_missing()
-    with _data_dependence_as_scan_error(), _in_place_sharding_as_scan_error():
+    with _data_dependence_as_scan_error(), _in_place_sharding_as_scan_error(), TensorIndexRewrite():
         gm = trace_aten_graph(fn, args, force_enable_grad=force_enable_grad)
     _refuse_value_dependent_sizes(gm)
     return gm
@@ -39,7 +40,7 @@ def trace_aten_graph(fn, args, *, force_enable_grad=False):
     if under_make_fx():
         if _of_another_fake_mode(args):
             return _trace_fresh(fn, args, force_enable_grad)
-        with _outer_grad_mode_recorders_suspended():
+        with outer_grad_mode_recorders_suspended():
             return _compat.materialize_as_graph(fn, tuple(args), force_enable_grad=force_enable_grad)
     if _compat.detect_fake_mode(args) is not None:
         return _compat.materialize_as_graph(fn, tuple(args), force_enable_grad=force_enable_grad)
@@ -47,7 +48,7 @@ def trace_aten_graph(fn, args, *, force_enable_grad=False):
 
 
 @contextlib.contextmanager
-def _outer_grad_mode_recorders_suspended():
+def outer_grad_mode_recorders_suspended():
     """The outer pre-dispatch trace's torch-function mode (export's) off the stack while a body
     is traced into a subgraph.
 
