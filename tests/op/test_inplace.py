@@ -142,3 +142,43 @@ def test_writing_into_x_is_refused():
     h0, xs = data()
     with pytest.raises(ScanError, match="x leaf 0"):
         make_fx(lambda c, xs: scan(body, c, xs), tracing_mode="fake")(h0.detach(), xs.detach())
+
+
+def select_write(buf, t, h):
+    buf.select(1, t).copy_(h)  # the loop writes through the view
+
+
+@pytest.mark.parametrize("path", ["make_fx", "aot_eager"])
+def test_select_read_matches_loop(path):
+    def body(carry, x, t):
+        h, buf = carry
+        h = torch.tanh(h * 0.7 + x)
+        buf[:, t] = h
+        return (h, buf), buf.select(1, t) * 2
+    init = (lambda h0: (h0, h0.new_zeros(B, T, H)))
+    check(path, lambda h0, xs: scan(body, init(h0), xs, with_index=True),
+          lambda h0, xs: loop(body, init(h0), xs, index=True))
+
+
+@pytest.mark.parametrize("write", [select_write, lambda buf, t, h: buf[:, t].copy_(h)])
+@pytest.mark.parametrize("path", ["make_fx", "aot_eager"])
+def test_a_write_through_a_tensor_indexed_slice_is_refused(path, write):
+    body = recorder(write)
+    h0, xs = data()
+    with pytest.raises(ScanError, match="write would be lost"):
+        PATHS[path](lambda h0, xs: scan(body, (h0, h0.new_zeros(B, T, H)), xs, with_index=True))(h0, xs)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_export(strict):
+    body = recorder(WRITES["setitem"])
+
+    class Recorder(torch.nn.Module):  # buf[:, t] = h writes into the carry buf
+        def forward(self, h0, xs):
+            return scan(body, (h0, h0.new_zeros(B, T, H)), xs, with_index=True)
+
+    h0, xs = data()
+    ep = torch.export.export(Recorder(), (h0.detach(), xs.detach()), strict=strict)
+    got = outputs_and_grads(ep.module()(h0, xs), (h0, xs))
+    h0, xs = data()
+    assert_trees_close(got, outputs_and_grads(Recorder()(h0, xs), (h0, xs)))

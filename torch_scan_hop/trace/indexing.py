@@ -12,6 +12,8 @@ needs it (``t.item()`` is a real number there).
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..core.trees import ScanError
+
 _GET, _SET = torch.Tensor.__getitem__, torch.Tensor.__setitem__
 _NOT_INDEX_DTYPES = (torch.bool, torch.uint8)  # masks, not positions
 
@@ -79,16 +81,57 @@ def write(t, index, value):
     torch.ops.aten.index_put_.default(view, _advanced(view, parts[1]), value.to(view.dtype))
 
 
+_SELECTS = (torch.Tensor.select, torch.select)
+
+
+def _as_index(func, args, kwargs):
+    """``(t, index)`` for a read this mode rewrites (``t[index]``, ``t.select(dim, i)``), else None."""
+    if func is _GET and len(args) == 2 and isinstance(args[0], torch.Tensor) and not kwargs:
+        return args if split_index(*args) is not None else None
+    if func in _SELECTS and len(args) == 3 and isinstance(args[0], torch.Tensor) and _is_scalar_index(args[2]):
+        t, dim, i = args
+        if isinstance(dim, int) and -t.dim() <= dim < t.dim():
+            return t, (slice(None),) * (dim % t.dim()) + (i,)
+    return None
+
+
 class TensorIndexRewrite(TorchFunctionMode):
-    """``t[..., i, ...]`` (read and write) with 0-d integer tensors ``i`` as advanced indexing,
-    while a body is traced (``trace_graph``, the front end's ``FlatBody``, Dynamo's speculation)."""
+    """``t[..., i, ...]`` (read and write) and ``t.select(dim, i)`` with 0-d integer tensors ``i`` as
+    advanced indexing, while a body is traced (``trace_graph``, Dynamo's speculation).
+
+    Such a read is a copy, not the view the loop's ``select`` gives: a write through it
+    (``buf[:, t].copy_(h)``, ``v = buf[:, t]; v += h``) would be lost, so a read modified in place
+    and not written back with ``buf[..., t, ...] = v`` (what ``buf[:, t] += h`` does) is a
+    ScanError when the trace ends."""
+
+    def __init__(self):
+        super().__init__()
+        self._reads, self._written_back = {}, set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is _GET and len(args) == 2 and isinstance(args[0], torch.Tensor):
-            return read(*args)
+        index = _as_index(func, args, kwargs)
+        if index is not None:
+            out = read(*index)
+            self._reads[id(out)] = (out, out._version)
+            return out
         if func is _SET and len(args) == 3 and isinstance(args[0], torch.Tensor):
+            self._written_back.add(id(args[2]))
             return write(*args)
         return func(*args, **(kwargs or {}))
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        super().__exit__(exc_type, exc_value, traceback)
+        if exc_type is None:
+            self._refuse_writes_through_reads()
+
+    def _refuse_writes_through_reads(self):
+        for key, (out, version) in self._reads.items():
+            if out._version != version and key not in self._written_back:
+                raise ScanError(
+                    "scan: the body writes in place into buf[..., t, ...] or buf.select(dim, t) taken at a "
+                    f"0-d tensor index t (a {tuple(out.shape)} slice): traced, that read is a copy (the loop's "
+                    "view would need t's value), so the write would be lost. Write the slice back with "
+                    "buf[..., t, ...] = value (buf[:, t] += h does), or use buf.index_copy_(dim, t.view(1), ...).")
 
 
 def _scalar_index_node(arg):
