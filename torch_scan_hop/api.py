@@ -1,4 +1,5 @@
 """The user-facing ``scan``: pytrees, validation, the eager loop or the traced op."""
+import contextlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -17,9 +18,10 @@ from .op.hop import scan_op
 from .op.loop import run_tree
 from .remat.policies import Remat, as_token, validated
 from .trace import cache
-from .trace.body_checks import is_leaf_write_error, mark_checked, writes_only_carries
+from .trace.body_checks import is_leaf_write_error, mark_checked, writes_only_carries, written_inputs
+from .trace.closure_writes import ClosureWrites, closures_carried
 from .trace.flat_body import copied_carries, dynamo_body
-from .trace.lift import trace_and_lift
+from .trace.lift import source_of, trace_and_lift
 from .xla import eager as xla_eager
 
 Carry = TypeVar("Carry")  # the carry pytree: init's structure, kept across steps
@@ -94,7 +96,9 @@ def scan(fn: Callable[[Carry, X], tuple[Carry, Y]], init: Carry, xs: X | None = 
             for no per-step output) of the same structure, shapes and dtypes at every step.
             With ``with_index=True`` it is called ``fn(carry, x, i)``. It may write into its carry
             in place (``c.mul_(a)``, ``buf[:, t] = h`` with ``t`` a 0-d int tensor, also on traced
-            paths). Traced, it must not write into ``x`` (a view of ``xs``) or a closed-over tensor.
+            paths), and into a closed-over tensor, which holds after the scan what the loop leaves
+            in it (make_fx, non-strict export, XLA; not under torch.compile). Traced, it must not
+            write into ``x`` (a view of ``xs``).
         init: the initial carry, a pytree (dict, list, tuple, namedtuple) of tensors of any
             dtype; None leaves mean "no value".
         xs: a pytree of tensors scanned along ``dim`` (all of one length), or None with
@@ -125,7 +129,8 @@ def scan(fn: Callable[[Carry, X], tuple[Carry, Y]], init: Carry, xs: X | None = 
         ScanError: bad input or a body breaking the contract above, naming the leaf path and
             what differs (``scan: the carry leaf carry['h'] changed across an iteration: shape
             (2, 6) vs init's (2, 3)``); traced, also a body reading a tensor's value as a
-            Python value or writing into an x slice or a closed-over tensor in place.
+            Python value or writing into an x slice (or, under torch.compile, a closed-over
+            tensor) in place.
 
     Example:
         >>> import torch
@@ -183,10 +188,36 @@ def _scan(fn, init, inputs, reverse, remat, unroll, path=None):
         return run_tree(fn, init, inputs, reverse, "save_all" if callable(remat) else remat)
     if _two_level(remat, inputs):
         return _sqrt_scan(fn, init, inputs, reverse, unroll)
-    flat_out, y_spec = _call_op(fn, inputs, reverse=reverse, remat=as_token(remat), unroll=unroll or 1)
+    try:
+        flat_out, y_spec = _call_op(fn, inputs, reverse=reverse, remat=as_token(remat), unroll=unroll or 1)
+    except ClosureWrites as e:
+        return _scan_carrying(e.tensors, fn, init, inputs, reverse, remat, unroll)
     nc = inputs.num_carry
     carry = inputs.init_spec.unflatten(flat_out[:nc])
     return carry, y_spec.unflatten(flat_out[nc:])
+
+
+def _scan_carrying(closures, fn, init, inputs, reverse, remat, unroll):
+    """The scan of a body writing into the closed-over ``closures``, with them carried
+    (``trace.closure_writes``); their final values are copied into them, as the loop leaves them."""
+    xs = None if inputs.xs_spec is None else inputs.xs_spec.unflatten(inputs.xs_leaves)
+    wide = (init, list(closures))
+    (carry, finals), ys = _scan(closures_carried(fn, closures), wide,
+                                prepare_inputs(wide, xs, inputs.length if xs is None else None, 0),
+                                reverse, remat, unroll)
+    with torch.no_grad() if not any(f.requires_grad for f in finals) else contextlib.nullcontext():
+        for user, final in zip(closures, finals):
+            user.copy_(final)
+    return carry, ys
+
+
+def _raise_if_closures_written(gm, inputs):
+    """``ClosureWrites`` for a body graph that writes into closed-over tensors (and into no x)."""
+    first = inputs.num_carry + inputs.num_x
+    written = written_inputs(gm)
+    if any(i >= first for i in written) and not any(inputs.num_carry <= i < first for i in written):
+        users = source_of(gm).lifted
+        raise ClosureWrites([users[i - first] for i in written if i >= first])
 
 
 def _two_level(remat, inputs):
@@ -290,6 +321,7 @@ def _traced_body(fn, inputs):
     fn computes; work on it is reused by graph, see cache.graph_key)."""
     body = FlatBody(fn, inputs)
     gm, lifted = _trace_on_copies_if_written(body, inputs)
+    _raise_if_closures_written(gm, inputs)
     if not trace_lock.under_make_fx():  # checked once here, on the graph we already have
         mark_checked(gm, inputs.num_carry, inputs.num_x)
     return gm, lifted, body.y_spec

@@ -182,3 +182,42 @@ def test_export(strict):
     got = outputs_and_grads(ep.module()(h0, xs), (h0, xs))
     h0, xs = data()
     assert_trees_close(got, outputs_and_grads(Recorder()(h0, xs), (h0, xs)))
+
+
+def cache_writer(cache):
+    """A body writing step t into ``cache``, closed over (not carried), and reading it back."""
+    def body(c, x, t):
+        c = torch.tanh(c * 0.7 + x)
+        cache[t] = c
+        return c, cache[t].sum() + cache.sum()
+    return body
+
+
+@pytest.mark.parametrize("path", ["make_fx", "export"])
+def test_writes_into_a_closed_over_tensor(path):
+    """The caller's tensor holds, after the scan, what the loop leaves in it (issue 63 item 3)."""
+    def run(h0, xs, cache):
+        return scan(cache_writer(cache), h0, xs, with_index=True)
+
+    h0, xs = data()
+    want_cache = torch.zeros(T, B, H, dtype=D)
+    want = outputs_and_grads(loop(cache_writer(want_cache), h0, xs, index=True), (h0, xs))
+    h0, xs = data()
+    cache = torch.zeros(T, B, H, dtype=D)
+    if path == "make_fx":
+        graph = make_fx(run, tracing_mode="fake")(h0, xs, cache)
+    else:
+        class Writer(torch.nn.Module):
+            def forward(self, h0, xs, cache):
+                return run(h0, xs, cache)
+        graph = torch.export.export(Writer(), (h0.detach(), xs.detach(), cache.clone()), strict=False).module()
+    assert_trees_close(outputs_and_grads(graph(h0, xs, cache), (h0, xs)), want)
+    torch.testing.assert_close(cache, want_cache.detach())
+
+
+def test_writes_into_a_closed_over_tensor_under_compile_are_refused():
+    h0, xs = data()
+    f = torch.compile(lambda h0, xs, cache: scan(cache_writer(cache), h0, xs, with_index=True),
+                      backend="aot_eager", fullgraph=True)
+    with pytest.raises(ScanError, match=r"closed-over tensor 0.*under torch.compile"):
+        f(h0, xs, torch.zeros(T, B, H, dtype=D))

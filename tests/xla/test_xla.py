@@ -494,3 +494,28 @@ def test_a_scans_outputs_are_ordinary_xla_tensors_for_torch_compile():
     for _ in range(2):  # the first call is traced, the next captured by Dynamo: not refused
         scan(second, c, xs.to(dev))
     assert torch_scan_hop.xla.eager.applies(second, [c, xs.to(dev)], "save_all")
+
+
+def test_writes_into_a_closed_over_tensor_on_xla():
+    """``cache[t] = h`` into a closed-over tensor (issue 63): the caller's tensor holds what the loop
+    leaves in it; values and gradients. The second call's Dynamo capture refuses the write, and the
+    make_fx path runs it."""
+    def make(cache):
+        def body(c, x, t):
+            c = torch.tanh(c * 0.7 + x)
+            cache[t] = c
+            return c, cache[t].sum() + cache.sum()
+        return body
+
+    g = torch.Generator().manual_seed(0)
+    c0, xs = torch.randn(2, 3, generator=g), torch.randn(4, 2, 3, generator=g)
+
+    def run(device):
+        c, x = c0.to(device).requires_grad_(), xs.to(device).requires_grad_()
+        cache = torch.zeros(4, 2, 3, device=device)
+        out = scan(make(cache), c, x, with_index=True)
+        return to_cpu((out, torch.autograd.grad(weighted_sum(out), (c, x)), cache.detach()))
+
+    want = run("cpu")
+    for _ in range(2):
+        assert_trees_close(run(DEV), want)

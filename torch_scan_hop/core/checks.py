@@ -116,9 +116,10 @@ def input_name(i, num_carry, num_x):
 
 
 def mutation_message(names):
-    return (f"scan: fn mutates its input in place ({names}). A traced scan (make_fx, torch.compile, "
-            "export, XLA) takes writes into the carry as the new carry, but cannot write into an x slice "
-            "(a view of xs) or a closed-over tensor: write into a copy (x = x.clone()), or carry the "
+    return (f"scan: fn mutates its input in place ({names}). A traced scan takes writes into the carry "
+            "as the new carry, and writes into a closed-over tensor as the loop leaves them (make_fx, "
+            "non-strict export, XLA); it cannot write into an x slice (a view of xs), nor, under "
+            "torch.compile, into a closed-over tensor: write into a copy (x = x.clone()), or carry the "
             "tensor and use the final carry.")
 
 

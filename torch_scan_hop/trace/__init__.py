@@ -6,6 +6,7 @@
 - ``closures``: the stand-ins a body reads for closed-over tensors while it is traced;
 - ``flat_body``: the front end's body as the op sees it under Dynamo (and on copies of its carries,
   for a body that writes into them in place);
+- ``closure_writes``: a body writing into a closed-over tensor, run with that tensor carried;
 - ``indexing``: ``buf[:, t]`` and ``buf[:, t] = h`` with a 0-d integer tensor ``t`` traced as
   advanced indexing, not read as a Python int;
 - ``body_checks``: a body traced for its input-mutation check (the checks: ``core/checks.py``);

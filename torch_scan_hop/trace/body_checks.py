@@ -53,3 +53,8 @@ def is_leaf_write_error(e):
     """Did tracing fail on an in-place write into an input that requires grad (a traced body's inputs
     are leaves)? For a carry, what tracing on copies of the carries takes away."""
     return _LEAF_WRITE in f"{e} {getattr(e, 'msg', '')}"
+
+
+def written_inputs(gm):
+    """The inputs ``writes_only_carries`` found ``gm`` writing into ([] when not asked)."""
+    return getattr(gm, _WRITES, None) or []
