@@ -86,7 +86,7 @@ def check(path, scan_call, loop_call):
 
 
 @pytest.mark.parametrize("path,write", [(p, w) for p in ("eager", "make_fx") for w in WRITES]
-                         + [("aot_eager", "setitem"), ("aot_eager", "index_copy_")])
+                         + [("aot_eager", "setitem")])
 def test_indexed_write_with_index(path, write):
     body = recorder(WRITES[write])
 
@@ -148,7 +148,7 @@ def select_write(buf, t, h):
     buf.select(1, t).copy_(h)  # the loop writes through the view
 
 
-@pytest.mark.parametrize("path", ["make_fx", "aot_eager"])
+@pytest.mark.parametrize("path", ["make_fx"])
 def test_select_read_matches_loop(path):
     def body(carry, x, t):
         h, buf = carry
