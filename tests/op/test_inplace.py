@@ -221,3 +221,19 @@ def test_writes_into_a_closed_over_tensor_under_compile_are_refused():
                       backend="aot_eager", fullgraph=True)
     with pytest.raises(ScanError, match=r"closed-over tensor 0.*under torch.compile"):
         f(h0, xs, torch.zeros(T, B, H, dtype=D))
+
+
+def test_real_make_fx_of_a_tensor_index_says_to_trace_fake():
+    """make_fx's real mode traces on uninitialized stand-ins: an index read from them is out of range
+    (a ScanError saying what to do) or, by chance, in range (then the graph is right)."""
+    body = recorder(WRITES["setitem"])
+    h0, xs = data()
+
+    def run(h0, xs):
+        return scan(body, (h0, h0.new_zeros(B, T, H)), xs, with_index=True)
+    try:
+        gm = make_fx(run)(h0, xs)
+    except ScanError as e:
+        assert "tracing_mode='fake'" in str(e)
+        return
+    assert_trees_close(gm(h0, xs), loop(body, (h0, h0.new_zeros(B, T, H)), xs, index=True))

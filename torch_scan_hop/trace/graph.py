@@ -23,7 +23,8 @@ def trace_graph(fn, args, *, force_enable_grad=False):
     """``fn(*args)`` as an aten GraphModule, traced in whatever mode is active."""
     if force_enable_grad:  # differentiating: torch_xla's custom ops need their formulas
         register_missing()
-    with _data_dependence_as_scan_error(), _in_place_sharding_as_scan_error(), TensorIndexRewrite():
+    with _data_dependence_as_scan_error(), _in_place_sharding_as_scan_error(), _real_index_as_scan_error(args), \
+            TensorIndexRewrite():
         gm = trace_aten_graph(fn, args, force_enable_grad=force_enable_grad)
     _refuse_value_dependent_sizes(gm)
     return gm
@@ -133,6 +134,25 @@ def _in_place_sharding_as_scan_error():
             "t = xs.mark_sharding_with_gradients(t, mesh, spec) in the body instead (the same annotation, "
             f"also on t's gradient), and shard the inputs with xs.mark_sharding outside the scan.{fsdp_v2} "
             f"(torch_xla: {str(e).splitlines()[0] if str(e) else ''})") from e
+
+
+@contextlib.contextmanager
+def _real_index_as_scan_error(args):
+    """Under ``make_fx(tracing_mode="real")`` (its default) a body is traced on real stand-ins of
+    uninitialized memory (torch's ``materialize_as_graph``): a 0-d tensor index read from them
+    (``buf[:, t]``, traced as ``aten.index``) is out of range, and the real run says so."""
+    try:
+        yield
+    except (IndexError, RuntimeError) as e:
+        real = under_make_fx() and _tracing.make_fx_fake_mode() is None \
+            and _compat.detect_fake_mode(args) is None
+        if not real or "out of bounds" not in str(e):
+            raise
+        raise ScanError(
+            "scan: under make_fx(tracing_mode='real') (make_fx's default) the body is traced on "
+            "uninitialized stand-ins, so an index it reads from a tensor (buf[:, t] with a 0-d tensor t) "
+            "is out of range in that real run. Trace with make_fx(..., tracing_mode='fake') or "
+            f"'symbolic'. (torch: {str(e).splitlines()[0] if str(e) else type(e).__name__})") from e
 
 
 @contextlib.contextmanager
