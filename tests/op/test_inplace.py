@@ -237,3 +237,16 @@ def test_real_make_fx_of_a_tensor_index_says_to_trace_fake():
         assert "tracing_mode='fake'" in str(e)
         return
     assert_trees_close(gm(h0, xs), loop(body, (h0, h0.new_zeros(B, T, H)), xs, index=True))
+
+
+def test_in_place_carry_under_compiled_vmap():
+    """Dynamo's own input-mutation check misses a write into a vmapped carry (it bumps the batched
+    value's version only): the tracker compares the unwrapped versions itself."""
+    def f(c, xs):
+        return scan(in_place_carry, c * 1.0, xs)[1]
+
+    g = torch.Generator().manual_seed(1)
+    c0 = torch.randn(2, B, H, dtype=D, generator=g).requires_grad_()
+    xs = torch.randn(2, T, B, H, dtype=D, generator=g)
+    got = outputs_and_grads(torch.compile(torch.vmap(f), backend="aot_eager")(c0, xs), (c0,))
+    assert_trees_close(got, outputs_and_grads(torch.vmap(f)(c0, xs), (c0,)))

@@ -103,19 +103,41 @@ class _Body:
         from .._compat import dynamo as dyn
 
         while True:
+            before = _versions(sub_args[:self.num_carry])
             try:
                 with TensorIndexRewrite():  # the fake runs of buf[:, t] (operator.getitem) trace, not read t
-                    return dyn.speculate_subgraph(
+                    out = dyn.speculate_subgraph(
                         tx, self.fn, sub_args, description="torch_scan_hop.scan body",
                         source_target=source_target, set_subgraph_inputs="flatten_manual",
                         should_flatten_outputs=True, supports_input_mutation=False, supports_aliasing=True)
+                if self.copied or _versions(sub_args[:self.num_carry]) == before:
+                    return out
+                self._copy()  # a write Dynamo's own check missed: into a vmapped carry's batched value
+                continue
             except Exception as e:
                 mutated = _mutated_inputs(e) or ([0] if is_leaf_write_error(e) else [])
                 if self.copied or not mutated or any(i >= self.num_carry for i in mutated):
                     _raise_if_input_mutation(e, self.num_carry, self.num_x)
                     raise
-                self.copied = True
-                self.fn = dyn.partial_tracker(rewritten_step, [dyn.constant(self.num_carry), self.fn])
+                self._copy()
+
+    def _copy(self):
+        from .._compat import dynamo as dyn
+
+        self.copied = True
+        self.fn = dyn.partial_tracker(rewritten_step, [dyn.constant(self.num_carry), self.fn])
+
+
+def _versions(carry_vars):
+    """The version counters of the carries' example values, below any functorch wrapper (a write into a
+    vmapped carry bumps its batched value's counter only)."""
+    versions = []
+    for var in carry_vars:
+        e = _example(var)
+        while isinstance(e, torch.Tensor) and _compat.functorch.is_functorch_wrapped(e):
+            e = _compat.functorch.functorch_unwrap(e)
+        versions.append(e._version if isinstance(e, torch.Tensor) else None)
+    return versions
 
 
 def _mutated_inputs(e):
