@@ -1,4 +1,5 @@
 """The user-facing ``scan``: pytrees, validation, the eager loop or the traced op."""
+import contextlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -6,9 +7,10 @@ import torch
 
 from . import _compat
 from .core import modes, route, trace_lock
-from .core.checks import check_carry, check_pair, flatten_y
+from .core.checks import check_carry, check_pair, flatten_y, mutation_message
 from .core.op_args import example_args
 from .core.schedule import sqrt_split
+from .core.step_index import with_step_index
 from .core.torch_xla_keywords import remat_with_torch_xla_keywords
 from .core.trees import LEAF, ScanError, ScanInputs, flatten, prepare_inputs, shown
 from .op.compile_errors import surface
@@ -16,9 +18,10 @@ from .op.hop import scan_op
 from .op.loop import run_tree
 from .remat.policies import Remat, as_token, validated
 from .trace import cache
-from .trace.body_checks import mark_checked
-from .trace.flat_body import dynamo_body
-from .trace.lift import trace_and_lift
+from .trace.body_checks import is_leaf_write_error, mark_checked, writes_only_carries, written_inputs
+from .trace.closure_writes import ClosureWrites, closures_carried
+from .trace.flat_body import copied_carries, dynamo_body
+from .trace.lift import source_of, trace_and_lift
 from .xla import eager as xla_eager
 
 Carry = TypeVar("Carry")  # the carry pytree: init's structure, kept across steps
@@ -35,10 +38,13 @@ class FlatBody:
 
     def __init__(self, fn, inputs: ScanInputs):
         self.fn, self.inputs, self.y_spec = fn, inputs, None
+        self.copy_carry = False  # set when the body writes into its carry in place: see _traced_body
 
     def __call__(self, *args):
         inputs = self.inputs
         nc = inputs.num_carry
+        if self.copy_carry:
+            args = copied_carries(args, nc)
         carry = inputs.init_spec.unflatten(args[:nc])
         x = None if inputs.xs_spec is None else inputs.xs_spec.unflatten(args[nc:nc + inputs.num_x])
         new_carry, y = check_pair(self.fn(carry, x))
@@ -47,13 +53,14 @@ class FlatBody:
         return [*carry_leaves, *y_leaves]
 
 
-def _checked_options(fn, reverse, remat, unroll):
+def _checked_options(fn, reverse, remat, unroll, with_index=False):
     """The options, checked; returns ``remat`` as ``validated`` gives it."""
     remat = validated(remat)
     if not callable(fn):
         raise ScanError(f"scan: fn must be callable as fn(carry, x) -> (new_carry, y), got {type(fn).__name__}.")
-    if not isinstance(reverse, bool):
-        raise ScanError(f"scan: reverse must be a bool, got {shown(reverse)}.")
+    for name, value in (("reverse", reverse), ("with_index", with_index)):
+        if not isinstance(value, bool):
+            raise ScanError(f"scan: {name} must be a bool, got {shown(value)}.")
     if unroll is not None and (not isinstance(unroll, int) or isinstance(unroll, bool) or unroll < 1):
         raise ScanError(f"scan: unroll must be None or an int >= 1, got {shown(unroll)}.")
     return remat
@@ -61,7 +68,7 @@ def _checked_options(fn, reverse, remat, unroll):
 
 def scan(fn: Callable[[Carry, X], tuple[Carry, Y]], init: Carry, xs: X | None = None, *,
          length: int | None = None, reverse: bool = False, dim: int = 0, remat: Remat = "save_all",
-         unroll: int | None = None, partition_fn: Callable[..., Any] | None = None,
+         unroll: int | None = None, with_index: bool = False, partition_fn: Callable[..., Any] | None = None,
          is_fn_pure: bool | None = None) -> tuple[Carry, Y]:
     """Loop ``fn(carry, x) -> (new_carry, y)`` over the slices of ``xs`` along ``dim``.
 
@@ -87,7 +94,11 @@ def scan(fn: Callable[[Carry, X], tuple[Carry, Y]], init: Carry, xs: X | None = 
         fn: the step, ``fn(carry, x) -> (new_carry, y)``. ``new_carry`` has ``init``'s pytree
             structure and each leaf its shape and dtype; ``y`` is any pytree of tensors (None
             for no per-step output) of the same structure, shapes and dtypes at every step.
-            Traced, ``fn`` must not mutate its carry, x or a closed-over tensor in place.
+            With ``with_index=True`` it is called ``fn(carry, x, i)``. It may write into its carry
+            in place (``c.mul_(a)``, ``buf[:, t] = h`` with ``t`` a 0-d int tensor, also on traced
+            paths), and into a closed-over tensor, which holds after the scan what the loop leaves
+            in it (make_fx, non-strict export, XLA; not under torch.compile). Traced, it must not
+            write into ``x`` (a view of ``xs``).
         init: the initial carry, a pytree (dict, list, tuple, namedtuple) of tensors of any
             dtype; None leaves mean "no value".
         xs: a pytree of tensors scanned along ``dim`` (all of one length), or None with
@@ -102,6 +113,10 @@ def scan(fn: Callable[[Carry, X], tuple[Carry, Y]], init: Carry, xs: X | None = 
             function (traced paths; eager then traces too).
         unroll: body calls per loop iteration in traced graphs and the XLA While (None: 1);
             eager ignores it.
+        with_index: also pass the step's index ``i`` to ``fn``, a 0-d int64 tensor: the index
+            into ``xs`` of the slice being processed (``T - 1`` down to 0 for ``reverse=True``,
+            as in the loop above); no need to carry a counter. A slice of an internal
+            ``arange`` scanned with ``xs``: its value is never read as a Python number.
         partition_fn: torch_xla.experimental.scan's name for ``remat`` (give one of the two).
         is_fn_pure: torch_xla.experimental.scan's cache flag: accepted, changes nothing.
 
@@ -114,7 +129,8 @@ def scan(fn: Callable[[Carry, X], tuple[Carry, Y]], init: Carry, xs: X | None = 
         ScanError: bad input or a body breaking the contract above, naming the leaf path and
             what differs (``scan: the carry leaf carry['h'] changed across an iteration: shape
             (2, 6) vs init's (2, 3)``); traced, also a body reading a tensor's value as a
-            Python value or mutating an input.
+            Python value or writing into an x slice (or, under torch.compile, a closed-over
+            tensor) in place.
 
     Example:
         >>> import torch
@@ -125,29 +141,36 @@ def scan(fn: Callable[[Carry, X], tuple[Carry, Y]], init: Carry, xs: X | None = 
         >>> final, ys = scan(cumsum, torch.tensor(0.0), torch.arange(4.0))
         >>> final, ys
         (tensor(6.), tensor([0., 1., 3., 6.]))
+        >>> scan(lambda c, x, i: (c + i * x, i), torch.tensor(0), torch.ones(3, dtype=torch.long), with_index=True)
+        (tensor(3), tensor([0, 1, 2]))
     """
     if partition_fn is not None or is_fn_pure is not None:
         remat = remat_with_torch_xla_keywords(remat, partition_fn, "is_fn_pure", is_fn_pure, "scan")
     if (type(init) is type(xs) is torch.Tensor and length is None and unroll is None and type(dim) is int
+            and with_index is False
             and dim == 0 and type(reverse) is bool and type(remat) is str and remat == "save_all"
             and callable(fn) and xs.dim() > 0 and route.runs_the_loop((init, xs))):
         # The most common call (one tensor carry and xs, defaults, plain eager): the options
         # and inputs need no check beyond the condition above, and the loop starts at once.
         return run_tree(fn, init, ScanInputs([init], LEAF, [xs], LEAF, xs.shape[0]), reverse, remat)
     try:
-        remat = _checked_options(fn, reverse, remat, unroll)
+        remat = _checked_options(fn, reverse, remat, unroll, with_index)
         inputs = prepare_inputs(init, xs, length, dim)
     except ScanError as e:
         surface(e)  # under torch.compile, as a ScanError rather than Dynamo's "Observed exception"
     leaves = [*inputs.init_leaves, *inputs.xs_leaves]
+    user_fn = fn
+    if with_index:
+        fn, inputs = with_step_index(fn, inputs)
     if route.runs_the_loop(leaves, remat):
         return run_tree(fn, init, inputs, reverse, remat)  # plain eager, the common case: the loop
-    path = route.route(leaves, remat, xla_eager=lambda: xla_eager.applies(fn, leaves, remat))
-    if path == route.XLA_EAGER:
-        options = {"length": length, "reverse": reverse, "dim": dim, "remat": remat, "unroll": unroll}
-        if xla_eager.first_sight(fn, leaves, options):  # traced once with make_fx: cheaper than a capture
+    path = route.route(leaves, remat, xla_eager=lambda: xla_eager.applies(user_fn, leaves, remat))
+    if path == route.XLA_EAGER:  # keyed by the user's fn: the index is added inside (_scan_entry)
+        options = {"length": length, "reverse": reverse, "dim": dim, "remat": remat, "unroll": unroll,
+                   "with_index": with_index}
+        if xla_eager.first_sight(user_fn, leaves, options):  # traced once with make_fx: cheaper than a capture
             return _scan(fn, init, inputs, reverse, remat, unroll or 1)
-        return _scan_on_xla(fn, init, xs, options)
+        return _scan_on_xla(user_fn, init, xs, options)
     return _scan(fn, init, inputs, reverse, remat, unroll, path)
 
 
@@ -165,10 +188,36 @@ def _scan(fn, init, inputs, reverse, remat, unroll, path=None):
         return run_tree(fn, init, inputs, reverse, "save_all" if callable(remat) else remat)
     if _two_level(remat, inputs):
         return _sqrt_scan(fn, init, inputs, reverse, unroll)
-    flat_out, y_spec = _call_op(fn, inputs, reverse=reverse, remat=as_token(remat), unroll=unroll or 1)
+    try:
+        flat_out, y_spec = _call_op(fn, inputs, reverse=reverse, remat=as_token(remat), unroll=unroll or 1)
+    except ClosureWrites as e:
+        return _scan_carrying(e.tensors, fn, init, inputs, reverse, remat, unroll)
     nc = inputs.num_carry
     carry = inputs.init_spec.unflatten(flat_out[:nc])
     return carry, y_spec.unflatten(flat_out[nc:])
+
+
+def _scan_carrying(closures, fn, init, inputs, reverse, remat, unroll):
+    """The scan of a body writing into the closed-over ``closures``, with them carried
+    (``trace.closure_writes``); their final values are copied into them, as the loop leaves them."""
+    xs = None if inputs.xs_spec is None else inputs.xs_spec.unflatten(inputs.xs_leaves)
+    wide = (init, list(closures))
+    (carry, finals), ys = _scan(closures_carried(fn, closures), wide,
+                                prepare_inputs(wide, xs, inputs.length if xs is None else None, 0),
+                                reverse, remat, unroll)
+    with torch.no_grad() if not any(f.requires_grad for f in finals) else contextlib.nullcontext():
+        for user, final in zip(closures, finals):
+            user.copy_(final)
+    return carry, ys
+
+
+def _raise_if_closures_written(gm, inputs):
+    """``ClosureWrites`` for a body graph that writes into closed-over tensors (and into no x)."""
+    first = inputs.num_carry + inputs.num_x
+    written = written_inputs(gm)
+    if any(i >= first for i in written) and not any(inputs.num_carry <= i < first for i in written):
+        users = source_of(gm).lifted
+        raise ClosureWrites([users[i - first] for i in written if i >= first])
 
 
 def _two_level(remat, inputs):
@@ -231,9 +280,12 @@ def _sqrt_scan(fn, init, inputs, reverse, unroll):
     return carry, y_spec.unflatten(ys_leaves)
 
 
-def _scan_entry(fn, init, xs, *, length, reverse, dim, remat, unroll):
+def _scan_entry(fn, init, xs, *, length, reverse, dim, remat, unroll, with_index):
     """What ``xla_eager`` hands to Dynamo: ``scan`` without the route to it."""
-    return _scan(fn, init, prepare_inputs(init, xs, length, dim), reverse, remat, unroll or 1)
+    inputs = prepare_inputs(init, xs, length, dim)
+    if with_index:
+        fn, inputs = with_step_index(fn, inputs)
+    return _scan(fn, init, inputs, reverse, remat, unroll or 1)
 
 
 def _scan_on_xla(fn, init, xs, options):
@@ -255,7 +307,9 @@ def _call_op(fn, inputs, **kwargs):
     if not trace_lock.under_make_fx() and any(modes.is_functional(t) for t in (*init, *xs)):
         # Under torch.func.functionalize in eager make_fx cannot see through
         # the wrappers; the Functionalize rule unwraps and runs the body directly.
+        # A body writing into its carries writes into copies (no trace says here whether it does).
         body = FlatBody(fn, inputs)
+        body.copy_carry = True
         return scan_op(body, init, xs, (), **kwargs), body.y_spec
     with trace_lock.tracing_lock():
         gm, lifted, y_spec = _traced_body(fn, inputs)
@@ -266,12 +320,36 @@ def _traced_body(fn, inputs):
     """The lifted body graph: traced on every call (only a graph can say what
     fn computes; work on it is reused by graph, see cache.graph_key)."""
     body = FlatBody(fn, inputs)
-    with _compat.disable_proxy_modes_tracing():
-        args = example_args(inputs.init_leaves, inputs.xs_leaves, ())
-    gm, lifted = trace_and_lift(body, args)
+    gm, lifted = _trace_on_copies_if_written(body, inputs)
+    _raise_if_closures_written(gm, inputs)
     if not trace_lock.under_make_fx():  # checked once here, on the graph we already have
         mark_checked(gm, inputs.num_carry, inputs.num_x)
     return gm, lifted, body.y_spec
+
+
+def _trace_on_copies_if_written(body, inputs):
+    """``trace_and_lift(body)``; a body that writes into its carries in place (and into no other
+    input) is traced again on copies of them (``FlatBody.copy_carry``): its graph then takes the
+    written values as the new carry, and the op's inputs are never written."""
+    def traced():
+        with _compat.disable_proxy_modes_tracing():
+            args = example_args(inputs.init_leaves, inputs.xs_leaves, ())
+        return trace_and_lift(body, args)
+
+    try:
+        gm, lifted = traced()
+        if not writes_only_carries(gm, inputs.num_carry):
+            return gm, lifted
+    except RuntimeError as e:  # a write into a carry requiring grad fails at once
+        if not is_leaf_write_error(e):
+            raise
+    body.copy_carry = True
+    try:
+        return traced()
+    except RuntimeError as e:
+        if is_leaf_write_error(e):
+            raise ScanError(mutation_message("an x slice or closed-over tensor that requires grad")) from e
+        raise
 
 
 def clear_cache():

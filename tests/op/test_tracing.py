@@ -196,30 +196,35 @@ def test_fake_mode_metadata_without_running_loop():
     assert mode is not None
 
 
-def test_functionalize_matches_and_rejects_mutation():
+def test_functionalize_matches_and_takes_carry_writes():
     init, xs = torch.randn(2, 4), torch.randn(5, 2, 4)
     got = torch.func.functionalize(lambda c, x: scan(rnn, c, x))(init, xs)
     assert_trees_close(tuple(got), reference_scan(rnn, init, xs))
 
-    def mutating(c, x):
+    def mutating(c, x):  # a write into the carry: the written value is the new carry (issue 63)
         c.add_(x)
         return c, c.clone()
 
-    with pytest.raises(ScanError, match=r"fn mutates its input in place \(carry leaf 0\)"):
-        torch.func.functionalize(lambda c, x: scan(mutating, c, x))(init.clone(), xs)
-    with pytest.raises(ScanError, match=r"fn mutates its input in place \(carry leaf 0\)"):
-        make_fx(lambda c, x: scan(mutating, c, x))(init.clone(), xs)
+    want = reference_scan(mutating, init.clone(), xs)
+    assert_trees_close(tuple(torch.func.functionalize(lambda c, x: scan(mutating, c, x))(init.clone(), xs)), want)
+    assert_trees_close(tuple(make_fx(lambda c, x: scan(mutating, c, x))(init.clone(), xs)(init.clone(), xs)), want)
 
 
-def test_functionalize_rejects_closure_mutation():
+def test_make_fx_takes_closure_writes():
+    """A write into a closed-over tensor (issue 63): the graph leaves in it what the loop does."""
     buf = torch.zeros(4)
 
     def body(c, x):
         buf.add_(1)
         return c + buf, None
 
-    with pytest.raises(ScanError, match=r"closed-over tensor 0 \(additional_inputs\)"):
-        make_fx(lambda c, x: scan(body, c, x), _allow_non_fake_inputs=True)(torch.zeros(4), torch.zeros(3, 4))
+    gm = make_fx(lambda c, x: scan(body, c, x), _allow_non_fake_inputs=True)(torch.zeros(4), torch.zeros(3, 4))
+    buf.zero_()
+    got = gm(torch.zeros(4), torch.zeros(3, 4))
+    got_buf, buf = buf, torch.zeros(4)  # the body now writes into a fresh buf (its closure cell)
+    want = reference_scan(body, torch.zeros(4), torch.zeros(3, 4))
+    assert_trees_close(got[0], want[0])
+    torch.testing.assert_close(got_buf, buf)
 
 
 @pytest.mark.parametrize("grad_mode", [True, False])

@@ -12,7 +12,7 @@ from torch_scan_hop import scan
 
 torch_xla = pytest.importorskip("torch_xla", reason="torch_xla is not installed: the XLA tests need the [xla] extra (torch 2.9)")
 import torch_xla.core.xla_model as xm  # noqa: E402
-from xla_util import assert_openxla_matches_eager  # noqa: E402
+from xla_util import assert_openxla_matches_eager, weighted_sum  # noqa: E402
 
 DEV = torch_xla.device()
 D = torch.float32
@@ -188,13 +188,26 @@ def test_repeated_call_reuses_the_lowered_while(monkeypatch):
     assert w.grad is not None
 
 
-def test_mutating_body_is_rejected_on_xla():
-    def body(c, x):
-        c.add_(x)
-        return c, x
+def test_writes_into_the_carry_on_xla():
+    """In-place writes into the carry (issue 63), also at a 0-d tensor index, with gradients: the
+    first call traced with make_fx, the second captured by Dynamo."""
+    def body(carry, x, t):
+        c, buf = carry
+        c.mul_(0.5).add_(x)
+        buf[t] = c * 2
+        return (c, buf), buf[t].sum() + c
 
-    with pytest.raises(torch_scan_hop.ScanError, match="mutates its input in place.*carry leaf 0"):
-        scan(body, torch.zeros(3, device=DEV), torch.ones(4, 3, device=DEV))
+    g = torch.Generator().manual_seed(0)
+    c0, xs = torch.randn(3, generator=g), torch.randn(4, 3, generator=g)
+
+    def run(device):
+        c, x = c0.to(device).requires_grad_(), xs.to(device).requires_grad_()
+        out = scan(body, (c * 1.0, torch.zeros(4, 3, device=device)), x, with_index=True)
+        return to_cpu((out, torch.autograd.grad(weighted_sum(out), (c, x))))
+
+    want = run("cpu")
+    for _ in range(2):
+        assert_trees_close(run(DEV), want)
 
 
 def _emitted_structure(computation):
@@ -481,3 +494,28 @@ def test_a_scans_outputs_are_ordinary_xla_tensors_for_torch_compile():
     for _ in range(2):  # the first call is traced, the next captured by Dynamo: not refused
         scan(second, c, xs.to(dev))
     assert torch_scan_hop.xla.eager.applies(second, [c, xs.to(dev)], "save_all")
+
+
+def test_writes_into_a_closed_over_tensor_on_xla():
+    """``cache[t] = h`` into a closed-over tensor (issue 63): the caller's tensor holds what the loop
+    leaves in it; values and gradients. The second call's Dynamo capture refuses the write, and the
+    make_fx path runs it."""
+    def make(cache):
+        def body(c, x, t):
+            c = torch.tanh(c * 0.7 + x)
+            cache[t] = c
+            return c, cache[t].sum() + cache.sum()
+        return body
+
+    g = torch.Generator().manual_seed(0)
+    c0, xs = torch.randn(2, 3, generator=g), torch.randn(4, 2, 3, generator=g)
+
+    def run(device):
+        c, x = c0.to(device).requires_grad_(), xs.to(device).requires_grad_()
+        cache = torch.zeros(4, 2, 3, device=device)
+        out = scan(make(cache), c, x, with_index=True)
+        return to_cpu((out, torch.autograd.grad(weighted_sum(out), (c, x)), cache.detach()))
+
+    want = run("cpu")
+    for _ in range(2):
+        assert_trees_close(run(DEV), want)

@@ -263,3 +263,12 @@ def constant(value):
     from torch._dynamo.variables import ConstantVariable
 
     return ConstantVariable.create(value)
+
+
+def partial_tracker(fn, args):
+    """A tracker for ``functools.partial(fn, *args)``, ``fn`` a Python function Dynamo inlines and
+    ``args`` trackers (2.9 to 2.15: ``FunctoolsPartialVariable(func, args, keywords)``)."""
+    from torch._dynamo.variables import UserFunctionVariable
+    from torch._dynamo.variables.functions import FunctoolsPartialVariable
+
+    return FunctoolsPartialVariable(UserFunctionVariable(fn), list(args), {})

@@ -116,8 +116,11 @@ def input_name(i, num_carry, num_x):
 
 
 def mutation_message(names):
-    return (f"scan: fn mutates its input in place ({names}). Scan bodies must be functional: "
-            "use out-of-place ops (c = c + x, not c += x / c.add_(x)).")
+    return (f"scan: fn mutates its input in place ({names}). A traced scan takes writes into the carry "
+            "as the new carry, and writes into a closed-over tensor as the loop leaves them (make_fx, "
+            "non-strict export, XLA); it cannot write into an x slice (a view of xs), nor, under "
+            "torch.compile, into a closed-over tensor: write into a copy (x = x.clone()), or carry the "
+            "tensor and use the final carry.")
 
 
 def check_graph_mutation(gm, num_carry, num_x):

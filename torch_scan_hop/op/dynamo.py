@@ -24,7 +24,9 @@ from ..core import dtensors as dt
 from ..core.checks import input_name, mutation_message
 from ..core.op_args import slice_example
 from ..remat.policies import RematPolicy, as_token
-from ..trace.flat_body import _ERROR
+from ..trace.body_checks import is_leaf_write_error
+from ..trace.flat_body import _ERROR, rewritten_step
+from ..trace.indexing import TensorIndexRewrite, rewrite_graph_indexing
 from .compile_errors import GRAPH_BREAK, capture_failure, compile_error, tensor_repr_releases_its_guard
 
 
@@ -65,27 +67,21 @@ def _make_tracker_class():
             _check_dtensor_sharded_sizes([("init", [_example(v) for v in init_vars]),
                                           ("xs", [_example(v) for v in xs_vars]),
                                           ("closure", [_example(v) for v in add_vars])])
-            carry_grad = None
+            carry_grad, body = None, _Body(combine_fn, len(init_vars), len(xs_vars))
             for _ in range(len(init_vars) + 1):  # the carries' requires_grad fixed point
                 with dyn.discard_graph_changes(tx):
                     sub_args = [v.call_method(tx, "clone", args=(), kwargs={}) for v in init_vars]
                     sub_args += [dyn.inlined(tx, slice_example)(v) for v in xs_vars]
                     sub_args += [v.call_method(tx, "clone", args=(), kwargs={}) for v in add_vars]
                 carry_grad = _require_grad(sub_args[:len(init_vars)], carry_grad)
-                try:
-                    (_, spec), graph, freevars = dyn.speculate_subgraph(
-                        tx, combine_fn, sub_args, description="torch_scan_hop.scan body",
-                        source_target=self.value, set_subgraph_inputs="flatten_manual",
-                        should_flatten_outputs=True, supports_input_mutation=False, supports_aliasing=True)
-                except Exception as e:
-                    _raise_if_input_mutation(e, len(init_vars), len(xs_vars))
-                    raise
+                (_, spec), graph, freevars = body.speculate(tx, sub_args, self.value)
                 grown = _carries_requiring_grad(graph, carry_grad)
                 if grown == carry_grad:
                     break
                 carry_grad = grown
             _check_dtensor_sharded_sizes([("closure", [p.node.meta.get("example_value") for p in freevars])])
             _reject_constant_ys(spec)
+            rewrite_graph_indexing(graph)
             _clone_outputs_that_are_inputs(graph)
             _allow_scalar_outputs(tx)
             name = tx.output.install_subgraph("scan_body", dyn.subgraph_module(tx, graph))
@@ -96,14 +92,78 @@ def _make_tracker_class():
     return ScanVariable
 
 
+class _Body:
+    """The body Dynamo speculates; one that writes into its carries in place is retried on copies
+    of them (``flat_body.copied_carries``). A body that works as it is is traced as it is."""
+
+    def __init__(self, fn, num_carry, num_x):
+        self.fn, self.num_carry, self.num_x, self.copied = fn, num_carry, num_x, False
+
+    def speculate(self, tx, sub_args, source_target):
+        from .._compat import dynamo as dyn
+
+        while True:
+            before = _versions(sub_args[:self.num_carry])
+            try:
+                with TensorIndexRewrite():  # the fake runs of buf[:, t] (operator.getitem) trace, not read t
+                    out = dyn.speculate_subgraph(
+                        tx, self.fn, sub_args, description="torch_scan_hop.scan body",
+                        source_target=source_target, set_subgraph_inputs="flatten_manual",
+                        should_flatten_outputs=True, supports_input_mutation=False, supports_aliasing=True)
+                if self.copied or _versions(sub_args[:self.num_carry]) == before:
+                    return out
+                self._copy()  # a write Dynamo's own check missed: into a vmapped carry's batched value
+                continue
+            except Exception as e:
+                mutated = _mutated_inputs(e) or ([0] if is_leaf_write_error(e) else [])
+                if self.copied or not mutated or any(i >= self.num_carry for i in mutated):
+                    _raise_if_input_mutation(e, self.num_carry, self.num_x)
+                    raise
+                self._copy()
+
+    def _copy(self):
+        from .._compat import dynamo as dyn
+
+        self.copied = True
+        self.fn = dyn.partial_tracker(rewritten_step, [dyn.constant(self.num_carry), self.fn])
+
+
+def _versions(carry_vars):
+    """The version counters of the carries' example values, below any functorch wrapper (a write into a
+    vmapped carry bumps its batched value's counter only)."""
+    versions = []
+    for var in carry_vars:
+        e = _example(var)
+        while isinstance(e, torch.Tensor) and _compat.functorch.is_functorch_wrapped(e):
+            e = _compat.functorch.functorch_unwrap(e)
+        versions.append(e._version if isinstance(e, torch.Tensor) else None)
+    return versions
+
+
+def _mutated_inputs(e):
+    """Positions of the subgraph inputs (flattened carries, x slices, closures) Dynamo found written
+    into, read from its message: "Input mutation detected at [child_2] in graph(): ..." lists the
+    mutated placeholders by name, then the graph, whose placeholders come first, in order (their
+    names are not positions: child, child_1 may be taken by the enclosing graph)."""
+    text = f"{e} {getattr(e, 'msg', '')}"
+    found = re.search(r"[Ii]nput mutation detected at \[([^\]]*)\]", text)
+    if found is None:
+        return []
+    placeholders = list(dict.fromkeys(re.findall(r"placeholder\[target=([^\]]+)\]", text[found.end():])))
+    names = [n.strip() for n in found.group(1).split(",")]
+    if not placeholders:  # no graph in the message: the default names are positions
+        parsed = [re.fullmatch(r"child(?:_(\d+))?", n) for n in names]
+        return [int(m.group(1) or 0) if m else 10 ** 9 for m in parsed]
+    return [placeholders.index(n) if n in placeholders else 10 ** 9 for n in names]
+
+
 def _raise_if_input_mutation(e, num_carry, num_x):
     """Dynamo refuses a body that writes into an input with its own generic message ("Input mutation
-    detected at [child_1]"); the ScanError names the leaf, as make_fx's check does. The subgraph's
-    inputs are the flattened carries, x slices and additional inputs, named child, child_1, ..."""
-    found = re.search(r"[Ii]nput mutation detected at \[child(?:_(\d+))?\]", f"{e} {getattr(e, 'msg', '')}")
-    if found is not None:
-        leaf = input_name(int(found.group(1) or 0), num_carry, num_x)
-        raise compile_error(mutation_message(leaf)) from e
+    detected at [child_1]"); the ScanError names the leaf, as make_fx's check does."""
+    mutated = _mutated_inputs(e)
+    if mutated:
+        names = [input_name(i, num_carry, num_x) if i < 10 ** 9 else "a closed-over tensor" for i in mutated]
+        raise compile_error(mutation_message(", ".join(dict.fromkeys(names)))) from e
 
 
 def _example(var):

@@ -4,7 +4,11 @@
 - ``effects``: bodies traced without the host-side checks torch 2.14 made effects;
 - ``lift``: closed-over tensors become explicit inputs (``additional_inputs``);
 - ``closures``: the stand-ins a body reads for closed-over tensors while it is traced;
-- ``flat_body``: the front end's body as the op sees it under Dynamo;
+- ``flat_body``: the front end's body as the op sees it under Dynamo (and on copies of its carries,
+  for a body that writes into them in place);
+- ``closure_writes``: a body writing into a closed-over tensor, run with that tensor carried;
+- ``indexing``: ``buf[:, t]`` and ``buf[:, t] = h`` with a 0-d integer tensor ``t`` traced as
+  advanced indexing, not read as a Python int;
 - ``body_checks``: a body traced for its input-mutation check (the checks: ``core/checks.py``);
 - ``joint``: one step's joint forward/backward graph, traced from the user's own function;
 - ``partition``: the joint split into ``fwd`` / ``bwd`` (``FwdBwd``), by ``remat/partition.py``'s functions;

@@ -39,3 +39,17 @@ def _carry_inputs_as_init(inputs, carry_leaves):
 
 def dynamo_body(fn, inputs):
     return functools.partial(pytree_step, fn=fn, inputs=inputs)
+
+
+def copied_carries(flat, num_carry):
+    """The body's carry inputs as copies of their own: a body that writes into its carry in place
+    (``c.mul_(a)``, ``buf[:, t] = h``) then writes into the copy, which functionalization turns
+    into out-of-place ops whose results are the new carry (also when the body returns the
+    written object itself). The op's inputs are never written."""
+    return (*(c.clone() for c in flat[:num_carry]), *flat[num_carry:])
+
+
+def rewritten_step(num_carry, step, *flat):
+    """``step(*flat)`` (the op's flat body) on copies of its carries: what the Dynamo tracker
+    retries a body with that writes into its carries."""
+    return step(*copied_carries(flat, num_carry))

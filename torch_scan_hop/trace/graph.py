@@ -15,6 +15,7 @@ from .._compat import tracing as _tracing
 from ..core.trace_lock import tracing_lock, under_make_fx
 from ..core.trees import ScanError
 from .effects import without_effectful_checks
+from .indexing import TensorIndexRewrite
 from .xla_formulas import register_missing
 
 
@@ -22,7 +23,8 @@ def trace_graph(fn, args, *, force_enable_grad=False):
     """``fn(*args)`` as an aten GraphModule, traced in whatever mode is active."""
     if force_enable_grad:  # differentiating: torch_xla's custom ops need their formulas
         register_missing()
-    with _data_dependence_as_scan_error(), _in_place_sharding_as_scan_error():
+    with _data_dependence_as_scan_error(), _in_place_sharding_as_scan_error(), _real_index_as_scan_error(args), \
+            TensorIndexRewrite():
         gm = trace_aten_graph(fn, args, force_enable_grad=force_enable_grad)
     _refuse_value_dependent_sizes(gm)
     return gm
@@ -39,7 +41,7 @@ def trace_aten_graph(fn, args, *, force_enable_grad=False):
     if under_make_fx():
         if _of_another_fake_mode(args):
             return _trace_fresh(fn, args, force_enable_grad)
-        with _outer_grad_mode_recorders_suspended():
+        with outer_grad_mode_recorders_suspended():
             return _compat.materialize_as_graph(fn, tuple(args), force_enable_grad=force_enable_grad)
     if _compat.detect_fake_mode(args) is not None:
         return _compat.materialize_as_graph(fn, tuple(args), force_enable_grad=force_enable_grad)
@@ -47,7 +49,7 @@ def trace_aten_graph(fn, args, *, force_enable_grad=False):
 
 
 @contextlib.contextmanager
-def _outer_grad_mode_recorders_suspended():
+def outer_grad_mode_recorders_suspended():
     """The outer pre-dispatch trace's torch-function mode (export's) off the stack while a body
     is traced into a subgraph.
 
@@ -132,6 +134,25 @@ def _in_place_sharding_as_scan_error():
             "t = xs.mark_sharding_with_gradients(t, mesh, spec) in the body instead (the same annotation, "
             f"also on t's gradient), and shard the inputs with xs.mark_sharding outside the scan.{fsdp_v2} "
             f"(torch_xla: {str(e).splitlines()[0] if str(e) else ''})") from e
+
+
+@contextlib.contextmanager
+def _real_index_as_scan_error(args):
+    """Under ``make_fx(tracing_mode="real")`` (its default) a body is traced on real stand-ins of
+    uninitialized memory (torch's ``materialize_as_graph``): a 0-d tensor index read from them
+    (``buf[:, t]``, traced as ``aten.index``) is out of range, and the real run says so."""
+    try:
+        yield
+    except (IndexError, RuntimeError) as e:
+        real = under_make_fx() and _tracing.make_fx_fake_mode() is None \
+            and _compat.detect_fake_mode(args) is None
+        if not real or "out of bounds" not in str(e):
+            raise
+        raise ScanError(
+            "scan: under make_fx(tracing_mode='real') (make_fx's default) the body is traced on "
+            "uninitialized stand-ins, so an index it reads from a tensor (buf[:, t] with a 0-d tensor t) "
+            "is out of range in that real run. Trace with make_fx(..., tracing_mode='fake') or "
+            f"'symbolic'. (torch: {str(e).splitlines()[0] if str(e) else type(e).__name__})") from e
 
 
 @contextlib.contextmanager

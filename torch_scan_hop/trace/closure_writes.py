@@ -1,0 +1,51 @@
+"""A traced body that writes into a tensor it closes over (``cache[t] = h``, ``cache`` captured,
+not carried): the tensor is carried instead.
+
+The loop writes into the caller's tensor step by step; a traced scan cannot write into one of its
+inputs. ``scan`` (the make_fx path) finds such writes in the body's graph (``ClosureWrites``) and
+runs the scan again with each written closure as one more carry (its value at the start as
+``init``): the body reads and writes the carry wherever it names the closure
+(``ClosureSubstitution``), the writes into the carry become its new value (``FlatBody.copy_carry``),
+and after the scan the final value is copied into the caller's tensor, which then holds what the
+loop leaves in it.
+"""
+import functools
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .. import _compat
+
+
+class ClosureWrites(Exception):
+    """The traced body writes into these closed-over tensors (the user's own, in order)."""
+
+    def __init__(self, tensors):
+        super().__init__(f"the body writes into {len(tensors)} closed-over tensor(s)")
+        self.tensors = tensors
+
+
+class ClosureSubstitution(TorchFunctionMode):
+    """Every torch call of the body sees ``carried[k]`` where it names ``closures[k]``."""
+
+    def __init__(self, closures, carried):
+        super().__init__()
+        self.by_id = {id(c): v for c, v in zip(closures, carried)}
+        self.closures = closures  # kept alive: ids are keys
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        swap = lambda t: self.by_id.get(id(t), t) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        args, kwargs = _compat.pytree.tree_map(swap, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def _with_closures_carried(fn, closures, carry, x):
+    inner, carried = carry
+    with ClosureSubstitution(closures, carried):
+        new_inner, y = fn(inner, x)
+    return (new_inner, list(carried)), y
+
+
+def closures_carried(fn, closures):
+    """``fn2((carry, carried), x)``: ``fn(carry, x)`` on the carried values of ``closures``."""
+    return functools.partial(_with_closures_carried, fn, list(closures))

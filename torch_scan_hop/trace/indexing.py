@@ -1,0 +1,154 @@
+"""A traced body indexing with a 0-d integer tensor: ``buf[:, t]`` and ``buf[:, t] = h``.
+
+Python indexing reads a 0-d integer tensor index as a Python int (``t.item()``, then a
+``select``): in a traced body that is a data-dependent read, which no graph of fixed shapes can
+hold. A 0-d integer tensor used as an ADVANCED index gives the same shape (a 0-d index
+broadcasts to no dims) and the same values, and traces: ``aten.index`` for a read,
+``aten.index_put_`` for a write, both differentiable. ``TensorIndexRewrite`` makes that switch
+while the body is traced, for indices whose tensors are all 0-d integer tensors (mixed with
+ints, slices, None and Ellipsis); any other index goes to torch unchanged. The eager loop never
+needs it (``t.item()`` is a real number there).
+"""
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..core.trees import ScanError
+
+_GET, _SET = torch.Tensor.__getitem__, torch.Tensor.__setitem__
+_NOT_INDEX_DTYPES = (torch.bool, torch.uint8)  # masks, not positions
+
+
+def _is_scalar_index(e):
+    return (isinstance(e, torch.Tensor) and e.dim() == 0 and e.dtype not in _NOT_INDEX_DTYPES
+            and not e.is_floating_point() and not e.is_complex())
+
+
+def split_index(t, index):
+    """``(basic, advanced)`` for an index of ``t`` holding 0-d integer tensors, else None.
+
+    ``basic`` is the index with each such tensor replaced by ``slice(None)`` (a view of ``t``
+    keeping that dim); ``advanced`` is the ``aten.index`` list over that view's dims, the 0-d
+    tensors at the dims they index, None elsewhere."""
+    index = index if isinstance(index, tuple) else (index,)
+    if not any(_is_scalar_index(e) for e in index):
+        return None
+    if any(isinstance(e, torch.Tensor) and not _is_scalar_index(e) for e in index) \
+            or any(isinstance(e, (list, bool)) for e in index):
+        return None  # other advanced indices: torch's own rules (and their data dependence) apply
+    consumed = sum(1 for e in index if e is not None and e is not Ellipsis)
+    basic, positions, out_dim = [], [], 0
+    for e in index:
+        if e is Ellipsis:
+            out_dim += t.dim() - consumed
+        elif _is_scalar_index(e):
+            positions.append((out_dim, e))
+            e = slice(None)
+            out_dim += 1
+        elif not isinstance(e, int):  # a slice or None keeps (or adds) a dim; an int drops one
+            out_dim += 1
+        basic.append(e)
+    advanced = [None] * out_dim
+    for dim, e in positions:
+        advanced[dim] = e
+    return tuple(basic), advanced
+
+
+def _advanced(view, positions):
+    advanced = positions + [None] * (view.dim() - len(positions))
+    while advanced and advanced[-1] is None:  # aten.index: trailing dims need no entry
+        advanced.pop()
+    return advanced
+
+
+def read(t, index):
+    """``t[index]``, 0-d integer tensors in ``index`` taken as advanced indices."""
+    parts = split_index(t, index)
+    if parts is None:
+        return t[index]
+    view = t[parts[0]]
+    return torch.ops.aten.index.Tensor(view, _advanced(view, parts[1]))
+
+
+def write(t, index, value):
+    """``t[index] = value``, 0-d integer tensors in ``index`` taken as advanced indices."""
+    parts = split_index(t, index)
+    if parts is None:
+        t[index] = value
+        return
+    view = t[parts[0]]
+    if not isinstance(value, torch.Tensor):
+        value = torch.tensor(value, dtype=view.dtype, device=view.device)
+    torch.ops.aten.index_put_.default(view, _advanced(view, parts[1]), value.to(view.dtype))
+
+
+_SELECTS = (torch.Tensor.select, torch.select)
+
+
+def _as_index(func, args, kwargs):
+    """``(t, index)`` for a read this mode rewrites (``t[index]``, ``t.select(dim, i)``), else None."""
+    if func is _GET and len(args) == 2 and isinstance(args[0], torch.Tensor) and not kwargs:
+        return args if split_index(*args) is not None else None
+    if func in _SELECTS and len(args) == 3 and isinstance(args[0], torch.Tensor) and _is_scalar_index(args[2]):
+        t, dim, i = args
+        if isinstance(dim, int) and -t.dim() <= dim < t.dim():
+            return t, (slice(None),) * (dim % t.dim()) + (i,)
+    return None
+
+
+class TensorIndexRewrite(TorchFunctionMode):
+    """``t[..., i, ...]`` (read and write) and ``t.select(dim, i)`` with 0-d integer tensors ``i`` as
+    advanced indexing, while a body is traced (``trace_graph``, Dynamo's speculation).
+
+    Such a read is a copy, not the view the loop's ``select`` gives: a write through it
+    (``buf[:, t].copy_(h)``, ``v = buf[:, t]; v += h``) would be lost, so a read modified in place
+    and not written back with ``buf[..., t, ...] = v`` (what ``buf[:, t] += h`` does) is a
+    ScanError when the trace ends."""
+
+    def __init__(self):
+        super().__init__()
+        self._reads, self._written_back = {}, set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        index = _as_index(func, args, kwargs)
+        if index is not None:
+            out = read(*index)
+            self._reads[id(out)] = (out, out._version)
+            return out
+        if func is _SET and len(args) == 3 and isinstance(args[0], torch.Tensor):
+            self._written_back.add(id(args[2]))
+            return write(*args)
+        return func(*args, **(kwargs or {}))
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        super().__exit__(exc_type, exc_value, traceback)
+        if exc_type is None:
+            self._refuse_writes_through_reads()
+
+    def _refuse_writes_through_reads(self):
+        for key, (out, version) in self._reads.items():
+            if out._version != version and key not in self._written_back:
+                raise ScanError(
+                    "scan: the body writes in place into buf[..., t, ...] or buf.select(dim, t) taken at a "
+                    f"0-d tensor index t (a {tuple(out.shape)} slice): traced, that read is a copy (the loop's "
+                    "view would need t's value), so the write would be lost. Write the slice back with "
+                    "buf[..., t, ...] = value (buf[:, t] += h does), or use buf.index_copy_(dim, t.view(1), ...).")
+
+
+def _scalar_index_node(arg):
+    value = arg.meta.get("example_value") if isinstance(arg, torch.fx.Node) else None
+    return _is_scalar_index(value)
+
+
+def rewrite_graph_indexing(graph):
+    """A Dynamo graph's ``operator.getitem`` / ``operator.setitem`` of a tensor by an index holding a
+    0-d integer tensor (by the nodes' example values) call ``read`` / ``write`` instead: whatever
+    runs the graph later (a fake run, make_fx, the eager loop) then needs no mode."""
+    import operator
+
+    targets = {operator.getitem: read, operator.setitem: write}
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in targets or len(node.args) < 2:
+            continue
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        if any(_scalar_index_node(e) for e in index):
+            node.target = targets[node.target]
