@@ -205,7 +205,11 @@ def _scan_carrying(closures, fn, init, inputs, reverse, remat, unroll):
     (carry, finals), ys = _scan(closures_carried(fn, closures), wide,
                                 prepare_inputs(wide, xs, inputs.length if xs is None else None, 0),
                                 reverse, remat, unroll)
-    with torch.no_grad() if not any(f.requires_grad for f in finals) else contextlib.nullcontext():
+    # no_grad only where autograd would refuse the copy (into a leaf that requires grad, of values
+    # that need none): under export a grad-mode region is a node of the program (torch.export.load
+    # rejected it: "wrap_with_set_grad_enabled is missing val field")
+    refused = any(u.requires_grad and u.is_leaf for u in closures) and not any(f.requires_grad for f in finals)
+    with torch.no_grad() if refused else contextlib.nullcontext():
         for user, final in zip(closures, finals):
             user.copy_(final)
     return carry, ys

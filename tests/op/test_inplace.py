@@ -215,6 +215,36 @@ def test_writes_into_a_closed_over_tensor(path):
     torch.testing.assert_close(cache, want_cache.detach())
 
 
+def test_export_of_a_module_whose_scan_writes_its_buffer_round_trips(tmp_path):
+    """A module's registered buffer written by its scan's body (a KV cache's shape): the exported
+    program, saved and loaded, gives the loop's outputs and leaves the loop's contents in the
+    buffer (issue 63 item 5). The copy back into the buffer ran under no_grad, a grad-mode region
+    of the program that torch.export.load rejected."""
+    class Writer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("cache", torch.zeros(T, B, H, dtype=D))
+            self.lin = torch.nn.Linear(H, H, dtype=D)
+
+        def forward(self, h0, xs):
+            cache, lin = self.cache, self.lin
+
+            def body(c, x, t):
+                c = torch.tanh(lin(c) + x)
+                cache[t] = c
+                return c, cache[t].sum()
+            return scan(body, h0, xs, with_index=True)
+
+    h0, xs = (t.detach() for t in data())
+    ref, module = Writer(), Writer()
+    module.load_state_dict(ref.state_dict())
+    want = ref(h0, xs)
+    torch.export.save(torch.export.export(module, (h0, xs), strict=False), tmp_path / "writer.pt2")
+    loaded = torch.export.load(tmp_path / "writer.pt2").module()
+    assert_trees_close(loaded(h0, xs), want)
+    torch.testing.assert_close(loaded.cache, ref.cache)
+
+
 def test_writes_into_a_closed_over_tensor_under_compile_are_refused():
     h0, xs = data()
     f = torch.compile(lambda h0, xs, cache: scan(cache_writer(cache), h0, xs, with_index=True),
