@@ -27,19 +27,26 @@ class _Rows(WrittenRows):
     """What the twins share: the slot's ``keys``/``values`` rows, the layer index is a selector
     (the rows already are the slot), ``tokens`` (the step's query length, known before the scan:
     the Python counters of sliding layers advance by it) and ``target``, the real cache layer
-    (None inside a scan step)."""
+    (None inside a scan step). ``state``: the names of the Python values (equal in every layer
+    of one class, ``_alike_by_class``) its update reads; a scanned step reads layer 0's."""
 
     selects = ("layer_idx",)
+    state = ()
 
-    def __init__(self, rows, tokens, target=None):
+    def __init__(self, rows, tokens, target=None, **state):
         self.keys, self.values = rows[0], rows[1]
         self.tokens, self.target, self.new = tokens, target, None
+        for name in self.state:
+            setattr(self, name, state[name])
 
     def rows(self):
         return (self.keys, self.values)
 
+    def python_state(self):
+        return {name: getattr(self, name) for name in self.state}
+
     def over(self, rows):
-        return type(self)(rows, self.tokens)
+        return type(self)(rows, self.tokens, **self.python_state())
 
     def written(self):
         return self.rows() if self.new is None else self.new
@@ -54,8 +61,8 @@ class _Rows(WrittenRows):
 class StaticRows(_Rows):
     """``StaticLayer``: keys/values ``(B, H, max_len, D)`` and the 0-d ``length`` so far."""
 
-    def __init__(self, rows, tokens, target=None):
-        super().__init__(rows, tokens, target)
+    def __init__(self, rows, tokens, target=None, **state):
+        super().__init__(rows, tokens, target, **state)
         self.length = rows[2]
 
     def rows(self):
@@ -80,12 +87,7 @@ class SlidingStaticRows(StaticRows):
     """``StaticSlidingWindowLayer``: a window of ``max_len`` rows; its Python count of tokens seen
     (``filled``, equal in every layer) picks the branch its ``update`` takes, as there."""
 
-    def __init__(self, rows, tokens, target=None, filled=0):
-        super().__init__(rows, tokens, target)
-        self.filled = filled
-
-    def over(self, rows):
-        return SlidingStaticRows(rows, self.tokens, filled=self.filled)
+    state = ("filled",)
 
     def update(self, key_states, value_states, *args, **kwargs):
         self._check_tokens(key_states)
@@ -122,12 +124,7 @@ class SlidingDynamicRows(_Rows):
     """``DynamicSlidingWindowLayer`` (not recording the past): keeps the last ``window - 1`` rows
     and returns the full states; its Python ``cumulative_length`` advances by ``tokens``."""
 
-    def __init__(self, rows, tokens, target=None, window=None):
-        super().__init__(rows, tokens, target)
-        self.window = window
-
-    def over(self, rows):
-        return SlidingDynamicRows(rows, self.tokens, window=self.window)
+    state = ("window",)
 
     def update(self, key_states, value_states, *args, **kwargs):
         self._check_tokens(key_states)
@@ -186,12 +183,8 @@ def _alike_by_class(twins):
     first = {}
     for twin in twins:
         ref = first.setdefault(type(twin), twin)
-        if _python_state(twin) != _python_state(ref) or not all(
+        if twin.python_state() != ref.python_state() or not all(
                 a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
                 for a, b in zip(twin.rows(), ref.rows())):
             return False
     return True
-
-
-def _python_state(twin):
-    return tuple(getattr(twin, name, None) for name in ("filled", "window"))
