@@ -78,12 +78,16 @@ def test_with_index_must_be_a_bool():
         scan(body, torch.zeros(2), torch.zeros(3, 2), with_index=1)
 
 
-def test_index_on_xla():
+@pytest.mark.parametrize("route", ["make_fx", "dynamo"])
+def test_index_on_xla(route, monkeypatch):
     torch_xla = pytest.importorskip("torch_xla")
+    from xla_util import force_route
+
+    force_route(monkeypatch, route)  # each eager route (xla/eager.py)
     dev = torch_xla.device()
     init, xs = inputs()
     want = with_grads(loop(body, init, xs, 5, True), (init, xs))
-    for _ in range(2):  # the first call is traced with make_fx, the second captured by Dynamo
+    for _ in range(2):  # on Dynamo's route the second call runs on the guards
         init, xs = inputs(dev)
         got = with_grads(scan(body, init, xs, reverse=True, with_index=True), (init, xs))
         assert_trees_close(torch.utils._pytree.tree_map(lambda t: t.cpu(), got), want)

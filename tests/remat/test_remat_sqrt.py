@@ -215,10 +215,13 @@ def test_export_is_two_scans_with_the_loop_values():
     assert inner  # one block of steps is a scan in the outer scan's body
 
 
-@pytest.mark.parametrize("length,reverse", [(9, False), (11, True)])
-def test_xla_grads_match_the_loop(length, reverse, rewrites):
+@pytest.mark.parametrize("length,reverse,route", [(9, False, "dynamo"), (11, True, "make_fx")])
+def test_xla_grads_match_the_loop(length, reverse, route, rewrites, monkeypatch):
     pytest.importorskip("torch_xla", reason="torch_xla is not installed: the XLA tests need the [xla] extra")
     import torch_xla.core.xla_model as xm
+    from xla_util import force_route
+
+    force_route(monkeypatch, route)  # each eager route once (xla/eager.py)
 
     dev = xm.xla_device()
     body, h, a, b, w = _problem(length)
@@ -230,7 +233,7 @@ def test_xla_grads_match_the_loop(length, reverse, rewrites):
         return {"h": h, "n": c["n"] + 1}, (h.sum(-1), None)
 
     init = {"h": hx, "n": torch.zeros((), dtype=torch.int64, device=dev)}
-    for _ in range(2):  # the first call is traced with make_fx, the second captured by Dynamo (xla/eager.py)
+    for _ in range(2):  # on Dynamo's route the second call runs on the guards
         c, ys = scan(body_x, init, {"a": ax, "b": bx}, dim=1, reverse=reverse, remat="sqrt")
         weights = torch.arange(1, length + 1, dtype=torch.float64, device=dev)[:, None]
         grads = torch.autograd.grad(c["h"].sum() + (ys[0] * weights).sum(), [hx, ax, bx, wx])

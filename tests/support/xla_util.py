@@ -22,6 +22,18 @@ from torch_scan_hop import scan  # noqa: E402
 DEV = torch_xla.device()
 
 
+def force_route(monkeypatch, route):
+    """An eager XLA scan's route for the rest of a test: "make_fx" traces every call (the route of a
+    body Dynamo cannot capture), "dynamo" is the default (a training call is captured at once, a call
+    without grad traced by make_fx first: ``xla/eager.py``)."""
+    if route == "make_fx":
+        import torch_scan_hop.xla.eager as xla_eager  # noqa: PLC0415
+
+        monkeypatch.setattr(xla_eager, "applies", lambda *args, **kwargs: False)
+    else:
+        assert route == "dynamo", route
+
+
 def to_cpu(tree):
     return pytree.tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, tree)
 

@@ -12,7 +12,7 @@ from torch_scan_hop import scan
 
 torch_xla = pytest.importorskip("torch_xla", reason="torch_xla is not installed: the XLA tests need the [xla] extra (torch 2.9)")
 import torch_xla.core.xla_model as xm  # noqa: E402
-from xla_util import assert_openxla_matches_eager, weighted_sum  # noqa: E402
+from xla_util import assert_openxla_matches_eager, force_route, weighted_sum  # noqa: E402
 
 DEV = torch_xla.device()
 D = torch.float32
@@ -188,9 +188,11 @@ def test_repeated_call_reuses_the_lowered_while(monkeypatch):
     assert w.grad is not None
 
 
-def test_writes_into_the_carry_on_xla():
-    """In-place writes into the carry (issue 63), also at a 0-d tensor index, with gradients: the
-    first call traced with make_fx, the second captured by Dynamo."""
+@pytest.mark.parametrize("route", ["make_fx", "dynamo"])
+def test_writes_into_the_carry_on_xla(route, monkeypatch):
+    """In-place writes into the carry (issue 63), also at a 0-d tensor index, with gradients, on
+    both eager routes (twice: on Dynamo's route the second call runs on the guards)."""
+    force_route(monkeypatch, route)
     def body(carry, x, t):
         c, buf = carry
         c.mul_(0.5).add_(x)

@@ -59,17 +59,29 @@ def _problem(seed):
     return (torch.randn(4, 4, generator=gen), torch.randn(2, 4, generator=gen), torch.randn(5, 2, 4, generator=gen))
 
 
-def test_the_first_call_is_traced_the_second_captured_and_later_ones_not_traced(traces):
+def _run(body, w, init, xs, device):
+    w, init, xs = (t.to(device) for t in (w, init, xs))
+    run = scan if device == DEV else _loop
+    return [t.cpu() for t in run(lambda c, x: body(c, x, w), init, xs)]
+
+
+@pytest.mark.parametrize("trains", [False, True])
+def test_the_first_call_is_traced_or_captured_and_later_ones_not_traced(traces, trains):
+    """Without grad: the first call of a body takes make_fx, the second Dynamo's capture, later
+    ones the guards. A training call is captured at its first call (xla/eager.py: the make_fx
+    route would leave XLA a second program to compile at the next step)."""
     clear_cache()
     problems = [_problem(seed) for seed in range(3)]  # new values, same shapes: the same graph
+    run = _run_and_grads if trains else _run
     got = []
     for i, (w, init, xs) in enumerate(problems):
         traces[0] = 0
-        got.append(_run_and_grads(_cell, w, init, xs, DEV))
-        assert len(xla_eager._entries) == (i > 0)  # the first call does not go through Dynamo
-        assert (traces[0] > 0) == (i < 2), (i, traces[0])  # make_fx, then Dynamo's capture, then guards
+        got.append(run(_cell, w, init, xs, DEV))
+        assert len(xla_eager._entries) == (i > 0 or trains)  # Dynamo's entry, made by its first capture
+        traced = i == 0 if trains else i < 2  # make_fx then Dynamo's capture, or the capture at once
+        assert (traces[0] > 0) == traced, (i, traces[0])
     for (w, init, xs), g in zip(problems, got):
-        assert_trees_close(g, _run_and_grads(_cell, w, init, xs, "cpu"), atol=1e-4, rtol=1e-4)
+        assert_trees_close(g, run(_cell, w, init, xs, "cpu"), atol=1e-4, rtol=1e-4)
 
 
 def test_a_changed_global_a_closure_and_an_in_place_write_are_seen(monkeypatch):

@@ -63,7 +63,7 @@ def both(layers, x, accumulate=False):
 
 def test_steady_steps_follow_weight_changes_and_match_the_loop():
     layers, x = make(), torch.randn(6, 8).to(torch_xla.device())
-    for i in range(4):  # first call (make_fx), capture, then steady calls on Dynamo's guards
+    for i in range(4):  # a training call: Dynamo's capture, then steady calls on its guards
         got, want = both(layers, x)
         assert_trees_close(got, want, atol=1e-6, rtol=1e-5)
         with torch.no_grad():

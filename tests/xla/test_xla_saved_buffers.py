@@ -154,11 +154,8 @@ def check_straight_layer_stack(unroll, rows):
     dump = _dump_folder()
     step = _layer_stack_training_step(rows, unroll)
     want = step(False)
-    assert_trees_close(step(True), want, atol=1e-6, rtol=1e-5)  # the first call, on the make_fx path
-    # from here on the dump holds the steady step only (the first call's graph also returns the
-    # weight stacks, still alive at its sync: a one-off, not this check's concern)
-    shutil.rmtree(dump, ignore_errors=True)
-    for _ in range(2):  # Dynamo's capture, then a call on its guards
+    shutil.rmtree(dump, ignore_errors=True)  # from here on the dump holds the scanned steps' programs
+    for _ in range(3):  # a training call: Dynamo's capture at once, then calls on its guards (one program)
         assert_trees_close(step(True), want, atol=1e-6, rtol=1e-5)
     texts = _optimized_modules(dump)
     assert texts, f"no optimized module in {dump} (is XLA_FLAGS honoured?)"
@@ -284,7 +281,7 @@ def test_each_body_rebuilds_its_carry(name, monkeypatch):
     else:
         make_body, closures, init, xs = _shift_bodies()[name]
     assert_matches_loop(make_body, closures, init, xs(3), grad=True)
-    assert len(rebuilt) == (0 if name == "small_rows" else 1)
+    assert bool(rebuilt) == (name != "small_rows")  # Dynamo's fake run and the XLA run may both plan
 
 
 def test_rebuilt_carry_under_the_openxla_backend(monkeypatch):
