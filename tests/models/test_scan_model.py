@@ -217,32 +217,54 @@ def _dynamo_recording():
     return graphs, lambda gm, _: graphs.append(gm) or gm.forward
 
 
+# Qwen3-Next, kept to one traced graph (each takes ~12-15 s of Dynamo tracing on 2 cores): half the depth of its
+# other tests, a full attention layer every 2nd (2 blocks of linear + full), the prefill (the chunked gated delta
+# rule, ~20 s to trace) run eagerly, one decode step (a second one would trace a second graph: the dynamic layer's
+# keys grow, and Dynamo recompiles with dynamic shapes)
+DECODE_SHAPE = {"qwen3_next": dict(layers=4, full_every=2)}
+EAGER_PREFILL = {"qwen3_next"}
+NEW_TOKENS = {"qwen3_next": 2}
+
+
 @pytest.mark.parametrize("family, cache, prompt_length, recording", [
     ("gpt2", "static", 5, _aot_eager_recording),  # StaticLayer, the cache passed positionally
     ("mistral", "static", 2, _dynamo_recording),  # StaticSlidingWindowLayer, filling, then full
     ("gpt_oss", "dynamic", 3, _dynamo_recording),  # blocks of a DynamicSlidingWindowLayer and a DynamicLayer
+    ("qwen3_next", "dynamic", 3, _dynamo_recording),  # blocks of a LinearAttentionLayer and a DynamicLayer
 ])
 def test_compiled_decode_step_is_one_scan(family, cache, prompt_length, recording, fresh_dynamo):
     """With the forward compiled, a decode step runs the stack as ONE scan whatever the depth, with
-    transformers' static and dynamic caches, sliding-window layers included: each layer's cache slot
-    is scanned as rows, updated out of place as the cache layer's own update does, and handed back
-    to the cache after the scan. The tokens and every layer's cache after generate() are the
-    unscanned model's. (The prefill, which fills the cache lazily, runs the layers one by one.)"""
-    ref, scanned = _twins(family)
+    transformers' static and dynamic caches, sliding-window and linear-attention layers included:
+    each layer's cache slot is scanned as rows, updated out of place as the cache layer's own
+    update does, and handed back to the cache after the scan. The tokens and every layer's cache
+    after generate() are the unscanned model's. (The prefill, which fills the cache lazily, runs
+    the layers one by one.)"""
+    ref, scanned = _twins(family, **DECODE_SHAPE.get(family, {}))
     ref.eval(), scanned.eval()
     prompt = ids(length=prompt_length, seed=3)
-    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    kw = dict(max_new_tokens=NEW_TOKENS.get(family, 4), do_sample=False, pad_token_id=0, return_dict_in_generate=True)
     if cache == "static":
         kw["cache_implementation"] = "static"
     want = ref.generate(prompt, **kw)
     graphs, backend = recording()
-    scanned.forward = torch.compile(scanned.forward, backend=backend)
+    compiled = torch.compile(scanned.forward, backend=backend)
+    if family in EAGER_PREFILL:
+        eager = scanned.forward
+        scanned.forward = lambda *a, **k: (compiled if k["input_ids"].shape[-1] == 1 else eager)(*a, **k)
+    else:
+        scanned.forward = compiled
     got = scanned.generate(prompt, **kw)
     assert torch.equal(got.sequences, want.sequences)
     for g, w in zip(got.past_key_values.layers, want.past_key_values.layers, strict=True):
         assert type(g) is type(w)
-        torch.testing.assert_close((g.keys, g.values), (w.keys, w.values))
-        for counter in ("cumulative_length", "cumulative_length_int"):
+        for name in ("keys", "values"):
+            torch.testing.assert_close(getattr(g, name, None), getattr(w, name, None))
+        for name in ("conv_states", "recurrent_states"):  # linear attention: one state of each
+            torch.testing.assert_close(getattr(g, name, None), getattr(w, name, None))
+        for counter in ("cumulative_length", "cumulative_length_int", "has_previous_state"):
             assert getattr(g, counter, None) == getattr(w, counter, None), counter
     scans = [sum(n.target is torch.ops.higher_order.scan for n in gm.graph.nodes) for gm in graphs]
-    assert len(scans) >= 2 and scans[0] == 0 and set(scans[1:]) == {1}, scans  # the prefill's graph, then decode graphs
+    if family in EAGER_PREFILL:  # decode graphs only
+        assert len(scans) >= 1 and set(scans) == {1}, scans
+    else:  # the prefill's graph, then decode graphs
+        assert len(scans) >= 2 and scans[0] == 0 and set(scans[1:]) == {1}, scans

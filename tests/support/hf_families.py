@@ -21,10 +21,11 @@ def _gemma3_types(n, full_every):
     return ["full_attention" if (i + 1) % full_every == 0 else "sliding_attention" for i in range(n)]
 
 
-def build(family, layers=None, full_every=6):
+def build(family, layers=None, full_every=None):
     """A causal LM of ``family`` with ``layers`` decoder layers (its default when None), eager
-    attention and no dropout, so that two copies compute the same numbers. Gemma 3 has a full
-    attention layer every ``full_every`` layers (6: the real model's 5:1)."""
+    attention and no dropout, so that two copies compute the same numbers. Gemma 3 and Qwen3-Next
+    have a full attention layer every ``full_every`` layers (by default the real models' 5:1 and
+    3:1: every 6th, every 4th)."""
     import transformers as T  # noqa: PLC0415, N812
 
     n = layers or DEFAULT_DEPTH[family]
@@ -39,7 +40,7 @@ def build(family, layers=None, full_every=6):
         model = T.Qwen3ForCausalLM(T.Qwen3Config(num_hidden_layers=n, **_COMMON))
     elif family == "gemma3":
         model = T.Gemma3ForCausalLM(T.Gemma3TextConfig(num_hidden_layers=n, sliding_window=4,
-                                                       layer_types=_gemma3_types(n, full_every), **_COMMON))
+                                                       layer_types=_gemma3_types(n, full_every or 6), **_COMMON))
     elif family == "gpt_oss":
         model = T.GptOssForCausalLM(T.GptOssConfig(
             num_hidden_layers=n, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
@@ -49,7 +50,8 @@ def build(family, layers=None, full_every=6):
             num_hidden_layers=n, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
             shared_expert_intermediate_size=16, linear_num_value_heads=2, linear_num_key_heads=2,
             linear_key_head_dim=8, linear_value_head_dim=8,
-            layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)], **_COMMON))
+            layer_types=["full_attention" if (i + 1) % (full_every or 4) == 0 else "linear_attention" for i in range(n)],
+            **_COMMON))
     elif family == "recurrent_gemma":
         model = T.RecurrentGemmaForCausalLM(T.RecurrentGemmaConfig(
             num_hidden_layers=n, vocab_size=V, hidden_size=32, intermediate_size=64, num_attention_heads=4,

@@ -5,8 +5,10 @@
   layers only calls each layer on the hidden state;
 - ``deferred``: the container and stand-ins that record the loop's calls and run the stack as
   ``scan_layers(..., period="auto")`` when the last layer is called.
-- ``stacked_cache``: transformers' static KV cache as per-layer rows of a traced scan (a
-  compiled decode step is one scan).
+- ``stacked_cache``: transformers' static and dynamic KV caches as per-layer rows of a traced
+  scan (a compiled decode step is one scan);
+- ``linear_cache``: the same for their linear-attention layers (Qwen3-Next's conv and
+  recurrent states).
 
 May import: ``layers``, ``api``, ``op``, ``core``, ``_compat``.
 """

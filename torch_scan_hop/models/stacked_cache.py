@@ -10,10 +10,12 @@ its rows back: copied into a static cache's tensors in place (same object, same 
 ``update`` replaces every step too). A compiled decode step then holds ONE scan whatever the depth.
 
 Twins exist for the four layer classes of transformers' ``StaticCache`` and ``DynamicCache``:
-``StaticLayer``, ``StaticSlidingWindowLayer``, ``DynamicLayer``, ``DynamicSlidingWindowLayer``.
-A cache holding anything else (linear-attention states, an offloaded or quantized cache, a
-subclass), a layer not yet filled (the prefill), or layers whose Python-side counters disagree,
-runs the layers one by one, as the model's own loop does.
+``StaticLayer``, ``StaticSlidingWindowLayer``, ``DynamicLayer``, ``DynamicSlidingWindowLayer``,
+and for their linear-attention layers (``LinearAttentionLayer``, Qwen3-Next's: ``models.linear_cache``).
+A cache holding anything else (the hybrid linear-and-attention layer classes, an offloaded or
+quantized cache, a subclass), a layer not yet filled (the prefill; RecurrentGemma's linear layers,
+whose states live on its modules), or layers whose Python-side counters disagree, runs the layers
+one by one, as the model's own loop does.
 """
 import collections
 
@@ -21,6 +23,7 @@ import torch
 
 from ..core.trees import ScanError
 from ..layers.written_rows import WrittenRows
+from .linear_cache import linear_twin
 
 
 class _Rows(WrittenRows):
@@ -138,7 +141,8 @@ class SlidingDynamicRows(_Rows):
         self.target.cumulative_length += self.tokens
 
 
-_Classes = collections.namedtuple("_Classes", "StaticLayer StaticSlidingWindowLayer DynamicLayer DynamicSlidingWindowLayer")
+_Classes = collections.namedtuple(
+    "_Classes", "StaticLayer StaticSlidingWindowLayer DynamicLayer DynamicSlidingWindowLayer LinearAttentionLayer")
 
 
 def stacked_slots(cache, indices, tokens):
@@ -149,7 +153,11 @@ def stacked_slots(cache, indices, tokens):
             DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, StaticCache, StaticLayer, StaticSlidingWindowLayer)
     except ImportError:
         return None
-    cu = _Classes(StaticLayer, StaticSlidingWindowLayer, DynamicLayer, DynamicSlidingWindowLayer)
+    try:  # transformers 5's linear-attention layers (Qwen3-Next's); older versions: those caches run one by one
+        from transformers.cache_utils import LinearAttentionLayer  # noqa: PLC0415
+    except ImportError:
+        LinearAttentionLayer = None  # noqa: N806
+    cu = _Classes(StaticLayer, StaticSlidingWindowLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer)
     if type(cache) not in (StaticCache, DynamicCache) or getattr(cache, "offloading", False):
         return None
     layers = getattr(cache, "layers", None)
@@ -163,6 +171,8 @@ def stacked_slots(cache, indices, tokens):
 
 def _twin(cu, layer, tokens):
     kind = type(layer)
+    if kind is cu.LinearAttentionLayer:
+        return linear_twin(layer, tokens)
     if not getattr(layer, "is_initialized", False) or layer.keys is None or layer.keys.dim() != 4:
         return None  # not filled yet: the prefill runs the layers one by one
     rows = (layer.keys, layer.values)
