@@ -62,14 +62,15 @@ def _problem(seed):
 def _run(body, w, init, xs, device):
     w, init, xs = (t.to(device) for t in (w, init, xs))
     run = scan if device == DEV else _loop
-    return [t.cpu() for t in run(lambda c, x: body(c, x, w), init, xs)]
+    with torch.no_grad():
+        return [t.cpu() for t in run(lambda c, x: body(c, x, w), init, xs)]
 
 
 @pytest.mark.parametrize("trains", [False, True])
 def test_the_first_call_is_traced_or_captured_and_later_ones_not_traced(traces, trains):
-    """Without grad: the first call of a body takes make_fx, the second Dynamo's capture, later
-    ones the guards. A training call is captured at its first call (xla/eager.py: the make_fx
-    route would leave XLA a second program to compile at the next step)."""
+    """Under no_grad: the first call of a body takes make_fx, the second Dynamo's capture, later
+    ones the guards. With grad mode on (a call that may train) the first call is captured
+    (xla/eager.py: the make_fx route would leave XLA a second program to compile next step)."""
     clear_cache()
     problems = [_problem(seed) for seed in range(3)]  # new values, same shapes: the same graph
     run = _run_and_grads if trains else _run
@@ -272,3 +273,4 @@ def test_a_scan_in_a_scan_body_on_each_path(reverse):
             got = run(DEV, grad)
             assert all(type(t) is torch.Tensor for t in got)
             assert_trees_close(got, want, atol=1e-10, rtol=1e-10)
+

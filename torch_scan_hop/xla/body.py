@@ -23,6 +23,7 @@ from .. import _compat
 from ..core.op_args import example_args
 from ..core.trees import ScanError
 from ..trace.graph import trace_graph
+from .own_buffers import OwnBuffer
 
 CARRY, X, PASS = 0, 1, 2  # what feeds a body parameter (hlo_scan.cc's Kind)
 
@@ -200,7 +201,7 @@ class BodyHlo:
     proto: bytes  # HloModuleProto
     params: List[tuple]  # body parameter i <- (CARRY | X | PASS, index)
     y_meta: List[tuple]  # (per-step shape, dtype) of each y
-    hoisted: List[torch.Tensor]  # device data the body made, appended to the pass-through inputs
+    hoisted: List[OwnBuffer]  # device data the body made, appended to the pass-through inputs
     uses_seed: bool  # the last x is the per-step RNG seed vector
     y_carry: List[int]  # per y: the carry it is (the step's carry input, unchanged), or -1
 
@@ -255,7 +256,7 @@ def _param_sources(ctx, groups, outs, num_x, num_pass):
             where[pid] = (X, num_x)
             continue
         where[pid] = (PASS, num_pass + len(hoisted))
-        hoisted.append(device_data[pid])
+        hoisted.append(OwnBuffer(device_data[pid]))  # see own_buffers
     missing = sorted(set(range(len(where))) - set(where))
     if missing:
         raise ScanError(f"scan on XLA: body HLO parameters {missing} have no known source (internal error).")

@@ -14,20 +14,20 @@ A body Dynamo cannot capture whole (a print, an unsupported construct) takes
 the make_fx path, as before, and is not offered to Dynamo again; so do calls
 past the recompile limit of a body code (``_RECOMPILES``).
 
-The first call of a body code on given input shapes takes the make_fx path
-too (``first_sight``), unless it trains: it must trace the body and compile a
+The first call of a body code on given input shapes, under no_grad, takes
+the make_fx path too (``first_sight``): it must trace the body and compile a
 While anyway, and Dynamo's capture (its trace of the call, its guards, a fake
 run of the op) costs more than the make_fx trace it would save, two to three
 times the call's own work. A scan run once per shape (an evaluation, a shape
 sweep) never pays it; a call that comes back with the same shapes is captured
-then, and every call after it costs a guard check. A training call (grad mode
-on, an input or a closed-over tensor requiring grad) is captured at once: the
-two routes leave a slightly different program at the step's sync (the make_fx
-route's trace differs by a few ops, and its tracer's reference cycle keeps the
-trace's constants alive until Python's gc runs), so a first call on make_fx
-made XLA compile the whole training step twice, the second compile costing
-more than the capture saved. Which path runs never changes a result: make_fx
-traces the body afresh, Dynamo's guards check what it read.
+then, and every call after it costs a guard check. A call with grad mode on
+(one that may train) is captured at once: the two routes leave slightly
+different programs at the step's sync (the make_fx route's trace differs by a
+few ops, and its tracer's reference cycle keeps the trace's constants alive
+until Python's gc runs), so a first call on make_fx made XLA compile the whole
+training step twice, the second compile costing more than the capture saved.
+Which path runs never changes a result: make_fx traces the body afresh,
+Dynamo's guards check what it read.
 """
 import collections
 import threading
@@ -82,11 +82,11 @@ def first_sight(fn, leaves, options):
     requires_grad, grad mode, options and closed-over tensors' metadata? Records
     it: the next such call is not. Only the route depends on it, never a result:
     a key that misses a change (a tensor held deeper in the closure) merely
-    sends a call to Dynamo's capture, which sees the change itself. A training
-    call is never a first sight (the module docstring says why)."""
-    cells = tuple(_meta(_cell_contents(c)) for c in getattr(fn, "__closure__", None) or ())
-    if _trains(leaves, cells):  # captured at once: see the module docstring
+    sends a call to Dynamo's capture, which sees the change itself. A call with
+    grad mode on is never a first sight (the module docstring says why)."""
+    if _may_train():
         return False
+    cells = tuple(_meta(_cell_contents(c)) for c in getattr(fn, "__closure__", None) or ())
     key = (fn.__code__, torch.is_grad_enabled(), tuple(sorted(options.items())), cells,
            tuple(_meta(t) for t in leaves))
     with _lock:
@@ -99,10 +99,11 @@ def first_sight(fn, leaves, options):
     return True
 
 
-def _trains(leaves, cells):
-    """Grad mode on and an input or a directly closed-over tensor requiring grad."""
-    return torch.is_grad_enabled() and (any(t.requires_grad for t in leaves)
-                                        or any(type(m) is tuple and m[-1] is True for m in cells))
+def _may_train():
+    """Grad mode on: a call that may train. Whether it does cannot be told from here (the body's
+    weights are often read through a module or a global, not its closure), and the cost of a
+    wrong guess is a second compile of the whole step, against a capture paid one call early."""
+    return torch.is_grad_enabled()
 
 
 def _meta(v):

@@ -16,7 +16,9 @@ from .. import _compat
 from ..core import schedule
 from ..core.trees import ScanError
 from ..trace import cache
+from . import own_buffers
 from .body import lower_body
+from .own_buffers import OwnBuffer
 
 # xla_data.proto PrimitiveType
 _ETYPE = {
@@ -38,7 +40,7 @@ class LoweredScan:
 
     computation: Any
     y_meta: List[tuple]  # (per-step shape, dtype) of each y
-    hoisted: List[torch.Tensor]  # device data the body created (constants), passed each call
+    hoisted: List[OwnBuffer]  # device data the body created (constants), passed each call
     uses_seed: bool
     takes_ys: bool = True  # False straight-line (csrc/hlo_straight.h): each y is made whole
 
@@ -107,7 +109,8 @@ def scan_on_xla(combine_fn, init, xs, additional_inputs, reverse, unroll):
     seeds = []
     if lowered.uses_seed:
         seeds = [torch.randint(0, 2**62, (length,), dtype=torch.int64, device=device)]
-    ys = [torch.full((length, *shape), _fill(k, dtype), dtype=dtype, device=device)
+    ys = [own_buffers.filled(_fill(k, dtype), dtype, device, (length, *shape))
           for k, (shape, dtype) in enumerate(lowered.y_meta)] if lowered.takes_ys else []
-    inputs = [*init, *xs, *seeds, *ys, *additional_inputs, *on_device(lowered.hoisted, device)]
+    inputs = [*init, *xs, *seeds, *ys, *additional_inputs,
+              *on_device([h.value() for h in lowered.hoisted], device)]
     return list(_compat.xla.user_computation("xla::scan", inputs, lowered.computation))
