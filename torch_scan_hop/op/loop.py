@@ -34,6 +34,8 @@ from ..core.drain import drain_at_thread_end
 from ..core.schedule import step_order
 from ..core.trees import LEAF, ScanError
 from ..remat.step import remat_step
+from ..trace.copies import differentiable_copies
+from ..trace.indexing import TensorIndexRewrite
 
 
 def stack_column(column, k):
@@ -77,6 +79,8 @@ def run_flat(combine_fn, init, xs, additional_inputs, reverse=False, remat=None)
     if length == 0:
         return [*carry_after_no_step(init, op=True), *empty_flat_ys(combine_fn, init, xs, additional_inputs)]
     traced = isinstance(combine_fn, torch.fx.GraphModule)
+    if traced and torch.is_grad_enabled():
+        combine_fn = differentiable_copies(combine_fn)
     columns = [dt.unbind(x.contiguous() if traced and isinstance(x, torch.Tensor) else x) for x in xs]
 
     def step(carry, i):
@@ -255,7 +259,8 @@ def empty_tree_ys(fn, inputs):
 
 
 def _empty_ys(fn, inputs, batched):
-    with shape_run() as mode:
+    # the index rewrite as in a trace: a fake step index (with_index) cannot be read as a number
+    with shape_run() as mode, TensorIndexRewrite(refuse_lost_writes=False):
         carry = inputs.init_spec.unflatten([stand_in(mode, t, batched=batched) for t in inputs.init_leaves])
         x = None if inputs.xs_spec is None else inputs.xs_spec.unflatten(
             [stand_in(mode, t, sliced=True, batched=batched) for t in inputs.xs_leaves])
