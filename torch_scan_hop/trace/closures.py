@@ -93,7 +93,7 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
         if func is torch.autograd.grad:  # differentiates w.r.t. the tensors named, stand-ins or not
             return func(*args, **(kwargs or {}))
         tree_map = _compat.pytree.tree_map
-        if args and _writes_in_place(func) and self._is_closure(args[0]):
+        if args and writes_in_place(func) and self._is_closure(args[0]):
             self._write_stand_in(args[0])
         if self._written:
             args, kwargs = tree_map(lambda t: self._written.get(id(t), (t,))[0], (args, kwargs or {}))
@@ -115,6 +115,8 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
         """A tensor from outside the trace (no step input, untraced), or a stand-in for one."""
         if not isinstance(t, torch.Tensor) or id(t) in self.inputs or id(t) in self._outer:
             return False
+        if _compat.dispatch.is_functional_tensor(t) and not isinstance(t, _compat.FakeTensor):
+            return False  # (XLA) stood in for anyway (``_stand_in``): the write goes to the stand-in
         mode = _tracing.proxy_mode()
         return mode is None or not _tracing.has_proxy_slot(t, mode.tracer)
 
@@ -201,7 +203,7 @@ _IN_PLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__"
                                "__iand__"})
 
 
-def _writes_in_place(func):
+def writes_in_place(func):
     """Does ``func`` write into its first argument (``t.add_``, ``t[i] = v``, ``aten.index_put_``)?"""
     schema = getattr(func, "_schema", None)
     if schema is not None:
