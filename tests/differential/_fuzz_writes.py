@@ -89,9 +89,9 @@ def known_failure(p, mode):
     if p.writes.closed:
         return ("eager remat re-runs steps (forward, after a carry write; backward) that write into a "
                 "closed-over tensor: the writes run again, the reads see its later contents")
-    if p.writes.carry_ops:
-        return ("eager remat: a recipe reads a carry the body writes in place later in the step "
-                "(ScanError 'a tensor saved for the backward ... was modified by an in-place operation')")
+    if p.writes.carry_ops or p.writes.carried:
+        return ("eager remat: a recipe reads a carry (leaf or buffer) the body writes in place later in the "
+                "step (ScanError 'a tensor saved for the backward ... was modified by an in-place operation')")
     return None
 
 
