@@ -349,7 +349,9 @@ def _trace_on_copies_if_written(body, inputs):
             raise
     body.copy_carry = True
     try:
-        return traced()
+        gm, lifted = traced()
+        writes_only_carries(gm, inputs.num_carry)  # records what it writes (closed-over tensors: carried)
+        return gm, lifted
     except RuntimeError as e:
         if is_leaf_write_error(e):
             raise ScanError(mutation_message("an x slice or closed-over tensor that requires grad")) from e

@@ -7,7 +7,6 @@ vocabulary (so a failure prints the exact body). ``materialize`` builds fresh,
 identical tensors for it every call; ``loop`` is the Python for-loop it must match.
 """
 import collections
-import contextlib
 import dataclasses
 import linecache
 import math
@@ -17,6 +16,8 @@ import random
 import torch
 import torch.utils._pytree as pytree
 from conftest import reference_scan
+
+import _fuzz_writes
 
 B, D = 2, 3  # the body works on (B, D) float values
 # where problems live (loop and scan alike): SCAN_FUZZ_DEVICE=cuda runs the differential suite on a GPU
@@ -56,13 +57,16 @@ class Problem:
     xs: object  # pytree of Leaf, or None (then length= is passed)
     closures: list  # (name, shape, requires_grad, uses)
     module: object  # source of an nn.Module called `lin` in the body, or None
-    source: str  # `def make_body(*closures, lin): ... return body`
+    source: str  # `def make_body(*closures, *buffers, lin): ... return body`
+    writes: object = None  # _fuzz_writes.Writes: in-place writes, or None
 
     def kwargs(self, text=False):
         remat = self.remat
         if remat == "default_partition" and not text:
             from torch._functorch.partitioners import default_partition as remat
         kw = dict(reverse=self.reverse, dim=self.dim, remat=remat, unroll=self.unroll)
+        if self.writes is not None and self.writes.index:
+            kw["with_index"] = True
         if self.xs is None or self.pass_length:
             kw["length"] = self.length
         return kw
@@ -80,7 +84,7 @@ class Problem:
             *[f"  closure {n}: {_dt(self.dtype)}{list(s)}{' requires_grad' if g else ''}, used {u}x"
               for n, s, g, u in self.closures],
             f"  lin = {self.module}" if self.module else "  (no module)",
-            self.source])
+            *([self.writes.describe()] if self.writes else []), self.source])
 
 
 def tmap(fn, tree):
@@ -186,7 +190,10 @@ def generate(seed):
     module = rng.choice(MODULES) if rng.random() < 0.4 else None
     p = Problem(seed, dtype, length, rng.random() < 0.5, dim, rng.choices(REMATS, [3, 3, 3, 1, 2])[0],
                 rng.choice([None, None, 1, 2, 3, 4]), rng.random() < 0.2, carry, xs, closures, module, "")
-    p.source = _BodyWriter(rng, p).source()
+    p.writes = _fuzz_writes.draw(seed, leaf_paths(carry, "carry"))  # its own generator
+    writer = (_WritingBody if p.writes else _BodyWriter)(rng, p)
+    writer.wr = _fuzz_writes.rng(seed)
+    p.source = writer.source()
     return p
 
 
@@ -319,6 +326,10 @@ class _BodyWriter:
         return r.choice(choices)
 
 
+class _WritingBody(_fuzz_writes.WritingBody, _BodyWriter):
+    pass
+
+
 # ------------------------------------------------------------- materialize
 
 @dataclasses.dataclass
@@ -329,12 +340,25 @@ class Instance:
     module: object
     body: object
     make_body: object
+    bases: object  # init, or (with writes) what init's written leaves and carried buffers copy
+    buffers: list  # closed-over buffers the body writes into (copies of buffer_bases)
+    buffer_bases: list
 
     def targets(self, inputs=True):
         """What gradients are taken of: float inputs requiring grad, closures, parameters."""
-        leaves = tensors((self.init, self.xs) if inputs else ()) + tensors(self.closures)
+        leaves = tensors((self.bases, self.xs) if inputs else ()) + tensors(self.closures)
         params = list(self.module.parameters()) if self.module is not None else []
-        return [t for t in leaves + params if t.requires_grad]
+        return [t for t in leaves + params + self.buffer_bases if t.requires_grad]
+
+    def body_with(self, closures, buffers=None):
+        """A fresh body over these closures and (default: this instance's) buffers."""
+        buffers = self.buffers if buffers is None else buffers
+        return self.make_body(*closures, *buffers, *([self.module] if self.module is not None else []))
+
+    def observed(self, out, buffers=None):
+        """What is compared: the scan's output, and the closed-over buffers after it."""
+        buffers = self.buffers if buffers is None else buffers
+        return (out, list(buffers)) if buffers else out
 
 
 def compile_source(p, device=FUZZ_DEVICE):
@@ -367,65 +391,36 @@ def materialize(p, device=FUZZ_DEVICE):
     init = tmap(lambda l: tensor(l, l.shape), p.carry)
     xs = tmap(lambda l: tensor(l, full_shape(p, l)), p.xs)
     make_body = compile_source(p, device)
-    args = closures + ([module] if module is not None else [])
-    return Instance(init, xs, closures, module, make_body(*args), make_body)
+    carried = _fuzz_writes.buffer_bases(p, g, device, "carried")
+    buffer_bases = _fuzz_writes.buffer_bases(p, g, device, "closed")
+    bases = (init, carried) if p.writes and p.writes.carried else init
+    buffers = [b.clone() for b in buffer_bases]
+    inst = Instance(_fuzz_writes.prepare(p, init, carried), xs, closures, module, None, make_body, bases, buffers,
+                    buffer_bases)
+    inst.body = inst.body_with(closures)
+    return inst
 
 
 def loop(p, inst):
-    """The Python for-loop. For length 0: init and empty ys shaped like one body call's."""
-    return run_loop(p, inst.body, inst.init, inst.xs)
+    """The Python for-loop (and the closed-over buffers after it). For length 0: init and empty
+    ys shaped like one body call's."""
+    return inst.observed(run_loop(p, inst.body, inst.init, inst.xs, inst.buffers))
 
 
-def run_loop(p, body, init, xs):
-    """``loop`` of another body and inputs (the same problem)."""
+def run_loop(p, body, init, xs, buffers=()):
+    """``loop`` of another body and inputs (the same problem); ``buffers``: its closed-over ones."""
+    device = next((t.device for t in tensors(init)), FUZZ_DEVICE)
+    if p.length > 0 and p.writes is not None and p.writes.index:
+        return _fuzz_writes.index_loop(p, body, init, xs, device)
     if p.length > 0:
         return reference_scan(body, init, xs, length=p.length, reverse=p.reverse, dim=p.dim)
     x = tmap(lambda l: torch.zeros(l.shape, dtype=l.dtype(p.dtype), device=FUZZ_DEVICE), p.xs)
     with torch.no_grad():
-        _, y = body(init, x)
+        if p.writes is not None:
+            _, y = _fuzz_writes.shape_call(p, body, init, x, buffers, device)
+        else:
+            _, y = body(init, x)
     return init, tmap(lambda t: t.new_empty((0, *t.shape)), y)
-
-
-def vector_function(p, inst, run, batched=None):
-    """``(f, v, seen)``: the problem as a function of ONE vector, for torch.func's transforms.
-
-    ``v`` holds every float input (init and xs leaves, closures, module parameters; with
-    ``batched`` not None, as every func mode passes it, a seeded choice of them: a transform of
-    some inputs only, e.g. of a closure with a plain init) flattened, plus one dummy element;
-    the other inputs stay fixed. ``f(v)`` is every output of ``run(p, body, init, xs)`` (ints and bools cast to
-    the float dtype) flattened into one vector, plus twice the dummy: neither is ever empty,
-    also at length 0, where the ys hold no element. One input and one output because jacrev
-    and jacfwd of several read a tensor's value while building their bases, which make_fx
-    and Dynamo refuse. The scan sees slices of the transform's wrapped ``v``: views of
-    wrapped tensors, as jvp's own primals are. ``seen`` collects the output pytree's
-    structure, shapes and dtypes at every call, which the vector hides (ys of a wrong shape
-    at length 0 hold no element either)."""
-    params = list(inst.module.parameters()) if inst.module is not None else []
-    names = [n for n, _ in inst.module.named_parameters()] if inst.module is not None else []
-    leaves, spec = pytree.tree_flatten((inst.init, inst.xs, inst.closures, params))
-    fixed = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
-    chosen = [i for i, t in enumerate(fixed) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if batched is not None:
-        rng = random.Random(p.seed + 3)
-        chosen = [i for i in chosen if rng.random() < 0.6]
-    v = torch.cat([fixed[i].reshape(-1) for i in chosen] + [torch.zeros(1, dtype=p.dtype, device=FUZZ_DEVICE)])
-    seen = []
-
-    def f(v):
-        values, start = list(fixed), 0
-        for i in chosen:
-            values[i] = v[start:start + fixed[i].numel()].view(fixed[i].shape)
-            start += fixed[i].numel()
-        init, xs, closures, params = pytree.tree_unflatten(values, spec)
-        ctx, extra = contextlib.nullcontext(), []
-        if inst.module is not None:  # around the scan: Dynamo refuses the context inside a body
-            ctx = torch.nn.utils.stateless._reparametrize_module(inst.module, dict(zip(names, params)))
-            extra = [inst.module]
-        with ctx:
-            out = run(p, inst.make_body(*closures, *extra), init, xs)
-        seen.append(str(tmap(lambda t: (tuple(t.shape), t.dtype), out)))
-        return torch.cat([t.reshape(-1).to(p.dtype) for t in tensors(out)] + [v[-1:] * 2])
-    return f, v, seen
 
 
 def loss_weights(p, out):

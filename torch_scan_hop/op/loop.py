@@ -34,6 +34,9 @@ from ..core.drain import drain_at_thread_end
 from ..core.schedule import step_order
 from ..core.trees import LEAF, ScanError
 from ..remat.step import remat_step
+from ..trace.copies import differentiable_copies
+from ..trace.closures import writes_in_place
+from ..trace.indexing import TensorIndexRewrite
 
 
 def stack_column(column, k):
@@ -77,6 +80,8 @@ def run_flat(combine_fn, init, xs, additional_inputs, reverse=False, remat=None)
     if length == 0:
         return [*carry_after_no_step(init, op=True), *empty_flat_ys(combine_fn, init, xs, additional_inputs)]
     traced = isinstance(combine_fn, torch.fx.GraphModule)
+    if traced and torch.is_grad_enabled():
+        combine_fn = differentiable_copies(combine_fn)
     columns = [dt.unbind(x.contiguous() if traced and isinstance(x, torch.Tensor) else x) for x in xs]
 
     def step(carry, i):
@@ -130,8 +135,8 @@ def empty_ys(y_slices):
 
 
 def empty_flat_ys(combine_fn, init, xs, additional_inputs):
-    """ys of a zero-length scan: shapes from one fake run of the body."""
-    with shape_run() as mode:
+    """ys of a zero-length scan: shapes from one fake run of the body (as ``_empty_ys``'s)."""
+    with shape_run() as mode, TensorIndexRewrite(refuse_lost_writes=False), _WritesOnStandIns(mode):
         fake_args = [*(torch.empty_like(stand_in(mode, c)) for c in init),  # dense, as example_args' clones
                      *(stand_in(mode, x, sliced=True) for x in xs),
                      *(stand_in(mode, a) for a in additional_inputs)]
@@ -254,8 +259,31 @@ def empty_tree_ys(fn, inputs):
     return _empty_ys(fn, inputs, batched=False)
 
 
+class _WritesOnStandIns(torch.overrides.TorchFunctionMode):
+    """The ys' shape run writes into nothing from outside it: a tensor it did not make (a closed-over
+    buffer, ``cache[t] = h``) written in place is, from that write on, a fake stand-in. Written
+    itself, it took fake values (a functorch wrapper's value) or their autograd history; the loop
+    never calls the body at length 0."""
+
+    def __init__(self, mode):
+        super().__init__()
+        self.mode, self.swapped = mode, {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        target = args[0] if args else None
+        if isinstance(target, torch.Tensor) and not isinstance(target, _compat.FakeTensor) \
+                and id(target) not in self.swapped and writes_in_place(func):
+            with _compat.disable_proxy_modes_tracing():
+                self.swapped[id(target)] = (stand_in(self.mode, target), target)  # target kept: ids are keys
+        if self.swapped:
+            swap = lambda t: self.swapped.get(id(t), (t,))[0] if isinstance(t, torch.Tensor) else t  # noqa: E731
+            args, kwargs = _compat.pytree.tree_map(swap, (args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
 def _empty_ys(fn, inputs, batched):
-    with shape_run() as mode:
+    # the index rewrite as in a trace: a fake step index (with_index) cannot be read as a number
+    with shape_run() as mode, TensorIndexRewrite(refuse_lost_writes=False), _WritesOnStandIns(mode):
         carry = inputs.init_spec.unflatten([stand_in(mode, t, batched=batched) for t in inputs.init_leaves])
         x = None if inputs.xs_spec is None else inputs.xs_spec.unflatten(
             [stand_in(mode, t, sliced=True, batched=batched) for t in inputs.xs_leaves])

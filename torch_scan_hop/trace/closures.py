@@ -33,7 +33,7 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self._outer, self._by_id, self._moved, self.xla, self.inputs = {}, {}, {}, None, {}
-        self._aliases = {}
+        self._aliases, self._written = {}, {}
         self.vmap_levels = _tracing.active_vmap_levels()
 
     def _stand_in(self, t, user=None):
@@ -93,6 +93,10 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
         if func is torch.autograd.grad:  # differentiates w.r.t. the tensors named, stand-ins or not
             return func(*args, **(kwargs or {}))
         tree_map = _compat.pytree.tree_map
+        if args and writes_in_place(func) and self._is_closure(args[0]):
+            self._write_stand_in(args[0])
+        if self._written:
+            args, kwargs = tree_map(lambda t: self._written.get(id(t), (t,))[0], (args, kwargs or {}))
         if func in _METADATA_READS and args:
             args = (self._traced_view(args[0]), *args[1:])
             args, kwargs = tree_map(self._stand_in, (args, kwargs or {}))
@@ -106,6 +110,30 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
         if self.xla is not None and any(_cpu_array(t) for t in leaves):  # also ops on CPU tensors alone
             args, kwargs = tree_map(self._onto(self.xla), (args, kwargs))
         return func(*args, **kwargs)
+
+    def _is_closure(self, t):
+        """A tensor from outside the trace (no step input, untraced), or a stand-in for one."""
+        if not isinstance(t, torch.Tensor) or id(t) in self.inputs or id(t) in self._outer:
+            return False
+        if _compat.dispatch.is_functional_tensor(t) and not isinstance(t, _compat.FakeTensor):
+            return False  # (XLA) stood in for anyway (``_stand_in``): the write goes to the stand-in
+        mode = _tracing.proxy_mode()
+        return mode is None or not _tracing.has_proxy_slot(t, mode.tracer)
+
+    def _write_stand_in(self, t):
+        """The body writes into the closed-over ``t`` in place: from here on it reads and writes an
+        alias of it (``detach()``: the same storage and version counter), which lifting maps back to
+        ``t``. Written itself, ``t`` would take the trace's writes into its autograd history (a
+        ``CopySlices`` of the trace's fake values, which the caller's backward then ran into: fake
+        gradients); the graph is only the one finding the write (``ClosureWrites``): the scan runs
+        again with ``t`` carried. A leaf that requires grad stays one, refused as the loop refuses it."""
+        if id(t) in self._written:
+            return
+        with _compat.disable_proxy_modes_tracing():
+            alias = t.detach()
+            alias = alias.requires_grad_() if t.is_leaf and t.requires_grad else alias
+        self._outer[id(alias)] = t
+        self._written[id(t)] = (alias, t)  # t kept alive: ids are keys
 
     def _traced_or_stood_in(self, t):
         """A fake value (never stood in for) as the current trace can read it; anything else stood in for."""
@@ -169,6 +197,20 @@ _METADATA_READS = frozenset({
     torch.Tensor.shape.__get__, torch.Tensor.size, torch.Tensor.stride, torch.Tensor.storage_offset,
     torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.__len__,
 })
+
+
+_IN_PLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ior__",
+                               "__iand__"})
+
+
+def writes_in_place(func):
+    """Does ``func`` write into its first argument (``t.add_``, ``t[i] = v``, ``aten.index_put_``)?"""
+    schema = getattr(func, "_schema", None)
+    if schema is not None:
+        return bool(schema.arguments) and schema.arguments[0].alias_info is not None \
+            and schema.arguments[0].alias_info.is_write
+    name = getattr(func, "__name__", "")
+    return name in _IN_PLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))
 
 
 def _cpu_array(t):

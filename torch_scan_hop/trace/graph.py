@@ -146,7 +146,7 @@ def _real_index_as_scan_error(args):
     except (IndexError, RuntimeError) as e:
         real = under_make_fx() and _tracing.make_fx_fake_mode() is None \
             and _compat.detect_fake_mode(args) is None
-        if not real or "out of bounds" not in str(e):
+        if not real or not any(m in str(e) for m in ("out of bounds", "out of range", "out of DATA bounds")):  # index, index_select
             raise
         raise ScanError(
             "scan: under make_fx(tracing_mode='real') (make_fx's default) the body is traced on "

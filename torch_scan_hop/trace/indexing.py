@@ -75,7 +75,10 @@ def write(t, index, value):
     if parts is None:
         t[index] = value
         return
-    view = t[parts[0]]
+    # an index of slices alone writes into t itself, not a view: a mode sees the write's target
+    # (trace.closures: a closed-over tensor written)
+    whole = all(e is Ellipsis or (isinstance(e, slice) and e == slice(None)) for e in parts[0])
+    view = t if whole else t[parts[0]]
     if not isinstance(value, torch.Tensor):
         value = torch.tensor(value, dtype=view.dtype, device=view.device)
     torch.ops.aten.index_put_.default(view, _advanced(view, parts[1]), value.to(view.dtype))
@@ -104,9 +107,10 @@ class TensorIndexRewrite(TorchFunctionMode):
     and not written back with ``buf[..., t, ...] = v`` (what ``buf[:, t] += h`` does) is a
     ScanError when the trace ends."""
 
-    def __init__(self):
+    def __init__(self, refuse_lost_writes=True):
         super().__init__()
         self._reads, self._written_back = {}, set()
+        self._refuse = refuse_lost_writes  # False: a run whose values nobody reads (the ys' shape run)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         index = _as_index(func, args, kwargs)
@@ -121,7 +125,7 @@ class TensorIndexRewrite(TorchFunctionMode):
 
     def __exit__(self, exc_type, exc_value, traceback):
         super().__exit__(exc_type, exc_value, traceback)
-        if exc_type is None:
+        if exc_type is None and self._refuse:
             self._refuse_writes_through_reads()
 
     def _refuse_writes_through_reads(self):

@@ -20,6 +20,7 @@ import torch
 
 from .. import _compat
 from ..remat.partition import drop_names, partition_fn
+from .copies import differentiable_copies
 from .graph import trace_graph
 from .joint import flags_and_joint
 from .peephole import drop_aliases, recompute_saved_extrema, save_dense_layouts, simplify
@@ -331,6 +332,7 @@ def trace_step(body: Callable, carry, x, lifted, requires_grad) -> JointStep:
     ``requires_grad`` flags the inputs that require grad (for the carries:
     init's flags; the carries' fixed point is computed here).
     """
+    body = differentiable_copies(body)
     examples = _detached_examples([*carry, *x, *lifted])
     out_vals = _output_metas(body, examples) or _output_metas(trace_graph(body, examples), examples)
     with _compat.disable_proxy_modes_tracing():
