@@ -44,9 +44,14 @@ def _plain_tensor(value):
 def record(module):
     """Note the candidate attribute names of every module in ``module``'s tree (outside a trace)."""
     for m in module.modules():
-        names = _candidates(m)
-        if names:
-            _NAMES[type(m)] = tuple(sorted(set(_NAMES.get(type(m), ())) | set(names)))
+        _note(m)
+
+
+def _note(m):
+    names = _candidates(m)
+    if names and not set(names) <= set(_NAMES.get(type(m), ())):
+        _NAMES[type(m)] = tuple(sorted(set(_NAMES.get(type(m), ())) | set(names)))
+    return names
 
 
 @torch.compiler.assume_constant_result  # run in Python when traced: the names noted outside the trace
@@ -57,8 +62,7 @@ def _recorded(cls):
 def _names(module):
     if _compat.is_dynamo_compiling():
         return _recorded(type(module))
-    record(module)
-    return _candidates(module)
+    return _note(module)  # noted for a later trace by Dynamo
 
 
 def _at(layer, prefix):
