@@ -3,9 +3,10 @@ state per layer, a plain tensor attribute its forward reads and reassigns (as Re
 recurrent blocks do), against the Python loop, eager and compiled."""
 import copy
 
+import pytest
 import torch
 
-from torch_scan_hop import scan_layers
+from torch_scan_hop import ScanError, scan_layers
 from torch_scan_hop.layers import module_state
 
 
@@ -64,3 +65,15 @@ def test_rows_are_the_differing_plain_tensors_only():
     rows = module_state.rows(layers[0], list(layers))
     assert list(rows) == ["cleared", "inner.state"]
     assert rows["inner.state"].shape == (3, 2, 4)
+
+
+def test_states_requiring_grad_are_not_rows_and_a_difference_is_refused(fresh_dynamo):
+    """Under grad mode a state the previous call left with its graph is not stacked (the scan's
+    backward would reach that graph, read or not): read as layer 0's, refused as it differs."""
+    layers, _ = _stacks()
+    h = torch.randn(2, 4)
+    compiled = torch.compile(lambda h: scan_layers(layers, h), backend="eager", fullgraph=True)
+    compiled(h)  # hands back states computed from the weights: they require grad
+    assert all(layer.inner.state.requires_grad for layer in layers)
+    with pytest.raises(ScanError, match="inner.state"):
+        compiled(h)
