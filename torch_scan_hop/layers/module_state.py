@@ -15,7 +15,8 @@ row, as it reads a buffer's. Not when a row requires grad (a training forward af
 its states on the modules): the scan's backward would reach every row's old graph, read or not.
 Every attribute the body assigns (recorded by the view) is handed back to each layer's module
 after the scan, as the loop would leave it (``written``, ``hand_back``): a tensor as the step's
-ys (each layer its own row), None (RecurrentGemma assigns None without a cache) as None. (Other values it assigns stay in the step, as they always did.)
+ys (each layer its own row), None (RecurrentGemma assigns None without a cache) as None. (Other
+values it assigns stay in the step, as they always did.)
 
 Which attributes to look at: Dynamo cannot enumerate a module's ``__dict__``, so the names come
 from outside the trace: ``record`` (``scan_model`` calls it when it prepares a model, and every
