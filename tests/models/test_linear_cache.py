@@ -11,6 +11,7 @@ cu = pytest.importorskip("transformers.cache_utils")
 if not hasattr(cu, "LinearAttentionLayer"):
     pytest.skip("transformers without linear-attention cache layers", allow_module_level=True)
 
+from torch_scan_hop import ScanError  # noqa: E402
 from torch_scan_hop.models.linear_cache import linear_twin  # noqa: E402
 from torch_scan_hop.models.stacked_cache import stacked_slots  # noqa: E402
 
@@ -67,6 +68,11 @@ def test_a_cache_of_linear_and_attention_layers_is_twinned_once_filled():
     twins = stacked_slots(cache, [0, 1], 1)
     assert [type(t).__name__ for t in twins] == ["LinearRows", "DynamicRows"]
     cache.layers[0] = cu.LinearAttentionLayer()  # never filled: RecurrentGemma's (its states live on its modules)
+    twins = stacked_slots(cache, [0, 1], 1)
+    assert [type(t).__name__ for t in twins] == ["UnusedRows", "DynamicRows"]
+    with pytest.raises(ScanError, match="layer 0 used its cache layer"):
+        twins[0].update(torch.randn(B, 2, 1, 8), torch.randn(B, 2, 1, 8), 0)
+    cache.layers[1] = cu.DynamicLayer()  # nothing filled (a prefill): the layers run one by one
     assert stacked_slots(cache, [0, 1], 1) is None
 
 

@@ -222,8 +222,8 @@ def _dynamo_recording():
 # rule, ~20 s to trace) run eagerly, one decode step (a second one would trace a second graph: the dynamic layer's
 # keys grow, and Dynamo recompiles with dynamic shapes)
 DECODE_SHAPE = {"qwen3_next": dict(layers=4, full_every=2)}
-EAGER_PREFILL = {"qwen3_next"}
-NEW_TOKENS = {"qwen3_next": 2}
+EAGER_PREFILL = {"qwen3_next", "recurrent_gemma"}
+NEW_TOKENS = {"qwen3_next": 2, "recurrent_gemma": 2}
 
 
 @pytest.mark.parametrize("family, cache, prompt_length, recording", [
@@ -231,6 +231,8 @@ NEW_TOKENS = {"qwen3_next": 2}
     ("mistral", "static", 2, _dynamo_recording),  # StaticSlidingWindowLayer, filling, then full
     ("gpt_oss", "dynamic", 3, _dynamo_recording),  # blocks of a DynamicSlidingWindowLayer and a DynamicLayer
     ("qwen3_next", "dynamic", 3, _dynamo_recording),  # blocks of a LinearAttentionLayer and a DynamicLayer
+    # blocks of 2 recurrent layers (states on their modules: layers.module_state) and a sliding attention one
+    ("recurrent_gemma", "dynamic", 3, _dynamo_recording),
 ])
 def test_compiled_decode_step_is_one_scan(family, cache, prompt_length, recording, fresh_dynamo):
     """With the forward compiled, a decode step runs the stack as ONE scan whatever the depth, with
@@ -263,6 +265,9 @@ def test_compiled_decode_step_is_one_scan(family, cache, prompt_length, recordin
             torch.testing.assert_close(getattr(g, name, None), getattr(w, name, None))
         for counter in ("cumulative_length", "cumulative_length_int", "has_previous_state"):
             assert getattr(g, counter, None) == getattr(w, counter, None), counter
+    for g, w in zip(scanned.modules(), ref.modules(), strict=True):  # state kept on the modules (RecurrentGemma)
+        for name in ("conv1d_state", "recurrent_states"):
+            torch.testing.assert_close(getattr(g, name, None), getattr(w, name, None), rtol=0, atol=0)
     scans = [sum(n.target is torch.ops.higher_order.scan for n in gm.graph.nodes) for gm in graphs]
     if family in EAGER_PREFILL:  # decode graphs only
         assert len(scans) >= 1 and set(scans) == {1}, scans

@@ -20,6 +20,8 @@
 - ``ownership``: which container a parameter belongs to (imports no sibling);
 - ``view``: the body's read-only view of layer 0 with one step's slice of the weights;
 - ``capture``: transformers 5's output-capturing hooks in a traced scan (recorded, replayed).
+- ``module_state``: plain tensors a layer keeps on its modules (RecurrentGemma's decode state):
+  scanned as rows, what the body assigns handed back to each layer;
 - ``written_rows``: per-layer state each layer writes (a KV cache slot): scanned as rows, the
   writes returned as ys and handed back to each layer's object.
 

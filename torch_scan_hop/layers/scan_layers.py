@@ -42,7 +42,7 @@ from .checks import (
 from .fsdp import check_fsdp, gathered_state, tensor_parallel_parts
 from .grads import check_flags_traced, stacks_swapped
 from .layer_state import check_sharded_alike, layer_state, layer_states, same_value
-from . import patterns, written_rows
+from . import module_state, patterns, written_rows
 from .layer_kwargs import split as split_kwargs
 from .outputs import join_output, layer_name, split_output, stack_extras
 from .ownership import container_of, container_token, owner_of
@@ -320,9 +320,10 @@ def scan_layers(layers: Iterable[torch.nn.Module], *inputs: Any, remat: Remat = 
         check_no_running_stat_updates(template)  # other layers agree with layer 0 or are refused as read
     peers = () if over_rows or (not dynamo and _all_attributes_agree(layers)) else layers[1:]
     selecting = written_rows.selecting_reads(template, slots[0])  # compared with no peer
+    attrs = module_state.rows(template, layers)  # per-layer tensors kept on the modules
 
     def step(h, params_and_rows):
-        params, rows = params_and_rows
+        params, rows, attr_rows = params_and_rows
         kwargs, writes = written_rows.at_step(shared if varying is None else varying.rebuild(rows), slots[0])
         if dynamo:  # in the body: under torch.compile only errors raised there stay ScanErrors
             check_no_running_stat_updates(template)
@@ -332,16 +333,20 @@ def scan_layers(layers: Iterable[torch.nn.Module], *inputs: Any, remat: Remat = 
         if fsdp_meshes is not None:  # FSDP2's unshard, for this step's layer (its gradient reduce-scattered back)
             params = gathered_state(params, fsdp_meshes, tp_specs)
         records = None if plan is None else StepRecords(plan)
-        out = view_of(template, params, peers=peers, checked=dict(selecting),
+        checked = dict(selecting)  # the view also records here what the body assigns
+        out = view_of(template, {**params, **attr_rows}, peers=peers, checked=checked,
                       recorder=records)(*args, **kwargs)  # shared kwargs: closed over
         out, extras = split_output(out, h, len(inputs), layers, 0)  # extras: the scan's ys
-        return out, (extras, None if records is None else records.outputs(), tuple(w.written() for w in writes))
+        return out, (extras, None if records is None else records.outputs(), tuple(w.written() for w in writes),
+                     module_state.written(checked, attr_rows))
 
     rows = [] if varying is None else varying.stacks()
-    out, (extras, recorded, written) = scan(step, _as_output(inputs), (xs, rows), remat=remat, unroll=unroll)
+    out, (extras, recorded, written, attr_ys) = scan(step, _as_output(inputs), (xs, rows, attrs), remat=remat,
+                                                     unroll=unroll)
     if plan is not None:
         replay(layers, plan, recorded)
     written_rows.hand_back(slots, written)
+    module_state.hand_back(layers, attr_ys)
     return join_output(out, extras, len(inputs))
 
 

@@ -11,7 +11,8 @@ on, so the model computes what its own loop computes.
 A live cache in a layer's inputs (generation with a ``Cache``) runs the real layers one by
 one instead: each layer writes its own slot of the cache (``layer_idx``), which one scanned
 body cannot do; except, when the scan is traced (torch.compile, XLA), transformers' static and
-dynamic caches (key/value and linear-attention layers), whose slots the scan reads and writes as
+dynamic caches (key/value and linear-attention layers; RecurrentGemma's states on its modules:
+``layers.module_state``), whose slots the scan reads and writes as
 per-layer rows (``models.stacked_cache``).
 Outside the model's forward the container is the plain ModuleList it was:
 iteration, indexing, ``fully_shard`` per layer and ``state_dict`` see the real layers.

@@ -20,11 +20,10 @@ Only the state a decode step reads is twinned: a layer with one state (``number_
 1), filled (``has_previous_state``) and not recording its past (``record_past``, whose conv
 states grow for a later ``crop``). Anything else returns None and the layers run one by one.
 
-RecurrentGemma is not twinned here: its recurrent blocks keep their states on the modules
-themselves (``RecurrentGemmaRecurrentBlock.conv1d_state``, ``RecurrentGemmaRglru
-.recurrent_states``, plain attributes assigned by ``forward``), not in a cache object, and its
-cache's layers for them are never filled, so ``stacked_slots`` declines the cache and its
-layers run one by one (a scanned body could not write those attributes back to each layer).
+RecurrentGemma's recurrent blocks keep their states on the modules themselves
+(``RecurrentGemmaRecurrentBlock.conv1d_state``, ``RecurrentGemmaRglru.recurrent_states``), not in
+the cache, whose layers for them stay empty: those get ``stacked_cache.UnusedRows``, and the
+attributes are scanned as rows by ``layers.module_state``.
 """
 import torch
 

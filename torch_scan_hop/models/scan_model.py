@@ -6,7 +6,7 @@ import torch
 
 from ..remat.policies import as_policy
 from ..core.trees import ScanError
-from ..layers import patterns
+from ..layers import module_state, patterns
 from ..layers.patterns import blocks_of, stack_plan
 from . import forward_loop
 from .deferred import ScannedForward, ScannedModuleList
@@ -70,6 +70,8 @@ def scan_model(model: Model, *, remat="save_all", unroll=None) -> Model:
     container.__class__ = ScannedModuleList
     container.__dict__["_scan_model_options"] = options
     segments = stack_plan(container, layers, "auto")
+    for layer in layers:  # the names of state kept on the layers' modules, read outside any tracer
+        module_state.record(layer)
     for seg in segments:
         if seg.period > 1:
             blocks_of(container, layers, seg)  # made now, outside any tracer

@@ -12,10 +12,11 @@ its rows back: copied into a static cache's tensors in place (same object, same 
 Twins exist for the four layer classes of transformers' ``StaticCache`` and ``DynamicCache``:
 ``StaticLayer``, ``StaticSlidingWindowLayer``, ``DynamicLayer``, ``DynamicSlidingWindowLayer``,
 and for their linear-attention layers (``LinearAttentionLayer``, Qwen3-Next's: ``models.linear_cache``).
+A linear-attention layer still empty when others are filled is one its model layer never calls
+(RecurrentGemma's recurrent blocks keep their states on their modules: ``layers.module_state``).
 A cache holding anything else (the hybrid linear-and-attention layer classes, an offloaded or
-quantized cache, a subclass), a layer not yet filled (the prefill; RecurrentGemma's linear layers,
-whose states live on its modules), or layers whose Python-side counters disagree, runs the layers
-one by one, as the model's own loop does.
+quantized cache, a subclass), a layer not yet filled (the prefill), or layers whose Python-side
+counters disagree, runs the layers one by one, as the model's own loop does.
 """
 import collections
 
@@ -59,6 +60,40 @@ class _Rows(WrittenRows):
             raise ScanError(f"scan_model: a layer wrote {key_states.shape[-2]} tokens into its cache where the "
                             f"step's hidden state has {self.tokens}; a scanned stack's cache twins assume one "
                             "key per token (self-attention).")
+
+
+class UnusedRows(WrittenRows):
+    """A linear-attention cache layer still empty when the cache's other layers were filled: its
+    model layer keeps its state elsewhere and never calls the cache (RecurrentGemma's recurrent
+    blocks keep theirs on their modules, scanned as rows by ``layers.module_state``). No rows; a
+    call to it is a ScanError naming the layer (never a wrong number)."""
+
+    selects = ("layer_idx",)
+
+    def __init__(self, index):
+        self.index = index
+
+    def rows(self):
+        return ()
+
+    def python_state(self):
+        return {}
+
+    def over(self, rows):
+        return UnusedRows(self.index)
+
+    def written(self):
+        return ()
+
+    def take(self, rows):
+        pass
+
+    def _used(self, *args, **kwargs):
+        raise ScanError(f"scan_model: layer {self.index} used its cache layer, which was still empty after "
+                        "the prefill filled the others; the scanned decode step took it for unused.")
+
+    update = get_seq_length = get_mask_sizes = get_conv_state = get_recurrent_state = _used
+    update_conv_state = update_recurrent_state = has_previous_state = is_recording_past = _used
 
 
 class StaticRows(_Rows):
@@ -163,16 +198,16 @@ def stacked_slots(cache, indices, tokens):
     layers = getattr(cache, "layers", None)
     if not isinstance(tokens, int) or layers is None or max(indices) >= len(layers):
         return None
-    twins = [_twin(cu, layers[i], tokens) for i in indices]
-    if any(t is None for t in twins) or not _alike_by_class(twins):
+    twins = [_twin(cu, layers[i], tokens, i) for i in indices]
+    if any(t is None for t in twins) or all(type(t) is UnusedRows for t in twins) or not _alike_by_class(twins):
         return None
     return twins
 
 
-def _twin(cu, layer, tokens):
+def _twin(cu, layer, tokens, index):
     kind = type(layer)
     if kind is cu.LinearAttentionLayer:
-        return linear_twin(layer, tokens)
+        return UnusedRows(index) if _empty(layer) else linear_twin(layer, tokens)
     if not getattr(layer, "is_initialized", False) or layer.keys is None or layer.keys.dim() != 4:
         return None  # not filled yet: the prefill runs the layers one by one
     rows = (layer.keys, layer.values)
@@ -185,6 +220,12 @@ def _twin(cu, layer, tokens):
     if kind is cu.DynamicSlidingWindowLayer and not layer.record_past:
         return SlidingDynamicRows(rows, tokens, layer, window=layer.sliding_window)
     return None
+
+
+def _empty(layer):
+    """A linear-attention layer nothing was ever written to."""
+    return not any((*layer.is_conv_states_initialized.values(), *layer.is_recurrent_states_initialized.values(),
+                    *layer.has_previous_state.values()))
 
 
 def _alike_by_class(twins):
