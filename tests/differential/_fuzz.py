@@ -266,16 +266,19 @@ class _BodyWriter:
     def read_inputs(self):
         p = self.p
         for path, leaf in leaf_paths(p.carry, "carry") + leaf_paths(p.xs, "x"):
-            if path.startswith("x"):
-                self.x_paths.append(path)
-            if leaf.kind == "float":
-                self.new(TO_BD[leaf.shape].format(path))
-            elif leaf.kind == "int":
-                self.ints.append(path if leaf.shape == () else f"{path}.unsqueeze(-1)")
-            else:
-                self.bools.append(path)
+            self.read_leaf(path, leaf)
         if not self.floats:
             self.new(f"torch.ones(2, 3, dtype={self.dt()}, device=DEVICE)")
+
+    def read_leaf(self, path, leaf):
+        if path.startswith("x"):
+            self.x_paths.append(path)
+        if leaf.kind == "float":
+            self.new(TO_BD[leaf.shape].format(path))
+        elif leaf.kind == "int":
+            self.ints.append(path if leaf.shape == () else f"{path}.unsqueeze(-1)")
+        else:
+            self.bools.append(path)
 
     def source(self):
         r, p = self.rng, self.p

@@ -135,22 +135,15 @@ class WritingBody:
 
     def read_inputs(self):
         self.carry_writes()
-        written = self.written()
-        from _fuzz import TO_BD, leaf_paths
-        for path, leaf in leaf_paths(self.p.carry, "carry") + leaf_paths(self.p.xs, "x"):
-            if written.get(path):  # returned itself, written again next step: read a copy
-                self.new(TO_BD[leaf.shape].format(f"{path}.clone()"))
-                continue
-            if path.startswith("x"):
-                self.x_paths.append(path)
-            if leaf.kind == "float":
-                self.new(TO_BD[leaf.shape].format(path))
-            elif leaf.kind == "int":
-                self.ints.append(path if leaf.shape == () else f"{path}.unsqueeze(-1)")
-            else:
-                self.bools.append(path)
-        if not self.floats:
-            self.new(f"torch.ones(2, 3, dtype={self.dt()}, device=DEVICE)")
+        self._written = self.written()
+        super().read_inputs()
+
+    def read_leaf(self, path, leaf):
+        if self._written.get(path):  # returned itself, written again next step: read a copy
+            from _fuzz import TO_BD
+            self.new(TO_BD[leaf.shape].format(f"{path}.clone()"))
+        else:
+            super().read_leaf(path, leaf)
 
     def buffer_steps(self):
         wr, steps = self.wr, []
