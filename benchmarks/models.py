@@ -10,15 +10,18 @@ batch 2 x 16 tokens, one thread.
 
 ``--device xla`` runs the same on PyTorch/XLA (``PJRT_DEVICE=CPU``): ``--backend none`` is the lazy
 tensor path (trace, XLA compile, run at the sync), ``--backend openxla`` torch.compile's XLA backend;
-a step ends when XLA's device work does, and "first" is the first two steps (a scanned stack's second
-step compiles again: it runs on the weights stacked by the first). ``--unroll 1`` makes every scan a
-While (XLA's default runs a short stack straight-line).
+a step ends when XLA's device work does, and "first" is the first two steps (before 2026-11-29 a
+scanned stack's second step compiled again; now it compiles nothing). ``--unroll 1`` makes every scan a
+While. Each family, depth and variant runs in a process of its own: the plans and compiled programs one depth
+cached would otherwise make the next one's first call cheaper (a layer's body is the same at every
+depth), and the ratio across depths meaningless.
 Run: python benchmarks/models.py [--families llama,gemma3] [--depths 4,16] [--backend inductor|none|openxla]
      [--device cpu|xla] [--unroll N] [--reps 10]
 """
 import argparse
-import copy
+import json
 import os
+import subprocess
 import sys
 import time
 
@@ -75,7 +78,10 @@ def main():
     parser.add_argument("--device", default="cpu", choices=["cpu", "xla"])
     parser.add_argument("--unroll", type=int, default=None)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--child", choices=["loop", "scan"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if not args.child:
+        return _parent(args)
     torch.set_num_threads(1)
     device = torch.device("cpu")
     if args.device == "xla":
@@ -84,16 +90,30 @@ def main():
 
         device = torch_xla.device()
     tokens = ids(batch=2, length=16).to(device)
+    (family,), (depth,) = args.families.split(","), map(int, args.depths.split(","))
+    torch.manual_seed(0)
+    model = build(family, depth)
+    if args.child == "scan":
+        model = scan_model(model, unroll=args.unroll)
+    print(json.dumps(measure(model.to(device), args.backend, tokens, args.reps)))
+
+
+def _child(args, family, depth, variant):
+    """(first, steady) seconds of one variant in a fresh process."""
+    cmd = [sys.executable, __file__, "--child", variant, "--families", family, "--depths", str(depth),
+           "--backend", args.backend, "--device", args.device, "--reps", str(args.reps)]
+    cmd += [] if args.unroll is None else ["--unroll", str(args.unroll)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _parent(args):
+    """One child process per family and depth (see the module docstring); the table."""
     rows = []
     for family in args.families.split(","):
         firsts = {}
         for depth in map(int, args.depths.split(",")):
-            torch.manual_seed(0)
-            loop = build(family, depth)
-            scanned = scan_model(copy.deepcopy(loop), unroll=args.unroll).to(device)
-            loop = loop.to(device)
-            lf, ls = measure(loop, args.backend, tokens, args.reps)
-            sf, ss = measure(scanned, args.backend, tokens, args.reps)
+            (lf, ls), (sf, ss) = (_child(args, family, depth, variant) for variant in ("loop", "scan"))
             firsts[depth] = (lf, sf)
             rows.append([family, depth, f"{lf:.1f}", f"{sf:.1f}", f"{sf / lf:.2f}x", f"{ls * 1e3:.1f}",
                          f"{ss * 1e3:.1f}", f"{ss / ls:.2f}x"])

@@ -7,6 +7,7 @@
 - ``flat_body``: the front end's body as the op sees it under Dynamo (and on copies of its carries,
   for a body that writes into them in place);
 - ``closure_writes``: a body writing into a closed-over tensor, run with that tensor carried;
+- ``copies``: a graph's ``aten.copy`` made differentiable where autograd runs the graph;
 - ``indexing``: ``buf[:, t]`` and ``buf[:, t] = h`` with a 0-d integer tensor ``t`` traced as
   advanced indexing, not read as a Python int;
 - ``body_checks``: a body traced for its input-mutation check (the checks: ``core/checks.py``);

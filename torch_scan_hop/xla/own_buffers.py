@@ -33,7 +33,9 @@ _fill_values = {}  # (value, dtype, device) -> a 1-element tensor of our own
 
 def filled(value, dtype, device, shape):
     """A new tensor of ``shape`` holding ``value`` (as ``torch.full``), from a buffer only
-    our Whiles use."""
+    our Whiles use; 0 and 1, torch_xla's special scalars, are constants of the program."""
+    if value in (0, 1):
+        return torch.full(shape, value, dtype=dtype, device=device)
     key = (value, dtype, str(device))
     one = _fill_values.get(key)
     if one is None:
