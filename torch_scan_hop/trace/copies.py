@@ -9,6 +9,8 @@ can differentiate.
 """
 import torch
 
+from .cache import memo
+
 
 def _copy(self, src, non_blocking=False):
     """``aten.copy(self, src)``'s value: ``src`` as ``self``'s shape, dtype and device."""
@@ -20,6 +22,11 @@ def differentiable_copies(body):
     copy = torch.ops.aten.copy.default
     if not isinstance(body, torch.fx.GraphModule) or not body.graph.find_nodes(op="call_function", target=copy):
         return body
+    # once per graph (its code: new after any change), not per eager call of the op
+    return memo(body, ("differentiable_copies", body.code), lambda: _without_copies(body, copy))
+
+
+def _without_copies(body, copy):
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(body.graph, {}))
     for node in graph.find_nodes(op="call_function", target=copy):
