@@ -77,3 +77,28 @@ def test_states_requiring_grad_are_not_rows_and_a_difference_is_refused(fresh_dy
     assert all(layer.inner.state.requires_grad for layer in layers)
     with pytest.raises(ScanError, match="inner.state"):
         compiled(h)
+
+
+class ScaledLayer(torch.nn.Module):
+    """A per-layer tensor its forward only reads (never assigns)."""
+
+    def __init__(self, scale):
+        super().__init__()
+        self.lin, self.scale = torch.nn.Linear(4, 4), torch.full((4,), scale)
+
+    def forward(self, h):
+        return torch.tanh(self.lin(h) * self.scale)
+
+
+def test_a_state_the_body_only_reads_is_each_layers_own_and_left_as_it_is(fresh_dynamo):
+    """Read as rows (each layer its own value), and not handed back: each layer keeps its tensor
+    object, as the loop leaves it."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(ScaledLayer(s) for s in (0.5, 1.0, 2.0))
+    module_state.record(layers[0])
+    scales = [layer.scale for layer in layers]
+    h = torch.randn(2, 4)
+    with torch.no_grad():
+        got = torch.compile(lambda h: scan_layers(layers, h), backend="eager", fullgraph=True)(h)
+        torch.testing.assert_close(got, _loop(layers, h))
+    assert all(layer.scale is s for layer, s in zip(layers, scales))

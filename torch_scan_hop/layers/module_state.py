@@ -93,12 +93,12 @@ def rows(template, layers):
     return out
 
 
-def written(checked, known):
+def written(checked):
     """After one step's body: ``{path: value}`` for what it assigned (the view's record in
-    ``checked``): tensors (the step's ys) and None (assigned alike in every step: one body); a
-    row the body did not assign comes back as it was read (``known``: the step's rows). Other
-    values it assigns stay in the step, as before (not handed back)."""
-    out = dict(known)
+    ``checked``): tensors (the step's ys) and None (assigned alike in every step: one body). A
+    row the body only read is not returned: its layers keep their own tensors, as the loop leaves
+    them. Other values it assigns stay in the step, as before (not handed back)."""
+    out = {}
     for key, value in checked.items():
         if isinstance(key, tuple) and len(key) == 2 and key[0] == _WRITTEN:
             if value is None or isinstance(value, torch.Tensor):

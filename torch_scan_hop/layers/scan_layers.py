@@ -338,7 +338,7 @@ def scan_layers(layers: Iterable[torch.nn.Module], *inputs: Any, remat: Remat = 
                       recorder=records)(*args, **kwargs)  # shared kwargs: closed over
         out, extras = split_output(out, h, len(inputs), layers, 0)  # extras: the scan's ys
         return out, (extras, None if records is None else records.outputs(), tuple(w.written() for w in writes),
-                     module_state.written(checked, attr_rows))
+                     module_state.written(checked))
 
     rows = [] if varying is None else varying.stacks()
     out, (extras, recorded, written, attr_ys) = scan(step, _as_output(inputs), (xs, rows, attrs), remat=remat,
