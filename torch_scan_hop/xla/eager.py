@@ -79,7 +79,7 @@ def _cell_contents(cell):
 
 def first_sight(fn, leaves, options):
     """Is this the first call of ``fn``'s code with these inputs' shapes, dtypes,
-    requires_grad, grad mode, options and closed-over tensors' metadata? Records
+    requires_grad, options and closed-over tensors' metadata? Records
     it: the next such call is not. Only the route depends on it, never a result:
     a key that misses a change (a tensor held deeper in the closure) merely
     sends a call to Dynamo's capture, which sees the change itself. A call with
@@ -87,7 +87,7 @@ def first_sight(fn, leaves, options):
     if _may_train():
         return False
     cells = tuple(_meta(_cell_contents(c)) for c in getattr(fn, "__closure__", None) or ())
-    key = (fn.__code__, torch.is_grad_enabled(), tuple(sorted(options.items())), cells,
+    key = (fn.__code__, tuple(sorted(options.items())), cells,  # grad mode: always off here
            tuple(_meta(t) for t in leaves))
     with _lock:
         if key in _seen:
