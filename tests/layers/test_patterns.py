@@ -145,7 +145,7 @@ def test_a_body_reading_per_layer_data_is_refused(fresh_dynamo):
     h = torch.randn(2, D, dtype=torch.float64)
     masks = {"sliding": torch.ones(D, dtype=torch.float64), "full": torch.ones(D, dtype=torch.float64)}
     scan_layers(layers, h, layer_kwargs=_kwargs(layers, masks), period="auto")
-    with pytest.raises(Exception, match=r"attribute '0.layer_idx' is 3 but layer 0's is 0"):
+    with pytest.raises(Exception, match=r"layer 1's attribute 'layer_idx' is 1 but layer 0's is 0"):
         torch.compile(lambda: scan_layers(layers, h, layer_kwargs=_kwargs(layers, masks), period="auto"),
                       backend="aot_eager", fullgraph=True)()
 

@@ -75,23 +75,27 @@ def _is_plain(value):
     return type(value) in _PLAIN or type(value) is tuple and all(type(v) in _PLAIN for v in value)
 
 
-def check_peers_agree(name, value, others):
+def check_peers_agree(name, value, others, labels=None):
+    """A plain attribute ``value`` of the scanned layer against the same attribute of each peer
+    (``others``): a difference is a ScanError naming the peer, as ``labels[i]`` when given (the
+    layer itself ``labels[0]``: a nested run's layers by their place in the stack), else layer i."""
     n, kind = len(others), type(value)
     if _is_plain(value) and [type(o) for o in others].count(kind) == n and others.count(value) == n:
         return  # all equal, found with no call per layer (each costs Dynamo a trace, 64 at depth 64)
+    labels = labels or [f"layer {i}" for i in range(n + 1)]
     for i, other in enumerate(others, start=1):
         if not same_value(other, value) and _both_tensors_alike(value, other):
             raise ScanError(
-                f"scan_layers: layer {i}'s attribute {name!r} is a plain tensor (not a parameter or buffer) "
-                f"and not layer 0's, though alike ({_show(value)}, {value.dtype}); the scanned body runs layer "
-                "0's code with layer 0's attributes, and a plain tensor is the same attribute only as the "
+                f"scan_layers: {labels[i]}'s attribute {name!r} is a plain tensor (not a parameter or buffer) "
+                f"and not {labels[0]}'s, though alike ({_show(value)}, {value.dtype}); the scanned body runs "
+                f"{labels[0]}'s code with its attributes, and a plain tensor is the same attribute only as the "
                 "same object (values are not compared, nor guarded on later calls): "
                 f"register it as a buffer in each layer (self.register_buffer({name.rsplit('.', 1)[-1]!r}, t, "
                 "persistent=False): then every layer's is used), or give every layer the same tensor object.")
         if not same_value(other, value):
             raise ScanError(
-                f"scan_layers: layer {i}'s attribute {name!r} is {_show(other)} but layer 0's is "
-                f"{_show(value)}; the scanned body runs layer 0's code with layer 0's attributes, so all "
+                f"scan_layers: {labels[i]}'s attribute {name!r} is {_show(other)} but {labels[0]}'s is "
+                f"{_show(value)}; the scanned body runs {labels[0]}'s code with its attributes, so all "
                 "layers must agree on the ones it reads (keep per-layer values in parameters or buffers, "
                 "or use a Python loop)." + _per_layer_function_hint(value, other))
 

@@ -19,8 +19,8 @@ what the body reads with every peer and refuses a difference (a ScanError naming
 guess here costs a refusal, never a wrong number.
 
 Plain Python over ints and tuples, computed once per stack (``kinds``) outside any tracer;
-``plan`` is cheap enough to run in traced code. ``stack_plan`` and ``blocks_of`` keep a container's
-plan and blocks on it (``scan_model`` makes them before any trace).
+``plan`` is cheap enough to run in traced code. ``stack_plan`` keeps a container's plan on it
+(``scan_model`` makes it before any trace); ``layers.blocks`` the blocks a scan over blocks runs.
 """
 import collections
 
@@ -164,47 +164,16 @@ def describe(segments):
     return lines
 
 
-class LayerBlock(torch.nn.Module):
-    """``period`` consecutive layers as one module: the body of a scan over blocks.
-
-    Built once per block by ``scan_layers`` / ``scan_model`` and kept OUTSIDE the model's
-    module tree (the layers stay where they are: ``state_dict`` keys, ``parameters()`` and
-    optimizers are unchanged). Its forward runs its layers in order, each with its own
-    keyword inputs (``block_kwargs[k]`` for its k-th layer: masks and positions by kind)."""
-
-    def __init__(self, layers):
-        super().__init__()
-        for k, layer in enumerate(layers):
-            self.add_module(str(k), layer)
-
-    def forward(self, hidden_states, block_kwargs):
-        for k, kwargs in enumerate(block_kwargs):
-            out = getattr(self, str(k))(hidden_states, **kwargs)
-            hidden_states = hidden_of(out, k)
-        return hidden_states
-
-
-def hidden_of(out, k):
-    """A block's layer returns its hidden state (transformers 5) or ``(hidden,)`` / ``(hidden, None, ...)``."""
-    if isinstance(out, tuple):
-        if len(out) >= 1 and all(o is None for o in out[1:]):
-            return out[0]
-        raise ScanError(f"scan_layers: layer {k} of a block returns a tuple with extras {tuple(type(o).__name__ for o in out)}; "
-                        "a scan over blocks of different layers carries the hidden state alone. Call the model "
-                        "without outputs that layers return (attentions, router logits), or scan without a period.")
-    return out
-
-
 def stack_plan(container, layers, period):
     """The segments of ``layers`` for ``period`` (an int or "auto"), cached on a module container
     for the layers it holds now (``blocks_of`` caches the blocks alike: made outside a traced call
     when the first call ran, or ``scan_model`` prepared them, outside one)."""
     if period != "auto" and (isinstance(period, bool) or not isinstance(period, int) or period < 1):
         raise ScanError(f"scan_layers: period must be a positive int or 'auto', got {period!r}.")
-    cache = _cache(container, "_scan_layers_plans")
+    cache = container_cache(container, "_scan_layers_plans")
     key = (len(layers), period)
     hit = cache.get(key)
-    if hit is not None and _same_modules(hit[0], layers):  # a layer replaced since: planned again
+    if hit is not None and same_modules(hit[0], layers):  # a layer replaced since: planned again
         return hit[1]
     if _compat.is_dynamo_compiling():  # not cached: a first eager call reads the full kinds
         return _segments(kinds_traced(layers), len(layers), period)
@@ -213,7 +182,7 @@ def stack_plan(container, layers, period):
     return segments
 
 
-def _same_modules(a, b):
+def same_modules(a, b):
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
@@ -226,7 +195,7 @@ def _segments(ks, depth, period):
     return tuple(head) + tuple(s._replace(start=s.start + count * period) for s in rest)
 
 
-def _cache(container, name):
+def container_cache(container, name):
     """A dict kept on a module container (plain attribute reads and writes: Dynamo traces those)."""
     if not isinstance(container, torch.nn.Module):
         return {}
@@ -235,16 +204,3 @@ def _cache(container, name):
         cache = {}
         setattr(container, name, cache)
     return cache
-
-
-def blocks_of(container, layers, seg):
-    """The ``LayerBlock`` modules of a segment over blocks, made once per container and made
-    again when a layer was replaced since (a block holds its layers: a stale one would run the
-    old layer)."""
-    cache = _cache(container, "_scan_layers_blocks")
-    key = (seg.start, seg.period, seg.count)
-    members = [layers[seg.start + b * seg.period: seg.start + (b + 1) * seg.period] for b in range(seg.count)]
-    hit = cache.get(key)
-    if hit is None or not all(_same_modules(list(block._modules.values()), m) for block, m in zip(hit, members)):
-        cache[key] = [LayerBlock(m) for m in members]
-    return cache[key]

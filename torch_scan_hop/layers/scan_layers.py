@@ -42,7 +42,7 @@ from .checks import (
 from .fsdp import check_fsdp, gathered_state, tensor_parallel_parts
 from .grads import check_flags_traced, stacks_swapped
 from .layer_state import check_sharded_alike, layer_state, layer_states, same_value
-from . import module_state, patterns, written_rows
+from . import blocks, module_state, patterns, written_rows
 from .layer_kwargs import split as split_kwargs
 from .outputs import join_output, layer_name, split_output, stack_extras
 from .ownership import container_of, container_token, owner_of
@@ -305,8 +305,6 @@ def scan_layers(layers: Iterable[torch.nn.Module], *inputs: Any, remat: Remat = 
     unroll = _resolve_unroll(unroll)
     # one iteration of every layer: no While on XLA (a bad unroll is scan's ScanError)
     straight = schedule.one_iteration(len(layers), unroll)
-    xs = stack_state(states, straight) if stacked is None else _from_storage(
-        layers, stacked, states[0], token, trained_stacks)
     template = layers[0]
     single = len(inputs) == 1
     plan = None  # the transformers capture hooks a model collects now: recorded by the body
@@ -321,10 +319,19 @@ def scan_layers(layers: Iterable[torch.nn.Module], *inputs: Any, remat: Remat = 
     peers = () if over_rows or (not dynamo and _all_attributes_agree(layers)) else layers[1:]
     selecting = written_rows.selecting_reads(template, slots[0])  # compared with no peer
     attrs = module_state.rows(template, layers)  # per-layer tensors kept on the modules
+    # a scan over blocks: runs of one kind in the block as nested scans (layers.blocks)
+    nest = blocks.nested_runs(layers, states, slots, attrs, plan, fsdp_meshes, straight)
+    if nest is not None:
+        xs = blocks.stack_nested(states, nest)
+    else:
+        xs = stack_state(states, straight) if stacked is None else _from_storage(
+            layers, stacked, states[0], token, trained_stacks)
 
     def step(h, params_and_rows):
         params, rows, attr_rows = params_and_rows
         kwargs, writes = written_rows.at_step(shared if varying is None else varying.rebuild(rows), slots[0])
+        if nest is not None:
+            kwargs = {**kwargs, "runs": nest}
         if dynamo:  # in the body: under torch.compile only errors raised there stay ScanErrors
             check_no_running_stat_updates(template)
             if trained_stacks:
@@ -369,14 +376,14 @@ def scan_patterned(layers, hidden, *, remat="save_all", unroll=None, partition_f
 
 def _run_segment(container, layers, seg, hidden, per_layer, remat, unroll):
     if seg.period > 1:
-        blocks = patterns.blocks_of(container, layers, seg)
+        members = blocks.blocks_of(container, layers, seg)
         block_kwargs = [{"block_kwargs": tuple(per_layer[seg.start + b * seg.period + k] for k in range(seg.period))}
                         for b in range(seg.count)]
-        return scan_layers(blocks, hidden, remat=remat, unroll=unroll, layer_kwargs=block_kwargs)
+        return scan_layers(members, hidden, remat=remat, unroll=unroll, layer_kwargs=block_kwargs)
     if seg.count == 1:
         out = layers[seg.start](hidden, **per_layer[seg.start])
         written_rows.settle(per_layer[seg.start])
-        return patterns.hidden_of(out, seg.start)
+        return blocks.hidden_of(out, seg.start)
     run = slice(seg.start, seg.start + seg.count)
     out = scan_layers(layers[run], hidden, remat=remat, unroll=unroll, layer_kwargs=per_layer[run])
-    return patterns.hidden_of(out, seg.start)
+    return blocks.hidden_of(out, seg.start)

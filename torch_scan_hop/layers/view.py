@@ -19,6 +19,7 @@ from .layer_state import MISSING, check_peers_agree
 
 
 _WRITTEN = "written"  # the key of an attribute the body wrote: (_WRITTEN, path) in the view tree's dict
+LABELS = ("labels",)  # the key of the names of the layer and its peers in messages (default: layer i)
 
 
 class _LayerView:
@@ -83,7 +84,8 @@ class _LayerView:
             return attr if _is_static(type(module), name) else _ViewMethod(attr, self)
         value = getattr(module, name)
         if prefix + name not in d["_view_checked"]:  # once per trace: a check reads the attribute of every layer
-            check_peers_agree(prefix + name, value, [getattr(p, name, MISSING) for p in _peers_of(d)])
+            check_peers_agree(prefix + name, value, [getattr(p, name, MISSING) for p in _peers_of(d)],
+                              d["_view_checked"].get(LABELS))
             d["_view_checked"][prefix + name] = True
         return value
 
@@ -240,6 +242,13 @@ def _view_type(cls):
     """A _LayerView whose ``__class__`` is ``cls``: ``isinstance`` and the
     zero-argument ``super()`` in the layer's methods then accept the view."""
     return type(f"{cls.__name__}View", (_LayerView,), {"__class__": cls})
+
+
+def view_parts(view):
+    """``(module, state, prefix)`` of a view: the layer it shows, the step's weights by dotted
+    name, and its path in the layer (``layers.blocks`` scans a block's runs from them)."""
+    d = view.__dict__
+    return d["_view_m"], d["_view_state"], d["_view_prefix"]
 
 
 def view_of(module, state, prefix="", peers=(), checked=None, parent=None, recorder=None):

@@ -7,7 +7,8 @@ import torch
 from ..remat.policies import as_policy
 from ..core.trees import ScanError
 from ..layers import module_state, patterns
-from ..layers.patterns import blocks_of, stack_plan
+from ..layers.blocks import blocks_of
+from ..layers.patterns import stack_plan
 from . import forward_loop
 from .deferred import ScannedForward, ScannedModuleList
 
