@@ -104,5 +104,5 @@ def test_a_buffer_read_after_its_write_keeps_its_copy():
     before = dict(row_writes.counts())
     for node in gm.graph.nodes:
         node.meta["val"] = torch.empty(T, H) if node.name in ("buf", "index_put") else None
-    assert row_writes.write_in_place(gm, 1) == frozenset()
+    assert row_writes.write_in_place(gm, 1) == (gm, frozenset())
     assert row_writes.counts().get("kept", 0) == before.get("kept", 0) + 1

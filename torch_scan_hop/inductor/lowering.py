@@ -102,7 +102,7 @@ def _lower_scans(gm):
         body = getattr(gm, combine.target)
         body_passes.unfuse_bias_adds(body)
         body_passes.copy_slices_into_unfaked_ops(body, len(init), len(xs))
-        in_place = row_writes.write_in_place(body, len(init))
+        loop_body, in_place = row_writes.write_in_place(body, len(init))
         ys_vals = node.meta["val"][len(init):]
         flat = [*init, *xs, *lifted]
         counts = (len(init), len(xs), len(lifted))
@@ -111,7 +111,7 @@ def _lower_scans(gm):
         marks = [_is_ours(loop) for _, loop in _nested_loops(body)]
         loops_before = set(gm.graph.find_nodes(op="call_function", target=_WHILE))
         dead = _unread_ys(node, len(init), len(ys_vals))
-        match.replace_by_example(_as_multi_output(_while_loop(body, ys_vals, counts, reverse, dead, in_place)), flat,
+        match.replace_by_example(_as_multi_output(_while_loop(loop_body, ys_vals, counts, reverse, dead, in_place)), flat,
                                  run_functional_passes=False)
         for loop in gm.graph.find_nodes(op="call_function", target=_WHILE):
             if loop not in loops_before:

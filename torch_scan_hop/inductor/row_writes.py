@@ -15,6 +15,7 @@ new tensor (no view, which the write would change under it, and no output). Any 
 carry keeps the copy (right, slower). ``counts()`` says how often each happened.
 """
 import collections
+import copy
 
 import torch
 
@@ -30,27 +31,32 @@ def counts():
 
 
 def write_in_place(body, num_carry):
-    """Make the qualifying row writes of ``body`` (a scan body's GraphModule) in-place writes of
-    their carry input; returns the frozenset of their carry positions (their inits must be cloned)."""
+    """``(loop body, positions)``: ``body`` (a scan body's GraphModule) with its qualifying row
+    writes made in-place writes of their carry input, and the frozenset of those carries' positions
+    (their inits must be cloned). A copy when anything changes: the scan node's own body stays
+    functional, should another scan node share it."""
     placeholders = body.graph.find_nodes(op="placeholder")
-    output = body.graph.output_node()
-    outputs = list(output.args[0])
-    done = set()
+    outputs = list(body.graph.output_node().args[0])
+    done = []
     for k in range(min(num_carry, len(placeholders), len(outputs))):
-        node = outputs[k]
-        if not _is_index_put(node):
+        if not _is_index_put(outputs[k]):
             continue
-        if _refusal(node, placeholders[k], outputs):
+        if _refusal(outputs[k], placeholders[k], outputs):
             _COUNTS["kept"] += 1
             continue
+        done.append(k)
+        _COUNTS["in_place"] += 1
+    if not done:
+        return body, frozenset()
+    gm = torch.fx.GraphModule(body, copy.deepcopy(body.graph))
+    output = gm.graph.output_node()
+    for k in done:
+        node = output.args[0][k]
         output.prepend(node)  # after every other read of the input (graph order is run order)
         node.target = aten.index_put_.default
-        done.add(k)
-        _COUNTS["in_place"] += 1
-    if done:
-        body.graph.lint()
-        body.recompile()
-    return frozenset(done)
+    gm.graph.lint()
+    gm.recompile()
+    return gm, frozenset(done)
 
 
 def _is_index_put(node):
