@@ -2,7 +2,9 @@
 written in place under inductor (``inductor/row_writes.py``): the loop gives the new carry no
 buffer of its own and copies nothing of the old one, in the forward and in the backward (whose
 body zeroes the row of the buffer's gradient). Values and gradients (float64) against the Python
-loop; the generated code is read for any buffer of the carried buffers' shapes made in a loop."""
+loop; the generated code is read for any buffer of the carried buffers' shapes made in a loop
+(the backward's gradient of the ``rows[t - 1]`` read was one: a zero buffer scattered into and
+added, folded into the row writes)."""
 import re
 
 import torch
@@ -19,7 +21,7 @@ D = torch.float64
 def body(w):
     def step(carry, x, t):
         h, rows, cols = carry
-        h = torch.tanh(h @ w + x)
+        h = torch.tanh(h @ w + x + rows[t - 1] * 0.5)  # the row before (the last at t = 0)
         rows[t] = h  # rows: (T, B, H)
         cols[:, t] = h * 2  # cols: (B, T, H)
         return (h, rows, cols), None
