@@ -28,29 +28,31 @@ def body(w):
     return step
 
 
-def loop(w, h0, xs):
-    carry = (h0, h0.new_zeros(T, B, H), h0.new_zeros(B, T, H))
+def loop(w, h0, xs, rows, cols):
+    carry = (h0, rows.clone(), cols.clone())  # the scan writes no input: the loop on copies
     for i in range(T):
         carry, _ = body(w)(carry, xs[i], torch.tensor(i))
     return carry
 
 
-def scanned(w, h0, xs):
-    return scan(body(w), (h0, h0.new_zeros(T, B, H), h0.new_zeros(B, T, H)), xs, with_index=True)[0]
+def scanned(w, h0, xs, rows, cols):
+    return scan(body(w), (h0, rows, cols), xs, with_index=True)[0]
 
 
 def values_and_grads(fn, inputs):
     out = fn(*inputs)
     gen = torch.Generator().manual_seed(3)
     total = sum((o * torch.randn(o.shape, generator=gen, dtype=D)).sum() for o in out)
-    return [o.detach() for o in out], torch.autograd.grad(total, inputs)
+    return [o.detach() for o in out], torch.autograd.grad(total, inputs[:3])
 
 
 def inputs():
+    """w, h0, xs (requiring grad) and the buffers' inits (their last rows are read at t = 0)."""
     gen = torch.Generator().manual_seed(0)
     return [(torch.randn(H, H, generator=gen, dtype=D) * 0.4).requires_grad_(),
             torch.randn(B, H, generator=gen, dtype=D).requires_grad_(),
-            torch.randn(T, B, H, generator=gen, dtype=D).requires_grad_()]
+            torch.randn(T, B, H, generator=gen, dtype=D).requires_grad_(),
+            torch.randn(T, B, H, generator=gen, dtype=D), torch.randn(B, T, H, generator=gen, dtype=D)]
 
 
 def allocations_in_loops(code, shapes):
@@ -75,9 +77,11 @@ def test_rows_written_in_place_in_both_directions():
     before = row_writes.counts().get("in_place", 0)
     torch._dynamo.reset()
     compiled = torch.compile(scanned, backend="inductor", fullgraph=True)
+    given = inputs()
     with torch._inductor.config.patch(force_disable_caches=True):
-        got, codes = run_and_get_code(lambda: values_and_grads(compiled, inputs()))
+        got, codes = run_and_get_code(lambda: values_and_grads(compiled, given))
     assert_trees_close(got, values_and_grads(loop, inputs()))
+    assert_trees_close(given[3:], inputs()[3:])  # the inits the loop wrote in place are the caller's, unchanged
     assert row_writes.counts()["in_place"] - before == 4  # two buffers, forward and backward
     shapes = [f"({T}, {B}, {H}), ({B * H}, {H}, 1)", f"({B}, {T}, {H}), ({T * H}, {H}, 1)"]
     assert len(codes) == 2 and not [line for c in codes for line in allocations_in_loops(c, shapes)]

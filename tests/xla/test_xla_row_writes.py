@@ -10,17 +10,15 @@ import glob
 import os
 import re
 import shutil
-import tempfile
 
 import pytest
 
 pytest.importorskip("torch_xla", reason="torch_xla is not installed: the XLA tests need the [xla] extra (torch 2.9)")
 import _isolated  # noqa: E402
-from test_xla_stacking import computations, stacked_writes_in_loops  # noqa: E402
+# the stacking tests' dump and child interpreter (one env: one child for both modules)
+from test_xla_stacking import _DUMP, _ENV, computations, stacked_writes_in_loops  # noqa: E402
 
 LENGTH, BATCH, HIDDEN = 37, 2, 3  # per-step values: at most BATCH * HIDDEN elements, under LENGTH
-_DUMP = os.path.join(tempfile.gettempdir(), f"scan_row_writes_dump_{os.getpid()}")
-_ENV = {"XLA_FLAGS": f"--xla_dump_to={_DUMP} --xla_dump_hlo_as_text"}
 
 
 @pytest.fixture(scope="module", autouse=True)
