@@ -5,7 +5,7 @@ RWKV's wkv, a KV cache) instead of returning a row per step. Traced, our scan ta
 (``with_index=True`` gives ``t``): the write is an out-of-place ``index_put`` of the carried buffer.
 Lowered in place it costs what a y costs (a row written per step); lowered as a copy it costs a
 copy of the whole (T, H) buffer per step, O(T^2) in all. Goal (issue 63): per step within 1.2x of
-the y form at T=4096.
+the y form at T=4096. Results: docs/benchmarks.md.
 
 Body: ``h = tanh(h @ W + x)``, H=64, one thread; rows: per-step time of the write form, of the y
 form, and their ratio (interleaved rounds, median of per-round ratios), for each backend: ``eager``
@@ -71,8 +71,9 @@ def measure(backend, T, rounds):
 
     def timed(f):
         def run():
-            f(h0, xs)
+            out = f(h0, xs)  # alive through the sync: lazy XLA computes only what is still referenced
             sync()
+            return out
         return run
     times = interleaved_times({"write": timed(write), "y": timed(y)}, repeat=rounds)
     med, lo, hi = paired_ratio(times["write"], times["y"])

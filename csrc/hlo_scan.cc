@@ -5,11 +5,13 @@
 // [start, stop) run as iterations of `unroll` body calls). We return
 //
 //   entry(carry..., xs..., ys..., pass...):
-//     state = (counter=0, carry..., xs..., ys (flat)..., pass..., pending blocks, offsets)
+//     state = (counter=0, carry..., xs..., ys (flat)..., pass..., pending blocks, offsets,
+//              pending rows, their indices)
 //     for each segment:                    one While per segment
 //       state = while counter < stop - start:
-//                 write the pending blocks; `unroll` body calls; their ys are the new pending blocks
-//       write the pending blocks; counter = 0
+//                 write the pending blocks and rows; `unroll` body calls; their ys and the
+//                 last call's written rows are the new pending blocks and rows
+//       write the pending blocks and rows; counter = 0
 //     return (carry..., ys...)
 //
 // Body call j of an iteration reads step index start + (counter + j), or
@@ -31,6 +33,7 @@
 #include "hlo_proto.h"
 #include "hlo_py.h"
 #include "hlo_signature.h"
+#include "hlo_rows.h"
 #include "hlo_step.h"
 #include "hlo_straight.h"
 
@@ -109,12 +112,16 @@ std::vector<Shape> state_parts(const Signature& sig, int64_t unroll) {
     if (delayed(sig, k)) parts.push_back(flat(sig.ys[k], unroll));
   for (size_t k = 0; k < sig.ys.size(); ++k)
     if (delayed(sig, k)) parts.push_back(scalar(kS64));
+  for (size_t k = 0; k < sig.carry.size(); ++k)
+    if (row_written(sig, k)) parts.push_back(row_slot(sig, k));
+  for (size_t k = 0; k < sig.carry.size(); ++k)
+    if (row_written(sig, k)) parts.push_back(scalar(kS64));
   return parts;
 }
 
 struct State {
   int64_t counter = -1;
-  std::vector<int64_t> carry, xs, ys, pass, blocks, offsets;
+  std::vector<int64_t> carry, xs, ys, pass, blocks, offsets, rows, row_idx;
 };
 
 // What to read back from a loop state: all of it (inside a loop), all but the
@@ -127,9 +134,10 @@ State unpack(Computation& c, int64_t tuple, const Signature& sig, int64_t unroll
   State s;
   std::vector<Shape> parts = state_parts(sig, unroll);
   int index = 0;
-  auto group = [&](const char* name, size_t n, std::vector<int64_t>& out, bool wanted, bool per_y = false) {
+  auto group = [&](const char* name, size_t n, std::vector<int64_t>& out, bool wanted, bool per_y = false,
+                   bool per_carry = false) {
     for (size_t i = 0; i < n; ++i) {
-      if (per_y && !delayed(sig, i)) {
+      if ((per_y && !delayed(sig, i)) || (per_carry && !row_written(sig, i))) {
         out.push_back(-1);
         continue;
       }
@@ -145,14 +153,16 @@ State unpack(Computation& c, int64_t tuple, const Signature& sig, int64_t unroll
   group("pass", sig.pass.size(), s.pass, reads != kResults);
   group("block", sig.ys.size(), s.blocks, true, true);
   group("offset", sig.ys.size(), s.offsets, true, true);
+  group("pending_row", sig.carry.size(), s.rows, true, false, true);
+  group("pending_idx", sig.carry.size(), s.row_idx, true, false, true);
   return s;
 }
 
 int64_t pack(Computation& c, const std::string& label, const State& s, const Signature& sig, int64_t unroll) {
   std::vector<int64_t> parts{s.counter};
-  for (auto* group : {&s.carry, &s.xs, &s.ys, &s.pass, &s.blocks, &s.offsets})
+  for (auto* group : {&s.carry, &s.xs, &s.ys, &s.pass, &s.blocks, &s.offsets, &s.rows, &s.row_idx})
     for (int64_t v : *group)
-      if (v != -1) parts.push_back(v);  // -1: the block and offset of a y written at once
+      if (v != -1) parts.push_back(v);  // -1: the block and offset of a y written at once, a carry's unwritten row
   return c.emit(label, "tuple", tuple_of(state_parts(sig, unroll)), parts);
 }
 
@@ -172,12 +182,18 @@ int64_t step_index(Computation& c, const Signature& sig, const Segment& seg, int
   return c.add(p + "idx", c.constant_s64(p + "start", seg.start), pos);
 }
 
-// Body call j of the current iteration; updates s.carry and appends each y, flat, to rows[k].
+// Body call j of the current iteration; updates s.carry and appends each y, flat, to rows[k]. The
+// last call's written carry rows are left pending (s.rows), the others' written at once.
 void emit_step(Computation& c, const Signature& sig, const Segment& seg, int64_t j, State& s,
                std::vector<std::vector<int64_t>>& rows) {
   std::string p = "s" + std::to_string(j) + "_";
   int64_t idx = step_index(c, sig, seg, s.counter, j, p);
   StepResult step = call_body(c, sig, s.carry, s.xs, s.pass, idx, p);
+  if (j + 1 < seg.unroll)
+    write_rows(c, sig, step, p);
+  else
+    for (size_t k = 0; k < s.carry.size(); ++k)
+      if (row_written(sig, k)) s.rows[k] = step.rows[k], s.row_idx[k] = step.row_idx[k];
   s.carry = step.carry;
   for (size_t k = 0; k < s.ys.size(); ++k) {
     std::string name = p + "y" + std::to_string(k);
@@ -209,6 +225,7 @@ int64_t build_loop_body(Module& mod, const Signature& sig, const Segment& seg, i
   Shape state = tuple_of(state_parts(sig, seg.unroll));
   State s = unpack(c, c.param("state", state), sig, seg.unroll);
   write_blocks(c, sig, s, "pending_");
+  write_pending_rows(c, sig, s.carry, s.rows, s.row_idx, "pending_");
   int64_t counter = s.counter;
   std::vector<std::vector<int64_t>> rows(sig.ys.size());
   for (int64_t j = 0; j < seg.unroll; ++j) emit_step(c, sig, seg, j, s, rows);
@@ -269,7 +286,7 @@ void adopt_body(Module& mod, const std::string& body, Signature& sig) {
   for (auto& [id, program] : programs)
     if (id == sig.body_id) read_types(program, sig);
   if (sig.body_param_types.size() != sig.body_params.size() ||
-      sig.body_result_types.size() != sig.carry.size() + sig.ys.size())
+      sig.body_result_types.size() != sig.carry.size() + sig.ys.size() + 2 * num_row_writes(sig))
     throw std::invalid_argument("build_scan_module: the body's parameters or results do not match the signature");
   mod.next_id = max_id + 1;
 }
@@ -324,12 +341,14 @@ std::string build_module(const std::string& body, Signature sig) {
       s.blocks[k] = e.emit(name, "dynamic-slice", block, {s.ys[k], s.offsets[k]},
                            [&](Msg& m) { m.packed(kHloInstructionDynamicSliceSizes, block.dims); });
     }
+    first_pending_rows(e, sig, s.carry, s.rows, s.row_idx, p);
     int64_t init = pack(e, p + "init", s, sig, seg.unroll);
     int64_t done = e.emit(p + "while", "while", tuple_of(state_parts(sig, seg.unroll)), {init}, [&](Msg& m) {
       m.packed(kHloInstructionCalledComputationIds, {loops[n].first, loops[n].second});  // (body, condition)
     });
     s = unpack(e, done, sig, seg.unroll, n + 1 == loops.size() ? kResults : kNoCounter, p);
     write_blocks(e, sig, s, p + "last_");
+    write_pending_rows(e, sig, s.carry, s.rows, s.row_idx, p + "last_");
   }
   for (size_t k = 0; k < sig.ys.size(); ++k)
     if (carried(sig, k))
@@ -364,9 +383,9 @@ PyObject* py_build_scan_module(PyObject*, PyObject* args) {
   Py_ssize_t body_len;
   long long length;
   int reverse;
-  PyObject *segments, *carry, *xs, *ys, *pass, *params, *y_carry = Py_None;
-  if (!PyArg_ParseTuple(args, "y#LpOOOOOO|O", &body, &body_len, &length, &reverse, &segments, &carry, &xs, &ys,
-                        &pass, &params, &y_carry))
+  PyObject *segments, *carry, *xs, *ys, *pass, *params, *y_carry = Py_None, *carry_rows = Py_None;
+  if (!PyArg_ParseTuple(args, "y#LpOOOOOO|OO", &body, &body_len, &length, &reverse, &segments, &carry, &xs, &ys,
+                        &pass, &params, &y_carry, &carry_rows))
     return nullptr;
   try {
     Signature sig;
@@ -380,6 +399,8 @@ PyObject* py_build_scan_module(PyObject*, PyObject* args) {
     sig.body_params = list_from_py<std::pair<int, int>>(params, source_from_py);
     if (y_carry != Py_None)
       sig.y_carry = list_from_py<int64_t>(y_carry, [](PyObject* o) { return int64_t(PyLong_AsLongLong(o)); });
+    if (carry_rows != Py_None)
+      sig.carry_rows = list_from_py<int64_t>(carry_rows, [](PyObject* o) { return int64_t(PyLong_AsLongLong(o)); });
     if (PyErr_Occurred()) return nullptr;
     check_signature(sig);
     std::string out = build_module(std::string(body, body_len), sig);
@@ -392,12 +413,13 @@ PyObject* py_build_scan_module(PyObject*, PyObject* args) {
 
 PyMethodDef methods[] = {
     {"build_scan_module", py_build_scan_module, METH_VARARGS,
-     "build_scan_module(body_proto, length, reverse, segments, carry, xs, ys, passthrough, body_params[, y_carry])\n"
+     "build_scan_module(body_proto, length, reverse, segments, carry, xs, ys, passthrough, body_params[, y_carry[, carry_rows]])\n"
      "-> bytes\n"
      "segments: (start, stop, unroll) in execution order, one While each. Shapes are (xla_element_type, dims);\n"
      "body_params[i] = (kind, index) feeds body parameter i: kind 0 = carry[index], 1 = one slice of\n"
      "xs[index], 2 = passthrough[index]. y_carry (optional): per y, the carry it is (the body returns\n"
-     "that carry parameter unchanged as the y), or -1."},
+     "that carry parameter unchanged as the y), or -1. carry_rows (optional): per carry, the dim whose row the\n"
+     "body writes (it returns the carry unchanged and, after the ys, the row and its s64 index), or -1."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_hlo_scan", "HloModuleProto builder for scan's XLA While.", -1,

@@ -26,9 +26,22 @@ struct Signature {
   std::vector<Shape> carry, xs, ys, pass;
   std::vector<std::pair<int, int>> body_params;  // body parameter i <- (kind, index)
   std::vector<int64_t> y_carry;  // per y: the carry it is (its step's carry input, unchanged), or -1
+  // per carry: the dim whose row the body writes (it returns the carry input unchanged and, after
+  // its ys, the row and its index: hlo_step.h's "row writes"), or -1
+  std::vector<int64_t> carry_rows;
   int64_t body_id = -1;
   std::vector<int> body_param_types, body_result_types;  // as the body's HLO declares them
 };
+
+// Whether carry k's rows are written by the loop (see carry_rows).
+inline bool row_written(const Signature& sig, size_t k) { return !sig.carry_rows.empty() && sig.carry_rows[k] >= 0; }
+
+// How many carries have their rows written by the loop.
+inline size_t num_row_writes(const Signature& sig) {
+  size_t n = 0;
+  for (size_t k = 0; k < sig.carry_rows.size(); ++k) n += row_written(sig, k);
+  return n;
+}
 
 inline void check_signature(const Signature& sig) {
   auto fail = [](const std::string& what) { throw std::invalid_argument("build_scan_module: " + what); };
@@ -49,6 +62,9 @@ inline void check_signature(const Signature& sig) {
         std::vector<int64_t>(y.dims.begin() + 1, y.dims.end()) != sig.carry[i].dims)
       fail("y_carry pairs a y with a carry of another shape");
   }
+  if (!sig.carry_rows.empty() && sig.carry_rows.size() != sig.carry.size()) fail("carry_rows needs one entry per carry");
+  for (size_t k = 0; k < sig.carry_rows.size(); ++k)
+    if (sig.carry_rows[k] >= int64_t(sig.carry[k].dims.size())) fail("carry_rows names a dim the carry does not have");
   for (auto [kind, i] : sig.body_params) {
     size_t n = kind == kCarry ? sig.carry.size() : kind == kX ? sig.xs.size() : kind == kPass ? sig.pass.size() : 0;
     if (i < 0 || size_t(i) >= n) fail("body parameter source (" + std::to_string(kind) + ", " + std::to_string(i) + ") out of range");

@@ -15,10 +15,20 @@
 
 namespace hlo {
 
-// The call's result: our shapes with the element types the body declares.
+// Carry k with its written dim of size 1: one row written by the body (see carry_rows).
+inline Shape row_slot(const Signature& sig, size_t k) {
+  Shape slot = sig.carry[k];
+  slot.dims[size_t(sig.carry_rows[k])] = 1;
+  return slot;
+}
+
+// The call's result: our shapes with the element types the body declares; after the ys, a
+// (row, index) pair per carry whose row the body writes.
 inline Shape body_result(const Signature& sig) {
   std::vector<Shape> parts = sig.carry;
   for (const Shape& y : sig.ys) parts.push_back(drop_lead(y));
+  for (size_t k = 0; k < sig.carry.size(); ++k)
+    if (row_written(sig, k)) parts.push_back(row_slot(sig, k)), parts.push_back(scalar(kS64));
   for (size_t i = 0; i < parts.size(); ++i) parts[i].etype = sig.body_result_types[i];
   return tuple_of(parts);
 }
@@ -41,9 +51,11 @@ inline int64_t slice_x(Computation& c, const Shape& full, int64_t xs, int64_t id
   return c.emit(label, "reshape", drop_lead(full), {sl});
 }
 
-// What one body call made, in the torch dtypes: the new carry and this step's ys.
+// What one body call made, in the torch dtypes: the new carry and this step's ys; per carry
+// whose row the body writes, that row and its index (-1 for the other carries): the new carry
+// is the input with that row written (write_rows), which the While may do one iteration late.
 struct StepResult {
-  std::vector<int64_t> carry, ys;
+  std::vector<int64_t> carry, ys, rows, row_idx;
 };
 
 // The body called at step index idx (a value) on `carry`, the rows idx of `xs` and `pass`.
@@ -73,7 +85,34 @@ inline StepResult call_body(Computation& c, const Signature& sig, const std::vec
     const Shape& part = result.tuple[carry.size() + k];
     r.ys.push_back(as_type(c, c.gte(name, out, part, int(carry.size() + k)), part, sig.ys[k].etype, name));
   }
+  int index = int(carry.size() + sig.ys.size());
+  for (size_t k = 0; k < carry.size(); ++k) {
+    r.rows.push_back(-1), r.row_idx.push_back(-1);
+    if (!row_written(sig, k)) continue;
+    std::string name = p + "row" + std::to_string(k);
+    const Shape& part = result.tuple[size_t(index)];
+    r.rows[k] = as_type(c, c.gte(name, out, part, index), part, sig.carry[k].etype, name);
+    r.row_idx[k] = c.gte(name + "_idx", out, scalar(kS64), index + 1);
+    index += 2;
+  }
   return r;
+}
+
+// Carry k (a value) with `row` written at index `idx` (values) of its written dim.
+inline int64_t write_row_of(Computation& c, const Signature& sig, size_t k, int64_t buf, int64_t row, int64_t idx,
+                            const std::string& label) {
+  int64_t zero = c.constant_s64(label + "_zero", 0);
+  std::vector<int64_t> at{buf, row};
+  for (size_t d = 0; d < sig.carry[k].dims.size(); ++d) at.push_back(int64_t(d) == sig.carry_rows[k] ? idx : zero);
+  return c.emit(label, "dynamic-update-slice", sig.carry[k], at);
+}
+
+// The step's rows written into its new carry at once (the straight-line entry, and the calls of an
+// unrolled iteration before its last).
+inline void write_rows(Computation& c, const Signature& sig, StepResult& step, const std::string& p) {
+  for (size_t k = 0; k < step.carry.size(); ++k)
+    if (row_written(sig, k))
+      step.carry[k] = write_row_of(c, sig, k, step.carry[k], step.rows[k], step.row_idx[k], p + "wrote" + std::to_string(k));
 }
 
 }  // namespace hlo

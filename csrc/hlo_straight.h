@@ -47,6 +47,7 @@ inline void build_straight_entry(Computation& e, const Signature& sig) {
     int64_t idx = sig.reverse ? sig.length - 1 - j : j;
     std::string p = "s" + std::to_string(idx) + "_";
     StepResult step = call_body(e, sig, carry, xs, pass, e.constant_s64(p + "idx", idx), p);
+    write_rows(e, sig, step, p);
     carry = step.carry;
     for (size_t k = 0; k < sig.ys.size(); ++k)
       rows[k][idx] = e.emit(p + "y" + std::to_string(k) + "_row", "reshape", with_lead_one(drop_lead(sig.ys[k])),

@@ -1,6 +1,7 @@
 """Inductor: scan nodes lowered to ``while_loop`` (``lowering``, reverse in place), the
 reused storage of stacked buffers (``buffer_pool``), a ``y`` written straight into its row of
-the ys (``extern_rows``), torch defects worked around (``workarounds``), the other patches of
+the ys (``extern_rows``), a carried buffer whose rows the body writes written in place
+(``row_writes``), torch defects worked around (``workarounds``), the other patches of
 inductor's wrapper codegen and scheduler for scan's loops (``wrapper_patches``), the C++ wrapper:
 whether a graph gets one, and its while_loop defects (``cpp_wrapper``), and the code generated for
 counted loops (``codegen/``). The private inductor modules and classes these patch or read come

@@ -29,6 +29,7 @@ from . import (
     cpp_wrapper,
     extern_rows,
     host_rows,
+    row_writes,
     workarounds,
     wrapper_patches,
 )
@@ -101,6 +102,7 @@ def _lower_scans(gm):
         body = getattr(gm, combine.target)
         body_passes.unfuse_bias_adds(body)
         body_passes.copy_slices_into_unfaked_ops(body, len(init), len(xs))
+        loop_body, in_place = row_writes.write_in_place(body, len(init))
         ys_vals = node.meta["val"][len(init):]
         flat = [*init, *xs, *lifted]
         counts = (len(init), len(xs), len(lifted))
@@ -109,7 +111,7 @@ def _lower_scans(gm):
         marks = [_is_ours(loop) for _, loop in _nested_loops(body)]
         loops_before = set(gm.graph.find_nodes(op="call_function", target=_WHILE))
         dead = _unread_ys(node, len(init), len(ys_vals))
-        match.replace_by_example(_as_multi_output(_while_loop(body, ys_vals, counts, reverse, dead)), flat,
+        match.replace_by_example(_as_multi_output(_while_loop(loop_body, ys_vals, counts, reverse, dead, in_place)), flat,
                                  run_functional_passes=False)
         for loop in gm.graph.find_nodes(op="call_function", target=_WHILE):
             if loop not in loops_before:
@@ -324,7 +326,7 @@ def _with_opaque(passed, opaque):
     return out
 
 
-def _while_loop(body, ys_vals, counts, reverse, dead=frozenset()):
+def _while_loop(body, ys_vals, counts, reverse, dead=frozenset(), in_place=frozenset()):
     """The traced replacement: preallocated ys (pooled storage), a CPU counter, and a loop body that
     runs ``body`` on the views ``x[i]`` and copies each y into ``ys[i]`` (none for the ys in
     ``dead``: their outputs are the first carry, unread), with
@@ -338,6 +340,7 @@ def _while_loop(body, ys_vals, counts, reverse, dead=frozenset()):
     def lowered(*flat):
         init, xs, lifted = split_counts(flat, nc, nx, nl)
         init = [_in_traced_layout(c) for c in init]
+        init = [c.clone() if k in in_place else c for k, c in enumerate(init)]
         length = xs[0].size(0)
         symbols = {a.node.expr: a for a in (*flat, length) if isinstance(a, torch.SymInt)}
         kept = [k for k in range(len(ys_vals)) if k not in dead]

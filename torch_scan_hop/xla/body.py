@@ -24,6 +24,7 @@ from ..core.op_args import example_args
 from ..core.trees import ScanError
 from ..trace.graph import trace_graph
 from .own_buffers import OwnBuffer
+from .row_writes import defer_row_writes
 
 CARRY, X, PASS = 0, 1, 2  # what feeds a body parameter (hlo_scan.cc's Kind)
 
@@ -204,6 +205,7 @@ class BodyHlo:
     hoisted: List[OwnBuffer]  # device data the body made, appended to the pass-through inputs
     uses_seed: bool  # the last x is the per-step RNG seed vector
     y_carry: List[int]  # per y: the carry it is (the step's carry input, unchanged), or -1
+    carry_rows: List[int]  # per carry: the dim whose row the While writes (row_writes), or -1
 
 
 def _xla():
@@ -284,16 +286,21 @@ def lower_body(combine_fn, init, xs, additional_inputs):
     step with no output at all."""
     combine_fn = as_aten_graph(combine_fn, init, xs, additional_inputs)
     check_runs_on_xla(combine_fn)
-    combine_fn = keep_on_device(combine_fn)
-    groups, outs = _run_on_placeholders(combine_fn, init, xs, additional_inputs)
+    inputs = [(t.shape, t.dtype) for t in init] + [(x.shape[1:], x.dtype) for x in xs] \
+        + [(a.shape, a.dtype) for a in additional_inputs]
+    rows = defer_row_writes(keep_on_device(combine_fn), len(init), inputs)
+    groups, outs = _run_on_placeholders(rows.body, init, xs, additional_inputs)
     if not outs:
         return None  # no carry and no y (every leaf None): XLA has no computation to build
     ctx = _compat.xla.lowering_context("scan_body")
     ctx.build(outs)
     params, hoisted, uses_seed = _param_sources(ctx, groups, outs, len(xs), len(additional_inputs))
-    ys = outs[len(init):]
+    ys = outs[len(init):len(outs) - 2 * len(rows.writes)]
+    carry_rows = [-1] * len(init)
+    for k, dim in rows.writes:
+        carry_rows[k] = dim
     return BodyHlo(ctx.hlo(), params, [(tuple(y.shape), y.dtype) for y in ys], hoisted, uses_seed,
-                   [_carry_of(ctx, y, params) for y in ys])
+                   [_carry_of(ctx, y, params) for y in ys], carry_rows)
 
 
 def _carry_of(ctx, y, params):

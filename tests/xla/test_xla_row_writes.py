@@ -1,0 +1,127 @@
+"""A carried buffer the body writes one row of per step (``buf[t] = h``, ``buf[:, t] = h``) is
+written in place on XLA (``xla/row_writes.py``, csrc/hlo_scan.cc "written rows"): the While body
+holds a lone dynamic-update-slice of the buffer and no other instruction of its size (no copy,
+no fused update, which XLA CPU emits by writing every element), forward and backward (whose
+body zeroes the row of the buffer's gradient). Read from the OPTIMIZED HLO, in a child
+interpreter started with XLA_FLAGS, as tests/xla/test_xla_stacking.py does. Values and gradients
+against the Python loop on the CPU, reverse and unrolled too (``unroll=2``: only the last call of
+an iteration leaves its row to the next iteration; the other's write is XLA's fused update)."""
+import glob
+import os
+import re
+import shutil
+
+import pytest
+
+pytest.importorskip("torch_xla", reason="torch_xla is not installed: the XLA tests need the [xla] extra (torch 2.9)")
+import _isolated  # noqa: E402
+# the stacking tests' dump and child interpreter (one env: one child for both modules)
+from test_xla_stacking import _DUMP, _ENV, computations, stacked_writes_in_loops  # noqa: E402
+
+LENGTH, BATCH, HIDDEN = 37, 2, 3  # per-step values: at most BATCH * HIDDEN elements, under LENGTH
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_dump():
+    yield
+    shutil.rmtree(_DUMP, ignore_errors=True)
+
+
+def _step(w, form, read):
+    import torch
+
+    def step(carry, x, t):
+        h, buf = carry
+        h = torch.tanh(h @ w + x + (buf[t - 1] if read and form == "rows" else 0))
+        if form == "rows":
+            buf[t] = h  # buf: (LENGTH, BATCH, HIDDEN)
+        else:
+            buf[:, t] = h  # buf: (BATCH, LENGTH, HIDDEN)
+        return (h, buf), h.sum(-1)
+    return step
+
+
+def _run(form, device, *, on_xla, grad, read=False, reverse=False, unroll=1, length=LENGTH):
+    """(outputs, gradients w.r.t. w, h0 and xs) of the scan (``on_xla``) or of the Python loop."""
+    import torch
+    from xla_util import to_cpu, weighted_sum
+
+    from torch_scan_hop import scan
+
+    g = torch.Generator().manual_seed(length + reverse)
+    leaves = [torch.randn(HIDDEN, HIDDEN, generator=g) * 0.5, torch.randn(BATCH, HIDDEN, generator=g),
+              torch.randn(length, BATCH, HIDDEN, generator=g)]
+    w, h0, xs = [t.to(device).requires_grad_(grad) for t in leaves]
+    shape = (length, BATCH, HIDDEN) if form == "rows" else (BATCH, length, HIDDEN)
+    init, step = (h0 * 1.0, torch.zeros(shape, device=device)), _step(w, form, read)
+    if on_xla:
+        out = scan(step, init, xs, with_index=True, reverse=reverse, unroll=unroll)
+    else:
+        carry, ys = init, [None] * length
+        for i in (range(length - 1, -1, -1) if reverse else range(length)):
+            carry, ys[i] = step(carry, xs[i], torch.tensor(i))
+        out = carry, torch.stack(ys)
+    grads = torch.autograd.grad(weighted_sum(out), (w, h0, xs)) if grad else None
+    return to_cpu((out, grads))
+
+
+def check_row_writes(form, grad, reverse, unroll):
+    """In the child: values against the loop, then the optimized HLO of every scan While."""
+    import torch_xla
+    from conftest import assert_trees_close
+
+    dump = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", "")).group(1)  # the parent's _DUMP
+    shutil.rmtree(dump, ignore_errors=True)
+    got = _run(form, torch_xla.device(), on_xla=True, grad=grad, reverse=reverse, unroll=unroll)
+    assert_trees_close(got, _run(form, "cpu", on_xla=False, grad=grad, reverse=reverse), rtol=1e-5, atol=1e-5)
+    torch_xla.sync()
+    texts = []
+    for path in glob.glob(os.path.join(dump, "*cpu_after_optimizations.txt")):
+        with open(path) as f:
+            texts.append(f.read())
+    scans = [t for t in texts if "scan_loop" in t]
+    assert scans, f"no optimized module with a scan While in {dump} (is XLA_FLAGS honoured?)"
+    found = [line for t in scans for line in stacked_writes_in_loops(t, LENGTH)]
+    if unroll == 1:  # unrolled, each call but an iteration's last writes its row at once (fused)
+        assert not found, "instructions that write a whole buffer inside a While body:\n" + "\n".join(found)
+    buffer = f"f32[{LENGTH},{BATCH},{HIDDEN}]" if form == "rows" else f"f32[{BATCH},{LENGTH},{HIDDEN}]"
+    assert _row_updates(scans, buffer), "no lone dynamic-update-slice of the buffer in a While body"
+
+
+def _row_updates(texts, buffer):
+    """The While bodies that write a row of ``buffer`` with a lone dynamic-update-slice."""
+    bodies = set()
+    for text in texts:
+        comps, loop_bodies = computations(text)
+        for body in loop_bodies:
+            if any(opcode == "dynamic-update-slice" and shape == buffer for _, shape, opcode in comps.get(body, [])):
+                bodies.add(body)
+    return bodies
+
+
+@pytest.mark.parametrize("grad,reverse,unroll", [(False, False, 1), (True, True, 1), (True, False, 2)])
+def test_a_written_row_is_one_in_place_update_per_step(grad, reverse, unroll):
+    _isolated.call("test_xla_row_writes", "check_row_writes", "rows", grad, reverse, unroll, env=_ENV)
+
+
+def test_a_written_column_matches_the_loop():
+    """``buf[:, t] = h`` keeps torch_xla's scatter (``xla/row_writes.py``: the row of a later dim
+    is not written in place); values and gradients are the loop's."""
+    import torch_xla
+    from conftest import assert_trees_close
+
+    want = _run("columns", "cpu", on_xla=False, grad=True, reverse=True, length=5)
+    got = _run("columns", torch_xla.device(), on_xla=True, grad=True, reverse=True, length=5)
+    assert_trees_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("unroll", [1, 3])
+def test_a_body_reading_its_buffer_matches_the_loop(unroll):
+    """``buf[t - 1]`` read before ``buf[t] = h`` (the read sees the previous step's row, which the
+    While writes before the step), in training; unroll=3 over 3 steps is straight-line code."""
+    import torch_xla
+    from conftest import assert_trees_close
+
+    args = dict(grad=True, read=True, unroll=unroll, length=3 if unroll == 3 else 5)
+    want = _run("rows", "cpu", on_xla=False, **{k: v for k, v in args.items() if k != "unroll"})
+    assert_trees_close(_run("rows", torch_xla.device(), on_xla=True, **args), want, rtol=1e-5, atol=1e-5)
