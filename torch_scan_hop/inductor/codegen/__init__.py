@@ -15,6 +15,8 @@ Modules:
 - ``python_text``: the Python wrapper's passes (counter kernels and steps dropped, buffer pools,
   releases after finished loops);
 - ``loop_kernel``: a Python loop whose body only calls C++ kernels, as ONE C++ kernel;
+- ``accumulate``: in such a kernel, a carried sum ``scan_blas_addmm`` accumulates (a weight
+  gradient) accumulated in its own buffer (no copy of the old sum a step);
 - ``cpp_text``: the C++ wrapper's passes (buffer pools, row views as pointers, mm as BLAS);
 - ``blas``: float32 matmuls as ATen's own BLAS call (kernel sources, ATen's layout decisions);
 - ``counted_loops``: which loops are counted, and what their bodies read while generated;
