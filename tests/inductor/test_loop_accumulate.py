@@ -56,8 +56,12 @@ def _plan(later_read=False, strides=("(64LL)", "(1LL)")):
 
 
 def test_the_rewrite_of_a_plan():
+    codegen.reset_pass_counts()
+    with codegen.passes_off("accumulate_in_place"):
+        assert accumulate.accumulate_in_place(_plan()) == []
     plan = _plan()
     assert accumulate.accumulate_in_place(plan) == [1]
+    assert codegen.pass_counts()["accumulate_in_place"] == {"applied": 1, "skipped": 1, "failed": 0}
     assert plan.calls[0].startswith("scan_steps_k0::kernel((float*)(pool0[0]), (const float*)(c1)")
     assert plan.writes == ["c1 = pool0[0];"]
     assert plan.fixups == ["buf2[1] = buf2_pool0[0] if 70 > 0 else buf2[1]"]

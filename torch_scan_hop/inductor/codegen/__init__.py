@@ -28,7 +28,9 @@ Modules:
 
 ``pass_counts()`` holds, besides the text passes, ``python_for_loops`` / ``cpp_for_loops`` (a
 while_loop of ours written as a counted loop, or left to inductor's loop) and
-``blas_extern_calls`` (a matmul in such a loop written as a BLAS call, or left to ATen).
+``blas_extern_calls`` (a matmul in such a loop written as a BLAS call, or left to ATen) and
+``accumulate_in_place`` (a ``scan_blas_addmm`` of a loop run as one kernel accumulating in its own
+buffer, or not).
 
 The patches of inductor that scan installs (``inductor.lowering.install``), as one table. Scan-only
 (they act on our loops, whose subgraph names start with ``scan_loop_``, or on our operators):

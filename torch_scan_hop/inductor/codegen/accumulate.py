@@ -18,20 +18,25 @@ Then the pool's slot is 0 on every step: step 0 reads the loop's initial value (
 output is the pool's buffer) and writes slot 0; every later step's carry is slot 0 itself.
 Anything else is left as the loop kernel wrote it.
 """
+from . import pipeline
 from .blas import _ADDMM
 
 # scan_blas_addmm(c, self, a, b, ta, tb, m, n, k, lda, ldb, ldc, rows, cols, c_row, c_col, self_row, self_col)
 _OUT, _SELF, _C_STRIDES, _SELF_STRIDES = 0, 1, slice(14, 16), slice(16, 18)
+_NAME = "accumulate_in_place"
 
 
 def accumulate_in_place(plan):
     """Rewrite ``plan`` (a ``loop_kernel._Plan``) so that each accumulation the module docstring
-    describes writes into the carry's own buffer. Returns the positions so rewritten."""
+    describes writes into the carry's own buffer. Returns the positions so rewritten. Each
+    ``scan_blas_addmm`` call counts as ``accumulate_in_place`` applied or skipped
+    (``pipeline.pass_counts``); ``passes_off("accumulate_in_place")`` skips them all."""
     done = []
     for i, (kernel, values) in enumerate(plan.call_args):
         if kernel != _ADDMM or len(values) != 18:
             continue
-        pool, position = _accumulation(plan, i, values)
+        pool, position = (None, None) if pipeline.is_off(_NAME) else _accumulation(plan, i, values)
+        pipeline.record(_NAME, "skipped" if pool is None else "applied")
         if pool is None:
             continue
         slot_any, slot_0 = f"{pool}[step & 1]", f"{pool}[0]"
