@@ -123,8 +123,8 @@ def jax_worker(cases, repeat):
         value = float(res[0].sum() + res[1].sum()) if mode == "fwd" else float(res[0])
         return _progress("jax", body, t, mode, {"first": first, "steady": best_of(call, repeat), "loss": value})
 
-    w = jnp.ones((8, 8))  # imports and backend start-up: a matmul and a tanh, as torch's warm-up
-    jax.block_until_ready(jax.grad(jax.jit(lambda x: jnp.tanh(x @ w).sum()))(jnp.ones((8, 8))))
+    w = jnp.ones((16, 16))  # imports and backend start-up: a matmul, a tanh and a row sum, as torch's warm-up
+    jax.block_until_ready(jax.jit(jax.grad(lambda x: jnp.tanh(x @ w).sum(-1).sum()))(jnp.ones((8, 16))))
     return {f"{body}/{t}/{mode}": measure(body, t, mode) for body, t, mode in cases}
 
 
@@ -183,9 +183,9 @@ def torch_worker(cases, repeat, impl):
 
     # imports, AOTAutograd and the C++ toolchain start-up, and what inductor does once per process
     # at its first matmul (hashing triton's sources for its autotuning cache) and at its first
-    # vectorized kernel (sympy.simplify imports sympy.physics): ~0.3 s at load 2.5, not the scan's
-    warm, w = torch.ones(8, 8, requires_grad=True), torch.ones(8, 8)
-    torch.autograd.grad(torch.compile(lambda x: torch.tanh(x @ w).sum())(warm), warm)
+    # kernel with a tiled loop (sympy.simplify imports sympy.physics): not the scan's compile
+    warm, w = torch.ones(8, 16, requires_grad=True), torch.ones(16, 16)
+    torch.autograd.grad(torch.compile(lambda x: torch.tanh(x @ w).sum(-1).sum())(warm), warm)
     return {f"{body}/{t}/{mode}": measure(body, t, mode) for body, t, mode in cases
             if scan is not None or t <= LOOP_MAX_T[body]}
 
