@@ -11,13 +11,17 @@ loss). Each side runs in a process of its own, one thread on both: ``torch.set_n
 and ``XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"``; inductor's
 caches off (first calls are compiles, not cache hits); jax results ``block_until_ready``. Steady
 times are best of N calls (fewer where N calls would take over ~2 s, at least 3); "first" is the
-first call (trace, compile and one run), after a tiny compile that pays for each library's
-imports. The compiled loop is skipped above T=256 for the RNN and above T=16 for the MLP
-(inductor compiles every unrolled step: minutes on 2 cores). The inputs come from one numpy seed, and the losses of the three sides are compared.
+first call (trace, compile and one run), after a tiny compile (a matmul and a tanh, forward and
+gradient) that pays for each library's imports and once-per-process start-up. The compiled loop
+is skipped above T=256 for the RNN and above T=16 for the MLP (inductor compiles every unrolled
+step: minutes on 2 cores). The inputs come from one numpy seed, and the losses of the three sides are compared.
 
 jax is optional (``pip install -e '.[bench]'``): without it the jax columns say so and the
-ours is compared with the compiled loop instead.
-Run: python benchmarks/jax_parity.py [--lengths 16,256,1024] [--bodies rnn,mlp] [--repeat 20]
+ours is compared with the compiled loop instead. ``--bodies rnn,rnn_no_tanh,rnn_no_mm`` adds the
+RNN's step less its tanh (``(c @ W + x) * 0.5``) and less its matmul (``tanh(c * 0.5 + x)``):
+their differences to the full step are what the tanh and the matmul cost on each side.
+``--sides jax,scan`` runs only those sides (all four by default).
+Run: python benchmarks/jax_parity.py [--lengths 16,256,1024] [--bodies rnn,mlp] [--sides ...] [--repeat 20]
 """
 import argparse
 import importlib.util
@@ -33,8 +37,9 @@ ONE_THREAD = {
     "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
     "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1",
 }
-LOOP_MAX_T = {"rnn": 256, "mlp": 16}  # the compiled loop unrolls every step: longer ones compile for minutes
-SHAPES = {"rnn": {"H": 64, "B": 8}, "mlp": {"H": 256, "B": 64, "layers": 4}}
+LOOP_MAX_T = {"rnn": 256, "mlp": 16, "rnn_no_tanh": 256, "rnn_no_mm": 256}  # the compiled loop unrolls every step
+SHAPES = {"rnn": {"H": 64, "B": 8}, "mlp": {"H": 256, "B": 64, "layers": 4},
+          "rnn_no_tanh": {"H": 64, "B": 8}, "rnn_no_mm": {"H": 64, "B": 8}}
 MARK = "@@jax-parity@@ "
 
 
@@ -45,7 +50,7 @@ def make_inputs(body, t):
     rng = np.random.default_rng(t)
     h, b = SHAPES[body]["H"], SHAPES[body]["B"]
     f32 = lambda *shape, scale=1.0: (rng.standard_normal(shape) * scale).astype(np.float32)
-    if body == "rnn":
+    if body.startswith("rnn"):
         params = [f32(h, h, scale=0.1)]
     else:  # Linear weights stored (in, out), as h @ W + b reads them on both sides
         params = [p for _ in range(SHAPES[body]["layers"]) for p in (f32(h, h, scale=h ** -0.5), f32(h, scale=0.1))]
@@ -81,7 +86,15 @@ def body_of(body, params, tanh):
             h = tanh(h @ w + b)
         return h, h.mean(-1)
 
-    return rnn if body == "rnn" else mlp
+    def rnn_no_tanh(c, x):  # the RNN's step less its tanh (where a step's time goes) ...
+        c = (c @ params[0] + x) * 0.5
+        return c, c.sum(-1)
+
+    def rnn_no_mm(c, x):  # ... and less its matmul
+        c = tanh(c * 0.5 + x)
+        return c, c.sum(-1)
+
+    return {"rnn": rnn, "mlp": mlp, "rnn_no_tanh": rnn_no_tanh, "rnn_no_mm": rnn_no_mm}[body]
 
 
 # ---- the jax side -------------------------------------------------------------------------------
@@ -110,7 +123,8 @@ def jax_worker(cases, repeat):
         value = float(res[0].sum() + res[1].sum()) if mode == "fwd" else float(res[0])
         return _progress("jax", body, t, mode, {"first": first, "steady": best_of(call, repeat), "loss": value})
 
-    jax.block_until_ready(jax.jit(lambda x: x + 1)(jnp.ones(2)))  # imports and backend start-up
+    w = jnp.ones((16, 16))  # imports and backend start-up: a matmul, a tanh and a row sum, as torch's warm-up
+    jax.block_until_ready(jax.jit(jax.grad(lambda x: jnp.tanh(x @ w).sum(-1).sum()))(jnp.ones((8, 16))))
     return {f"{body}/{t}/{mode}": measure(body, t, mode) for body, t, mode in cases}
 
 
@@ -167,8 +181,11 @@ def torch_worker(cases, repeat, impl):
         first = time.perf_counter() - t0
         return _progress(impl, body, t, mode, {"first": first, "steady": best_of(call, repeat), "loss": value(res)})
 
-    warm = torch.ones(2, requires_grad=True)  # imports, AOTAutograd and the C++ toolchain start-up
-    torch.autograd.grad(torch.compile(lambda x: (x * 2).sum())(warm), warm)
+    # imports, AOTAutograd and the C++ toolchain start-up, and what inductor does once per process
+    # at its first matmul (hashing triton's sources for its autotuning cache) and at its first
+    # kernel with a tiled loop (sympy.simplify imports sympy.physics): not the scan's compile
+    warm, w = torch.ones(8, 16, requires_grad=True), torch.ones(16, 16)
+    torch.autograd.grad(torch.compile(lambda x: torch.tanh(x @ w).sum(-1).sum())(warm), warm)
     return {f"{body}/{t}/{mode}": measure(body, t, mode) for body, t, mode in cases
             if scan is not None or t <= LOOP_MAX_T[body]}
 
@@ -246,6 +263,7 @@ def main():
     parser.add_argument("--lengths", default="16,256,1024")
     parser.add_argument("--bodies", default="rnn,mlp")
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--sides", default="jax,scan,scan_cpp,loop")
     parser.add_argument("--worker", choices=["jax", "scan", "scan_cpp", "loop"])
     parser.add_argument("--cases")
     args = parser.parse_args()
@@ -257,14 +275,13 @@ def main():
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     bodies, lengths = args.bodies.split(","), [int(t) for t in args.lengths.split(",")]
     cases = [(b, t, m) for b in bodies for t in lengths for m in ("fwd", "train")]
-    sides = {}
-    if importlib.util.find_spec("jax") is None:
+    wanted, sides = args.sides.split(","), {}
+    if "jax" in wanted and importlib.util.find_spec("jax") is None:
         print("jax is not installed (pip install -e '.[bench]'): the jax columns are skipped.")
-    else:
+    elif "jax" in wanted:
         sides["jax"] = run_side("jax", cases, args.repeat)
-    sides["scan"] = run_side("scan", cases, args.repeat)
-    sides["scan_cpp"] = run_side("scan_cpp", cases, args.repeat)
-    sides["loop"] = run_side("loop", cases, args.repeat)
+    for side in ("scan", "scan_cpp", "loop"):
+        sides[side] = run_side(side, cases, args.repeat) if side in wanted else None
     report(bodies, lengths, sides)
 
 

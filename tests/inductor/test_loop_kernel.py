@@ -69,6 +69,8 @@ def test_training_loops_are_one_call_with_the_python_loops_bits(reverse):
     c0, xs = _inputs(70)
     got, codes = _compiled(step, [w], c0, xs, reverse=reverse)
     _assert_one_call_per_loop(codes)
+    assert re.search(r"^ *scan_steps_buf\d+\(.*; buf\d+\[\d+\] = buf\d+_pool\d+\[0\] if ", codes[1], re.M), \
+        "the weight gradient is not accumulated in place (codegen.accumulate)"
     want, old_codes = _compiled(step, [w], c0, xs, fused=False, reverse=reverse)
     assert all(len(_PY_LOOP.findall(code)) == 1 for code in old_codes)
     for g, o in zip(tree_leaves(got), tree_leaves(want)):

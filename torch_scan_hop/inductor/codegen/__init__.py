@@ -15,6 +15,8 @@ Modules:
 - ``python_text``: the Python wrapper's passes (counter kernels and steps dropped, buffer pools,
   releases after finished loops);
 - ``loop_kernel``: a Python loop whose body only calls C++ kernels, as ONE C++ kernel;
+- ``accumulate``: in such a kernel, a carried sum ``scan_blas_addmm`` accumulates (a weight
+  gradient) accumulated in its own buffer (no copy of the old sum a step);
 - ``cpp_text``: the C++ wrapper's passes (buffer pools, row views as pointers, mm as BLAS);
 - ``blas``: float32 matmuls as ATen's own BLAS call (kernel sources, ATen's layout decisions);
 - ``counted_loops``: which loops are counted, and what their bodies read while generated;
@@ -26,7 +28,9 @@ Modules:
 
 ``pass_counts()`` holds, besides the text passes, ``python_for_loops`` / ``cpp_for_loops`` (a
 while_loop of ours written as a counted loop, or left to inductor's loop) and
-``blas_extern_calls`` (a matmul in such a loop written as a BLAS call, or left to ATen).
+``blas_extern_calls`` (a matmul in such a loop written as a BLAS call, or left to ATen) and
+``accumulate_in_place`` (a ``scan_blas_addmm`` of a loop run as one kernel accumulating in its own
+buffer, or not).
 
 The patches of inductor that scan installs (``inductor.lowering.install``), as one table. Scan-only
 (they act on our loops, whose subgraph names start with ``scan_loop_``, or on our operators):

@@ -100,17 +100,19 @@ ADDMM_KERNEL = r'''
 #include <cstdint>
 extern "C" void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*,
                        const float*, const int*, const float*, const int*, const float*, float*, const int*);
-// ATen's addmm_impl_cpu_(c, self, a, b, 1, 1) for float32: self copied into c (c = self is a no-op), then
-// the gemm with beta = 1 after its layout decisions (mm_plan)
+// ATen's addmm_impl_cpu_(c, self, a, b, 1, 1) for float32: self copied into c (c = self is a no-op: the
+// loop kernel accumulates a carried gradient in place), then the gemm with beta = 1 after its layout
+// decisions (mm_plan)
 extern "C" void kernel(float* c, const float* self, const float* a, const float* b, const int64_t ta, const int64_t tb,
                        const int64_t m, const int64_t n, const int64_t k,
                        const int64_t lda, const int64_t ldb, const int64_t ldc,
                        const int64_t rows, const int64_t cols, const int64_t c_row, const int64_t c_col,
                        const int64_t self_row, const int64_t self_col)
 {
-    for (int64_t i = 0; i < rows; ++i)
-        for (int64_t j = 0; j < cols; ++j)
-            c[i * c_row + j * c_col] = self[i * self_row + j * self_col];
+    if (c != self)
+        for (int64_t i = 0; i < rows; ++i)
+            for (int64_t j = 0; j < cols; ++j)
+                c[i * c_row + j * c_col] = self[i * self_row + j * self_col];
     const char transa = ta ? 'T' : 'N', transb = tb ? 'T' : 'N';
     const int m_ = m, n_ = n, k_ = k, lda_ = lda, ldb_ = ldb, ldc_ = ldc;
     const float one = 1.f;

@@ -31,6 +31,7 @@ kernel(...)``, pointer arguments as tensors (their data pointer), ``int64_t`` as
 import ast
 import re
 
+from .accumulate import accumulate_in_place
 from .python_text import _FOR, STEPS_CALL, _body_end, unbuilt
 
 _MIN_STEPS = 64  # as blas: below it one more C++ build on a cold cache does not pay back
@@ -89,6 +90,8 @@ class _Plan:
         self.loop, self.n = loop, n
         self.carried, self.pools, self.outer, self.ints = set(), {}, {}, {}
         self.calls, self.writes, self.fixups, self.kernels = [], [], [], []
+        self.call_args = []  # per call: (kernel, its arguments as the env's values or ("int", C++))
+        self.written = {}  # carried position: the env's value written back to it
 
     def outer_tensor(self, name):
         return self.outer.setdefault(name, f"o{len(self.outer)}")
@@ -113,6 +116,7 @@ def _plan(lines, start, indent, loop, n, kernels):
     later = "\n".join(lines[end:])
     if any(re.search(rf"\b{name}\b", later) for name in [*env, f"{loop}_step"]):
         return None
+    accumulate_in_place(plan)
     return plan
 
 
@@ -199,7 +203,7 @@ def _call(kernel, args, plan, env, kernels):
     parts = _split(args)
     if len(parts) != len(argtypes) or any("=" in p for p in parts) or not _composable(kernels[kernel][1]):
         return False
-    cpp = []
+    cpp, values = [], []
     for arg, argtype in zip(parts, argtypes):
         if argtype.endswith("*"):
             value = _tensor(arg, plan, env)
@@ -212,11 +216,14 @@ def _call(kernel, args, plan, env, kernels):
             if value is None:
                 return False
             cpp.append(value)
+            value = ("int", value)
         else:
             return False
+        values.append(value)
     if kernel not in plan.kernels:
         plan.kernels.append(kernel)
     plan.calls.append(f"scan_steps_k{plan.kernels.index(kernel)}::kernel({', '.join(cpp)});")
+    plan.call_args.append((kernel, values))
     return True
 
 
@@ -244,6 +251,7 @@ def _write_back(position, value, plan):
     else:
         return False
     plan.carried.add(position)
+    plan.written[position] = value
     plan.writes.append(f"c{position} = {value[1]};")
     plan.fixups.append(f"{loop}[{position}] = {last} if {n} > 0 else {loop}[{position}]")
     return True

@@ -99,6 +99,11 @@ def _warn(pipeline, p, error):
     warnings.warn(message, WrapperPassWarning, stacklevel=2)
 
 
+def is_off(name):
+    """Whether ``passes_off`` turned ``name`` off (also for decisions that are not text passes)."""
+    return name in _off
+
+
 def record(name, outcome):
     """Count one outcome (``"applied"``, ``"skipped"``, ``"failed"``) of a codegen decision that
     is not a text pass (a counted loop written as a ``for``, a matmul as a BLAS call)."""
