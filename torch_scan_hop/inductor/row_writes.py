@@ -22,7 +22,7 @@ import copy
 
 import torch
 
-from .. import _compat
+from ..core.aten_nodes import makes_new_tensor
 
 aten = torch.ops.aten
 _COUNTS = collections.Counter()
@@ -95,7 +95,7 @@ def _refusal(chain, carry, outputs):
     if not _same_meta(node, carry):
         return "the written buffer's layout differs from its input's"
     for user in carry.users:
-        if user is not chain[0] and not _makes_new_tensor(user):
+        if user is not chain[0] and not makes_new_tensor(user):
             return f"the carry input is also used by {user.format_node()}, which may alias it"
     return None
 
@@ -148,13 +148,3 @@ def _same_meta(node, carry):
         return False
     return new.dtype == old.dtype and new.device == old.device and new.shape == old.shape \
         and new.stride() == old.stride()
-
-
-def _makes_new_tensor(user):
-    """A call of an ATen op that neither views nor mutates its inputs (its result is its own)."""
-    target = user.target
-    if user.op != "call_function" or not _compat.is_op_overload(target):
-        return False
-    schema = _compat.op_schema(target)
-    return not target.is_view and not schema.is_mutable \
-        and not any(r.alias_info is not None for r in schema.returns)

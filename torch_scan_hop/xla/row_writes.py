@@ -30,6 +30,7 @@ from typing import List, Tuple
 import torch
 
 from .. import _compat
+from ..core.aten_nodes import makes_new_tensor
 
 _INDEX_PUT = torch.ops.aten.index_put.default
 _INDEX_PUT_ = torch.ops.aten.index_put_.default
@@ -115,7 +116,7 @@ def _read_before(clone, write):
         if _is_view(user):
             if not _read_before(user, write):
                 return False
-        elif not _makes_new_tensor(user) or not _precedes(user, write):
+        elif not makes_new_tensor(user) or not _precedes(user, write):
             return False
     return True
 
@@ -131,16 +132,6 @@ def _precedes(a, b):
             return True
         node = node.next
     return False
-
-
-def _makes_new_tensor(user):
-    """A call of an ATen op that neither views nor mutates its inputs (its result is its own)."""
-    target = user.target
-    if user.op != "call_function" or not _compat.is_op_overload(target):
-        return False
-    schema = _compat.op_schema(target)
-    return not target.is_view and not schema.is_mutable \
-        and not any(r.alias_info is not None for r in schema.returns)
 
 
 def _is_index_list(indices, meta):
