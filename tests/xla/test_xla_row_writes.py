@@ -6,7 +6,6 @@ body zeroes the row of the buffer's gradient). Read from the OPTIMIZED HLO, in a
 interpreter started with XLA_FLAGS, as tests/xla/test_xla_stacking.py does. Values and gradients
 against the Python loop on the CPU, reverse and unrolled too (``unroll=2``: only the last call of
 an iteration leaves its row to the next iteration; the other's write is XLA's fused update)."""
-import glob
 import os
 import re
 import shutil
@@ -16,7 +15,7 @@ import pytest
 pytest.importorskip("torch_xla", reason="torch_xla is not installed: the XLA tests need the [xla] extra (torch 2.9)")
 import _isolated  # noqa: E402
 # the stacking tests' dump and child interpreter (one env: one child for both modules)
-from test_xla_stacking import _DUMP, _ENV, computations, stacked_writes_in_loops  # noqa: E402
+from test_xla_stacking import _DUMP, _ENV, computations, optimized_scans, stacked_writes_in_loops  # noqa: E402
 
 LENGTH, BATCH, HIDDEN = 37, 2, 3  # per-step values: at most BATCH * HIDDEN elements, under LENGTH
 
@@ -75,12 +74,7 @@ def check_row_writes(form, grad, reverse, unroll):
     got = _run(form, torch_xla.device(), on_xla=True, grad=grad, reverse=reverse, unroll=unroll)
     assert_trees_close(got, _run(form, "cpu", on_xla=False, grad=grad, reverse=reverse), rtol=1e-5, atol=1e-5)
     torch_xla.sync()
-    texts = []
-    for path in glob.glob(os.path.join(dump, "*cpu_after_optimizations.txt")):
-        with open(path) as f:
-            texts.append(f.read())
-    scans = [t for t in texts if "scan_loop" in t]
-    assert scans, f"no optimized module with a scan While in {dump} (is XLA_FLAGS honoured?)"
+    scans = optimized_scans(dump)
     found = [line for t in scans for line in stacked_writes_in_loops(t, LENGTH)]
     if unroll == 1:  # unrolled, each call but an iteration's last writes its row at once (fused)
         assert not found, "instructions that write a whole buffer inside a While body:\n" + "\n".join(found)

@@ -74,6 +74,17 @@ def elements(shape):
     return n
 
 
+def optimized_scans(dump):
+    """The texts of the optimized modules in ``dump`` that hold a scan's While (at least one)."""
+    texts = []
+    for path in glob.glob(os.path.join(dump, "*cpu_after_optimizations.txt")):
+        with open(path) as f:
+            texts.append(f.read())
+    scans = [t for t in texts if "scan_loop" in t]
+    assert scans, f"no optimized module with a scan While in {dump} (is XLA_FLAGS honoured?)"
+    return scans
+
+
 def stacked_writes_in_loops(text, length):
     """'body: instruction = shape opcode' for each instruction of a While body that makes a stacked-size buffer."""
     comps, bodies = computations(text)
@@ -109,13 +120,7 @@ def check_stacking(case, reverse, unroll):
     import torch_xla
 
     torch_xla.sync()
-    texts = []
-    for path in glob.glob(os.path.join(dump, "*cpu_after_optimizations.txt")):
-        with open(path) as f:
-            texts.append(f.read())
-    scans = [t for t in texts if "scan_loop" in t]
-    assert scans, f"no optimized module with a scan While in {dump} (is XLA_FLAGS honoured?)"
-    found = [line for t in scans for line in stacked_writes_in_loops(t, LENGTH)]
+    found = [line for t in optimized_scans(dump) for line in stacked_writes_in_loops(t, LENGTH)]
     assert not found, "instructions that write a whole stacked buffer inside a While body:\n" + "\n".join(found)
 
 
