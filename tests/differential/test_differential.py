@@ -29,13 +29,13 @@ import re
 import pytest
 import torch
 import torch.utils._pytree as pytree
-from conftest import assert_trees_close
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import _fuzz_writes
 import _isolated
-from _fuzz import generate, grads, loop, loss_weights, materialize, run_loop, tensors, tmap
-from _fuzz_func import vector_function
+from _fuzz import generate, grads, loop, loss_weights, materialize, tensors, tmap
+from _fuzz_check import Mismatch, check, traceable_kwargs
+from _func_modes import run_func
 from torch_scan_hop import ScanError, scan
 
 DEFAULT_CASES = {  # mode -> cases in the default run (eager is the scale)
@@ -53,16 +53,6 @@ _START = int(os.environ.get("SCAN_FUZZ_SEED", 0))
 CASES = [pytest.param(mode, seed, id=f"{mode}-seed_{seed}")
          for mode, n in DEFAULT_CASES.items()
          for seed in range(_START, _START + max(1, round(n * _SCALE)))]
-
-
-def tolerances(p, mode):
-    if p.dtype == torch.float64 and "float32" in p.source and mode != "eager":
-        # a float32 round trip in a float64 body: a compiler's other (exact in float64) order of
-        # the ops before it can round one ulp of float32 the other way
-        return dict(rtol=1e-5, atol=1e-7)
-    if p.dtype == torch.float64:
-        return dict(rtol=1e-6, atol=1e-8) if mode == "xla" else dict(rtol=1e-7, atol=1e-9)
-    return dict(rtol=1e-4, atol=1e-5)
 
 
 def expected(p):
@@ -138,17 +128,6 @@ def check_case(mode, seed):
         raise AssertionError(f"[{mode}] {type(e).__name__}: {e}\n\n{p.describe()}") from cause
 
 
-class Mismatch(AssertionError):
-    pass
-
-
-def check(p, mode, what, got, want):
-    try:
-        assert_trees_close(got, want, **tolerances(p, mode))
-    except AssertionError as e:
-        raise Mismatch(f"{what} differ from the loop's: {e}") from None
-
-
 def run_eager(p, mode, want_out, want_grads, weights):
     with torch.no_grad():
         inst = materialize(p)
@@ -203,17 +182,6 @@ def run_make_fx(p, mode, want_out, want_grads, weights):
     if not backward_inside:  # the graph's scan node differentiated by the op's autograd rule
         got_grads = grads(fresh.targets(), out, weights)
     check(p, mode, f"gradients ({'traced' if backward_inside else 'through the graph'})", got_grads, want_grads)
-
-
-def traceable_kwargs(p, inst, dynamo):
-    """``p.kwargs()``; a remat function, which a Dynamo graph cannot hold, must fail clearly
-    under ``dynamo(f)`` and is then replaced by a named policy."""
-    kw = p.kwargs()
-    if callable(kw["remat"]):
-        with pytest.raises(Exception, match="remat=<callable> is not supported under torch.compile"):
-            dynamo(lambda init, xs: scan(inst.body, init, xs, **kw))(inst.init, inst.xs)
-        kw["remat"] = "save_all"
-    return kw
 
 
 def run_compile(p, mode, want_out, want_grads, weights):
@@ -315,98 +283,6 @@ def run_xla(p, mode, want_out, want_grads, weights):
     cpu = lambda tree: tmap(lambda t: t.detach().cpu(), tree)  # noqa: E731
     check(p, mode, "values on XLA", cpu(out), tmap(lambda t: t.detach(), want_out))
     check(p, mode, "gradients on XLA", cpu(got_grads), want_grads)
-
-
-FUNC = {  # transform -> (f, v, r) -> its result, r: the weights, tangent and batch of v
-    "grad": lambda f, v, r: torch.func.grad(lambda v: (f(v) * r[0]).sum())(v),
-    "vjp": lambda f, v, r: (lambda out, pull: (out, pull(r[0])))(*torch.func.vjp(f, v)),
-    "jvp": lambda f, v, r: torch.func.jvp(f, (v,), (r[1],)),
-    "jacfwd": lambda f, v, r: torch.func.jacfwd(f)(v),
-    "jacrev": lambda f, v, r: torch.func.jacrev(f)(v),
-    "vmap": lambda f, v, r: torch.func.vmap(f)(r[2]),  # v's chosen leaves batched, the rest not
-}
-
-
-def _compiled_loop_fails(ref, transform, v, r):
-    """torch.compile of the same transform of the plain loop fails too (torch 2.9-2.15 cannot
-    compile ``jvp`` through LayerNorm: an internal assert of ``_fw_primal`` in Dynamo's fake run)."""
-    torch._dynamo.reset()
-    try:
-        torch.compile(lambda v, *r: FUNC[transform](ref, v, r), backend="aot_eager", fullgraph=True)(v, *r)
-    except Exception:  # noqa: BLE001
-        return True
-    return False
-
-
-def run_func(p, mode, want_out, want_grads, weights):
-    """A torch.func transform of the scan (as a function of one vector, ``vector_function``)
-    against the same transform of the loop (vmap: the loop per sample), at lengths 0 and 1 and,
-    in eager, the problem's own; ``func_<t>_make_fx`` and ``func_<t>_compile`` (aot_eager)
-    trace the transformed function, the latter at length 0 or 1 (by seed and transform)."""
-    transform, traced = mode.split("_")[1], "_".join(mode.split("_")[2:])
-    if transform in ("jvp", "jacfwd"):  # torch has no forward AD for CPU flash attention: the math kernel
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        with sdpa_kernel(SDPBackend.MATH):
-            return _run_func(p, mode, transform, traced)
-    return _run_func(p, mode, transform, traced)
-
-
-def _run_func(p, mode, transform, traced):
-    lengths = [0, 1] + ([p.length] if p.length > 1 and not traced else [])
-    if traced == "compile":
-        lengths = [(p.seed + list(FUNC).index(transform)) % 2]
-    for q in (p.with_length(n) for n in lengths):
-        inst = materialize(q)
-        kw = traceable_kwargs(q, inst, lambda f: torch.compile(f, backend="eager", fullgraph=True)) \
-            if traced == "compile" else q.kwargs()
-        ours, v, seen = vector_function(q, inst, lambda q, body, init, xs, _: scan(body, init, xs, **kw),
-                                        batched=transform == "vmap")
-        ref, _, ref_seen = vector_function(q, materialize(q), run_loop, batched=transform == "vmap")
-        g = torch.Generator().manual_seed(q.seed + 2)
-        size = ref(v).numel()
-        r = (torch.randn(size, generator=g, dtype=torch.float64).to(v.device, q.dtype),
-             torch.randn(v.shape, generator=g, dtype=torch.float64).to(v.device, q.dtype),
-             torch.stack([v, v * 0.5 + 0.25]))
-        want = torch.stack([ref(b) for b in r[2]]) if transform == "vmap" else FUNC[transform](ref, v, r)
-        apply = lambda v, *r: FUNC[transform](ours, v, r)  # noqa: E731
-        # vmap cannot run the loop (an in-place op on an unbatched value): ours may say the same, or,
-        # tracing the body once and batching the functional graph, give the per-sample loop's values.
-        # At length 0 the loop never calls fn (the reference calls it once for the ys' shapes).
-        refused = vmap_refusal(ref, r[2]) if transform == "vmap" else None
-        try:
-            if traced == "make_fx":
-                apply = make_fx(apply)(v, *r)
-            elif traced == "compile":
-                torch._dynamo.reset()
-                apply = torch.compile(apply, backend="aot_eager", fullgraph=True)
-            got = apply(v, *r)
-        except Exception as e:  # noqa: BLE001
-            if refused is not None and refused in str(e):
-                continue
-            if refused is not None and q.writes is not None and str(e).startswith("vmap:") and "not possible" in str(e):
-                continue  # the same in-place refusal of another op (traced: index_put_, the loop's copy_)
-            if traced == "compile" and _compiled_loop_fails(ref, transform, v, r):
-                continue  # torch cannot compile this transform of the loop either: no reference here
-            raise
-        what = f"{transform}{' ' + traced if traced else ''} at length {q.length}"
-        check(q, "eager" if not traced else mode, what, got, want)
-        if traced != "compile" and set(seen) != {ref_seen[0]}:
-            raise Mismatch(f"{what}: the outputs' structure, shapes and dtypes {sorted(set(seen))} "
-                           f"differ from the loop's {ref_seen[0]}")
-
-
-def vmap_refusal(ref, batch):
-    """The first line of vmap's error for the loop over ``batch``, else None: vmap refuses a
-    body that multiplies an unbatched clone in place by a batched value (``a.clone().mul_(b)``)
-    in the loop too, which the per-sample reference cannot tell."""
-    try:
-        torch.func.vmap(ref)(batch)
-    except RuntimeError as e:
-        if str(e).startswith("vmap:"):
-            return str(e).splitlines()[0][:80]
-        raise
-    return None
 
 
 RUNNERS = {"func": run_func, "eager": run_eager, "make": run_make_fx, "compile": run_compile, "export": run_export,
