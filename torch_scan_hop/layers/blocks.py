@@ -55,11 +55,7 @@ class LayerBlock(torch.nn.Module):
         self.scan_runs = tuple(runs)
 
     def forward(self, hidden_states, block_kwargs, runs=None):
-        if runs is None:
-            for k, kwargs in enumerate(block_kwargs):
-                hidden_states = hidden_of(getattr(self, str(k))(hidden_states, **kwargs), k)
-            return hidden_states
-        for start, length in runs:
+        for start, length in runs or [(k, 1) for k in range(len(block_kwargs))]:  # flat: runs of one
             if length == 1:
                 hidden_states = hidden_of(getattr(self, str(start))(hidden_states, **block_kwargs[start]), start)
             else:
@@ -80,14 +76,7 @@ def hidden_of(out, k):
 
 def runs_of(block_kinds):
     """``((start, length), ...)``: the block's positions grouped into runs of one kind."""
-    out, i = [], 0
-    while i < len(block_kinds):
-        j = i
-        while j + 1 < len(block_kinds) and block_kinds[j + 1] == block_kinds[i]:
-            j += 1
-        out.append((i, j - i + 1))
-        i = j + 1
-    return tuple(out)
+    return tuple((seg.start, seg.count) for seg in patterns.runs_from(block_kinds, 0))
 
 
 def blocks_of(container, layers, seg):
@@ -102,13 +91,14 @@ def blocks_of(container, layers, seg):
     if hit is None or not all(patterns.same_modules(list(block._modules.values()), m) for block, m in zip(hit, members)):
         # under Dynamo only the weights' kinds are known: layers told apart by attributes would
         # share a run and be refused on read; the flat block reads each position's own
-        runs = () if _compat.is_dynamo_compiling() else runs_of(patterns.kinds(layers)[seg.start:seg.start + seg.period])
+        dynamo = _compat.is_dynamo_compiling()
+        runs = () if dynamo else runs_of(patterns.kinds(layers)[seg.start:seg.start + seg.period])
         blocks = [LayerBlock(m, runs) for m in members]
         peers = {start: [(f"layer {seg.start + b * seg.period + start + j}", m[start + j])
                          for b, m in enumerate(members) for j in range(length)]
                  for start, length in runs if length > 1}  # the template (block 0's) first
         blocks[0].__dict__["_run_peers"] = peers  # a plain dict: not registered as submodules
-        if runs or not _compat.is_dynamo_compiling():  # a later call outside Dynamo finds the runs
+        if runs or not dynamo:  # a later call outside Dynamo finds the runs
             cache[key] = blocks
         return blocks
     return hit
@@ -139,10 +129,8 @@ def stack_nested(states, runs):
     """The scan's xs for nested runs: a name of a position outside every run stacked over the
     blocks ``(blocks, ...)``, as flat; a run's weights under its first position's names, stacked
     ``(blocks, length, ...)`` (one stack of every block's run layers, its gradient reaching each)."""
-    count, in_run = len(states), {}
-    for start, length in runs:
-        if length > 1:
-            in_run.update({str(start + j): start for j in range(length)})
+    count = len(states)
+    in_run = {str(start + j) for start, length in runs if length > 1 for j in range(length)}
     outside = [n for n in states[0] if n.split(".", 1)[0] not in in_run]
     out = stack_state([{n: s[n] for n in outside} for s in states]) if outside else {}
     for start, length in runs:
@@ -186,10 +174,10 @@ def _hand_written_to_block(block, start, length, written):
     None for each, or each layer's row of the run's ys."""
     for path, value in written.items():
         for j in range(length):
-            setattr_path(block, f"{start + j}.{path}", None if value is None else value[j])
+            _setattr_path(block, f"{start + j}.{path}", None if value is None else value[j])
 
 
-def setattr_path(view, path, value):
+def _setattr_path(view, path, value):
     """``view.a.b.name = value`` on the view: kept in the step, never on the module."""
     *parents, name = path.split(".")
     for part in parents:

@@ -135,11 +135,12 @@ def plan(ks, max_period=None):
     if p > 1 and n // p >= 2 and (max_period is None or p <= max_period):
         segments.append(Segment(0, p, n // p))
         done = n // p * p
-    segments.extend(_runs(ks, done))
+    segments.extend(runs_from(ks, done))
     return tuple(segments)
 
 
-def _runs(ks, start):
+def runs_from(ks, start):
+    """``ks[start:]`` split into runs of one kind, in order: one ``Segment(i, 1, count)`` each."""
     out, i = [], start
     while i < len(ks):
         j = i
