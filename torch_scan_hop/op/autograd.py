@@ -24,6 +24,7 @@ from ..trace.lift import source_of
 from ..trace.partition import FwdBwd, partition_step, trace_step
 from ..trace.peephole import fuse_accumulate
 from ..xla import sharding
+from . import example_values
 from .hop import scan_op
 from .loop import run_flat
 
@@ -243,6 +244,9 @@ def build_plan(combine_fn, init, xs, additional_inputs, reverse, remat):
     keyed by that joint. Any other graph body (Dynamo's, or our own backward)
     is differentiated as it is, so its joint is a function of the graph: the
     plan is keyed by the body graph itself, with no trace on a hit.
+    Under a fake-mode trace (AOT, make_fx) the plan is kept with that fake mode:
+    AOT runs the graph more than once, and a scan nested in another's body is
+    planned again on each trace of the outer body.
     """
     nc, nx = len(init), len(xs)
     flat = [*init, *xs, *additional_inputs]
@@ -256,13 +260,16 @@ def build_plan(combine_fn, init, xs, additional_inputs, reverse, remat):
     def plan(step):
         return ScanGradPlan(partition_step(step, remat), reverse)
 
+    scope = None
     if _compat.dispatch_modes_active() or not all(_compat.is_concrete(t) for t in flat):
-        return plan(trace())
+        scope = _compat.detect_fake_mode([t for t in flat if isinstance(t, torch.Tensor)])
+        if scope is None:  # real-mode make_fx: nothing outlives its trace to key a plan by
+            return plan(trace())
     if isinstance(combine_fn, torch.fx.GraphModule) and source_of(combine_fn) is None:
         return cache.plan_for(combine_fn, init, xs, additional_inputs, reverse, remat, lambda: plan(trace()),
-                               keyed_by="body")
+                               keyed_by="body", scope=scope)
     step = trace()
-    return cache.plan_for(step.joint, init, xs, additional_inputs, reverse, remat, lambda: plan(step))
+    return cache.plan_for(step.joint, init, xs, additional_inputs, reverse, remat, lambda: plan(step), scope=scope)
 
 
 @scan_op.py_impl(_compat.DispatchKey.Autograd)  # not py_autograd_impl: it would trace the body for a schema every call
@@ -273,6 +280,8 @@ def scan_autograd(combine_fn, init, xs, additional_inputs, *, reverse=False, rem
     if not _needs_grad(flat):
         with _compat.AutoDispatchBelowAutograd():
             return scan_op(combine_fn, init, xs, additional_inputs, reverse=reverse, unroll=unroll)
+    if example_values.applies(combine_fn, flat):  # Dynamo asks only for the outputs' metadata
+        return example_values.run(scan_op, combine_fn, init, xs, additional_inputs, reverse, unroll)
     with trace_lock.tracing_lock():
         plan = build_plan(combine_fn, init, xs, additional_inputs, reverse, remat)
     return list(ScanAutogradFn.apply(plan, unroll, len(init), len(xs), *flat))

@@ -27,6 +27,7 @@ from ..remat.policies import RematPolicy, as_token
 from ..trace.body_checks import is_leaf_write_error
 from ..trace.flat_body import _ERROR, rewritten_step
 from ..trace.indexing import TensorIndexRewrite, rewrite_graph_indexing
+from . import example_values
 from .compile_errors import GRAPH_BREAK, capture_failure, compile_error, tensor_repr_releases_its_guard
 
 
@@ -87,7 +88,8 @@ def _make_tracker_class():
             name = tx.output.install_subgraph("scan_body", dyn.subgraph_module(tx, graph))
             p_args = (dyn.make_attr(tx, name), init.as_proxy(), xs.as_proxy(),
                       tuple(additional.as_proxy()) + tuple(freevars.keys()))
-            return dyn.call_and_unflatten(tx, self.value, p_args, options, spec)
+            with example_values.asking():  # the node's example value: no autograd plan for it
+                return dyn.call_and_unflatten(tx, self.value, p_args, options, spec)
 
     return ScanVariable
 

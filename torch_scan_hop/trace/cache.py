@@ -11,8 +11,13 @@ graphs with the same key compute the same thing.
   metadata + reverse + remat -> the autograd plan (partitioned step graphs).
 * ``by_graph``: body graph + extra key -> e.g. the lowered XLA While.
 
-Both are small LRUs. Work under a tracer (make_fx, fake mode, Dynamo) is never
-cached: a trace runs once anyway, and its tensors must not outlive it.
+Both are small LRUs. Work under a tracer (make_fx, fake mode, Dynamo) is not
+kept in them: its tensors must not outlive the trace. But one trace asks for the
+same plan many times: AOT runs a graph more than once (metadata, then the joint),
+a scan nested in another's body is re-planned on each of the outer body's traces,
+and identical bodies (a layer scanned on its own and nested in a block) repeat.
+``plan_for(..., scope=fake_mode)`` keeps those plans with the trace's fake mode
+instead, and they die with it.
 """
 import collections
 import threading
@@ -206,9 +211,10 @@ def by_graph(gm, key, build):
     return _graphs.get_or_build((graph, key, _ambient_state()), refs, build)
 
 
-def plan_for(gm, init, xs, additional_inputs, reverse, remat, build, keyed_by="joint"):
+def plan_for(gm, init, xs, additional_inputs, reverse, remat, build, keyed_by="joint", scope=None):
     """The autograd plan, once per (graph ``gm``, per-step input metadata, reverse, remat).
-    ``keyed_by``: what ``gm`` is, the step's joint or a body graph that determines it."""
+    ``keyed_by``: what ``gm`` is, the step's joint or a body graph that determines it.
+    ``scope``: the fake mode of the trace asking (its plans are kept with it), else None."""
     found = graph_key(gm)
     if found is None:
         return build()
@@ -219,7 +225,27 @@ def plan_for(gm, init, xs, additional_inputs, reverse, remat, build, keyed_by="j
         refs = [*refs, weakref.ref(remat)] if _weakrefable(remat) else None
         if refs is None:
             return build()
-    return _plans.get_or_build((keyed_by, graph, meta, reverse, remat_key, _ambient_state()), refs, build)
+    key = (keyed_by, graph, meta, reverse, remat_key, _ambient_state())
+    if scope is not None:
+        return _in_scope(scope, key, build)
+    return _plans.get_or_build(key, refs, build)
+
+
+_scoped = weakref.WeakKeyDictionary()  # a trace's fake mode -> {key: plan}
+
+
+def _in_scope(scope, key, build):
+    """``build()`` once per key while ``scope`` lives. Keys holding symbolic sizes do not hash:
+    those build every time."""
+    try:
+        hash(key)
+        store = _scoped.setdefault(scope, {})
+    except TypeError:
+        return build()
+    hit = store.get(key)
+    if hit is None:
+        hit = store[key] = build()
+    return hit
 
 
 def _weakrefable(v):
@@ -254,5 +280,6 @@ def clear():
     """Forget every cached plan and lowering (never needed for correctness)."""
     _plans.clear()
     _graphs.clear()
+    _scoped.clear()
     _memos.clear()
     _flat_keys.clear()
