@@ -37,7 +37,7 @@ import torch
 from ..core.drain import drain_at_thread_end
 from ..core.schedule import sqrt_block
 from ..core.trees import ScanError, map_tensors, own_copy, requiring_grad
-from . import keep, policies, recipes, revolve
+from . import keep, policies, recipes, revolve, writes
 from .policy_ops import OpKeeps
 from .selective_replay import Replay, SelectiveReplay, leaves as _leaves, versions_of as _versions
 
@@ -80,12 +80,16 @@ class StepReplay(SelectiveReplay):
         self.replaying, self.rpos, self.pos, self.n = None, 0, 0, 0
         self.device_of = None
         self._recording = None  # (saved-tensor hooks, recording mode) of steps recipes serve
+        self.plain = False  # the body writes into tensors from outside the step: no remat (remat/writes.py)
+        self.probed, self.outside = None, None  # the first step's saved values; the outside tensors it read
         if self.hot is not None:
             self.hot.snapshot, self.hot.on_unusable = self._rng_now, self._unrecorded
 
     # ---------------------------------------------------------------- forward
 
     def __call__(self, carry, *rest):
+        if self.plain:  # the body writes into tensors from outside the step: the loop (remat/writes.py)
+            return self.step(carry, *rest)
         pos = len(self.rest)
         self.rest.append(rest)
         if self.slots is not None:
@@ -98,11 +102,32 @@ class StepReplay(SelectiveReplay):
             self._note_rng(0, carry)
         self.pos, self.n = pos, 0
         self.kept.append([])
-        out = self._recorded_step(pos, carry, rest) if self.hot is not None and self.hot.usable else \
-            self._step_on_hooks(pos, carry, rest)
+        probe = writes.Probe(carry) if pos == 0 else None
+        self.probed = [] if pos == 0 else None
+        with probe or contextlib.nullcontext():
+            out = self._recorded_step(pos, carry, rest) if self.hot is not None and self.hot.usable else \
+                self._step_on_hooks(pos, carry, rest)
+        if probe is not None:
+            probed, self.probed = self.probed, None
+            if probe.written:
+                self._plain(probe.written)
+                return out
+            for p in probed:  # remat serves the step: its saved values are the handles
+                p.kept = None
+            self.outside = probe.versions()
+        elif self.outside:
+            writes.check(self.outside, pos)
         if pos in self.carry_versions and _versions(self.carries[pos]) != self.carry_versions[pos]:
             self._restore_kept_carry(pos)
         return out
+
+    def _plain(self, written):
+        """The first step wrote into a tensor from outside it: that step's saved values are the tensors
+        themselves (``writes.Probed``), and later steps run as the loop (remat/writes.py)."""
+        writes.fall_back(written)
+        self.plain = True
+        self.carries, self.carry_versions, self.rest, self.kept = {}, {}, [], []
+        self.hot = self._recording = None
 
     def _restore_kept_carry(self, pos):
         """Step ``pos`` wrote into the carry it was given (the loop allows it where nothing saved
@@ -183,8 +208,13 @@ class StepReplay(SelectiveReplay):
         k = self.n
         self.n += 1
         if self.hot is not None and self.hot.usable:  # kept as it is, or a recipe (remat/recipes.py)
-            return self.hot.pack(t) or recipes.Kept(t)
-        return self.pos, k
+            handle = self.hot.pack(t) or recipes.Kept(t)
+        else:
+            handle = self.pos, k
+        if self.probed is not None:  # the first step: its saved values held until it ends (remat/writes.py)
+            handle = writes.Probed(handle, t)
+            self.probed.append(handle)
+        return handle
 
     def _rng_now(self):
         """The CPU RNG state and that of the carry's CUDA devices (found at step 0)."""
@@ -206,6 +236,10 @@ class StepReplay(SelectiveReplay):
 
     def _unpack(self, handle):
         drain_at_thread_end()  # the backward may run in a thread the forward did not: core/drain.py
+        if isinstance(handle, writes.Probed):
+            if handle.kept is not None:  # a plain step's (remat/writes.py)
+                return handle.kept.get()
+            handle = handle.handle
         if isinstance(handle, recipes.Kept):
             return handle.get()
         if isinstance(handle, recipes.Handle):
