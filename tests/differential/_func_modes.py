@@ -90,11 +90,13 @@ def _run_func(p, mode, transform, traced):
 def vmap_refusal(ref, batch):
     """The first line of vmap's error for the loop over ``batch``, else None: vmap refuses a
     body that multiplies an unbatched clone in place by a batched value (``a.clone().mul_(b)``)
-    in the loop too, which the per-sample reference cannot tell."""
+    in the loop too, which the per-sample reference cannot tell; written into an unbatched 0-d
+    carry (``a.mul_(0.5).add_(b.mean())``) that refusal is the in-place op's own shape error
+    ("output with shape [] doesn't match the broadcast shape [2]"). Ours must raise the same."""
     try:
         torch.func.vmap(ref)(batch)
     except RuntimeError as e:
-        if str(e).startswith("vmap:"):
+        if str(e).startswith("vmap:") or "doesn't match the broadcast shape" in str(e):
             return str(e).splitlines()[0][:80]
         raise
     return None

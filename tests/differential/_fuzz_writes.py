@@ -66,10 +66,6 @@ def draw(seed, carry_leaves):
     return Writes(bool(carried or closed) or r.random() < 0.5, ops, carried, closed)
 
 
-# eager remat (remat/replay.py) of bodies with writes: not fixed yet (issue 63 item 5's fuzzing found them)
-_REPLAYED = ("min_cut", "recompute_all", "sqrt")
-
-
 def known_failure(p, mode):
     """Why (p, mode) is known to fail, else None: such a case fails as an xfail, not silently."""
     if p.writes is None:
@@ -84,14 +80,6 @@ def known_failure(p, mode):
         return "strict export: buf.select(dim, t) at the step index reads t's value (data-dependent)"
     if mode == "func_vmap" and p.writes.closed:
         return "vmap: a batched row written into an unbatched closed-over buffer is refused where the loop's is not"
-    if not (mode == "eager" or mode.startswith("func")) or p.remat not in _REPLAYED:
-        return None
-    if p.writes.closed:
-        return ("eager remat re-runs steps (forward, after a carry write; backward) that write into a "
-                "closed-over tensor: the writes run again, the reads see its later contents")
-    if p.writes.carry_ops or p.writes.carried:
-        return ("eager remat: a recipe reads a carry (leaf or buffer) the body writes in place later in the "
-                "step (ScanError 'a tensor saved for the backward ... was modified by an in-place operation')")
     return None
 
 

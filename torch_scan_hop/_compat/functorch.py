@@ -108,5 +108,10 @@ def forward_ad_disabled():
 
 def is_vmap_inplace_error(e):
     """vmap's refusal of an in-place op on an unbatched tensor by a batched one. torch 2.9 to
-    2.15 raise a RuntimeError whose text starts "vmap: inplace arithmetic"."""
-    return isinstance(e, RuntimeError) and str(e).startswith("vmap: inplace arithmetic")
+    2.15 raise a RuntimeError whose text starts "vmap: inplace arithmetic" (``mul_``), or, for an
+    op without a batching rule (``index_put_``: ``buf[t] = row``), says ``self`` is not vmapped; into
+    an unbatched 0-d tensor it is the op's shape error ("output with shape [] doesn't match the
+    broadcast shape [2]"). Callers retry unbatched, where an error of the body's own comes back."""
+    text = str(e) if isinstance(e, RuntimeError) else ""
+    return text.startswith("vmap: inplace arithmetic") or "doesn't match the broadcast shape" in text or (
+        text.startswith("vmap: ") and "is not possible" in text and "`self` not being vmapped" in text)

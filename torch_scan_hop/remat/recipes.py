@@ -22,10 +22,10 @@ tensors, so double backward reaches the forward. What a step keeps:
   as it is when saved (recomputing it could mean a redraw), never recorded.
 
 In-place ops: a recipe records the value an op produced, so a value modified in
-place afterwards loses its recipe (if saved later it is kept as it is), and a
-tensor from outside the step that a recipe reads is checked, when the recipe
-runs, not to have been modified since (a ScanError otherwise, where the plain
-tape raises its version error).
+place afterwards loses its recipe (if saved later it is kept as it is); a tensor
+from outside the step that a recipe reads and the step then writes (its carry) is
+read as a copy taken before the write (``_read_before``); one written later (by
+another step) is a ScanError when the recipe runs, where the tape raises its own.
 """
 import torch
 
@@ -223,10 +223,14 @@ class HotValues:
         return value
 
     def forward(self, func, args, kwargs):
-        if not self.usable:
-            return func(*args, **kwargs)
         kind = self.kinds.get(func) or self._kind(func)
         writes = kind[0] or (bool(kwargs) and kwargs.get("out") is not None)
+        if writes:  # (the tensor written: the first argument, or every one for out=)
+            target = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            self._read_before({storage_key(target)} - {0} if target is not None else
+                              {storage_key(t) for t in _flat(args, kwargs)} - {0})
+        if not self.usable:  # (the step's recipes so far still serve its values saved so far)
+            return func(*args, **kwargs)
         before = None
         if self.recompute and self.snapshot is not None and (writes or not kind[2]):  # may stop the recipes
             before = self.snapshot()
@@ -251,6 +255,27 @@ class HotValues:
         finally:
             self.pending = self.writing = None
         return out
+
+    def _read_before(self, written):
+        """An in-place call is about to write tensors from outside the step (the carry it was given, a
+        carried buffer) that this step's recipes read: they read a copy taken now, the value the
+        forward read (the loop's tape saved nothing of them: it has no error to raise)."""
+        copies = {}
+
+        def fresh(v):
+            if isinstance(v, Kept):
+                if storage_key(v.t) in written and id(v.t) not in copies:
+                    copies[id(v.t)] = Kept(v.t.detach().clone())
+                return copies.get(id(v.t), v) if storage_key(v.t) in written else v
+            if isinstance(v, (tuple, list, dict)):
+                new = {k: fresh(u) for k, u in (v.items() if isinstance(v, dict) else enumerate(v))}
+                same = all(new[k] is u for k, u in (v.items() if isinstance(v, dict) else enumerate(v)))
+                return v if same else new if isinstance(v, dict) else type(v)(new.values())
+            return v
+
+        recipes = self.recipes[-1] if self.recipes else ()
+        for rid, (func, args, kwargs) in enumerate(recipes):
+            recipes[rid] = (func, fresh(args), fresh(kwargs) if kwargs else kwargs)
 
     def _kind(self, func):
         """(writes in place, cheap, deterministic) by the function's name, once per function."""

@@ -34,32 +34,12 @@ import contextlib
 
 import torch
 
-from .. import _compat
 from ..core.drain import drain_at_thread_end
 from ..core.schedule import sqrt_block
 from ..core.trees import ScanError, map_tensors, own_copy, requiring_grad
-from . import keep, policies, recipes, revolve
-from .policy_ops import OpKeeps, saves_op
-
-
-def _map_tensors(fn, value):
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_map_tensors(fn, v) for v in value)
-    return value
-
-
-def _leaves(value, out):
-    if isinstance(value, torch.Tensor):
-        out.append(value)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _leaves(v, out)
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            _leaves(v, out)
-    return out
+from . import keep, policies, recipes, revolve, writes
+from .policy_ops import OpKeeps
+from .selective_replay import Replay, SelectiveReplay, leaves as _leaves, versions_of as _versions
 
 
 def _detached(value):
@@ -68,18 +48,7 @@ def _detached(value):
     return map_tensors(lambda t: t.detach().requires_grad_(True) if t.requires_grad else t.detach(), value)
 
 
-class _Replay(_compat.TorchDispatchMode):
-    """Keeps (forward) or hands back (re-run) the outputs of the ops the policy saves."""
-
-    def __init__(self, engine):
-        super().__init__()
-        self.engine = engine
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self.engine.dispatch(func, args, kwargs or {})
-
-
-class StepReplay:
+class StepReplay(SelectiveReplay):
     """A scan's remat in eager (see the module docstring). ``step(carry, *rest) -> (carry, y)``."""
 
     def __init__(self, step, policy, length, sqrt=False, min_cut=False, slots=None):
@@ -111,12 +80,16 @@ class StepReplay:
         self.replaying, self.rpos, self.pos, self.n = None, 0, 0, 0
         self.device_of = None
         self._recording = None  # (saved-tensor hooks, recording mode) of steps recipes serve
+        self.plain = False  # the body writes into tensors from outside the step: no remat (remat/writes.py)
+        self.probed, self.outside = None, None  # the first step's saved values; the outside tensors it read
         if self.hot is not None:
             self.hot.snapshot, self.hot.on_unusable = self._rng_now, self._unrecorded
 
     # ---------------------------------------------------------------- forward
 
     def __call__(self, carry, *rest):
+        if self.plain:  # the body writes into tensors from outside the step: the loop (remat/writes.py)
+            return self.step(carry, *rest)
         pos = len(self.rest)
         self.rest.append(rest)
         if self.slots is not None:
@@ -129,11 +102,32 @@ class StepReplay:
             self._note_rng(0, carry)
         self.pos, self.n = pos, 0
         self.kept.append([])
-        out = self._recorded_step(pos, carry, rest) if self.hot is not None and self.hot.usable else \
-            self._step_on_hooks(pos, carry, rest)
+        probe = writes.Probe(carry) if pos == 0 else None
+        self.probed = [] if pos == 0 else None
+        with probe or contextlib.nullcontext():
+            out = self._recorded_step(pos, carry, rest) if self.hot is not None and self.hot.usable else \
+                self._step_on_hooks(pos, carry, rest)
+        if probe is not None:
+            probed, self.probed = self.probed, None
+            if probe.written:
+                self._plain(probe.written)
+                return out
+            for p in probed:  # remat serves the step: its saved values are the handles
+                p.kept = None
+            self.outside = probe.versions()
+        elif self.outside:
+            writes.check(self.outside, pos)
         if pos in self.carry_versions and _versions(self.carries[pos]) != self.carry_versions[pos]:
             self._restore_kept_carry(pos)
         return out
+
+    def _plain(self, written):
+        """The first step wrote into a tensor from outside it: that step's saved values are the tensors
+        themselves (``writes.Probed``), and later steps run as the loop (remat/writes.py)."""
+        writes.fall_back(written)
+        self.plain = True
+        self.carries, self.carry_versions, self.rest, self.kept = {}, {}, [], []
+        self.hot = self._recording = None
 
     def _restore_kept_carry(self, pos):
         """Step ``pos`` wrote into the carry it was given (the loop allows it where nothing saved
@@ -207,15 +201,20 @@ class StepReplay:
             if not self.selective:
                 yield
                 return
-            with (_Replay(self) if self.by_ops else contextlib.nullcontext()), policies.naming(self):
+            with (Replay(self) if self.by_ops else contextlib.nullcontext()), policies.naming(self):
                 yield
 
     def _pack(self, t):
         k = self.n
         self.n += 1
         if self.hot is not None and self.hot.usable:  # kept as it is, or a recipe (remat/recipes.py)
-            return self.hot.pack(t) or recipes.Kept(t)
-        return self.pos, k
+            handle = self.hot.pack(t) or recipes.Kept(t)
+        else:
+            handle = self.pos, k
+        if self.probed is not None:  # the first step: its saved values held until it ends (remat/writes.py)
+            handle = writes.Probed(handle, t)
+            self.probed.append(handle)
+        return handle
 
     def _rng_now(self):
         """The CPU RNG state and that of the carry's CUDA devices (found at step 0)."""
@@ -233,82 +232,14 @@ class StepReplay:
                 return
         self.rng.append((pos, state, device_states))
 
-    # ---------------------------------------------------------------- selective replay
-
-    def _saves(self, func):
-        return saves_op(self.policy, func, self.decisions)
-
-    def _keep(self, key, value, detach=True):
-        """Keep ``value`` for the re-run. A kept alias of a value the body modifies in place later no
-        longer holds what was kept: the re-run computes it instead (``_take``). A named value's alias
-        shares its version counter (checked); an op's output is kept below autograd, where an alias
-        does not: the in-place op marks it (``_mark_written``). Offloaded to the device it is on, it
-        is an alias too."""
-        device = self.offload
-        if detach:
-            value = _map_tensors(lambda t: t.detach() if device is None else t.detach().to(device, non_blocking=True),
-                                 value)
-        self.kept[self.pos].append((key, value, _versions(value)))
-
-    def _mark_written(self, func, args, kwargs):
-        """An in-place op in a step's forward: the values kept so far that share its tensors' storage
-        are stale."""
-        mutable = self.mutable.get(func)
-        if mutable is None:
-            schema = _compat.op_schema(func) if _compat.is_op_overload(func) else None
-            mutable = self.mutable[func] = schema is not None and schema.is_mutable
-        if not mutable:
-            return
-        written = {recipes.storage_key(t) for t in _leaves((args, kwargs), [])} - {0}
-        kept = self.kept[self.pos]
-        for i, (key, value, versions) in enumerate(kept):
-            if any(recipes.storage_key(t) in written for t in _leaves(value, [])):
-                kept[i] = (key, value, _STALE)
-
-    def _take(self, key, like_device):
-        """What the forward kept for ``key``; None where the body modified it in place since (the
-        re-run then computes it, as the forward did before modifying it)."""
-        stored_key, value, versions = self.replaying[self.rpos]
-        self.rpos += 1
-        if stored_key != key:
-            raise ScanError(f"scan: remat: a re-run step computed {key} where the forward saved {stored_key}; "
-                            "the body must run the same ops when it is re-run in the backward.")
-        if versions is _STALE or _versions(value) != versions:
-            return None
-        return _map_tensors(lambda t: t.detach() if self.offload is None else t.to(like_device, non_blocking=True),
-                            value)
-
-    def dispatch(self, func, args, kwargs):
-        saves = self._saves(func)
-        if self.replaying is not None and saves:
-            value = self._take(func, None if self.offload is None else _first_device(args))
-            return func(*args, **kwargs) if value is None else value
-        out = func(*args, **kwargs)
-        if saves:
-            self._keep(func, out)
-        elif self.kept[self.pos]:
-            self._mark_written(func, args, kwargs)
-        return out
-
-    def named(self, x, name):
-        """``checkpoint_name`` inside a step: keep (forward) or hand back (re-run) ``x``."""
-        if not self.policy.saves(policies.NAMED_VALUE, name):
-            return x
-        key = ("checkpoint_name", name)
-        if self.replaying is not None:
-            value = self._take(key, x.device)
-            return x if value is None else value.requires_grad_(x.requires_grad)
-        if self.hot is not None and self.hot.usable:  # recipes stop at x; if they stop serving in this
-            self.hot.keep(x)  # step, its re-run takes x from ``kept`` (not detached here: under the
-            self._keep(key, x, detach=False)  # recording mode that would be a call it records)
-            return x
-        self._keep(key, x)
-        return x
-
     # ---------------------------------------------------------------- backward
 
     def _unpack(self, handle):
         drain_at_thread_end()  # the backward may run in a thread the forward did not: core/drain.py
+        if isinstance(handle, writes.Probed):
+            if handle.kept is not None:  # a plain step's (remat/writes.py)
+                return handle.kept.get()
+            handle = handle.handle
         if isinstance(handle, recipes.Kept):
             return handle.get()
         if isinstance(handle, recipes.Handle):
@@ -356,7 +287,7 @@ class StepReplay:
             return self.step(carry, *self.rest[pos])
         self.replaying, self.rpos = (self.kept[pos] if self.selective else None), 0
         try:
-            with (_Replay(self) if self.by_ops and pos not in self.unreplayed else contextlib.nullcontext()), \
+            with (Replay(self) if self.by_ops and pos not in self.unreplayed else contextlib.nullcontext()), \
                     (policies.naming(self) if self.selective else contextlib.nullcontext()):
                 return self.step(carry, *self.rest[pos])
         finally:
@@ -399,21 +330,3 @@ class StepReplay:
                             f"{self.counts[pos]} in the forward; the body must run the same ops when it is "
                             "re-run (use remat='save_all' for a body that does not).")
         return values, new_carry
-
-
-_STALE = "stale"  # a kept value the body modified in place afterwards
-
-
-def _versions(value):
-    return tuple([t._version for t in _leaves(value, [])])
-
-
-def _first_device(args):
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            return a.device
-        if isinstance(a, (list, tuple)):
-            for t in a:
-                if isinstance(t, torch.Tensor):
-                    return t.device
-    return None
