@@ -18,7 +18,9 @@ D = 6
 class Kind(torch.nn.Module):
     def __init__(self, kind, index, keeps_state=False):
         super().__init__()
-        self.lin = torch.nn.Linear(D, D, dtype=torch.float64)
+        # the full layers' Linear has no bias: kinds with one weight signature would run as one
+        # scan choosing the code by kind (layers.alike), not as blocks
+        self.lin = torch.nn.Linear(D, D, bias=kind == "sliding", dtype=torch.float64)
         self.kind, self.layer_idx, self.keeps_state = kind, index, keeps_state
         self.state = None
 

@@ -17,9 +17,11 @@ D = 6
 
 
 class Kind(torch.nn.Module):
-    def __init__(self, kind, index, reads_index=False):
+    def __init__(self, kind, index, reads_index=False, alike_weights=False):
         super().__init__()
-        self.lin = torch.nn.Linear(D, D, dtype=torch.float64)
+        # the full layers' Linear has no bias: kinds with one weight signature would run as one
+        # scan choosing the code by kind (layers.alike, tests/layers/test_alike.py), not as blocks
+        self.lin = torch.nn.Linear(D, D, bias=alike_weights or kind == "sliding", dtype=torch.float64)
         self.kind, self.layer_idx, self.reads_index = kind, index, reads_index
 
     def forward(self, h, mask=None, scale=None):
@@ -96,7 +98,7 @@ def test_patterned_stack_matches_the_loop(backend, period, fresh_dynamo):
 def test_compiled_first_a_pattern_of_attributes_alone_is_refused(fresh_dynamo):
     """Dynamo cannot list a module's attributes: compiled before any eager call, layers that
     differ only in a plain attribute are taken for one kind, and the body's read of it is refused."""
-    layers = _stack(GEMMA_LIKE * 2)
+    layers = _stack(GEMMA_LIKE * 2, alike_weights=True)
     h = torch.randn(2, D, dtype=torch.float64)
     masks = {"sliding": torch.ones(D, dtype=torch.float64), "full": torch.ones(D, dtype=torch.float64)}
     with pytest.raises(Exception, match=r"layer 2's attribute 'kind' is 'full' but layer 0's is 'sliding'"):

@@ -175,6 +175,11 @@ def subgraph_module(tx, graph):
     return torch.fx.GraphModule(dict(tx.output.nn_modules), graph)
 
 
+def installed_subgraph(tx, name):
+    """The subgraph Dynamo installed for the frame under ``name`` (a cond's branch) (2.9 to 2.15)."""
+    return tx.output.nn_modules[name]
+
+
 class recompile_limit_at_least:  # noqa: N801  (a context manager, used as a function)
     """Dynamo compiles one code object at most ``recompile_limit`` times, then
     runs it uncompiled; raise the limit for a block.

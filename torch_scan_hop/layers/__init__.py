@@ -5,6 +5,7 @@
 - ``patterns``: patterned stacks (which layers are of one kind, the segments a stack splits
   into: scans over blocks of a repeating pattern, runs of one kind, single layers);
 - ``blocks``: the ``LayerBlock`` a scan over blocks runs, its runs of one kind scanned nested;
+- ``alike``: kinds with one weight signature as one scan choosing each layer's code by kind;
 - ``layer_kwargs``: per-layer keyword inputs (shared ones closed over, differing tensors stacked);
 - ``outputs``: what a layer returns (the hidden state, or a tuple of it and extras such as
   attention weights) and what ``scan_layers`` returns for it (the extras stacked);

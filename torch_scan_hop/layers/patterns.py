@@ -183,6 +183,26 @@ def stack_plan(container, layers, period):
     return segments
 
 
+def stack_alike(container, layers):
+    """Per layer its kind numbered 0.. in order of first use when ``layers.alike`` may run the
+    stack as one scan choosing each layer's code by kind (every layer has one weight signature,
+    and the layers are of several kinds), else None. Read outside Dynamo (the plain attributes)
+    and cached on the container as the plan is; None under Dynamo with no cached answer."""
+    cache = container_cache(container, "_scan_layers_alike")
+    hit = cache.get(len(layers))
+    if hit is not None and same_modules(hit[0], layers):
+        return hit[1]
+    if _compat.is_dynamo_compiling():
+        return None
+    ks, weights = kinds(layers), kinds_traced(layers)
+    value = None
+    if len(set(weights)) == 1 and len(set(ks)) > 1:
+        order = {}
+        value = tuple(order.setdefault(k, len(order)) for k in ks)
+    cache[len(layers)] = (tuple(layers), value)
+    return value
+
+
 def same_modules(a, b):
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 

@@ -42,7 +42,7 @@ from .checks import (
 from .fsdp import check_fsdp, gathered_state, tensor_parallel_parts
 from .grads import check_flags_traced, stacks_swapped
 from .layer_state import check_sharded_alike, layer_state, layer_states, same_value
-from . import blocks, module_state, patterns, written_rows
+from . import alike, blocks, module_state, patterns, written_rows
 from .layer_kwargs import split as split_kwargs
 from .outputs import join_output, layer_name, split_output, stack_extras
 from .ownership import container_of, container_token, owner_of
@@ -369,6 +369,11 @@ def scan_patterned(layers, hidden, *, remat="save_all", unroll=None, partition_f
     except ScanError as e:
         surface(e)
     per_layer = _per_layer(layers, broadcast_kwargs, layer_kwargs)
+    kinds = patterns.stack_alike(container, layers) if period == "auto" else None
+    if kinds is not None:  # one scan choosing each layer's code by kind, where it applies
+        out = alike.scan_alike(layers, kinds, hidden, per_layer, remat, unroll)
+        if out is not None:
+            return out
     for seg in segments:
         hidden = _run_segment(container, layers, seg, hidden, per_layer, remat, unroll)
     return hidden

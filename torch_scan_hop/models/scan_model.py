@@ -71,6 +71,7 @@ def scan_model(model: Model, *, remat="save_all", unroll=None) -> Model:
     container.__class__ = ScannedModuleList
     container.__dict__["_scan_model_options"] = options
     segments = stack_plan(container, layers, "auto")
+    patterns.stack_alike(container, layers)  # read now, outside any tracer
     for layer in layers:  # the names of state kept on the layers' modules, read outside any tracer
         module_state.record(layer)
     for seg in segments:

@@ -24,7 +24,9 @@ from ..trace.lift import source_of
 from ..trace.partition import FwdBwd, partition_step, trace_step
 from ..trace.peephole import fuse_accumulate
 from ..xla import sharding
-from . import example_values
+from ..core.trees import ScanError
+from ..trace import example_values
+from .compile_errors import NOT_A_GRAPH_BREAK
 from .hop import scan_op
 from .loop import run_flat
 
@@ -255,7 +257,14 @@ def build_plan(combine_fn, init, xs, additional_inputs, reverse, remat):
     def trace():  # the examples are made here, only for a trace: on XLA each is graph work (~0.1 ms)
         with torch.no_grad(), _compat.disable_proxy_modes_tracing():
             examples = example_args(init, xs, additional_inputs)
-        return trace_step(combine_fn, examples[:nc], examples[nc:nc + nx], examples[nc + nx:], requires_grad)
+        try:
+            return trace_step(combine_fn, examples[:nc], examples[nc:nc + nx], examples[nc + nx:], requires_grad)
+        except RuntimeError as e:
+            if isinstance(e, ScanError) or not _compat.dispatch_modes_active():
+                raise
+            # traced (AOT, make_fx): the body's backward failing is named as the body's error
+            raise ScanError(f"torch_scan_hop.scan: the body fn raised {type(e).__name__} when its joint forward and "
+                            f"backward were traced on one step's shapes {NOT_A_GRAPH_BREAK}: {e}") from e
 
     def plan(step):
         return ScanGradPlan(partition_step(step, remat), reverse)

@@ -22,7 +22,7 @@ GRAPH_BREAK = ("torch_scan_hop.scan: the body fn must be captured whole by torch
 
 _FAKE_RUN = re.compile(r"Dynamo failed to run FX node with fake tensors: call_function (.+?)\(\*.*\): "
                        r"got (\w+)\((['\"])(.*)\3\)\s*$", re.DOTALL)
-_NOT_A_GRAPH_BREAK = ("(an error of the body itself, not a graph break: run eagerly on those shapes, the body "
+NOT_A_GRAPH_BREAK = ("(an error of the body itself, not a graph break: run eagerly on those shapes, the body "
                       "or its backward raises it too)")
 
 
@@ -64,7 +64,7 @@ def _body_raised(chain, tx):
     if name == "AssertionError":  # more likely an internal check of torch's (or ours) than the body's
         return None
     return (f"torch_scan_hop.scan: the body fn raised {name} when Dynamo (torch.compile, torch.export) "
-            f"traced it on fake tensors of one step's shapes {_NOT_A_GRAPH_BREAK}{': ' + text if text else '.'}")
+            f"traced it on fake tensors of one step's shapes {NOT_A_GRAPH_BREAK}{': ' + text if text else '.'}")
 
 
 def _scan_error_within(chain):
@@ -90,7 +90,7 @@ def capture_failure(e, tx, uncaptured, unsupported):
     failed = _failed_assert(chain, unsupported)
     if failed is not None:
         return compile_error("torch_scan_hop.scan: an assert in the body fn failed when Dynamo (torch.compile, "
-                             f"torch.export) traced it on fake tensors of one step's shapes {_NOT_A_GRAPH_BREAK}: "
+                             f"torch.export) traced it on fake tensors of one step's shapes {NOT_A_GRAPH_BREAK}: "
                              "AssertionError.",
                              getattr(failed, "real_stack", None))
     raised = _body_raised(chain, tx)

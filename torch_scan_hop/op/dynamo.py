@@ -27,7 +27,7 @@ from ..remat.policies import RematPolicy, as_token
 from ..trace.body_checks import is_leaf_write_error
 from ..trace.flat_body import _ERROR, rewritten_step
 from ..trace.indexing import TensorIndexRewrite, rewrite_graph_indexing
-from . import example_values
+from ..trace import example_values, same_branches
 from .compile_errors import GRAPH_BREAK, capture_failure, compile_error, tensor_repr_releases_its_guard
 
 
@@ -82,6 +82,7 @@ def _make_tracker_class():
                 carry_grad = grown
             _check_dtensor_sharded_sizes([("closure", [p.node.meta.get("example_value") for p in freevars])])
             _reject_constant_ys(spec)
+            same_branches.inline_identical_conds(graph, lambda name: dyn.installed_subgraph(tx, name))
             rewrite_graph_indexing(graph)
             _clone_outputs_that_are_inputs(graph)
             _allow_scalar_outputs(tx)

@@ -7,6 +7,8 @@ One policy object drives every path, so the remat code lives together, by what i
   one validator (``validated``);
 - ``step``: a step with its policy applied, what the eager loop runs (``op/loop.py``);
 - ``replay``: the eager replay engine, one per scan (``StepReplay``);
+- ``selective_replay``: its half for the selective policies (kept op outputs, named values);
+- ``writes``: steps writing into tensors from outside the step, found and run as the plain loop;
 - ``sac_replay``: selective checkpointing whose saved values replay (a second backward);
 - ``recipes``: recipes recorded per call, so saved values are recomputed without re-running the body;
 - ``keep``: which recorded values an eager ``"min_cut"`` step keeps within its memory budget;

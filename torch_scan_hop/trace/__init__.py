@@ -16,6 +16,8 @@
 - ``peephole``: clean-ups of the partitioned graphs;
 - ``shift``: saved carries read from the previous step's stack (one stacked buffer fewer per carry);
 - ``cache``: reuse of partitions and lowerings, keyed by graphs (never by functions);
+- ``example_values``: a scan's outputs for Dynamo's example value, with no autograd plan;
+- ``same_branches``: a ``cond`` whose branches traced to one graph replaced by that graph;
 - ``xla_formulas``: autograd formulas for torch_xla ops a joint meets.
 
 May import: ``core``, ``_compat``.

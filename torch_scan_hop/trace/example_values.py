@@ -127,7 +127,7 @@ def _output_flags(gm, in_flags):
             flags[node] = reached
             continue
         own = any(isinstance(v, torch.Tensor) and v.requires_grad
-                  for v in torch.utils._pytree.tree_leaves(node.meta["example_value"]))
+                  for v in _leaves(node.meta["example_value"]))
         keeps = not inputs or (node.op == "call_method" and node.target == "requires_grad_")
         flags[node] = own if keeps else own and reached
     return []

@@ -1,0 +1,98 @@
+"""Layers of several kinds that may trace alike: one scan over them all, each step's code chosen
+by the layer's kind with ``torch.cond``.
+
+A patterned stack's kinds (``layers.patterns``) are told apart by every plain attribute, as
+they must be: an attribute may select code. But many select nothing in the traced code: Gemma 3's
+sliding and full attention layers differ in ``sliding_window`` (an int or None) and
+``is_sliding``, which under sdpa or eager attention turn into no op (the window is in the mask
+the model hands each layer). Scanned by pattern, Gemma 3 at 16 layers traces and compiles a
+sliding and a full layer, and at 4 layers (all sliding) one: the first compiled step at 16 was
+~2.4x the one at 4. Here the stack is ONE scan over all its layers when their weights have one
+signature; the step runs ``cond(kind == 0, layer of kind 0, layer of kind 1)`` on the same
+operands (hidden state, the step's weights, its keyword tensors), each branch through the view
+of a layer of its kind, checked on read against every layer of that kind. Dynamo's tracker then
+replaces a cond whose branches traced to one graph by that graph (``trace.same_branches``):
+the body is one layer, whatever the depth. Branches that differ keep the cond, and each layer
+runs its own kind's code, as in the loop.
+
+Only where a step hands out nothing but the hidden state (no cache rows, module state, capture
+hooks, FSDP2 / DTensor weights), traced, off XLA, and not straight-line: elsewhere ``None`` and
+the caller runs the pattern's plan.
+"""
+import torch
+
+from .. import _compat
+from ..api import scan
+from ..core import dtensors as dt, route, schedule
+from ..core.trees import ScanError
+from . import module_state, written_rows
+from .blocks import hidden_of
+from .checks import check_no_hooks, check_no_hooks_traced, check_no_running_stat_updates
+from .fsdp import check_fsdp
+from .layer_kwargs import split as split_kwargs
+from .layer_state import layer_states
+from .stack_weights import stack_state
+from .view import LABELS, view_of
+
+
+def scan_alike(layers, kinds, hidden, per_layer, remat, unroll):
+    """The stack as one scan choosing each layer's code by kind, or None where it does not apply
+    (then nothing was run)."""
+    states = layer_states(layers)
+    tensors = [t for t in states[0].values()] + [hidden]
+    if (route.runs_the_loop(tensors, remat) or any(t.device.type == "xla" for t in tensors)
+            or any(dt.is_dtensor(t) for t in tensors) or check_fsdp(layers[0]) is not None
+            or schedule.one_iteration(len(layers), _unroll(unroll))):
+        return None
+    try:
+        per_layer, slots = written_rows.as_rows(per_layer)
+        if any(slots) or module_state.rows(layers[0], layers):
+            return None
+        check_no_running_stat_updates(layers[0])
+        shared, varying = split_kwargs(per_layer, lambda i: f"layer {i}")
+        collected = check_no_hooks_traced(layers, None) if _compat.is_dynamo_compiling() else check_no_hooks(layers)
+    except ScanError:
+        return None  # the pattern's plan runs, and raises what applies to it
+    if collected:
+        return None
+    reps = [kinds.index(k) for k in range(max(kinds) + 1)]
+    peers = [[layers[i] for i, k in enumerate(kinds) if k == kind and i != rep] for kind, rep in enumerate(reps)]
+    labels = [[f"layer {rep}"] + [f"layer {i}" for i, k in enumerate(kinds) if k == kind and i != rep]
+              for kind, rep in enumerate(reps)]
+    xs = stack_state(states, False)
+    kind_rows = torch.tensor(kinds, device=hidden.device)
+
+    def step(h, x):
+        params, rows, kind = x
+        kwargs = shared if varying is None else varying.rebuild(rows)
+        leaves, spec = _compat.pytree.tree_flatten((params, kwargs))
+        where = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+
+        def branch(k):
+            def run(kind, h, *tensors):
+                full = list(leaves)
+                for i, t in zip(where, tensors):
+                    full[i] = t
+                p, kw = _compat.pytree.tree_unflatten(full, spec)
+                view = view_of(layers[reps[k]], p, peers=peers[k], checked={LABELS: labels[k]})
+                return hidden_of(view(h, **kw), reps[k])
+            return run
+
+        operands = (kind, h, *[leaves[i] for i in where])
+        return _chain(kind, [branch(k) for k in range(len(reps))], operands), None
+
+    rows = [] if varying is None else varying.stacks()
+    out, _ = scan(step, hidden, (xs, rows, kind_rows), remat=remat, unroll=unroll)
+    return out
+
+
+def _chain(kind, branches, operands, first=0):
+    """``branches[kind - first](*operands)`` as conds: kind == first, else the rest."""
+    if len(branches) == 1:
+        return branches[0](*operands)
+    rest = lambda *ops: _chain(ops[0], branches[1:], ops, first + 1)  # noqa: E731
+    return torch.cond(kind == first, branches[0], rest, operands)
+
+
+def _unroll(unroll):
+    return 1 if unroll is None else unroll
