@@ -29,13 +29,13 @@ class Layer(torch.nn.Module):
         self.kind, self.selects = kind, selects
         self.window = 3 if kind == "sliding" else None
 
-    def forward(self, h, mask=None):
+    def forward(self, h, mask=None, scale=1.0):
         z = _ignores(self.lin(h), window=self.window)
         if self.selects:
             z = torch.tanh(z) if self.kind == "sliding" else torch.sin(z)
         else:
             z = torch.tanh(z)
-        return h + z * mask
+        return h + z * mask * scale
 
 
 def _stack(selects):
@@ -65,9 +65,10 @@ def test_one_scan_over_kinds_matches_the_loop(selects, fresh_dynamo):
 
     layers = _stack(selects)
     masks = {"sliding": torch.rand(D, dtype=torch.float64), "full": torch.rand(D, dtype=torch.float64)}
-    per_layer = [dict(mask=masks[layer.kind]) for layer in layers]
+    scales = torch.rand(len(layers), dtype=torch.float64, requires_grad=True)
+    per_layer = [dict(mask=masks[layer.kind], scale=scales[i]) for i, layer in enumerate(layers)]  # 2 masks, 7 scales
     h = torch.randn(2, D, dtype=torch.float64, requires_grad=True)
-    params = [h, *layers.parameters()]
+    params = [h, scales, *layers.parameters()]
     want = _loop(layers, h, per_layer)
     want_grads = torch.autograd.grad(want.square().sum(), params)
     assert patterns.stack_alike(layers, list(layers)) == (0, 0, 1, 0, 0, 1, 0)  # read outside the trace

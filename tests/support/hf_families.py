@@ -72,13 +72,16 @@ def build(family, layers=None, full_every=None):
 DEFAULT_DEPTH = {"gpt2": 4, "llama": 4, "mistral": 4, "qwen3": 4, "gemma3": 14, "gpt_oss": 4, "qwen3_next": 8,
                  "recurrent_gemma": 6, "mixtral": 4}
 # what scan_model makes of each family's default depth (scan_plan)
+ALIKE = ("one scan over {n} layers of 2 kinds, each step running its layer's kind (traced, off XLA, no cache or "
+         "state kept per layer; else:)")
 PLANS = {
     "gpt2": ["layers 0-3: one scan over 4 layers"],
     "llama": ["layers 0-3: one scan over 4 layers"],
     "mistral": ["layers 0-3: one scan over 4 layers"],
     "qwen3": ["layers 0-3: one scan over 4 layers"],
-    "gemma3": ["layers 0-11: one scan over 2 blocks of 6 layers", "layers 12-13: one scan over 2 layers"],
-    "gpt_oss": ["layers 0-3: one scan over 2 blocks of 2 layers"],
+    "gemma3": ["layers 0-13: " + ALIKE.format(n=14), "layers 0-11: one scan over 2 blocks of 6 layers",
+               "layers 12-13: one scan over 2 layers"],
+    "gpt_oss": ["layers 0-3: " + ALIKE.format(n=4), "layers 0-3: one scan over 2 blocks of 2 layers"],
     "qwen3_next": ["layers 0-7: one scan over 2 blocks of 4 layers"],
     "recurrent_gemma": ["layers 0-5: one scan over 2 blocks of 3 layers"],
     "mixtral": ["layers 0-3: one scan over 4 layers"],

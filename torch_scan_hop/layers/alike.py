@@ -29,7 +29,6 @@ from . import module_state, written_rows
 from .blocks import hidden_of
 from .checks import check_no_hooks, check_no_hooks_traced, check_no_running_stat_updates
 from .fsdp import check_fsdp
-from .layer_kwargs import split as split_kwargs
 from .layer_state import layer_states
 from .stack_weights import stack_state
 from .view import LABELS, view_of
@@ -49,7 +48,9 @@ def scan_alike(layers, kinds, hidden, per_layer, remat, unroll):
         if any(slots) or module_state.rows(layers[0], layers):
             return None
         check_no_running_stat_updates(layers[0])
-        shared, varying = split_kwargs(per_layer, lambda i: f"layer {i}")
+        keywords = _keywords_by_value(per_layer)
+        if keywords is None:
+            return None
         collected = check_no_hooks_traced(layers, None) if _compat.is_dynamo_compiling() else check_no_hooks(layers)
     except ScanError:
         return None  # the pattern's plan runs, and raises what applies to it
@@ -62,9 +63,14 @@ def scan_alike(layers, kinds, hidden, per_layer, remat, unroll):
     xs = stack_state(states, False)
     kind_rows = torch.tensor(kinds, device=hidden.device)
 
+    spec_kw, leaves_kw, distinct = keywords
+
     def step(h, x):
         params, rows, kind = x
-        kwargs = shared if varying is None else varying.rebuild(rows)
+        kw_leaves = list(leaves_kw)
+        for (pos, (values, _)), row in zip(distinct.items(), rows):
+            kw_leaves[pos] = values[row]  # this layer's mask of the few distinct ones
+        kwargs = _compat.pytree.tree_unflatten(kw_leaves, spec_kw)
         leaves, spec = _compat.pytree.tree_flatten((params, kwargs))
         where = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
 
@@ -81,9 +87,38 @@ def scan_alike(layers, kinds, hidden, per_layer, remat, unroll):
         operands = (kind, h, *[leaves[i] for i in where])
         return _chain(kind, [branch(k) for k in range(len(reps))], operands), None
 
-    rows = [] if varying is None else varying.stacks()
+    rows = [index for _, index in distinct.values()]
     out, _ = scan(step, hidden, (xs, rows, kind_rows), remat=remat, unroll=unroll)
     return out
+
+
+def _keywords_by_value(per_layer):
+    """``(spec, layer 0's leaves, {leaf position: (the distinct tensors stacked, per-layer index)})``
+    of the layers' keyword inputs, or None when they do not fit one scan (structures or plain values
+    that differ, tensors of different shapes). A tensor that differs across layers usually takes a
+    few values (Gemma 3's masks: one per kind): those are stacked once, not once per layer."""
+    flat = [_compat.pytree.tree_flatten(kw) for kw in per_layer]
+    spec, leaves0 = flat[0][1], list(flat[0][0])
+    if any(s != spec for _, s in flat):
+        return None
+    distinct = {}
+    for pos, leaf0 in enumerate(leaves0):
+        column = [leaves[pos] for leaves, _ in flat]
+        if all(v is leaf0 for v in column):
+            continue
+        if not all(isinstance(v, torch.Tensor) for v in column):
+            if all(type(v) is type(leaf0) and type(v) in (bool, int, float, str) and v == leaf0 for v in column):
+                continue
+            return None
+        values = []
+        for v in column:  # by identity (a plain loop: Dynamo traces `is`)
+            if not any(v is u for u in values):
+                values.append(v)
+        if any(v.shape != leaf0.shape or v.dtype != leaf0.dtype or v.device != leaf0.device for v in values):
+            return None
+        index = [next(i for i, v in enumerate(values) if v is t) for t in column]
+        distinct[pos] = (torch.stack(values), torch.tensor(index, device=leaf0.device))
+    return spec, leaves0, distinct
 
 
 def _chain(kind, branches, operands, first=0):

@@ -151,9 +151,14 @@ def runs_from(ks, start):
     return out
 
 
-def describe(segments):
-    """A line per segment, for errors and ``scan_model``'s summary."""
+def describe(segments, alike=None):
+    """A line per segment, for errors and ``scan_model``'s summary; with ``alike`` (``stack_alike``'s
+    kinds) a first line for the one scan over every layer, the segments then being what runs where
+    that scan does not apply."""
     lines = []
+    if alike is not None:
+        lines.append(f"layers 0-{len(alike) - 1}: one scan over {len(alike)} layers of {max(alike) + 1} kinds, each "
+                     "step running its layer's kind (traced, off XLA, no cache or state kept per layer; else:)")
     for s in segments:
         if s.period > 1:
             lines.append(f"layers {s.start}-{s.start + s.period * s.count - 1}: one scan over {s.count} blocks "

@@ -71,13 +71,13 @@ def scan_model(model: Model, *, remat="save_all", unroll=None) -> Model:
     container.__class__ = ScannedModuleList
     container.__dict__["_scan_model_options"] = options
     segments = stack_plan(container, layers, "auto")
-    patterns.stack_alike(container, layers)  # read now, outside any tracer
+    alike = patterns.stack_alike(container, layers)  # read now, outside any tracer
     for layer in layers:  # the names of state kept on the layers' modules, read outside any tracer
         module_state.record(layer)
     for seg in segments:
         if seg.period > 1:
             blocks_of(container, layers, seg)  # made now, outside any tracer
-    options["plan"] = patterns.describe(segments)
+    options["plan"] = patterns.describe(segments, alike)
     base.forward = ScannedForward(base, shape.container, options)
     return model
 
