@@ -246,9 +246,9 @@ def build_plan(combine_fn, init, xs, additional_inputs, reverse, remat):
     keyed by that joint. Any other graph body (Dynamo's, or our own backward)
     is differentiated as it is, so its joint is a function of the graph: the
     plan is keyed by the body graph itself, with no trace on a hit.
-    Under a fake-mode trace (AOT, make_fx) the plan is kept with that fake mode:
-    AOT runs the graph more than once, and a scan nested in another's body is
-    planned again on each trace of the outer body.
+    Under a fake-mode trace (AOT, make_fx) the plan of a graph body is kept with
+    that fake mode: AOT runs the graph more than once, and a scan nested in
+    another's body is planned again on each trace of the outer body.
     """
     nc, nx = len(init), len(xs)
     flat = [*init, *xs, *additional_inputs]
@@ -278,7 +278,9 @@ def build_plan(combine_fn, init, xs, additional_inputs, reverse, remat):
         return cache.plan_for(combine_fn, init, xs, additional_inputs, reverse, remat, lambda: plan(trace()),
                                keyed_by="body", scope=scope)
     step = trace()
-    return cache.plan_for(step.joint, init, xs, additional_inputs, reverse, remat, lambda: plan(step), scope=scope)
+    if scope is not None:  # a front end's body under a tracer: its joint may hold the trace's constants
+        return plan(step)
+    return cache.plan_for(step.joint, init, xs, additional_inputs, reverse, remat, lambda: plan(step))
 
 
 @scan_op.py_impl(_compat.DispatchKey.Autograd)  # not py_autograd_impl: it would trace the body for a schema every call
