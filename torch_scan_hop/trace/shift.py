@@ -19,6 +19,7 @@ Used where it pays and is checked: the While lowering on XLA, SPMD included, for
 rows of at least 1 KiB (``use_shift``, ``worth_it``); make_fx and inductor keep
 every saved carry.
 """
+import collections
 import dataclasses
 from typing import List
 
@@ -130,9 +131,34 @@ def use_shift(flat, unroll, length):
     return _compat.on_xla([t for t in flat if isinstance(t, torch.Tensor)])  # (flat may hold SymInts)
 
 
+_MAX_ROWS = 64  # (length, reverse, device) keys kept
+_rows = collections.OrderedDict()
+
+
 def previous_rows(length, reverse, device):
     """Per step: the row its carry came from (clamped at the first step) and whether it
-    is the first step (the carry is the init there)."""
+    is the first step (the carry is the init there).
+
+    On XLA made once per (length, reverse, device), on the CPU, moved and then reused: made
+    there per call, the arange, shift and compare took 0.23 ms of host time per backward (torch_xla
+    2.9 builds an arange on the host element by element, ``core/step_index.py``), a tenth of the
+    host time ``scan_layers`` added to a training step at depth 8 of benchmarks/xla_long.py, for
+    values that never change. While a graph is traced they are made afresh, as
+    ``layers.stack_weights._row_indices`` are: fake tensor mode refuses a cached real tensor, and
+    a tensor made under a tracer must not be kept for a later call."""
+    if torch.device(device).type != "xla" or _compat.dispatch_modes_active() \
+            or _compat.functorch_transforms_active():
+        return _previous_rows(length, reverse, device)
+    key = (length, reverse, str(device))
+    if key not in _rows:
+        _rows[key] = tuple(t.to(device) for t in _previous_rows(length, reverse, "cpu"))
+        if len(_rows) > _MAX_ROWS:
+            _rows.popitem(last=False)
+    _rows.move_to_end(key)
+    return _rows[key]
+
+
+def _previous_rows(length, reverse, device):
     index = torch.arange(length, device=device)
     prev = (index + 1).clamp(max=length - 1) if reverse else (index - 1).clamp(min=0)
     first = index == (length - 1 if reverse else 0)
