@@ -81,7 +81,7 @@ PLANS = {
     "qwen3": ["layers 0-3: one scan over 4 layers"],
     "gemma3": ["layers 0-13: " + ALIKE.format(n=14), "layers 0-11: one scan over 2 blocks of 6 layers",
                "layers 12-13: one scan over 2 layers"],
-    "gpt_oss": ["layers 0-3: " + ALIKE.format(n=4), "layers 0-3: one scan over 2 blocks of 2 layers"],
+    "gpt_oss": ["layers 0-3: one scan over 2 blocks of 2 layers"],
     "qwen3_next": ["layers 0-7: one scan over 2 blocks of 4 layers"],
     "recurrent_gemma": ["layers 0-5: one scan over 2 blocks of 3 layers"],
     "mixtral": ["layers 0-3: one scan over 4 layers"],

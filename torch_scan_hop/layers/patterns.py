@@ -201,11 +201,18 @@ def stack_alike(container, layers):
         return None
     ks, weights = kinds(layers), kinds_traced(layers)
     value = None
-    if len(set(weights)) == 1 and len(set(ks)) > 1:
+    if len(set(weights)) == 1 and len(set(ks)) > 1 and not _grouped_experts(layers[0]):
         order = {}
         value = tuple(order.setdefault(k, len(order)) for k in ks)
     cache[len(layers)] = (tuple(layers), value)
     return value
+
+
+def _grouped_experts(layer):
+    """A weight of 3 or more dims: an MoE's experts stacked (GPT-OSS). Their routing inside
+    ``torch.cond`` fails in Dynamo (torch 2.9 and 2.15: the branch graph gets the cond's first
+    operands twice, "duplicate argument 'child'"), so such stacks keep the pattern's plan."""
+    return any(p.dim() >= 3 for p in layer.parameters())
 
 
 def same_modules(a, b):
