@@ -201,7 +201,9 @@ def _scan_carrying(closures, fn, init, inputs, reverse, remat, unroll):
     """The scan of a body writing into the closed-over ``closures``, with them carried
     (``trace.closure_writes``); their final values are copied into them, as the loop leaves them."""
     xs = None if inputs.xs_spec is None else inputs.xs_spec.unflatten(inputs.xs_leaves)
-    wide = (init, list(closures))
+    # a closure with a history (``buf = base.clone()``) starts the carry as a copy: the op may save
+    # its init for the backward, and the copy into it below would have modified that saved value
+    wide = (init, [c.clone() if c.requires_grad and torch.is_grad_enabled() else c for c in closures])
     (carry, finals), ys = _scan(closures_carried(fn, closures), wide,
                                 prepare_inputs(wide, xs, inputs.length if xs is None else None, 0),
                                 reverse, remat, unroll)
