@@ -73,8 +73,6 @@ def known_failure(p, mode):
     if mode.startswith("func") and mode.endswith("make_fx") and p.writes.index:
         return ("make_fx (real mode) of a torch.func transform of a scan indexing by its step index: the "
                 "transform runs the loop, whose buf[t] reads t's value from a tracing tensor")
-    if mode == "export_strict" and ".select(" in p.source:
-        return "strict export: buf.select(dim, t) at the step index reads t's value (data-dependent)"
     if mode == "func_vmap" and p.writes.closed:
         return "vmap: a batched row written into an unbatched closed-over buffer is refused where the loop's is not"
     return None

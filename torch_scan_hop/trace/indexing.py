@@ -84,23 +84,44 @@ def write(t, index, value):
     torch.ops.aten.index_put_.default(view, _advanced(view, parts[1]), value.to(view.dtype))
 
 
+def select_at(t, dim, i):
+    """``t.select(dim, i)``, a 0-d integer tensor ``i`` taken as an advanced index (a copy)."""
+    return read(t, (slice(None),) * (dim % t.dim()) + (i,))
+
+
+def narrow_at(t, dim, start, length):
+    """``t.narrow(dim, start, length)`` with a 0-d integer tensor ``start``: the rows
+    ``start + arange(length)`` as an advanced index (a copy; narrow reads ``start``'s value)."""
+    rows = start + torch.arange(length, dtype=start.dtype, device=start.device)
+    return torch.ops.aten.index.Tensor(t, [None] * (dim % t.dim()) + [rows])
+
+
 _SELECTS = (torch.Tensor.select, torch.select)
+_NARROWS = (torch.Tensor.narrow, torch.narrow)
 
 
-def _as_index(func, args, kwargs):
-    """``(t, index)`` for a read this mode rewrites (``t[index]``, ``t.select(dim, i)``), else None."""
-    if func is _GET and len(args) == 2 and isinstance(args[0], torch.Tensor) and not kwargs:
-        return args if split_index(*args) is not None else None
-    if func in _SELECTS and len(args) == 3 and isinstance(args[0], torch.Tensor) and _is_scalar_index(args[2]):
-        t, dim, i = args
-        if isinstance(dim, int) and -t.dim() <= dim < t.dim():
-            return t, (slice(None),) * (dim % t.dim()) + (i,)
+def _is_dim(t, dim):
+    return isinstance(dim, int) and -t.dim() <= dim < t.dim()
+
+
+def _rewritten_read(func, args, kwargs):
+    """A thunk computing a read this mode rewrites (``t[index]``, ``t.select(dim, i)``,
+    ``t.narrow(dim, i, n)`` with 0-d integer tensors ``i``), else None."""
+    if kwargs or len(args) < 2 or not isinstance(args[0], torch.Tensor):
+        return None
+    if func is _GET and len(args) == 2:
+        return (lambda: read(*args)) if split_index(*args) is not None else None
+    if func in _SELECTS and len(args) == 3 and _is_scalar_index(args[2]) and _is_dim(*args[:2]):
+        return lambda: select_at(*args)
+    if func in _NARROWS and len(args) == 4 and _is_scalar_index(args[2]) and _is_dim(*args[:2]) \
+            and isinstance(args[3], (int, torch.SymInt)):
+        return lambda: narrow_at(*args)
     return None
 
 
 class TensorIndexRewrite(TorchFunctionMode):
-    """``t[..., i, ...]`` (read and write) and ``t.select(dim, i)`` with 0-d integer tensors ``i`` as
-    advanced indexing, while a body is traced (``trace_graph``, Dynamo's speculation).
+    """``t[..., i, ...]`` (read and write), ``t.select(dim, i)`` and ``t.narrow(dim, i, n)`` with 0-d
+    integer tensors ``i`` as advanced indexing, while a body is traced (``trace_graph``, Dynamo's speculation).
 
     Such a read is a copy, not the view the loop's ``select`` gives: a write through it
     (``buf[:, t].copy_(h)``, ``v = buf[:, t]; v += h``) would be lost, so a read modified in place
@@ -113,9 +134,9 @@ class TensorIndexRewrite(TorchFunctionMode):
         self._refuse = refuse_lost_writes  # False: a run whose values nobody reads (the ys' shape run)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        index = _as_index(func, args, kwargs)
-        if index is not None:
-            out = read(*index)
+        rewritten = _rewritten_read(func, args, kwargs)
+        if rewritten is not None:
+            out = rewritten()
             self._reads[id(out)] = (out, out._version)
             return out
         if func is _SET and len(args) == 3 and isinstance(args[0], torch.Tensor):
@@ -145,14 +166,22 @@ def _scalar_index_node(arg):
 
 def rewrite_graph_indexing(graph):
     """A Dynamo graph's ``operator.getitem`` / ``operator.setitem`` of a tensor by an index holding a
-    0-d integer tensor (by the nodes' example values) call ``read`` / ``write`` instead: whatever
-    runs the graph later (a fake run, make_fx, the eager loop) then needs no mode."""
+    0-d integer tensor, and its ``select`` / ``narrow`` at one (by the nodes' example values), call
+    ``read`` / ``write`` / ``select_at`` / ``narrow_at`` instead: whatever runs the graph later (a fake
+    run, make_fx, the eager loop) then needs no mode. Dynamo's speculation ran them under
+    ``TensorIndexRewrite``, but its graph records the call as written: strict export's later fake run
+    of ``buf.select(0, t)`` read ``t``'s value (unbacked symbols, a data-dependence error)."""
     import operator
 
     targets = {operator.getitem: read, operator.setitem: write}
+    at = {"select": (select_at, 3), "narrow": (narrow_at, 4)}
+    at.update({torch.select: at["select"], torch.narrow: at["narrow"]})
     for node in graph.nodes:
-        if node.op != "call_function" or node.target not in targets or len(node.args) < 2:
-            continue
-        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-        if any(_scalar_index_node(e) for e in index):
-            node.target = targets[node.target]
+        if node.op == "call_function" and node.target in targets and len(node.args) >= 2:
+            index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+            if any(_scalar_index_node(e) for e in index):
+                node.target = targets[node.target]
+        elif node.op in ("call_method", "call_function") and node.target in at and not node.kwargs:
+            fn, nargs = at[node.target]
+            if len(node.args) == nargs and isinstance(node.args[1], int) and _scalar_index_node(node.args[2]):
+                node.op, node.target = "call_function", fn
