@@ -207,6 +207,8 @@ def _scan_carrying(closures, fn, init, inputs, reverse, remat, unroll):
     (carry, finals), ys = _scan(closures_carried(fn, closures), wide,
                                 prepare_inputs(wide, xs, inputs.length if xs is None else None, 0),
                                 reverse, remat, unroll)
+    if type(inputs.length) is int and inputs.length == 0:  # no step wrote them: as the loop leaves them
+        return carry, ys  # (under vmap a final carry may be batched where the closure is not: no copy_)
     # no_grad only where autograd would refuse the copy (into a leaf that requires grad, of values
     # that need none): under export a grad-mode region is a node of the program (torch.export.load
     # rejected it: "wrap_with_set_grad_enabled is missing val field")
