@@ -21,6 +21,7 @@ from .trace import cache
 from .trace.body_checks import is_leaf_write_error, mark_checked, writes_only_carries, written_inputs
 from .trace.closure_writes import ClosureWrites, closures_carried
 from .trace.flat_body import copied_carries, dynamo_body
+from .trace.indexing import TensorIndexRewrite
 from .trace.lift import source_of, trace_and_lift
 from .xla import eager as xla_eager
 
@@ -185,7 +186,11 @@ def _scan(fn, init, inputs, reverse, remat, unroll, path=None):
                       reverse=reverse, remat=remat, unroll=1 if unroll is None else unroll)
         return inputs.init_spec.unflatten(out[:inputs.num_carry]), out[inputs.num_carry]
     if path == route.LOOP:  # a transform keeps its own saved values: a partition function means nothing
-        return run_tree(fn, init, inputs, reverse, "save_all" if callable(remat) else remat)
+        # the loop unrolled into a trace (make_fx of a torch.func transform): buf[t] reads t as the traced
+        # paths do, as an index (t, a slice of a traced arange, has no value to read in real mode)
+        traced = not modes.runs_eagerly([*inputs.init_leaves, *inputs.xs_leaves])
+        with TensorIndexRewrite() if traced else contextlib.nullcontext():
+            return run_tree(fn, init, inputs, reverse, "save_all" if callable(remat) else remat)
     if _two_level(remat, inputs):
         return _sqrt_scan(fn, init, inputs, reverse, unroll)
     try:

@@ -70,9 +70,6 @@ def known_failure(p, mode):
     """Why (p, mode) is known to fail, else None: such a case fails as an xfail, not silently."""
     if p.writes is None:
         return None
-    if mode.startswith("func") and mode.endswith("make_fx") and p.writes.index:
-        return ("make_fx (real mode) of a torch.func transform of a scan indexing by its step index: the "
-                "transform runs the loop, whose buf[t] reads t's value from a tracing tensor")
     if mode == "func_vmap" and p.writes.closed and p.remat == "default_partition":
         return ("vmap of an eager scan with a partition function as remat (the op's vmap rule, not the loop): "
                 "it batches the carries from step 0 where the loop's become batched step by step, so a carry "
