@@ -55,3 +55,35 @@ def test_make_fx_reads_at_the_step_index_gradients():
 
     gm = make_fx(_Scan(), tracing_mode="fake")(*_args())
     assert_trees_close(grads(gm, _args()), grads(_loop, _args()))
+
+
+def _stale(state, x, t):
+    c, buf = state
+    r, s = buf[t], buf.select(0, (t + 1) % 4)  # views in the loop: they show the writes below
+    buf[t] = torch.tanh(c * x)
+    buf.index_copy_(0, ((t + 1) % 4).reshape(1), (c * 0.5).unsqueeze(0))
+    return (c + r + s * 0.5, buf), r * 2  # (no op saving r or s: the loop's backward would fail)
+
+
+def test_a_read_used_after_a_write_into_its_tensor_shows_the_write():
+    """``r = buf[t]; buf[t] = h; use(r)``: traced, ``r`` is a copy, and held the row before the write
+    where the loop's view holds ``h`` (a silent wrong number): it is read again once ``buf`` was written.
+    make_fx (fake): values and float64 gradients against the loop."""
+    def grads(f, c, buf, xs):
+        c, xs = c.requires_grad_(), xs.requires_grad_()
+        (c_out, buf), ys = f(c, buf, xs)
+        loss = (c_out * 1.3).sum() + ys.sin().sum() + (buf * 0.7).sum()
+        return [c_out, ys, buf, *torch.autograd.grad(loss, (c, xs))]
+
+    def ours(c, buf, xs):
+        return scan(_stale, (c, buf), xs, with_index=True)
+
+    def loop(c, buf, xs):
+        state, ys = (c, buf), []
+        for i in range(xs.shape[0]):
+            state, y = _stale(state, xs[i], torch.tensor(i))
+            ys.append(y)
+        return state, torch.stack(ys)
+    args = lambda: [a for i, a in enumerate(_args()) if i != 2]  # noqa: E731
+    gm = make_fx(ours, tracing_mode="fake")(*args())
+    assert_trees_close(grads(gm, *args()), grads(loop, *args()))

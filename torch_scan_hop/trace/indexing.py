@@ -12,6 +12,7 @@ needs it (``t.item()`` is a real number there).
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .. import _compat
 from ..core.trees import ScanError
 
 _GET, _SET = torch.Tensor.__getitem__, torch.Tensor.__setitem__
@@ -126,23 +127,46 @@ class TensorIndexRewrite(TorchFunctionMode):
     Such a read is a copy, not the view the loop's ``select`` gives: a write through it
     (``buf[:, t].copy_(h)``, ``v = buf[:, t]; v += h``) would be lost, so a read modified in place
     and not written back with ``buf[..., t, ...] = v`` (what ``buf[:, t] += h`` does) is a
-    ScanError when the trace ends."""
+    ScanError when the trace ends. And a write into ``buf`` after the read would not show in it
+    (``v = buf[t]; buf[t] = h; use(v)``: the loop's view holds ``h``; the copy held the old row, a
+    silent wrong number): a read used after its tensor was written in place is read again there
+    (``_fresh``), as the view would show it. Reads derived from such a read (``buf[t].unsqueeze(0)``)
+    are not followed. Dynamo's graph records the body as written (the mode only serves its fake
+    runs): ``refresh_stale_reads=False`` there."""
 
-    def __init__(self, refuse_lost_writes=True):
+    def __init__(self, refuse_lost_writes=True, refresh_stale_reads=True):
         super().__init__()
         self._reads, self._written_back = {}, set()
         self._refuse = refuse_lost_writes  # False: a run whose values nobody reads (the ys' shape run)
+        # id(read) -> [read, its value now, recompute, the read tensor's version that value holds]
+        self._sources, self._refresh = {}, refresh_stale_reads
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self._sources:
+            args, kwargs = _compat.pytree.tree_map(self._fresh, (args, kwargs or {}))
         rewritten = _rewritten_read(func, args, kwargs)
         if rewritten is not None:
             out = rewritten()
             self._reads[id(out)] = (out, out._version)
+            if self._refresh:
+                self._sources[id(out)] = [out, out, rewritten, args[0], args[0]._version]
             return out
         if func is _SET and len(args) == 3 and isinstance(args[0], torch.Tensor):
             self._written_back.add(id(args[2]))
             return write(*args)
         return func(*args, **(kwargs or {}))
+
+    def _fresh(self, t):
+        """What a use of the read ``t`` reads: ``t``, or ``t`` read again once its tensor was written."""
+        entry = self._sources.get(id(t)) if isinstance(t, torch.Tensor) else None
+        if entry is None:
+            return t
+        _, now, recompute, base, version = entry
+        if base._version != version and self._reads[id(t)][1] == t._version:  # (t written: a lost write)
+            now = entry[1] = recompute()
+            entry[4] = base._version
+            self._reads[id(now)] = (now, now._version)
+        return now
 
     def __exit__(self, exc_type, exc_value, traceback):
         super().__exit__(exc_type, exc_value, traceback)
