@@ -209,3 +209,45 @@ def rewrite_graph_indexing(graph):
             fn, nargs = at[node.target]
             if len(node.args) == nargs and isinstance(node.args[1], int) and _scalar_index_node(node.args[2]):
                 node.op, node.target = "call_function", fn
+    _read_again_after_writes(graph)
+
+
+def _storage(node):
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+    try:
+        return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
+    except (NotImplementedError, RuntimeError):  # no storage to name (a vmap's BatchedTensor): not followed
+        return None
+
+
+def _writes_first_arg(node):
+    import operator
+
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    return node.op == "call_function" and (node.target in (write, operator.setitem) or (
+        getattr(node.target, "__name__", "").endswith("_") and not node.target.__name__.endswith("__")))
+
+
+def _read_again_after_writes(graph):
+    """``TensorIndexRewrite``'s ``_fresh`` on a Dynamo graph: a use of a read (``read``, ``select_at``,
+    ``narrow_at``) after an in-place write into the storage it was read from uses the read done again
+    just before it, as the loop's view would show the write (Dynamo records the body as written)."""
+    reads = {}  # read node -> [the node its uses take now, storage read from, written since]
+    for node in list(graph.nodes):
+        for r in [n for n in node.all_input_nodes if n in reads]:
+            if reads[r][2]:
+                with graph.inserting_before(node):
+                    again = graph.call_function(r.target, r.args, r.kwargs)
+                again.meta = dict(r.meta)
+                reads[r][0], reads[r][2] = again, False
+            if reads[r][0] is not r:
+                node.replace_input_with(r, reads[r][0])
+        if node.op == "call_function" and node.target in (read, select_at, narrow_at):
+            reads[node] = [node, _storage(node.args[0]), False]
+        if _writes_first_arg(node) and node.args:
+            written = _storage(node.args[0])
+            for entry in reads.values():
+                entry[2] = entry[2] or (written is not None and entry[1] == written)
