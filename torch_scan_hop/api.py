@@ -21,6 +21,7 @@ from .trace import cache
 from .trace.body_checks import is_leaf_write_error, mark_checked, writes_only_carries, written_inputs
 from .trace.closure_writes import ClosureWrites, closures_carried
 from .trace.flat_body import copied_carries, dynamo_body
+from .trace.indexing import TensorIndexRewrite
 from .trace.lift import source_of, trace_and_lift
 from .xla import eager as xla_eager
 
@@ -185,7 +186,11 @@ def _scan(fn, init, inputs, reverse, remat, unroll, path=None):
                       reverse=reverse, remat=remat, unroll=1 if unroll is None else unroll)
         return inputs.init_spec.unflatten(out[:inputs.num_carry]), out[inputs.num_carry]
     if path == route.LOOP:  # a transform keeps its own saved values: a partition function means nothing
-        return run_tree(fn, init, inputs, reverse, "save_all" if callable(remat) else remat)
+        # the loop unrolled into a trace (make_fx of a torch.func transform): buf[t] reads t as the traced
+        # paths do, as an index (t, a slice of a traced arange, has no value to read in real mode)
+        traced = not modes.runs_eagerly([*inputs.init_leaves, *inputs.xs_leaves])
+        with TensorIndexRewrite() if traced else contextlib.nullcontext():
+            return run_tree(fn, init, inputs, reverse, "save_all" if callable(remat) else remat)
     if _two_level(remat, inputs):
         return _sqrt_scan(fn, init, inputs, reverse, unroll)
     try:
@@ -201,10 +206,14 @@ def _scan_carrying(closures, fn, init, inputs, reverse, remat, unroll):
     """The scan of a body writing into the closed-over ``closures``, with them carried
     (``trace.closure_writes``); their final values are copied into them, as the loop leaves them."""
     xs = None if inputs.xs_spec is None else inputs.xs_spec.unflatten(inputs.xs_leaves)
-    wide = (init, list(closures))
+    # a closure with a history (``buf = base.clone()``) starts the carry as a copy: the op may save
+    # its init for the backward, and the copy into it below would have modified that saved value
+    wide = (init, [c.clone() if c.requires_grad and torch.is_grad_enabled() else c for c in closures])
     (carry, finals), ys = _scan(closures_carried(fn, closures), wide,
                                 prepare_inputs(wide, xs, inputs.length if xs is None else None, 0),
                                 reverse, remat, unroll)
+    if type(inputs.length) is int and inputs.length == 0:  # no step wrote them: as the loop leaves them
+        return carry, ys  # (under vmap a final carry may be batched where the closure is not: no copy_)
     # no_grad only where autograd would refuse the copy (into a leaf that requires grad, of values
     # that need none): under export a grad-mode region is a node of the program (torch.export.load
     # rejected it: "wrap_with_set_grad_enabled is missing val field")

@@ -91,3 +91,29 @@ def test_index_on_xla(route, monkeypatch):
         init, xs = inputs(dev)
         got = with_grads(scan(body, init, xs, reverse=True, with_index=True), (init, xs))
         assert_trees_close(torch.utils._pytree.tree_map(lambda t: t.cpu(), got), want)
+
+
+def _indexing_body(carry, x, i):
+    h, buf = carry
+    prev = buf[(i - 1) % buf.shape[0]] * 0.5 + buf.select(0, i)  # the row the step before wrote, and row i
+    buf[i] = torch.tanh(h * 0.9 + x + prev)
+    return (h + buf[i], buf), buf.select(0, i) * 2
+
+
+def test_make_fx_real_of_a_transform_indexing_by_the_step_index():
+    """make_fx (real mode, its default) of torch.func.grad of a scan reading and writing ``buf[i]``:
+    the transform runs the loop unrolled into the trace, where ``i`` (a slice of a traced arange) has no
+    value to read (make_fx: "trying to get value out of a tracing tensor"): it indexes as on the traced
+    paths. The traced graph's float64 derivatives against the same transform of the loop."""
+    def f(fn):
+        def run(h0, xs):
+            (h, buf), ys = fn(_indexing_body, (h0, torch.zeros(5, 2, 3, dtype=D)), xs)
+            return (h * 1.3).sum() + ys.sin().sum() + buf.sum()
+        return run
+
+    def apply(g, h0, xs):
+        return torch.func.grad(g, argnums=(0, 1))(h0, xs)
+    h0, xs = (t.detach() for t in inputs())
+    gm = make_fx(lambda h0, xs: apply(f(lambda fn, init, xs: scan(fn, init, xs, with_index=True)), h0, xs))(h0, xs)
+    want = apply(f(lambda fn, init, xs: loop(fn, init, xs, 5, False)), h0, xs)
+    assert_trees_close(gm(h0, xs), want)

@@ -70,16 +70,10 @@ def known_failure(p, mode):
     """Why (p, mode) is known to fail, else None: such a case fails as an xfail, not silently."""
     if p.writes is None:
         return None
-    if mode.startswith("func") and mode.endswith("make_fx") and p.writes.index:
-        return ("make_fx (real mode) of a torch.func transform of a scan indexing by its step index: the "
-                "transform runs the loop, whose buf[t] reads t's value from a tracing tensor")
-    if mode == "xla" and any(grad for _, grad in p.writes.closed):
-        return ("XLA: a closed-over buffer that requires grad, written in the body: its stand-in in the "
-                "trace is a leaf (ScanError 'fn mutates its input in place')")
-    if mode == "export_strict" and ".select(" in p.source:
-        return "strict export: buf.select(dim, t) at the step index reads t's value (data-dependent)"
-    if mode == "func_vmap" and p.writes.closed:
-        return "vmap: a batched row written into an unbatched closed-over buffer is refused where the loop's is not"
+    if mode == "func_vmap" and p.writes.closed and p.remat == "default_partition":
+        return ("vmap of an eager scan with a partition function as remat (the op's vmap rule, not the loop): "
+                "it batches the carries from step 0 where the loop's become batched step by step, so a carry "
+                "written into an unbatched closed-over buffer is refused at a step where the loop's write is not")
     return None
 
 

@@ -303,3 +303,35 @@ def test_transforms_after_a_failed_compiled_capture_under_vmap_of_jacfwd():
     out = subprocess.run([sys.executable, "-c", AFTER_A_FAILED_CAPTURE, "1"], capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-3000:] + out.stderr[-6000:]
+
+
+def _writes_batched_rows(K, w):
+    """buf[t] = row and K[t] = row with rows batched by ``w`` into an unbatched carried buffer and an
+    unbatched closed-over ``K``, read at the step index (``select``): vmap refuses such a write where
+    the loop makes it, but at length 0 the loop never calls fn."""
+    def body(state, x, t):
+        h, buf = state
+        r = buf.select(0, t) * 1.5 + K.select(0, t)
+        K[t] = h @ w
+        buf[t] = torch.tanh(h @ w)
+        return (h, buf), (r @ w).sum(-1)
+    return body
+
+
+@pytest.mark.parametrize("remat", ["save_all", "partition_fn"])
+def test_vmap_of_an_empty_scan_writing_batched_rows_into_unbatched_buffers(remat):
+    """The ys' shape run refused the writes (retried unbatched, the batched closure still refused)
+    or read the fake step index (the op's vmap rule, reached with a partition function as remat):
+    now the write goes to a batched copy of the buffer, as the shape run's own."""
+    from torch._functorch.partitioners import default_partition
+    h, w = torch.randn(2, 3, dtype=D), torch.randn(2, 3, 3, dtype=D)
+    K = torch.randn(4, 2, 3, dtype=D)
+    kw = {"remat": default_partition} if remat == "partition_fn" else {}
+
+    def f(w):
+        return scan(_writes_batched_rows(K, w), (h, torch.zeros(4, 2, 3, dtype=D)), None, length=0,
+                    with_index=True, **kw)
+    before = K.clone()
+    (h_out, buf_out), ys = vmap(f)(w)
+    assert tuple(ys.shape) == (2, 0, 2)
+    assert_trees_close((h_out, buf_out, K), (h.expand(2, 2, 3), torch.zeros(2, 4, 2, 3, dtype=D), before))

@@ -108,7 +108,7 @@ class _Body:
         while True:
             before = _versions(sub_args[:self.num_carry])
             try:
-                with TensorIndexRewrite():  # the fake runs of buf[:, t] (operator.getitem) trace, not read t
+                with TensorIndexRewrite(refresh_stale_reads=False):  # (rewrite_graph_indexing reads again)
                     out = dyn.speculate_subgraph(
                         tx, self.fn, sub_args, description="torch_scan_hop.scan body",
                         source_target=source_target, set_subgraph_inputs="flatten_manual",

@@ -18,7 +18,7 @@ import torch
 from .. import _compat
 from ..core.op_args import split_out
 from .hop import scan_op
-from .loop import carry_after_no_step, empty_ys, run_flat, shape_run
+from .loop import body_shape_run, carry_after_no_step, empty_ys, run_flat, shape_run
 
 
 def _unwrap(t, level):
@@ -143,7 +143,7 @@ def _no_step_outputs(interpreter, combine_fn, init_u, examples):
     value by a batched one): the loop never calls it, so neither does this. The final carry
     is init (the op's copies, ``loop.carry_after_no_step``); the empty ys take the shapes of one
     unbatched step on fake stand-ins, as ``op.loop.empty_tree_ys`` does in eager."""
-    with shape_run():
+    with body_shape_run():  # (the step index read as in a trace, writes into closed-over tensors on stand-ins)
         ys = list(combine_fn(*(_fake_input(a, None, 0) for group in examples for a in group)))[len(init_u):]
     level = interpreter.level()
     with interpreter.lower():

@@ -136,7 +136,7 @@ def empty_ys(y_slices):
 
 def empty_flat_ys(combine_fn, init, xs, additional_inputs):
     """ys of a zero-length scan: shapes from one fake run of the body (as ``_empty_ys``'s)."""
-    with shape_run() as mode, TensorIndexRewrite(refuse_lost_writes=False), _WritesOnStandIns(mode):
+    with body_shape_run() as mode:
         fake_args = [*(torch.empty_like(stand_in(mode, c)) for c in init),  # dense, as example_args' clones
                      *(stand_in(mode, x, sliced=True) for x in xs),
                      *(stand_in(mode, a) for a in additional_inputs)]
@@ -259,6 +259,15 @@ def empty_tree_ys(fn, inputs):
     return _empty_ys(fn, inputs, batched=False)
 
 
+@contextlib.contextmanager
+def body_shape_run():
+    """``shape_run`` for a call of the user's body: with the index rewrite as in a trace (a fake
+    step index, ``with_index``, cannot be read as a number: ``buf[t]``, ``buf.select(0, t)``) and
+    its writes into tensors from outside it on stand-ins (``_WritesOnStandIns``)."""
+    with shape_run() as mode, TensorIndexRewrite(refuse_lost_writes=False), _WritesOnStandIns(mode):
+        yield mode
+
+
 class _WritesOnStandIns(torch.overrides.TorchFunctionMode):
     """The ys' shape run writes into nothing from outside it: a tensor it did not make (a closed-over
     buffer, ``cache[t] = h``) written in place is, from that write on, a fake stand-in. Written
@@ -278,12 +287,31 @@ class _WritesOnStandIns(torch.overrides.TorchFunctionMode):
         if self.swapped:
             swap = lambda t: self.swapped.get(id(t), (t,))[0] if isinstance(t, torch.Tensor) else t  # noqa: E731
             args, kwargs = _compat.pytree.tree_map(swap, (args, kwargs or {}))
+        try:
+            return func(*args, **(kwargs or {}))
+        except RuntimeError as e:
+            if not (_compat.is_vmap_inplace_error(e) and isinstance(target, torch.Tensor) and writes_in_place(func)):
+                raise
+            args = (self._batched(args[0], _compat.pytree.tree_leaves((args[1:], kwargs or {}))), *args[1:])
         return func(*args, **(kwargs or {}))
+
+    def _batched(self, target, others):
+        """vmap refused to write a batched value into the unbatched ``target`` (a closed-over buffer, an
+        unbatched stand-in of a carry: ``buf[t] = row``, ``c.mul_(w)``). The loop never runs this write,
+        and the ys' shapes do not depend on it: from here on the run writes into and reads a batched
+        copy of ``target`` (batched by adding 0 times the batched values; the same shape and dtype)."""
+        zero = sum((o.sum() * 0).to(target.dtype) for o in others
+                   if isinstance(o, torch.Tensor) and o.dtype != torch.bool)
+        batched = target + zero
+        for key, (value, *rest) in list(self.swapped.items()):
+            if value is target:  # a tensor from outside, already swapped: now for the batched copy
+                self.swapped[key] = (batched, *rest)
+        self.swapped[id(target)] = (batched, target)  # target kept: ids are keys
+        return batched
 
 
 def _empty_ys(fn, inputs, batched):
-    # the index rewrite as in a trace: a fake step index (with_index) cannot be read as a number
-    with shape_run() as mode, TensorIndexRewrite(refuse_lost_writes=False), _WritesOnStandIns(mode):
+    with body_shape_run() as mode:
         carry = inputs.init_spec.unflatten([stand_in(mode, t, batched=batched) for t in inputs.init_leaves])
         x = None if inputs.xs_spec is None else inputs.xs_spec.unflatten(
             [stand_in(mode, t, sliced=True, batched=batched) for t in inputs.xs_leaves])

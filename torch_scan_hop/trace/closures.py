@@ -95,6 +95,8 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
         tree_map = _compat.pytree.tree_map
         if args and writes_in_place(func) and self._is_closure(args[0]):
             self._write_stand_in(args[0])
+        elif args and writes_in_place(func) and self._is_functional_closure_with_history(args[0]):
+            self._write_functional_stand_in(args[0])
         if self._written:
             args, kwargs = tree_map(lambda t: self._written.get(id(t), (t,))[0], (args, kwargs or {}))
         if func in _METADATA_READS and args:
@@ -134,6 +136,27 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
             alias = alias.requires_grad_() if t.is_leaf and t.requires_grad else alias
         self._outer[id(alias)] = t
         self._written[id(t)] = (alias, t)  # t kept alive: ids are keys
+
+    def _is_functional_closure_with_history(self, t):
+        """(XLA) a closed-over functional tensor that requires grad and is no leaf (``buf = base.clone()``)."""
+        return (isinstance(t, torch.Tensor) and id(t) not in self.inputs and id(t) not in self._outer
+                and _compat.dispatch.is_functional_tensor(t) and not isinstance(t, _compat.FakeTensor)
+                and t.requires_grad and not t.is_leaf)
+
+    def _write_functional_stand_in(self, t):
+        """The body writes into the closed-over XLA ``t`` that requires grad and is no leaf, which the
+        loop may write (its gradient reaches ``t``'s base). Its read stand-in (``_stand_in``) is a
+        leaf that requires grad, which autograd refuses to write (the scan said "fn mutates its
+        input"): from here on the body reads and writes a plain alias of its value instead, which
+        lifting maps back to ``t``. This graph only finds the write (``ClosureWrites``): the scan
+        runs again with ``t`` carried, differentiable, and its final value copied into ``t``."""
+        if id(t) in self._written:
+            return
+        plain = _tracing.functional_value(t)
+        with _compat.unset_fake_temporarily(), _compat.disable_proxy_modes_tracing():
+            alias = plain.detach()
+        self._outer[id(alias)] = t
+        self._written[id(t)] = (alias, t, plain)  # t, plain kept alive: ids are keys
 
     def _traced_or_stood_in(self, t):
         """A fake value (never stood in for) as the current trace can read it; anything else stood in for."""

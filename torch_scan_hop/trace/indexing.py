@@ -12,6 +12,7 @@ needs it (``t.item()`` is a real number there).
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .. import _compat
 from ..core.trees import ScanError
 
 _GET, _SET = torch.Tensor.__getitem__, torch.Tensor.__setitem__
@@ -84,44 +85,88 @@ def write(t, index, value):
     torch.ops.aten.index_put_.default(view, _advanced(view, parts[1]), value.to(view.dtype))
 
 
+def select_at(t, dim, i):
+    """``t.select(dim, i)``, a 0-d integer tensor ``i`` taken as an advanced index (a copy)."""
+    return read(t, (slice(None),) * (dim % t.dim()) + (i,))
+
+
+def narrow_at(t, dim, start, length):
+    """``t.narrow(dim, start, length)`` with a 0-d integer tensor ``start``: the rows
+    ``start + arange(length)`` as an advanced index (a copy; narrow reads ``start``'s value)."""
+    rows = start + torch.arange(length, dtype=start.dtype, device=start.device)
+    return torch.ops.aten.index.Tensor(t, [None] * (dim % t.dim()) + [rows])
+
+
 _SELECTS = (torch.Tensor.select, torch.select)
+_NARROWS = (torch.Tensor.narrow, torch.narrow)
 
 
-def _as_index(func, args, kwargs):
-    """``(t, index)`` for a read this mode rewrites (``t[index]``, ``t.select(dim, i)``), else None."""
-    if func is _GET and len(args) == 2 and isinstance(args[0], torch.Tensor) and not kwargs:
-        return args if split_index(*args) is not None else None
-    if func in _SELECTS and len(args) == 3 and isinstance(args[0], torch.Tensor) and _is_scalar_index(args[2]):
-        t, dim, i = args
-        if isinstance(dim, int) and -t.dim() <= dim < t.dim():
-            return t, (slice(None),) * (dim % t.dim()) + (i,)
+def _is_dim(t, dim):
+    return isinstance(dim, int) and -t.dim() <= dim < t.dim()
+
+
+def _rewritten_read(func, args, kwargs):
+    """A thunk computing a read this mode rewrites (``t[index]``, ``t.select(dim, i)``,
+    ``t.narrow(dim, i, n)`` with 0-d integer tensors ``i``), else None."""
+    if kwargs or len(args) < 2 or not isinstance(args[0], torch.Tensor):
+        return None
+    if func is _GET and len(args) == 2:
+        return (lambda: read(*args)) if split_index(*args) is not None else None
+    if func in _SELECTS and len(args) == 3 and _is_scalar_index(args[2]) and _is_dim(*args[:2]):
+        return lambda: select_at(*args)
+    if func in _NARROWS and len(args) == 4 and _is_scalar_index(args[2]) and _is_dim(*args[:2]) \
+            and isinstance(args[3], (int, torch.SymInt)):
+        return lambda: narrow_at(*args)
     return None
 
 
 class TensorIndexRewrite(TorchFunctionMode):
-    """``t[..., i, ...]`` (read and write) and ``t.select(dim, i)`` with 0-d integer tensors ``i`` as
-    advanced indexing, while a body is traced (``trace_graph``, Dynamo's speculation).
+    """``t[..., i, ...]`` (read and write), ``t.select(dim, i)`` and ``t.narrow(dim, i, n)`` with 0-d
+    integer tensors ``i`` as advanced indexing, while a body is traced (``trace_graph``, Dynamo's speculation).
 
     Such a read is a copy, not the view the loop's ``select`` gives: a write through it
     (``buf[:, t].copy_(h)``, ``v = buf[:, t]; v += h``) would be lost, so a read modified in place
     and not written back with ``buf[..., t, ...] = v`` (what ``buf[:, t] += h`` does) is a
-    ScanError when the trace ends."""
+    ScanError when the trace ends. And a write into ``buf`` after the read would not show in it
+    (``v = buf[t]; buf[t] = h; use(v)``: the loop's view holds ``h``; the copy held the old row, a
+    silent wrong number): a read used after its tensor was written in place is read again there
+    (``_fresh``), as the view would show it. Reads derived from such a read (``buf[t].unsqueeze(0)``)
+    are not followed. Dynamo's graph records the body as written (the mode only serves its fake
+    runs): ``refresh_stale_reads=False`` there."""
 
-    def __init__(self, refuse_lost_writes=True):
+    def __init__(self, refuse_lost_writes=True, refresh_stale_reads=True):
         super().__init__()
         self._reads, self._written_back = {}, set()
         self._refuse = refuse_lost_writes  # False: a run whose values nobody reads (the ys' shape run)
+        # id(read) -> [read, its value now, recompute, the read tensor's version that value holds]
+        self._sources, self._refresh = {}, refresh_stale_reads
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        index = _as_index(func, args, kwargs)
-        if index is not None:
-            out = read(*index)
+        if self._sources:
+            args, kwargs = _compat.pytree.tree_map(self._fresh, (args, kwargs or {}))
+        rewritten = _rewritten_read(func, args, kwargs)
+        if rewritten is not None:
+            out = rewritten()
             self._reads[id(out)] = (out, out._version)
+            if self._refresh:
+                self._sources[id(out)] = [out, out, rewritten, args[0], args[0]._version]
             return out
         if func is _SET and len(args) == 3 and isinstance(args[0], torch.Tensor):
             self._written_back.add(id(args[2]))
             return write(*args)
         return func(*args, **(kwargs or {}))
+
+    def _fresh(self, t):
+        """What a use of the read ``t`` reads: ``t``, or ``t`` read again once its tensor was written."""
+        entry = self._sources.get(id(t)) if isinstance(t, torch.Tensor) else None
+        if entry is None:
+            return t
+        _, now, recompute, base, version = entry
+        if base._version != version and self._reads[id(t)][1] == t._version:  # (t written: a lost write)
+            now = entry[1] = recompute()
+            entry[4] = base._version
+            self._reads[id(now)] = (now, now._version)
+        return now
 
     def __exit__(self, exc_type, exc_value, traceback):
         super().__exit__(exc_type, exc_value, traceback)
@@ -145,14 +190,64 @@ def _scalar_index_node(arg):
 
 def rewrite_graph_indexing(graph):
     """A Dynamo graph's ``operator.getitem`` / ``operator.setitem`` of a tensor by an index holding a
-    0-d integer tensor (by the nodes' example values) call ``read`` / ``write`` instead: whatever
-    runs the graph later (a fake run, make_fx, the eager loop) then needs no mode."""
+    0-d integer tensor, and its ``select`` / ``narrow`` at one (by the nodes' example values), call
+    ``read`` / ``write`` / ``select_at`` / ``narrow_at`` instead: whatever runs the graph later (a fake
+    run, make_fx, the eager loop) then needs no mode. Dynamo's speculation ran them under
+    ``TensorIndexRewrite``, but its graph records the call as written: strict export's later fake run
+    of ``buf.select(0, t)`` read ``t``'s value (unbacked symbols, a data-dependence error)."""
     import operator
 
     targets = {operator.getitem: read, operator.setitem: write}
+    at = {"select": (select_at, 3), "narrow": (narrow_at, 4)}
+    at.update({torch.select: at["select"], torch.narrow: at["narrow"]})
     for node in graph.nodes:
-        if node.op != "call_function" or node.target not in targets or len(node.args) < 2:
-            continue
-        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-        if any(_scalar_index_node(e) for e in index):
-            node.target = targets[node.target]
+        if node.op == "call_function" and node.target in targets and len(node.args) >= 2:
+            index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+            if any(_scalar_index_node(e) for e in index):
+                node.target = targets[node.target]
+        elif node.op in ("call_method", "call_function") and node.target in at and not node.kwargs:
+            fn, nargs = at[node.target]
+            if len(node.args) == nargs and isinstance(node.args[1], int) and _scalar_index_node(node.args[2]):
+                node.op, node.target = "call_function", fn
+    _read_again_after_writes(graph)
+
+
+def _storage(node):
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+    try:
+        return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
+    except (NotImplementedError, RuntimeError):  # no storage to name (a vmap's BatchedTensor): not followed
+        return None
+
+
+def _writes_first_arg(node):
+    import operator
+
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    return node.op == "call_function" and (node.target in (write, operator.setitem) or (
+        getattr(node.target, "__name__", "").endswith("_") and not node.target.__name__.endswith("__")))
+
+
+def _read_again_after_writes(graph):
+    """``TensorIndexRewrite``'s ``_fresh`` on a Dynamo graph: a use of a read (``read``, ``select_at``,
+    ``narrow_at``) after an in-place write into the storage it was read from uses the read done again
+    just before it, as the loop's view would show the write (Dynamo records the body as written)."""
+    reads = {}  # read node -> [the node its uses take now, storage read from, written since]
+    for node in list(graph.nodes):
+        for r in [n for n in node.all_input_nodes if n in reads]:
+            if reads[r][2]:
+                with graph.inserting_before(node):
+                    again = graph.call_function(r.target, r.args, r.kwargs)
+                again.meta = dict(r.meta)
+                reads[r][0], reads[r][2] = again, False
+            if reads[r][0] is not r:
+                node.replace_input_with(r, reads[r][0])
+        if node.op == "call_function" and node.target in (read, select_at, narrow_at):
+            reads[node] = [node, _storage(node.args[0]), False]
+        if _writes_first_arg(node) and node.args:
+            written = _storage(node.args[0])
+            for entry in reads.values():
+                entry[2] = entry[2] or (written is not None and entry[1] == written)
