@@ -73,18 +73,25 @@ def scan_alike(layers, kinds, hidden, per_layer, remat, unroll):
         kwargs = _compat.pytree.tree_unflatten(kw_leaves, spec_kw)
         leaves, spec = _compat.pytree.tree_flatten((params, kwargs))
         where = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+        unique, slots = [h], []  # each tensor once: Dynamo's cond (2.9) names a repeated operand twice
+        for i in where:
+            j = next((j for j, u in enumerate(unique) if u is leaves[i]), None)
+            if j is None:
+                j = len(unique)
+                unique.append(leaves[i])
+            slots.append(j)
 
         def branch(k):
-            def run(kind, h, *tensors):
+            def run(kind, *tensors):
                 full = list(leaves)
-                for i, t in zip(where, tensors):
-                    full[i] = t
+                for i, j in zip(where, slots):
+                    full[i] = tensors[j]
                 p, kw = _compat.pytree.tree_unflatten(full, spec)
                 view = view_of(layers[reps[k]], p, peers=peers[k], checked={LABELS: labels[k]})
-                return hidden_of(view(h, **kw), reps[k])
+                return hidden_of(view(tensors[0], **kw), reps[k])
             return run
 
-        operands = (kind, h, *[leaves[i] for i in where])
+        operands = (kind, *unique)
         return _chain(kind, [branch(k) for k in range(len(reps))], operands), None
 
     rows = [index for _, index in distinct.values()]
