@@ -78,15 +78,17 @@ def test_a_read_used_after_a_write_into_its_tensor_shows_the_write():
     def ours(c, buf, xs):
         return scan(_stale, (c, buf), xs, with_index=True)
 
-    def loop(c, buf, xs):
-        state, ys = (c, buf), []
-        for i in range(xs.shape[0]):
-            state, y = _stale(state, xs[i], torch.tensor(i))
-            ys.append(y)
-        return state, torch.stack(ys)
     args = lambda: [a for i, a in enumerate(_args()) if i != 2]  # noqa: E731
     gm = make_fx(ours, tracing_mode="fake")(*args())
-    assert_trees_close(grads(gm, *args()), grads(loop, *args()))
+    assert_trees_close(grads(gm, *args()), grads(_stale_loop, *args()))
+
+
+def _stale_loop(c, buf, xs):
+    state, ys = (c, buf), []
+    for i in range(xs.shape[0]):
+        state, y = _stale(state, xs[i], torch.tensor(i))
+        ys.append(y)
+    return state, torch.stack(ys)
 
 
 def test_a_read_used_after_a_write_shows_it_under_strict_export():
@@ -96,12 +98,6 @@ def test_a_read_used_after_a_write_shows_it_under_strict_export():
         def forward(self, c, buf, xs):
             return scan(_stale, (c, buf), xs, with_index=True)
 
-    def loop(c, buf, xs):
-        state, ys = (c, buf), []
-        for i in range(xs.shape[0]):
-            state, y = _stale(state, xs[i], torch.tensor(i))
-            ys.append(y)
-        return state, torch.stack(ys)
     args = lambda: [a for i, a in enumerate(_args()) if i != 2]  # noqa: E731
     ep = torch.export.export(Stale(), tuple(args()), strict=True)
-    assert_trees_close(ep.module()(*args()), loop(*args()))
+    assert_trees_close(ep.module()(*args()), _stale_loop(*args()))

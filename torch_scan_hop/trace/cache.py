@@ -226,26 +226,9 @@ def plan_for(gm, init, xs, additional_inputs, reverse, remat, build, keyed_by="j
         if refs is None:
             return build()
     key = (keyed_by, graph, meta, reverse, remat_key, _ambient_state())
-    if scope is not None:
-        return _in_scope(scope, key, build)
+    if scope is not None:  # kept with the trace's fake mode, forgotten with it
+        return memo(scope, key, build)
     return _plans.get_or_build(key, refs, build)
-
-
-_scoped = weakref.WeakKeyDictionary()  # a trace's fake mode -> {key: plan}
-
-
-def _in_scope(scope, key, build):
-    """``build()`` once per key while ``scope`` lives. Keys holding symbolic sizes do not hash:
-    those build every time."""
-    try:
-        hash(key)
-        store = _scoped.setdefault(scope, {})
-    except TypeError:
-        return build()
-    hit = store.get(key)
-    if hit is None:
-        hit = store[key] = build()
-    return hit
 
 
 def _weakrefable(v):
@@ -280,6 +263,5 @@ def clear():
     """Forget every cached plan and lowering (never needed for correctness)."""
     _plans.clear()
     _graphs.clear()
-    _scoped.clear()
     _memos.clear()
     _flat_keys.clear()
