@@ -29,6 +29,7 @@ from . import module_state, written_rows
 from .blocks import hidden_of
 from .checks import check_no_hooks, check_no_hooks_traced, check_no_running_stat_updates
 from .fsdp import check_fsdp
+from .layer_kwargs import split as split_kwargs
 from .layer_state import layer_states
 from .stack_weights import stack_state
 from .view import LABELS, view_of
@@ -36,41 +37,36 @@ from .view import LABELS, view_of
 
 def scan_alike(layers, kinds, hidden, per_layer, remat, unroll):
     """The stack as one scan choosing each layer's code by kind, or None where it does not apply
-    (then nothing was run)."""
+    (then nothing was run). ``unroll``: resolved (``scan_layers._resolve_unroll``)."""
     states = layer_states(layers)
     tensors = [t for t in states[0].values()] + [hidden]
     if (route.runs_the_loop(tensors, remat) or any(t.device.type == "xla" for t in tensors)
             or any(dt.is_dtensor(t) for t in tensors) or check_fsdp(layers[0]) is not None
-            or schedule.one_iteration(len(layers), _unroll(unroll))):
+            or schedule.one_iteration(len(layers), unroll)):
         return None
     try:
         per_layer, slots = written_rows.as_rows(per_layer)
         if any(slots) or module_state.rows(layers[0], layers):
             return None
         check_no_running_stat_updates(layers[0])
-        keywords = _keywords_by_value(per_layer)
-        if keywords is None:
-            return None
+        shared, varying = split_kwargs(per_layer, lambda i: f"layer {i}")
         collected = check_no_hooks_traced(layers, None) if _compat.is_dynamo_compiling() else check_no_hooks(layers)
     except ScanError:
         return None  # the pattern's plan runs, and raises what applies to it
     if collected:
         return None
-    reps = [kinds.index(k) for k in range(max(kinds) + 1)]
-    peers = [[layers[i] for i, k in enumerate(kinds) if k == kind and i != rep] for kind, rep in enumerate(reps)]
-    labels = [[f"layer {rep}"] + [f"layer {i}" for i, k in enumerate(kinds) if k == kind and i != rep]
-              for kind, rep in enumerate(reps)]
+    members = [[i for i, k in enumerate(kinds) if k == kind] for kind in range(max(kinds) + 1)]
+    reps = [m[0] for m in members]
+    peers = [[layers[i] for i in m[1:]] for m in members]
+    labels = [[f"layer {i}" for i in m] for m in members]
     xs = stack_state(states, False)
     kind_rows = torch.tensor(kinds, device=hidden.device)
-
-    spec_kw, leaves_kw, distinct = keywords
+    distinct = [] if varying is None else varying.distinct()  # Gemma 3's masks: two, not one per layer
+    stacks = [values for values, _ in distinct]
 
     def step(h, x):
         params, rows, kind = x
-        kw_leaves = list(leaves_kw)
-        for (pos, (values, _)), row in zip(distinct.items(), rows):
-            kw_leaves[pos] = values[row]  # this layer's mask of the few distinct ones
-        kwargs = _compat.pytree.tree_unflatten(kw_leaves, spec_kw)
+        kwargs = shared if varying is None else varying.rebuild([values[r] for values, r in zip(stacks, rows)])
         leaves, spec = _compat.pytree.tree_flatten((params, kwargs))
         where = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
         unique, slots = [h], []  # each tensor once: Dynamo's cond (2.9) names a repeated operand twice
@@ -94,38 +90,9 @@ def scan_alike(layers, kinds, hidden, per_layer, remat, unroll):
         operands = (kind, *unique)
         return _chain(kind, [branch(k) for k in range(len(reps))], operands), None
 
-    rows = [index for _, index in distinct.values()]
+    rows = [index for _, index in distinct]
     out, _ = scan(step, hidden, (xs, rows, kind_rows), remat=remat, unroll=unroll)
     return out
-
-
-def _keywords_by_value(per_layer):
-    """``(spec, layer 0's leaves, {leaf position: (the distinct tensors stacked, per-layer index)})``
-    of the layers' keyword inputs, or None when they do not fit one scan (structures or plain values
-    that differ, tensors of different shapes). A tensor that differs across layers usually takes a
-    few values (Gemma 3's masks: one per kind): those are stacked once, not once per layer."""
-    flat = [_compat.pytree.tree_flatten(kw) for kw in per_layer]
-    spec, leaves0 = flat[0][1], list(flat[0][0])
-    if any(s != spec for _, s in flat):
-        return None
-    distinct = {}
-    for pos, leaf0 in enumerate(leaves0):
-        column = [leaves[pos] for leaves, _ in flat]
-        if all(v is leaf0 for v in column):
-            continue
-        if not all(isinstance(v, torch.Tensor) for v in column):
-            if all(type(v) is type(leaf0) and type(v) in (bool, int, float, str) and v == leaf0 for v in column):
-                continue
-            return None
-        values = []
-        for v in column:  # by identity (a plain loop: Dynamo traces `is`)
-            if not any(v is u for u in values):
-                values.append(v)
-        if any(v.shape != leaf0.shape or v.dtype != leaf0.dtype or v.device != leaf0.device for v in values):
-            return None
-        index = [next(i for i, v in enumerate(values) if v is t) for t in column]
-        distinct[pos] = (torch.stack(values), torch.tensor(index, device=leaf0.device))
-    return spec, leaves0, distinct
 
 
 def _chain(kind, branches, operands, first=0):
@@ -135,6 +102,3 @@ def _chain(kind, branches, operands, first=0):
     rest = lambda *ops: _chain(ops[0], branches[1:], ops, first + 1)  # noqa: E731
     return torch.cond(kind == first, branches[0], rest, operands)
 
-
-def _unroll(unroll):
-    return 1 if unroll is None else unroll

@@ -28,6 +28,19 @@ class Varying:
         """One ``(L, ...)`` tensor per varying leaf (a plain stack: gradients reach every row)."""
         return [torch.stack(column) for column in self.columns]
 
+    def distinct(self):
+        """Per varying leaf, ``(its distinct tensors stacked, each layer's index into them)``: a leaf
+        taking a few values (Gemma 3's masks, one per kind) is stacked once, not once per layer."""
+        out = []
+        for column in self.columns:
+            values = []
+            for v in column:  # by identity (a plain loop: Dynamo traces `is`)
+                if not any(v is u for u in values):
+                    values.append(v)
+            index = [next(i for i, v in enumerate(values) if v is t) for t in column]
+            out.append((torch.stack(values), torch.tensor(index, device=column[0].device)))
+        return out
+
     def rebuild(self, rows):
         """One layer's keywords from the shared leaves and its ``rows`` of the stacks."""
         leaves = list(self.template)

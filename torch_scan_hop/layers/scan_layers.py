@@ -371,7 +371,7 @@ def scan_patterned(layers, hidden, *, remat="save_all", unroll=None, partition_f
     per_layer = _per_layer(layers, broadcast_kwargs, layer_kwargs)
     kinds = patterns.stack_alike(container, layers) if period == "auto" else None
     if kinds is not None:  # one scan choosing each layer's code by kind, where it applies
-        out = alike.scan_alike(layers, kinds, hidden, per_layer, remat, unroll)
+        out = alike.scan_alike(layers, kinds, hidden, per_layer, remat, _resolve_unroll(unroll))
         if out is not None:
             return out
     for seg in segments:

@@ -57,7 +57,7 @@ class _GraphKey:
 
     def target(self, gm, node):
         if node.op == "get_attr":
-            return self.value(_resolve_attr(gm, node.target))
+            return self.value(resolve_attr(gm, node.target))
         if node.op in ("placeholder", "output"):
             return None
         return self.callable(node.target)
@@ -129,7 +129,8 @@ class _GraphKey:
         return repr(val)
 
 
-def _resolve_attr(gm, target):
+def resolve_attr(gm, target):
+    """The object a ``get_attr`` target names, from ``gm``."""
     obj = gm
     for part in target.split("."):
         obj = getattr(obj, part)

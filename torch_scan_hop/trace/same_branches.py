@@ -3,7 +3,7 @@
 Layers that differ only in attributes their traced code never turns into ops (Gemma 3's
 sliding and full attention layers hand ``sliding_window`` to an attention function that
 ignores it under sdpa) run as one scan whose step picks each layer's code by its kind with
-``torch.cond`` (``layers.kinds_alike``). When the branches trace alike, the choice is no
+``torch.cond`` (``layers.alike``). When the branches trace alike, the choice is no
 choice: the cond node is replaced by the ops of one branch, so the body's joint, partition
 and compile see one layer, not two. Branches that differ keep their cond (each layer then
 runs its own code, as the loop does). A cond is rewritten whole or left as it was; the
@@ -14,7 +14,7 @@ import operator
 
 import torch
 
-from .cache import graph_key
+from .cache import graph_key, resolve_attr
 
 _counts = collections.Counter()
 _COND = torch.ops.higher_order.cond
@@ -38,8 +38,10 @@ def inline_identical_conds(graph, resolve):
             continue
         branches = [resolve(true_attr.target), resolve(false_attr.target)]
         for gm in branches:
-            inlined += inline_identical_conds(gm.graph, lambda t, gm=gm: _attr(gm, t, resolve))
-            gm.recompile()
+            inner = inline_identical_conds(gm.graph, lambda t, gm=gm: _attr(gm, t, resolve))
+            if inner:
+                gm.recompile()
+                inlined += inner
         keys = [graph_key(gm) for gm in branches]
         if (keys[0] is None or keys[1] is None or keys[0][0] != keys[1][0]
                 or not all(u.op == "call_function" and u.target is operator.getitem for u in node.users)):
@@ -57,11 +59,9 @@ def inline_identical_conds(graph, resolve):
 
 
 def _attr(gm, target, resolve):
+    """A branch's own attribute, else one the frame installed (Dynamo's nested subgraphs)."""
     try:
-        obj = gm
-        for part in target.split("."):
-            obj = getattr(obj, part)
-        return obj
+        return resolve_attr(gm, target)
     except AttributeError:
         return resolve(target)
 
