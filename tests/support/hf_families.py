@@ -72,8 +72,8 @@ def build(family, layers=None, full_every=None):
 DEFAULT_DEPTH = {"gpt2": 4, "llama": 4, "mistral": 4, "qwen3": 4, "gemma3": 14, "gpt_oss": 4, "qwen3_next": 8,
                  "recurrent_gemma": 6, "mixtral": 4}
 # what scan_model makes of each family's default depth (scan_plan)
-ALIKE = ("one scan over {n} layers of 2 kinds, each step running its layer's kind (traced, off XLA, no cache or "
-         "state kept per layer; else:)")
+ALIKE = ("one scan over {n} layers of 2 kinds, each step running its layer's kind (traced, no cache or state "
+         "kept per layer; else:)")
 PLANS = {
     "gpt2": ["layers 0-3: one scan over 4 layers"],
     "llama": ["layers 0-3: one scan over 4 layers"],

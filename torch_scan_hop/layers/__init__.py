@@ -6,6 +6,7 @@
   into: scans over blocks of a repeating pattern, runs of one kind, single layers);
 - ``blocks``: the ``LayerBlock`` a scan over blocks runs, its runs of one kind scanned nested;
 - ``alike``: kinds with one weight signature as one scan choosing each layer's code by kind;
+- ``one_code``: kinds told before the scan to trace to one graph (then no cond: one layer's code);
 - ``layer_kwargs``: per-layer keyword inputs (shared ones closed over, differing tensors stacked);
 - ``outputs``: what a layer returns (the hidden state, or a tuple of it and extras such as
   attention weights) and what ``scan_layers`` returns for it (the extras stacked);
@@ -26,5 +27,5 @@
 - ``written_rows``: per-layer state each layer writes (a KV cache slot): scanned as rows, the
   writes returned as ys and handed back to each layer's object.
 
-May import: ``api``, ``op``, ``core``, ``_compat``.
+May import: ``api``, ``op``, ``trace``, ``core``, ``_compat``.
 """

@@ -13,11 +13,11 @@ operands (hidden state, the step's weights, its keyword tensors), each branch th
 of a layer of its kind, checked on read against every layer of that kind. Dynamo's tracker then
 replaces a cond whose branches traced to one graph by that graph (``trace.same_branches``):
 the body is one layer, whatever the depth. Branches that differ keep the cond, and each layer
-runs its own kind's code, as in the loop.
+runs its own kind's code, as in the loop (on XLA both branches and a select: ``xla.conds``).
 
 Only where a step hands out nothing but the hidden state (no cache rows, module state, capture
-hooks, FSDP2 / DTensor weights), traced, off XLA, and not straight-line: elsewhere ``None`` and
-the caller runs the pattern's plan.
+hooks, FSDP2 / DTensor weights), traced (XLA included), and not straight-line: elsewhere ``None``
+and the caller runs the pattern's plan.
 """
 import torch
 
@@ -25,7 +25,7 @@ from .. import _compat
 from ..api import scan
 from ..core import dtensors as dt, route, schedule
 from ..core.trees import ScanError
-from . import module_state, written_rows
+from . import module_state, one_code, written_rows
 from .blocks import hidden_of
 from .checks import check_no_hooks, check_no_hooks_traced, check_no_running_stat_updates
 from .fsdp import check_fsdp
@@ -34,13 +34,15 @@ from .layer_state import layer_states
 from .stack_weights import stack_state
 from .view import LABELS, view_of
 
+_COND = torch.ops.higher_order.cond
+
 
 def scan_alike(layers, kinds, hidden, per_layer, remat, unroll):
     """The stack as one scan choosing each layer's code by kind, or None where it does not apply
     (then nothing was run). ``unroll``: resolved (``scan_layers._resolve_unroll``)."""
     states = layer_states(layers)
     tensors = [t for t in states[0].values()] + [hidden]
-    if (route.runs_the_loop(tensors, remat) or any(t.device.type == "xla" for t in tensors)
+    if (route.runs_the_loop(tensors, remat)
             or any(dt.is_dtensor(t) for t in tensors) or check_fsdp(layers[0]) is not None
             or schedule.one_iteration(len(layers), unroll)):
         return None
@@ -64,7 +66,8 @@ def scan_alike(layers, kinds, hidden, per_layer, remat, unroll):
     distinct = [] if varying is None else varying.distinct()  # Gemma 3's masks: two, not one per layer
     stacks = [values for values, _ in distinct]
 
-    def step(h, x):
+    def operands(h, x):
+        """(the cond's operands: kind, h and each tensor once, the layout to rebuild the rest)."""
         params, rows, kind = x
         kwargs = shared if varying is None else varying.rebuild([values[r] for values, r in zip(stacks, rows)])
         leaves, spec = _compat.pytree.tree_flatten((params, kwargs))
@@ -76,29 +79,48 @@ def scan_alike(layers, kinds, hidden, per_layer, remat, unroll):
                 j = len(unique)
                 unique.append(leaves[i])
             slots.append(j)
+        return (kind, *unique), (leaves, spec, where, slots)
 
-        def branch(k):
-            def run(kind, *tensors):
-                full = list(leaves)
-                for i, j in zip(where, slots):
-                    full[i] = tensors[j]
-                p, kw = _compat.pytree.tree_unflatten(full, spec)
-                view = view_of(layers[reps[k]], p, peers=peers[k], checked={LABELS: labels[k]})
-                return hidden_of(view(tensors[0], **kw), reps[k])
-            return run
+    def branch(k, layout, one=False):
+        """Kind k's code; with ``one``, kind 0's code for every layer (``one_code``)."""
+        leaves, spec, where, slots = layout
 
-        operands = (kind, *unique)
-        return _chain(kind, [branch(k) for k in range(len(reps))], operands), None
+        def run(kind, *tensors):
+            full = list(leaves)
+            for i, j in zip(where, slots):
+                full[i] = tensors[j]
+            p, kw = _compat.pytree.tree_unflatten(full, spec)
+            checked = {LABELS: everyone, **dict.fromkeys(excused, True)} if one else {LABELS: labels[k]}
+            view = view_of(layers[reps[k]], p, peers=others if one else peers[k], checked=checked)
+            return (hidden_of(view(tensors[0], **kw), reps[k]),)
+        return run
 
     rows = [index for _, index in distinct]
+    one = False
+    if one_code.may_decide():  # outside any trace: tell on the first step's operands
+        first, layout = operands(hidden, (_compat.pytree.tree_map(lambda v: v[0], xs), [r[0] for r in rows],
+                                          kind_rows[0]))
+        plain = [v for v in layout[0] if not isinstance(v, torch.Tensor)]
+        one = one_code.traces_alike(layers, kinds, [branch(k, layout) for k in range(len(reps))], first, plain)
+    excused = one_code.excused_paths(layers, kinds) if one else frozenset()
+    everyone, others = [f"layer {i}" for i in range(len(layers))], layers[1:]  # reps[0] is layer 0
+
+    def step(h, x):
+        ops, layout = operands(h, x)
+        if one:
+            return branch(0, layout, one=True)(*ops)[0], None
+        return _chain(ops[0], [branch(k, layout) for k in range(len(reps))], ops)[0], None
+
     out, _ = scan(step, hidden, (xs, rows, kind_rows), remat=remat, unroll=unroll)
     return out
 
 
 def _chain(kind, branches, operands, first=0):
-    """``branches[kind - first](*operands)`` as conds: kind == first, else the rest."""
+    """``branches[kind - first](*operands)`` as conds: kind == first, else the rest. The op itself,
+    not ``torch.cond``: outside Dynamo that compiles its call (through the closures' stand-ins of a
+    make_fx trace, which it cannot); under Dynamo the two are one. Its branches return tuples."""
     if len(branches) == 1:
         return branches[0](*operands)
     rest = lambda *ops: _chain(ops[0], branches[1:], ops, first + 1)  # noqa: E731
-    return torch.cond(kind == first, branches[0], rest, operands)
+    return tuple(_COND(kind == first, branches[0], rest, operands))
 

@@ -35,7 +35,7 @@ Segment = collections.namedtuple("Segment", "start period count")  # count block
 
 def kinds(layers):
     """One small int per layer: equal ints for layers of one kind (see the module docstring)."""
-    trees = [_tree_signature(layer) for layer in layers]
+    trees = [tree_signature(layer) for layer in layers]
     data = _per_layer_data(trees)
     ids, out = {}, []
     for tree in trees:
@@ -73,7 +73,7 @@ def _weights_signature(module):
     return sig
 
 
-def _tree_signature(module, prefix=""):
+def tree_signature(module, prefix=""):
     """``[(path, value)]``: every module's type, parameter and buffer signature, and plain attribute."""
     sig = [(prefix + "<type>", f"{type(module).__module__}.{type(module).__qualname__}")]
     for name, t in module._parameters.items():
@@ -87,7 +87,7 @@ def _tree_signature(module, prefix=""):
         if child is None:
             sig.append((prefix + name, None))
         else:
-            sig.extend(_tree_signature(child, prefix + name + "."))
+            sig.extend(tree_signature(child, prefix + name + "."))
     return sig
 
 
@@ -158,7 +158,7 @@ def describe(segments, alike=None):
     lines = []
     if alike is not None:
         lines.append(f"layers 0-{len(alike) - 1}: one scan over {len(alike)} layers of {max(alike) + 1} kinds, each "
-                     "step running its layer's kind (traced, off XLA, no cache or state kept per layer; else:)")
+                     "step running its layer's kind (traced, no cache or state kept per layer; else:)")
     for s in segments:
         if s.period > 1:
             lines.append(f"layers {s.start}-{s.start + s.period * s.count - 1}: one scan over {s.count} blocks "

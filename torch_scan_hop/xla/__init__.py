@@ -3,6 +3,8 @@
 - ``body``: one step of the body staged out as HLO on placeholder tensors;
 - ``lower``: the While(s) built by the C++ extension (``torch_scan_hop._hlo_scan``,
   csrc/hlo_scan.cc) around it, cached per graph;
+- ``conds``: a ``torch.cond`` in a body (``layers.alike``'s choice of a layer's code) staged as
+  both branches and a select per output (one branch where the two are one graph);
 - ``row_writes``: a carried buffer whose rows the body writes (``buf[t] = h``) written by the
   While in place, one iteration late;
 - ``own_buffers``: the Whiles' constants and fill values in buffers of their own (a step's

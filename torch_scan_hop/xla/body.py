@@ -23,6 +23,7 @@ from .. import _compat
 from ..core.op_args import example_args
 from ..core.trees import ScanError
 from ..trace.graph import trace_graph
+from .conds import conds_as_selects
 from .own_buffers import OwnBuffer
 from .row_writes import defer_row_writes
 
@@ -284,7 +285,7 @@ def as_aten_graph(body, init, xs, additional_inputs):
 def lower_body(combine_fn, init, xs, additional_inputs):
     """Stage out one step of ``combine_fn`` as HLO (nothing runs on the device); None for a
     step with no output at all."""
-    combine_fn = as_aten_graph(combine_fn, init, xs, additional_inputs)
+    combine_fn = conds_as_selects(as_aten_graph(combine_fn, init, xs, additional_inputs))
     check_runs_on_xla(combine_fn)
     inputs = [(t.shape, t.dtype) for t in init] + [(x.shape[1:], x.dtype) for x in xs] \
         + [(a.shape, a.dtype) for a in additional_inputs]

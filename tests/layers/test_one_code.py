@@ -1,0 +1,83 @@
+"""Layer kinds told apart before the scan (``layers.one_code``): where every kind's code traces to
+one graph, the step runs one layer's code with no cond; the attributes that tell the kinds apart
+are excused from the check on read, per-layer data (a value per layer) is not.
+
+Only outside any trace, i.e. an eager call on XLA tensors (elsewhere the scan is the loop, or
+Dynamo traces the cond): those tests need torch_xla."""
+import pytest
+import torch
+
+from torch_scan_hop.core.trees import ScanError
+from torch_scan_hop.layers import one_code
+
+KINDS = ["sliding", "sliding", "full"] * 2 + ["sliding"]
+
+
+def _ignores(z, window=None):
+    return z
+
+
+class Layer(torch.nn.Module):
+    """Gemma 3's shape of the question: ``window`` is read and handed to code that ignores it;
+    ``idx`` is per-layer data (a value per layer), used by the code only at ``special``."""
+
+    def __init__(self, kind, idx, special=None):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.kind, self.idx, self.special = kind, idx, special
+        self.window = 3 if kind == "sliding" else None
+
+    def forward(self, h):
+        z = torch.tanh(_ignores(self.lin(h), window=self.window))
+        if self.special is not None and self.idx == self.special:
+            z = z * 2  # a layer whose code differs by its index: not the kinds' first layers
+        return h + z
+
+
+def _stack(special=None):
+    torch.manual_seed(0)
+    return torch.nn.ModuleList([Layer(k, i, special) for i, k in enumerate(KINDS)])
+
+
+def test_excused_paths_are_what_tells_the_kinds_apart():
+    kinds = [0 if k == "sliding" else 1 for k in KINDS]
+    assert one_code.excused_paths(list(_stack()), kinds) == {"kind", "window"}  # not idx: a value per layer
+
+
+def _on_xla():
+    pytest.importorskip("torch_xla", reason="one_code decides only outside a trace: an eager call on XLA tensors")
+    from xla_util import DEV
+    return DEV
+
+
+def test_kinds_that_trace_alike_run_one_code():
+    from torch_scan_hop import scan_layers
+    from xla_util import to_cpu
+
+    dev = _on_xla()
+    want_layers, h0 = _stack(), torch.randn(2, 4)
+    h = h0.clone().requires_grad_()
+    want = h
+    for layer in want_layers:
+        want = layer(want)
+    want_grads = torch.autograd.grad(want.square().sum(), [h, *want_layers.parameters()])
+    layers = _stack().to(dev)
+    before = one_code.counts().get("alike", 0)
+    h = h0.to(dev).requires_grad_()
+    got = scan_layers(layers, h, period="auto")
+    grads = torch.autograd.grad(got.square().sum(), [h, *layers.parameters()])
+    assert one_code.counts().get("alike", 0) > before
+    torch.testing.assert_close(to_cpu(got), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(to_cpu(grads), want_grads, atol=1e-5, rtol=1e-5)
+
+
+def test_per_layer_data_that_changes_the_code_is_refused():
+    """Layer 4 (a "sliding" one) doubles its output by its index: the kinds' first layers (0, 2)
+    trace alike, and reading ``idx`` is checked against every layer: a ScanError, not layer 0's
+    code for layer 4."""
+    from torch_scan_hop import scan_layers
+
+    dev = _on_xla()
+    layers = _stack(special=4).to(dev)
+    with pytest.raises(ScanError, match="idx"):
+        scan_layers(layers, torch.randn(2, 4).to(dev), period="auto")
