@@ -16,7 +16,7 @@ While. Each family, depth and variant runs in a process of its own: the plans an
 cached would otherwise make the next one's first call cheaper (a layer's body is the same at every
 depth), and the ratio across depths meaningless.
 Run: python benchmarks/models.py [--families llama,gemma3] [--depths 4,16] [--backend inductor|none|openxla]
-     [--device cpu|xla] [--unroll N] [--reps 10]
+     [--device cpu|xla] [--unroll N] [--reps 10] [--clock wall|cpu]
 """
 import argparse
 import json
@@ -48,13 +48,16 @@ def _wait(tokens):
         xm.wait_device_ops()
 
 
+CLOCK = time.perf_counter  # --clock cpu: time.process_time (the process's CPU time, all its threads)
+
+
 def _step(model, fn, tokens):
     model.zero_grad(set_to_none=True)
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     _, loss = fn(model, tokens)
     loss.backward()
     _wait(tokens)
-    return time.perf_counter() - t0
+    return CLOCK() - t0
 
 
 def measure(model, backend, tokens, reps):
@@ -78,11 +81,15 @@ def main():
     parser.add_argument("--device", default="cpu", choices=["cpu", "xla"])
     parser.add_argument("--unroll", type=int, default=None)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                        help="cpu: the process's CPU time (steadier than the wall clock on a shared box)")
     parser.add_argument("--child", choices=["loop", "scan"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if not args.child:
         return _parent(args)
     torch.set_num_threads(1)
+    global CLOCK
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     device = torch.device("cpu")
     if args.device == "xla":
         os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -101,7 +108,7 @@ def main():
 def _child(args, family, depth, variant):
     """(first, steady) seconds of one variant in a fresh process."""
     cmd = [sys.executable, __file__, "--child", variant, "--families", family, "--depths", str(depth),
-           "--backend", args.backend, "--device", args.device, "--reps", str(args.reps)]
+           "--backend", args.backend, "--device", args.device, "--reps", str(args.reps), "--clock", args.clock]
     cmd += [] if args.unroll is None else ["--unroll", str(args.unroll)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -120,7 +127,8 @@ def _parent(args):
         lo, hi = min(firsts), max(firsts)
         rows.append([family, f"{hi}/{lo}", f"{firsts[hi][0] / firsts[lo][0]:.2f}x",
                      f"{firsts[hi][1] / firsts[lo][1]:.2f}x", "", "", "", ""])
-    print(f"device={args.device}, backend={args.backend}, unroll={args.unroll}, torch {torch.__version__}, "
+    print(f"device={args.device}, backend={args.backend}, unroll={args.unroll}, clock={args.clock}, "
+          f"torch {torch.__version__}, "
           "one thread, batch 2 x 16 tokens")
     print_table(["family", "depth", "loop first s", "scan first s", "scan/loop", "loop step ms", "scan step ms",
                  "scan/loop"], rows)
