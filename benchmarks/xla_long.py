@@ -25,7 +25,9 @@ Eigen's), whose spinning CPU time process_time counts and which a wall clock cre
 to whichever form has more independent work; on one core both forms get one thread.
 ``--stacked`` adds a column for ``stack_layers(layers, grads="stacked")`` (the stacks are the trained
 parameters: no stack per call, one gradient per stack).
-Run: python benchmarks/xla_long.py [--max-len N] [--modes fwd_ys,train] [--depths 8,32,64 | --depths 0] [--one-core] [--stacked]
+``--thunks`` then prints, per depth, the loop's and the default scan's device time per step by XLA
+thunk kind (``_xla_thunks.py``: the dots, each fusion, the fills; inside the While by its name).
+Run: python benchmarks/xla_long.py [--max-len N] [--modes fwd_ys,train] [--depths 8,32,64 | --depths 0] [--one-core] [--stacked] [--thunks]
 """
 import argparse
 import copy
@@ -113,7 +115,7 @@ def layer_step(layers, x, stacked, unroll=1):
     return run
 
 
-def layers_table(depths, repeat, clock=time.process_time, stacked=False):
+def layers_table(depths, repeat, clock=time.process_time, stacked=False, thunks=False):
     from _timing import interleaved_times, paired_ratio
     from torch_scan_hop import stack_layers
 
@@ -147,6 +149,9 @@ def layers_table(depths, repeat, clock=time.process_time, stacked=False):
                     f"{ratios[0]:.2f}-{ratios[-1]:.2f}"]
         rows.append(row)
         print(*rows[-1], flush=True)
+        if thunks:
+            from _xla_thunks import print_thunks, thunk_times
+            print_thunks(thunk_times({"loop": fns["loop"], "scan_layers": fns["scan_layers"]}, repeat))
     print(f"XLA, one thread ({'wall clock, pinned to one core' if clock is time.perf_counter else 'CPU time'}): training step of Linear({WIDTH}, {WIDTH}) + GELU stacks on {ROWS} rows, best of {repeat}; "
           f"per-round ratios: median [95% interval], min-max; load {os.getloadavg()[0]:.1f}")
     print_table(["depth", "loop ms/layer"] + [f"{label} {c}" for label in labels.values()
@@ -161,6 +166,7 @@ def main():
     parser.add_argument("--depths", default="8,32,64")
     parser.add_argument("--one-core", action="store_true", help="pin to one core, time the wall clock")
     parser.add_argument("--stacked", action="store_true", help="a column for stack_layers(layers, grads='stacked')")
+    parser.add_argument("--thunks", action="store_true", help="device time per XLA thunk kind, loop and scan_layers")
     args = parser.parse_args()
     torch.set_num_threads(1)
     import torch_scan_hop  # noqa: F401
@@ -178,7 +184,8 @@ def main():
     if rows:
         print_table(["mode", "T", "ms/call", "us/step", "vs T=1k"], rows)
     if depths:
-        layers_table(depths, args.repeat, time.perf_counter if args.one_core else time.process_time, args.stacked)
+        layers_table(depths, args.repeat, time.perf_counter if args.one_core else time.process_time, args.stacked,
+                     args.thunks)
 
 
 if __name__ == "__main__":
