@@ -274,3 +274,22 @@ def test_a_scan_in_a_scan_body_on_each_path(reverse):
             assert all(type(t) is torch.Tensor for t in got)
             assert_trees_close(got, want, atol=1e-10, rtol=1e-10)
 
+
+
+def test_a_forward_with_grad_mode_on_and_nothing_to_train_is_traced_first(traces):
+    """Grad mode on, but no input, closed-over tensor or module parameter requires grad: a
+    forward (xla_compile.py's rows), traced by make_fx first as under no_grad. With a weight
+    requiring grad, even one a module holds two closures deep, the first call is captured."""
+    clear_cache()
+    w, init, xs = (t.to(DEV) for t in _problem(5))
+    traces[0] = 0
+    scan(lambda c, x: _cell(c, x, w), init, xs)
+    assert not xla_eager._entries and traces[0] > 0  # make_fx, no Dynamo entry
+
+    clear_cache()
+    lin = torch.nn.Linear(4, 4).to(DEV)
+
+    def make_body(module):
+        return lambda c, x: (torch.tanh(module(c) + x), None)
+    scan(make_body(lin), init, xs)
+    assert len(xla_eager._entries) == 1  # may train: captured at once
