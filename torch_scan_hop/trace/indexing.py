@@ -181,7 +181,7 @@ class TensorIndexRewrite(TorchFunctionMode):
                 rest, kw = _compat.pytree.tree_map(self._fresh, (rest, kw))
                 return func(value, *rest, **kw)
             name = getattr(func, "__name__", None) or str(func)
-            for entry in stale_reads.derived(again, source, out, f"a view of the read ({name})"):
+            for entry in stale_reads.derived(func, again, source, out, f"a view of the read ({name})"):
                 self._sources[id(entry.first)] = entry
         return out
 

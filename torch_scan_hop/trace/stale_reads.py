@@ -19,6 +19,7 @@ import torch
 
 from .. import _compat
 from ..core.trees import ScanError
+from .closures import writes_in_place
 
 UNKNOWN = object()  # a probe that could not be computed
 
@@ -89,9 +90,13 @@ class Tracked:
         return self.now
 
 
-def derived(call, source, out, what):
-    """``Tracked`` entries for the tensors of ``out = call(source.now)`` the loop holds as views of
-    ``source.base`` (``call`` recomputes it from a tensor; one entry per such output)."""
+def derived(func, call, source, out, what):
+    """``Tracked`` entries for the tensors of ``out = call(source.now)`` (``func``'s call) the loop holds
+    as views of ``source.base`` (``call`` recomputes it from a tensor; one entry per such output). A
+    write into the read (``r.add_(1)``) is none: it is not probed either (the probe is a view of
+    ``buf``, which it would write)."""
+    if writes_in_place(func):
+        return []
     outs = out if isinstance(out, (tuple, list)) else (out,)
     found = []
     for k, o in enumerate(outs):
@@ -135,7 +140,7 @@ def read_again_after_writes(graph, probes, writes):
             example_args = _compat.pytree.tree_map(_example, node.args)
             probe = probing(lambda: probes[node.target](*example_args))
             reads[node] = [node, storage(_example(node.args[0])), False, probe, None]
-        elif node.op in ("call_method", "call_function") and node.args \
+        elif node.op in ("call_method", "call_function") and node.args and not _writes_first_arg(node, writes) \
                 and again_of.get(node.args[0], node.args[0]) in reads:
             key = again_of.get(node.args[0], node.args[0])
             probe, alias = _probe_call(_node_call(node), reads[key][3], _base_example(reads, key))
