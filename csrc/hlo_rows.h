@@ -75,6 +75,33 @@ inline int64_t write_held_row(Computation& c, const Signature& sig, size_t k, in
   return c.emit(label, "dynamic-update-slice", held_carry(sig, k), at);
 }
 
+// The held carries in torch's dim order, for a body call (a carry held transposed is dead code
+// there unless the body reads it).
+inline std::vector<int64_t> unheld_carries(Computation& c, const Signature& sig, const std::vector<int64_t>& carry,
+                                           const std::string& p) {
+  std::vector<int64_t> out = carry;
+  for (size_t k = 0; k < out.size(); ++k) out[k] = transposed(c, sig, k, carry[k], false, true, p + "carry" + std::to_string(k));
+  return out;
+}
+
+// After a body call: the carries it made, but a written carry's, whose output is its input
+// (xla/row_writes.py): the held one stays, its rows written at once (`now`: a call of an iteration
+// before its last) or left pending.
+inline void next_held_carries(Computation& c, const Signature& sig, const StepResult& step, bool now,
+                              std::vector<int64_t>& carry, std::vector<int64_t>& rows, std::vector<int64_t>& idx,
+                              const std::string& p) {
+  for (size_t k = 0; k < carry.size(); ++k)
+    if (!row_written(sig, k)) carry[k] = step.carry[k];
+  for (size_t w = 0; w < sig.row_carries.size(); ++w) {
+    size_t k = size_t(sig.row_carries[w]);
+    int64_t row = transposed(c, sig, k, step.rows[w], true, false, p + "row" + std::to_string(w));
+    if (now)
+      carry[k] = write_held_row(c, sig, k, carry[k], row, step.row_idx[w], p + "wrote" + std::to_string(w));
+    else
+      rows[w] = row, idx[w] = step.row_idx[w];
+  }
+}
+
 // The pending rows written into the held carries (see above).
 inline void write_pending_rows(Computation& c, const Signature& sig, std::vector<int64_t>& carry,
                                const std::vector<int64_t>& rows, const std::vector<int64_t>& idx, const std::string& p) {

@@ -187,22 +187,8 @@ void emit_step(Computation& c, const Signature& sig, const Segment& seg, int64_t
                std::vector<std::vector<int64_t>>& rows) {
   std::string p = "s" + std::to_string(j) + "_";
   int64_t idx = step_index(c, sig, seg, s.counter, j, p);
-  std::vector<int64_t> carry_in = s.carry;  // (a held carry in torch's dim order: unused, dead code)
-  for (size_t k = 0; k < carry_in.size(); ++k)
-    carry_in[k] = transposed(c, sig, k, s.carry[k], false, true, p + "carry" + std::to_string(k));
-  StepResult step = call_body(c, sig, carry_in, s.xs, s.pass, idx, p);
-  // a written carry's output is its input (xla/row_writes.py): the held one stays, its rows written
-  for (size_t k = 0; k < s.carry.size(); ++k)
-    if (!row_written(sig, k)) s.carry[k] = step.carry[k];
-  for (size_t w = 0; w < sig.row_carries.size(); ++w) {
-    size_t k = size_t(sig.row_carries[w]);
-    std::string name = p + "row" + std::to_string(w);
-    int64_t row = transposed(c, sig, k, step.rows[w], true, false, name);
-    if (j + 1 < seg.unroll)
-      s.carry[k] = write_held_row(c, sig, k, s.carry[k], row, step.row_idx[w], p + "wrote" + std::to_string(w));
-    else
-      s.rows[w] = row, s.row_idx[w] = step.row_idx[w];
-  }
+  StepResult step = call_body(c, sig, unheld_carries(c, sig, s.carry, p), s.xs, s.pass, idx, p);
+  next_held_carries(c, sig, step, j + 1 < seg.unroll, s.carry, s.rows, s.row_idx, p);
   for (size_t k = 0; k < s.ys.size(); ++k) {
     std::string name = p + "y" + std::to_string(k);
     int64_t y = step.ys[k];
