@@ -118,3 +118,38 @@ def test_a_body_reading_its_buffer_in_straight_line_code_matches_the_loop(form):
     want = _run(form, "cpu", on_xla=False, grad=True, read=True, length=3)
     got = _run(form, torch_xla.device(), on_xla=True, grad=True, read=True, unroll=3, length=3)
     assert_trees_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_view_of_a_read_taken_before_the_write_shows_it():
+    """``r = buf[t].unsqueeze(0)`` (``buf[:, t].t()``) then ``buf[t] = h``: the loop's ``r`` is a view of
+    ``buf`` and holds ``h``; traced for XLA it held the old row (trace/stale_reads.py): values and
+    gradients against the loop."""
+    import torch
+    import torch_xla
+    from conftest import assert_trees_close
+
+    from torch_scan_hop import scan
+
+    def body(carry, x, t):
+        h, rows, cols = carry
+        r, c = rows[t].unsqueeze(0), cols[:, t].t()
+        h = torch.tanh(h + x)
+        rows[t], cols[:, t] = h, h * 0.5
+        return (h + r[0] + c.t(), rows, cols), (r.sum(-1) + c.sum(0)).squeeze(0)
+
+    def run(device, on_xla):
+        g = torch.Generator().manual_seed(3)
+        h0, xs = (torch.randn(*s, generator=g).to(device).requires_grad_() for s in [(2, 3), (4, 2, 3)])
+        init = (h0 * 1.0, torch.zeros(4, 2, 3, device=device), torch.zeros(2, 4, 3, device=device))
+        if on_xla:
+            out = scan(body, init, xs, with_index=True)
+        else:
+            carry, ys = init, []
+            for i in range(4):
+                carry, y = body(carry, xs[i], torch.tensor(i))
+                ys.append(y)
+            out = carry, torch.stack(ys)
+        grads = torch.autograd.grad(sum((t * (k + 1)).sum() for k, t in enumerate([*out[0], out[1]])), (h0, xs))
+        return [t.cpu() for t in [*out[0], out[1], *grads]]
+
+    assert_trees_close(run(torch_xla.device(), True), run("cpu", False), rtol=1e-5, atol=1e-5)
