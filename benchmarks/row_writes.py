@@ -7,11 +7,13 @@ Lowered in place it costs what a y costs (a row written per step); lowered as a 
 copy of the whole (T, H) buffer per step, O(T^2) in all. Goal (issue 63): per step within 1.2x of
 the y form at T=4096. Results: docs/benchmarks.md.
 
-Body: ``h = tanh(h @ W + x)``, H=64, one thread; rows: per-step time of the write form, of the y
-form, and their ratio (interleaved rounds, median of per-round ratios), for each backend: ``eager``
+Body: ``h = tanh(h @ W + x)``, H=64, one thread; rows: per-step time of the write form (``rows``:
+``buf[t] = h`` into a (T, H) buffer; ``columns``: ``buf[:, t] = h`` into an (H, T) one, a row of a
+later dim), of the y form, and their ratio (interleaved rounds, median of per-round ratios), for each backend: ``eager``
 (the Python loop), ``aot_eager`` and ``inductor`` (torch.compile, fullgraph) and ``xla`` (lazy
 tensors, PJRT_DEVICE=CPU; needs torch_xla).
-Run: python benchmarks/row_writes.py [--lengths 1024,4096] [--backends eager,inductor,xla] [--rounds 5]
+Run: python benchmarks/row_writes.py [--lengths 1024,4096] [--backends eager,inductor,xla] [--forms rows,columns]
+[--rounds 5]
 """
 import argparse
 import os
@@ -28,12 +30,16 @@ from torch_scan_hop import scan  # noqa: E402
 H = 64
 
 
-def forms(W, T):
-    """``(write, y)``: the loop writing row t of a carried (T, H) buffer, and returning it as a y."""
+def forms(W, T, form="rows"):
+    """``(write, y)``: the loop writing row t of a carried (T, H) buffer (``columns``: column t of an
+    (H, T) one, returned transposed), and returning it as a y."""
     def write_body(carry, x, t):
         h, buf = carry
         h = torch.tanh(h @ W + x)
-        buf[t] = h
+        if form == "rows":
+            buf[t] = h
+        else:
+            buf[:, t] = h
         return (h, buf), None
 
     def y_body(h, x):
@@ -41,15 +47,16 @@ def forms(W, T):
         return h, h
 
     def write(h0, xs):
-        (_, buf), _ = scan(write_body, (h0, torch.zeros(T, H, device=xs.device)), xs, with_index=True)
-        return buf
+        shape = (T, H) if form == "rows" else (H, T)
+        (_, buf), _ = scan(write_body, (h0, torch.zeros(shape, device=xs.device)), xs, with_index=True)
+        return buf if form == "rows" else buf.t()
 
     def y(h0, xs):
         return scan(y_body, h0, xs)[1]
     return write, y
 
 
-def measure(backend, T, rounds):
+def measure(backend, T, rounds, form="rows"):
     torch.manual_seed(0)
     W, h0, xs = torch.randn(H, H) * 0.1, torch.zeros(H), torch.randn(T, H)
     sync = lambda: None  # noqa: E731
@@ -63,7 +70,7 @@ def measure(backend, T, rounds):
         def sync():
             torch_xla.sync()
             xm.wait_device_ops()
-    write, y = forms(W, T)
+    write, y = forms(W, T, form)
     if backend not in ("eager", "xla"):
         torch._dynamo.reset()
         write, y = (torch.compile(f, backend=backend, fullgraph=True) for f in (write, y))
@@ -78,18 +85,20 @@ def measure(backend, T, rounds):
     times = interleaved_times({"write": timed(write), "y": timed(y)}, repeat=rounds)
     med, lo, hi = paired_ratio(times["write"], times["y"])
     us = {k: min(v) / T * 1e6 for k, v in times.items()}
-    return [backend, T, f"{us['write']:.2f}", f"{us['y']:.2f}", f"{med:.2f}x [{lo:.2f}, {hi:.2f}]"]
+    return [backend, form, T, f"{us['write']:.2f}", f"{us['y']:.2f}", f"{med:.2f}x [{lo:.2f}, {hi:.2f}]"]
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--lengths", default="1024,4096")
     parser.add_argument("--backends", default="eager,aot_eager,inductor,xla")
+    parser.add_argument("--forms", default="rows,columns")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows = [measure(b, int(T), args.rounds) for b in args.backends.split(",") for T in args.lengths.split(",")]
-    print_table(["backend", "T", "write us/step", "y us/step", "write/y (median, 95%)"], rows)
+    rows = [measure(b, int(T), args.rounds, form) for b in args.backends.split(",") for form in args.forms.split(",")
+            for T in args.lengths.split(",")]
+    print_table(["backend", "form", "T", "write us/step", "y us/step", "write/y (median, 95%)"], rows)
 
 
 if __name__ == "__main__":

@@ -105,17 +105,16 @@ int64_t write_row(Computation& c, const Signature& sig, size_t k, int64_t ys, in
 // an offset for each delayed y (a y written at once has -1 in State's blocks and offsets).
 std::vector<Shape> state_parts(const Signature& sig, int64_t unroll) {
   std::vector<Shape> parts{scalar(kS64)};
-  for (auto* group : {&sig.carry, &sig.xs}) parts.insert(parts.end(), group->begin(), group->end());
+  for (size_t k = 0; k < sig.carry.size(); ++k) parts.push_back(held_carry(sig, k));
+  parts.insert(parts.end(), sig.xs.begin(), sig.xs.end());
   for (size_t k = 0; k < sig.ys.size(); ++k) parts.push_back(stacked(sig, k));
   parts.insert(parts.end(), sig.pass.begin(), sig.pass.end());
   for (size_t k = 0; k < sig.ys.size(); ++k)
     if (delayed(sig, k)) parts.push_back(flat(sig.ys[k], unroll));
   for (size_t k = 0; k < sig.ys.size(); ++k)
     if (delayed(sig, k)) parts.push_back(scalar(kS64));
-  for (size_t k = 0; k < sig.carry.size(); ++k)
-    if (row_written(sig, k)) parts.push_back(row_slot(sig, k));
-  for (size_t k = 0; k < sig.carry.size(); ++k)
-    if (row_written(sig, k)) parts.push_back(scalar(kS64));
+  for (int64_t k : sig.row_carries) parts.push_back(held_row(sig, size_t(k)));
+  for (size_t w = 0; w < sig.row_carries.size(); ++w) parts.push_back(scalar(kS64));
   return parts;
 }
 
@@ -153,8 +152,8 @@ State unpack(Computation& c, int64_t tuple, const Signature& sig, int64_t unroll
   group("pass", sig.pass.size(), s.pass, reads != kResults);
   group("block", sig.ys.size(), s.blocks, true, true);
   group("offset", sig.ys.size(), s.offsets, true, true);
-  group("pending_row", sig.carry.size(), s.rows, true, false, true);
-  group("pending_idx", sig.carry.size(), s.row_idx, true, false, true);
+  group("pending_row", sig.row_carries.size(), s.rows, true);
+  group("pending_idx", sig.row_carries.size(), s.row_idx, true);
   return s;
 }
 
@@ -188,13 +187,8 @@ void emit_step(Computation& c, const Signature& sig, const Segment& seg, int64_t
                std::vector<std::vector<int64_t>>& rows) {
   std::string p = "s" + std::to_string(j) + "_";
   int64_t idx = step_index(c, sig, seg, s.counter, j, p);
-  StepResult step = call_body(c, sig, s.carry, s.xs, s.pass, idx, p);
-  if (j + 1 < seg.unroll)
-    write_rows(c, sig, step, p);
-  else
-    for (size_t k = 0; k < s.carry.size(); ++k)
-      if (row_written(sig, k)) s.rows[k] = step.rows[k], s.row_idx[k] = step.row_idx[k];
-  s.carry = step.carry;
+  StepResult step = call_body(c, sig, unheld_carries(c, sig, s.carry, p), s.xs, s.pass, idx, p);
+  next_held_carries(c, sig, step, j + 1 < seg.unroll, s.carry, s.rows, s.row_idx, p);
   for (size_t k = 0; k < s.ys.size(); ++k) {
     std::string name = p + "y" + std::to_string(k);
     int64_t y = step.ys[k];
@@ -202,8 +196,11 @@ void emit_step(Computation& c, const Signature& sig, const Segment& seg, int64_t
       rows[k].push_back(c.emit(name + "_flat", "reshape", flat(sig.ys[k], 1), {y}));
       continue;
     }
-    if (carried(sig, k))
-      s.ys[k] = write_row(c, sig, k, s.ys[k], s.carry[sig.y_carry[k]], next_row(c, sig, idx, name + "_"), p);
+    if (carried(sig, k)) {
+      size_t i = size_t(sig.y_carry[k]);
+      int64_t carry = transposed(c, sig, i, s.carry[i], false, true, name + "_carry");
+      s.ys[k] = write_row(c, sig, k, s.ys[k], carry, next_row(c, sig, idx, name + "_"), p);
+    }
     else
       s.ys[k] = write_row(c, sig, k, s.ys[k], y, idx, p);
   }
@@ -325,6 +322,7 @@ std::string build_module(const std::string& body, Signature sig) {
   params("ys", sig.ys, s.ys);
   params("pass", sig.pass, s.pass);
   const std::vector<int64_t> init_carry = s.carry;
+  for (size_t k = 0; k < s.carry.size(); ++k) s.carry[k] = transposed(e, sig, k, s.carry[k], false, false, "carry" + std::to_string(k));
   for (size_t k = 0; k < sig.ys.size(); ++k)
     if (delayed(sig, k)) s.ys[k] = e.emit("ys" + std::to_string(k) + "_flat", "reshape", stacked(sig, k), {s.ys[k]});
   for (size_t n = 0; n < loops.size(); ++n) {
@@ -355,6 +353,7 @@ std::string build_module(const std::string& body, Signature sig) {
       s.ys[k] = write_row(e, sig, k, s.ys[k], init_carry[sig.y_carry[k]],
                           e.constant_s64("first_row" + std::to_string(k), sig.reverse ? sig.length - 1 : 0), "first_");
   std::vector<int64_t> outs(s.carry);
+  for (size_t k = 0; k < outs.size(); ++k) outs[k] = transposed(e, sig, k, outs[k], false, true, "result" + std::to_string(k));
   for (size_t k = 0; k < sig.ys.size(); ++k)
     outs.push_back(delayed(sig, k) ? e.emit("ys" + std::to_string(k), "reshape", sig.ys[k], {s.ys[k]}) : s.ys[k]);
   std::vector<Shape> out_shapes(sig.carry);
@@ -384,8 +383,9 @@ PyObject* py_build_scan_module(PyObject*, PyObject* args) {
   long long length;
   int reverse;
   PyObject *segments, *carry, *xs, *ys, *pass, *params, *y_carry = Py_None, *carry_rows = Py_None;
-  if (!PyArg_ParseTuple(args, "y#LpOOOOOO|OO", &body, &body_len, &length, &reverse, &segments, &carry, &xs, &ys,
-                        &pass, &params, &y_carry, &carry_rows))
+  PyObject* row_carries = Py_None;
+  if (!PyArg_ParseTuple(args, "y#LpOOOOOO|OOO", &body, &body_len, &length, &reverse, &segments, &carry, &xs, &ys,
+                        &pass, &params, &y_carry, &carry_rows, &row_carries))
     return nullptr;
   try {
     Signature sig;
@@ -401,7 +401,10 @@ PyObject* py_build_scan_module(PyObject*, PyObject* args) {
       sig.y_carry = list_from_py<int64_t>(y_carry, [](PyObject* o) { return int64_t(PyLong_AsLongLong(o)); });
     if (carry_rows != Py_None)
       sig.carry_rows = list_from_py<int64_t>(carry_rows, [](PyObject* o) { return int64_t(PyLong_AsLongLong(o)); });
+    if (row_carries != Py_None)
+      sig.row_carries = list_from_py<int64_t>(row_carries, [](PyObject* o) { return int64_t(PyLong_AsLongLong(o)); });
     if (PyErr_Occurred()) return nullptr;
+    default_row_carries(sig);
     check_signature(sig);
     std::string out = build_module(std::string(body, body_len), sig);
     return PyBytes_FromStringAndSize(out.data(), Py_ssize_t(out.size()));
@@ -413,13 +416,15 @@ PyObject* py_build_scan_module(PyObject*, PyObject* args) {
 
 PyMethodDef methods[] = {
     {"build_scan_module", py_build_scan_module, METH_VARARGS,
-     "build_scan_module(body_proto, length, reverse, segments, carry, xs, ys, passthrough, body_params[, y_carry[, carry_rows]])\n"
+     "build_scan_module(body_proto, length, reverse, segments, carry, xs, ys, passthrough, body_params[, y_carry[, carry_rows[, row_carries]]])\n"
      "-> bytes\n"
      "segments: (start, stop, unroll) in execution order, one While each. Shapes are (xla_element_type, dims);\n"
      "body_params[i] = (kind, index) feeds body parameter i: kind 0 = carry[index], 1 = one slice of\n"
      "xs[index], 2 = passthrough[index]. y_carry (optional): per y, the carry it is (the body returns\n"
      "that carry parameter unchanged as the y), or -1. carry_rows (optional): per carry, the dim whose row the\n"
-     "body writes (it returns the carry unchanged and, after the ys, the row and its s64 index), or -1."},
+     "body writes (it returns the carry unchanged and, after the ys, the row and its s64 index), or -1.\n"
+     "row_carries (optional): per row the body writes per step, in its order, the carry (default: one per\n"
+     "carry with a dim in carry_rows)."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_hlo_scan", "HloModuleProto builder for scan's XLA While.", -1,

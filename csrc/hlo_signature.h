@@ -29,6 +29,9 @@ struct Signature {
   // per carry: the dim whose row the body writes (it returns the carry input unchanged and, after
   // its ys, the row and its index: hlo_step.h's "row writes"), or -1
   std::vector<int64_t> carry_rows;
+  // per row written per step, in the order the body writes them: its carry (a carry whose rows the
+  // body writes has one entry or more: xla/row_writes.py's row writes)
+  std::vector<int64_t> row_carries;
   int64_t body_id = -1;
   std::vector<int> body_param_types, body_result_types;  // as the body's HLO declares them
 };
@@ -36,11 +39,14 @@ struct Signature {
 // Whether carry k's rows are written by the loop (see carry_rows).
 inline bool row_written(const Signature& sig, size_t k) { return !sig.carry_rows.empty() && sig.carry_rows[k] >= 0; }
 
-// How many carries have their rows written by the loop.
-inline size_t num_row_writes(const Signature& sig) {
-  size_t n = 0;
-  for (size_t k = 0; k < sig.carry_rows.size(); ++k) n += row_written(sig, k);
-  return n;
+// How many rows the loop writes per step (see row_carries).
+inline size_t num_row_writes(const Signature& sig) { return sig.row_carries.size(); }
+
+// row_carries when the caller gave none: one row per carry whose rows are written, in carry order.
+inline void default_row_carries(Signature& sig) {
+  if (!sig.row_carries.empty()) return;
+  for (size_t k = 0; k < sig.carry_rows.size(); ++k)
+    if (row_written(sig, k)) sig.row_carries.push_back(int64_t(k));
 }
 
 inline void check_signature(const Signature& sig) {
@@ -65,6 +71,8 @@ inline void check_signature(const Signature& sig) {
   if (!sig.carry_rows.empty() && sig.carry_rows.size() != sig.carry.size()) fail("carry_rows needs one entry per carry");
   for (size_t k = 0; k < sig.carry_rows.size(); ++k)
     if (sig.carry_rows[k] >= int64_t(sig.carry[k].dims.size())) fail("carry_rows names a dim the carry does not have");
+  for (int64_t k : sig.row_carries)
+    if (k < 0 || k >= int64_t(sig.carry.size()) || !row_written(sig, size_t(k))) fail("row_carries names a carry without rows");
   for (auto [kind, i] : sig.body_params) {
     size_t n = kind == kCarry ? sig.carry.size() : kind == kX ? sig.xs.size() : kind == kPass ? sig.pass.size() : 0;
     if (i < 0 || size_t(i) >= n) fail("body parameter source (" + std::to_string(kind) + ", " + std::to_string(i) + ") out of range");

@@ -23,12 +23,11 @@ inline Shape row_slot(const Signature& sig, size_t k) {
 }
 
 // The call's result: our shapes with the element types the body declares; after the ys, a
-// (row, index) pair per carry whose row the body writes.
+// (row, index) pair per row the body writes (row_carries).
 inline Shape body_result(const Signature& sig) {
   std::vector<Shape> parts = sig.carry;
   for (const Shape& y : sig.ys) parts.push_back(drop_lead(y));
-  for (size_t k = 0; k < sig.carry.size(); ++k)
-    if (row_written(sig, k)) parts.push_back(row_slot(sig, k)), parts.push_back(scalar(kS64));
+  for (int64_t k : sig.row_carries) parts.push_back(row_slot(sig, size_t(k))), parts.push_back(scalar(kS64));
   for (size_t i = 0; i < parts.size(); ++i) parts[i].etype = sig.body_result_types[i];
   return tuple_of(parts);
 }
@@ -51,9 +50,9 @@ inline int64_t slice_x(Computation& c, const Shape& full, int64_t xs, int64_t id
   return c.emit(label, "reshape", drop_lead(full), {sl});
 }
 
-// What one body call made, in the torch dtypes: the new carry and this step's ys; per carry
-// whose row the body writes, that row and its index (-1 for the other carries): the new carry
-// is the input with that row written (write_rows), which the While may do one iteration late.
+// What one body call made, in the torch dtypes: the new carry and this step's ys; per row the
+// body writes (row_carries), that row and its index: the new carry is the input with its rows
+// written in that order (write_rows), which the While may do one iteration late.
 struct StepResult {
   std::vector<int64_t> carry, ys, rows, row_idx;
 };
@@ -86,13 +85,11 @@ inline StepResult call_body(Computation& c, const Signature& sig, const std::vec
     r.ys.push_back(as_type(c, c.gte(name, out, part, int(carry.size() + k)), part, sig.ys[k].etype, name));
   }
   int index = int(carry.size() + sig.ys.size());
-  for (size_t k = 0; k < carry.size(); ++k) {
-    r.rows.push_back(-1), r.row_idx.push_back(-1);
-    if (!row_written(sig, k)) continue;
-    std::string name = p + "row" + std::to_string(k);
+  for (size_t w = 0; w < sig.row_carries.size(); ++w) {
+    std::string name = p + "row" + std::to_string(w);
     const Shape& part = result.tuple[size_t(index)];
-    r.rows[k] = as_type(c, c.gte(name, out, part, index), part, sig.carry[k].etype, name);
-    r.row_idx[k] = c.gte(name + "_idx", out, scalar(kS64), index + 1);
+    r.rows.push_back(as_type(c, c.gte(name, out, part, index), part, sig.carry[size_t(sig.row_carries[w])].etype, name));
+    r.row_idx.push_back(c.gte(name + "_idx", out, scalar(kS64), index + 1));
     index += 2;
   }
   return r;
@@ -110,9 +107,10 @@ inline int64_t write_row_of(Computation& c, const Signature& sig, size_t k, int6
 // The step's rows written into its new carry at once (the straight-line entry, and the calls of an
 // unrolled iteration before its last).
 inline void write_rows(Computation& c, const Signature& sig, StepResult& step, const std::string& p) {
-  for (size_t k = 0; k < step.carry.size(); ++k)
-    if (row_written(sig, k))
-      step.carry[k] = write_row_of(c, sig, k, step.carry[k], step.rows[k], step.row_idx[k], p + "wrote" + std::to_string(k));
+  for (size_t w = 0; w < sig.row_carries.size(); ++w) {
+    size_t k = size_t(sig.row_carries[w]);
+    step.carry[k] = write_row_of(c, sig, k, step.carry[k], step.rows[w], step.row_idx[w], p + "wrote" + std::to_string(w));
+  }
 }
 
 }  // namespace hlo

@@ -67,13 +67,7 @@ def draw(seed, carry_leaves):
 
 
 def known_failure(p, mode):
-    """Why (p, mode) is known to fail, else None: such a case fails as an xfail, not silently."""
-    if p.writes is None:
-        return None
-    if mode == "func_vmap" and p.writes.closed and p.remat == "default_partition":
-        return ("vmap of an eager scan with a partition function as remat (the op's vmap rule, not the loop): "
-                "it batches the carries from step 0 where the loop's become batched step by step, so a carry "
-                "written into an unbatched closed-over buffer is refused at a step where the loop's write is not")
+    """Why (p, mode) is known to fail, else None: such a case fails as an xfail, not silently (none now)."""
     return None
 
 

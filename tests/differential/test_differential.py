@@ -109,6 +109,10 @@ REGRESSIONS = [
     # length 0 under vmap, the ys' shape run on batched stand-ins: buf[t] = row (index_put_'s refusal) and
     # a.mul_(0.5).add_(b) into an unbatched 0-d carry (a shape error) were not retried unbatched
     ("func_vmap", 93), ("func_vmap", 37),
+    # a partition function (the op's vmap rule): a carry batched from step 0 where the loop's becomes batched at
+    # step 1, written into an unbatched closed-over buffer, was refused at step 0 (and the batching probe read
+    # the fake step index: every carry batched)
+    ("func_vmap", 148),
 ]
 
 

@@ -335,3 +335,36 @@ def test_vmap_of_an_empty_scan_writing_batched_rows_into_unbatched_buffers(remat
     (h_out, buf_out), ys = vmap(f)(w)
     assert tuple(ys.shape) == (2, 0, 2)
     assert_trees_close((h_out, buf_out, K), (h.expand(2, 2, 3), torch.zeros(2, 4, 2, 3, dtype=D), before))
+
+
+def _late_batched(K):
+    def body(carry, x, t):
+        a, b = carry
+        if K is not None:
+            K[t] = a  # a: unbatched at step 0, batched from step 1 on (a + x), like the loop's
+        return (a + x, b * 0.5 + a.sum()), (a * b).sum(-1)  # b batched from step 2 on
+    return body
+
+
+@pytest.mark.parametrize("n,reverse", [(1, False), (4, True)])
+def test_vmap_batches_the_carries_step_by_step_as_the_loop(n, reverse):
+    """The op's vmap rule (reached with a partition function as remat) batched a carry from step 0
+    where the loop's becomes batched at step 1: at length 1 its write into an unbatched closed-over
+    buffer was refused (vmap's RuntimeError) where the loop's was not. The steps before the carries'
+    fixed point run alone, batched as the loop's, the rest as one scan: length 4, reverse (two steps
+    alone, then a scan of two), without the write (the loop's is refused at step 1, as ours)."""
+    from torch._functorch.partitioners import default_partition
+    a, b, xs = torch.randn(2, 3, dtype=D), torch.randn(2, 3, dtype=D), torch.randn(2, n, 2, 3, dtype=D)
+
+    def loop(body, init, xs):
+        carry, ys = init, [None] * xs.shape[0]
+        for i in (range(xs.shape[0] - 1, -1, -1) if reverse else range(xs.shape[0])):
+            carry, ys[i] = body(carry, xs[i], torch.tensor(i))
+        return carry, torch.stack(ys)
+
+    def ours(body, init, xs):
+        return scan(body, init, xs, with_index=True, reverse=reverse, remat=default_partition)
+
+    K1, K2 = (torch.zeros(4, 2, 3, dtype=D), torch.zeros(4, 2, 3, dtype=D)) if n == 1 else (None, None)
+    got = vmap(lambda xs: ours(_late_batched(K1), (a, b), xs))(xs)
+    assert_trees_close((got, K1), (vmap(lambda xs: loop(_late_batched(K2), (a, b), xs))(xs), K2))

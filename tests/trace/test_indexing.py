@@ -4,11 +4,12 @@ traced body: ``buf.select(dim, t)`` and ``buf.narrow(dim, t, n)`` as the loop co
 Both read ``t``'s value in torch (a data-dependent size or offset); traced, they are advanced
 indexing. Strict export records Dynamo's graph as written, whose later fake run of ``select``
 read ``t`` (a data-dependence ScanError), and ``narrow`` read it under make_fx too."""
+import pytest
 import torch
 from conftest import assert_trees_close
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from torch_scan_hop import scan
+from torch_scan_hop import ScanError, scan
 
 D = torch.float64
 
@@ -101,3 +102,73 @@ def test_a_read_used_after_a_write_shows_it_under_strict_export():
     args = lambda: [a for i, a in enumerate(_args()) if i != 2]  # noqa: E731
     ep = torch.export.export(Stale(), tuple(args()), strict=True)
     assert_trees_close(ep.module()(*args()), _stale_loop(*args()))
+
+
+def _viewed(state, x, t):
+    c, buf, cols = state
+    r = buf[t].unsqueeze(0)  # the loop's: views of buf, showing the writes below
+    s = buf.select(0, (t + 1) % 4).t().expand(2, 3, 2)
+    k = cols[:, t].reshape(-1)  # the loop's: a copy (the column is not contiguous), the row before the write
+    buf[t] = torch.tanh(c * x)
+    buf.index_copy_(0, ((t + 1) % 4).reshape(1), (c * 0.5).unsqueeze(0))
+    cols[:, t] = torch.tanh(c - x)
+    return (c + r.squeeze(0) + s[1].t() * 0.5 + k.view(2, 3) * 0.3, buf, cols), r.sum(-1) * 2 + k.sum()
+
+
+def _viewed_loop(c, buf, cols, xs):
+    state, ys = (c, buf, cols), []
+    for i in range(xs.shape[0]):
+        state, y = _viewed(state, xs[i], torch.tensor(i))
+        ys.append(y)
+    return state, torch.stack(ys)
+
+
+def _viewed_scan(c, buf, cols, xs):
+    return scan(_viewed, (c, buf, cols), xs, with_index=True)
+
+
+def _viewed_grads(f, c, buf, cols, xs):
+    c, xs = c.requires_grad_(), xs.requires_grad_()
+    (c_out, buf, cols), ys = f(c, buf, cols, xs)
+    loss = (c_out * 1.3).sum() + ys.sin().sum() + (buf * 0.7).sum() + cols.sum()
+    return [c_out, ys, buf, cols, *torch.autograd.grad(loss, (c, xs))]
+
+
+def test_a_view_of_a_read_taken_before_a_write_shows_it():
+    """``r = buf[t].unsqueeze(0); buf[t] = h; use(r)``: the loop's ``r`` is a view of ``buf`` (it holds
+    ``h``); traced, the view of the read's copy held the old row (a silent wrong number): it is made
+    again from the read done again. ``cols[:, t].reshape(-1)`` is the loop's copy (a column is not
+    contiguous) and keeps the old row. make_fx (fake): values and float64 gradients against the loop."""
+    gm = make_fx(_viewed_scan, tracing_mode="fake")(*_args())
+    assert_trees_close(_viewed_grads(gm, *_args()), _viewed_grads(_viewed_loop, *_args()))
+
+
+def test_a_view_of_a_read_shows_the_write_compiled_and_under_vmap():
+    """The same compiled (Dynamo's graph, ``rewrite_graph_indexing``), values and gradients, and a
+    compiled vmap of the scan (the graph's example values are batched: compared by their batched
+    storage), against the loop's vmap."""
+    torch._dynamo.reset()
+    got = _viewed_grads(torch.compile(_viewed_scan, backend="aot_eager", fullgraph=True), *_args())
+    assert_trees_close(got, _viewed_grads(_viewed_loop, *_args()))
+    batch = [torch.stack([a, a * 0.5]) for a in _args()]
+    torch._dynamo.reset()
+    got = torch.compile(torch.vmap(_viewed_scan), backend="aot_eager")(*[a.clone() for a in batch])
+    assert_trees_close(got, torch.vmap(_viewed_loop)(*[a.clone() for a in batch]))
+
+
+def test_a_view_the_loop_cannot_take_used_after_a_write_is_a_scan_error():
+    """``cols[:, t].view(-1)``: the loop's ``view`` of a column fails; traced, the read is a contiguous
+    copy whose view works, and whether the loop's value would show the write cannot be told: a
+    ScanError naming the view, never the old row."""
+    def body(state, x, t):
+        c, cols = state
+        k = cols[:, t].view(-1)
+        cols[:, t] = torch.tanh(c * x)
+        return (c + k.view(2, 3), cols), k.sum()
+
+    args = _args()
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        body((args[0], args[2]), args[3][0], torch.tensor(0))
+    with pytest.raises(ScanError, match=r"a view of the read \(view\).*used after a write"):
+        make_fx(lambda c, cols, xs: scan(body, (c, cols), xs, with_index=True), tracing_mode="fake")(
+            args[0], args[2], args[3])

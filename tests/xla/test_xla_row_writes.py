@@ -5,7 +5,9 @@ no fused update, which XLA CPU emits by writing every element), forward and back
 body zeroes the row of the buffer's gradient). Read from the OPTIMIZED HLO, in a child
 interpreter started with XLA_FLAGS, as tests/xla/test_xla_stacking.py does. Values and gradients
 against the Python loop on the CPU, reverse and unrolled too (``unroll=2``: only the last call of
-an iteration leaves its row to the next iteration; the other's write is XLA's fused update)."""
+an iteration leaves its row to the next iteration; the other's write is XLA's fused update). A row
+of a later dim (``buf[:, t] = h``) is written into the buffer as the While holds it, its written dim
+first (csrc/hlo_rows.h): the lone update is of a ``(LENGTH, BATCH, HIDDEN)`` buffer in both forms."""
 import os
 import re
 import shutil
@@ -31,7 +33,7 @@ def _step(w, form, read):
 
     def step(carry, x, t):
         h, buf = carry
-        h = torch.tanh(h @ w + x + (buf[t - 1] if read and form == "rows" else 0))
+        h = torch.tanh(h @ w + x + ((buf[t - 1] if form == "rows" else buf[:, t - 1]) if read else 0))
         if form == "rows":
             buf[t] = h  # buf: (LENGTH, BATCH, HIDDEN)
         else:
@@ -64,21 +66,22 @@ def _run(form, device, *, on_xla, grad, read=False, reverse=False, unroll=1, len
     return to_cpu((out, grads))
 
 
-def check_row_writes(form, grad, reverse, unroll):
+def check_row_writes(form, grad, reverse, unroll, read=False):
     """In the child: values against the loop, then the optimized HLO of every scan While."""
     import torch_xla
     from conftest import assert_trees_close
 
     dump = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", "")).group(1)  # the parent's _DUMP
     shutil.rmtree(dump, ignore_errors=True)
-    got = _run(form, torch_xla.device(), on_xla=True, grad=grad, reverse=reverse, unroll=unroll)
-    assert_trees_close(got, _run(form, "cpu", on_xla=False, grad=grad, reverse=reverse), rtol=1e-5, atol=1e-5)
+    got = _run(form, torch_xla.device(), on_xla=True, grad=grad, reverse=reverse, unroll=unroll, read=read)
+    want = _run(form, "cpu", on_xla=False, grad=grad, reverse=reverse, read=read)
+    assert_trees_close(got, want, rtol=1e-5, atol=1e-5)
     torch_xla.sync()
     scans = optimized_scans(dump)
     found = [line for t in scans for line in stacked_writes_in_loops(t, LENGTH)]
     if unroll == 1:  # unrolled, each call but an iteration's last writes its row at once (fused)
         assert not found, "instructions that write a whole buffer inside a While body:\n" + "\n".join(found)
-    buffer = f"f32[{LENGTH},{BATCH},{HIDDEN}]" if form == "rows" else f"f32[{BATCH},{LENGTH},{HIDDEN}]"
+    buffer = f"f32[{LENGTH},{BATCH},{HIDDEN}]"  # (columns: held with the written dim first)
     assert _row_updates(scans, buffer), "no lone dynamic-update-slice of the buffer in a While body"
 
 
@@ -93,29 +96,60 @@ def _row_updates(texts, buffer):
     return bodies
 
 
-@pytest.mark.parametrize("grad,reverse,unroll", [(False, False, 1), (True, True, 1), (True, False, 2)])
-def test_a_written_row_is_one_in_place_update_per_step(grad, reverse, unroll):
-    _isolated.call("test_xla_row_writes", "check_row_writes", "rows", grad, reverse, unroll, env=_ENV)
+@pytest.mark.parametrize("form,grad,reverse,unroll,read", [
+    ("rows", False, False, 1, False), ("rows", True, True, 1, False), ("rows", True, False, 2, False),
+    ("columns", True, True, 1, False), ("columns", True, False, 2, False),
+    ("rows", True, True, 1, True), ("columns", True, False, 1, True)])
+def test_a_written_row_is_one_in_place_update_per_step(form, grad, reverse, unroll, read):
+    """``read``: the body also reads ``buf[t - 1]`` (``buf[:, t - 1]``) before its write (the read sees
+    the previous step's row, which the While writes before the step; columns: read from the held
+    buffer transposed back). Its backward writes two rows of the buffer's gradient per step (row
+    ``t`` zeroed, the read's gradient added into row ``t - 1``), both pending rows of the While."""
+    _isolated.call("test_xla_row_writes", "check_row_writes", form, grad, reverse, unroll, read, env=_ENV)
 
 
-def test_a_written_column_matches_the_loop():
-    """``buf[:, t] = h`` keeps torch_xla's scatter (``xla/row_writes.py``: the row of a later dim
-    is not written in place); values and gradients are the loop's."""
+@pytest.mark.parametrize("form", ["rows", "columns"])
+def test_a_body_reading_its_buffer_in_straight_line_code_matches_the_loop(form):
+    """``buf[t - 1]`` read before the write, in training, unroll=3 over 3 steps: straight-line code
+    (each step's rows written at once)."""
     import torch_xla
     from conftest import assert_trees_close
 
-    want = _run("columns", "cpu", on_xla=False, grad=True, reverse=True, length=5)
-    got = _run("columns", torch_xla.device(), on_xla=True, grad=True, reverse=True, length=5)
+    want = _run(form, "cpu", on_xla=False, grad=True, read=True, length=3)
+    got = _run(form, torch_xla.device(), on_xla=True, grad=True, read=True, unroll=3, length=3)
     assert_trees_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("unroll", [1, 3])
-def test_a_body_reading_its_buffer_matches_the_loop(unroll):
-    """``buf[t - 1]`` read before ``buf[t] = h`` (the read sees the previous step's row, which the
-    While writes before the step), in training; unroll=3 over 3 steps is straight-line code."""
+def test_a_view_of_a_read_taken_before_the_write_shows_it():
+    """``r = buf[t].unsqueeze(0)`` (``buf[:, t].t()``) then ``buf[t] = h``: the loop's ``r`` is a view of
+    ``buf`` and holds ``h``; traced for XLA it held the old row (trace/stale_reads.py): values and
+    gradients against the loop."""
+    import torch
     import torch_xla
     from conftest import assert_trees_close
 
-    args = dict(grad=True, read=True, unroll=unroll, length=3 if unroll == 3 else 5)
-    want = _run("rows", "cpu", on_xla=False, **{k: v for k, v in args.items() if k != "unroll"})
-    assert_trees_close(_run("rows", torch_xla.device(), on_xla=True, **args), want, rtol=1e-5, atol=1e-5)
+    from torch_scan_hop import scan
+
+    def body(carry, x, t):
+        h, rows, cols = carry
+        r, c = rows[t].unsqueeze(0), cols[:, t].t()
+        h = torch.tanh(h + x)
+        rows[t], cols[:, t] = h, h * 0.5
+        return (h + r[0] + c.t(), rows, cols), (r.sum(-1) + c.sum(0)).squeeze(0)
+
+    def run(device, on_xla):
+        g = torch.Generator().manual_seed(3)
+        h0, xs = (torch.randn(*s, generator=g).to(device).requires_grad_() for s in [(2, 3), (4, 2, 3)])
+        init = (h0 * 1.0, torch.zeros(4, 2, 3, device=device), torch.zeros(2, 4, 3, device=device))
+        if on_xla:
+            out = scan(body, init, xs, with_index=True)
+        else:
+            carry, ys = init, []
+            for i in range(4):
+                carry, y = body(carry, xs[i], torch.tensor(i))
+                ys.append(y)
+            out = carry, torch.stack(ys)
+        grads = torch.autograd.grad(sum((t * (k + 1)).sum() for k, t in enumerate([*out[0], out[1]])), (h0, xs))
+        return [t.cpu() for t in [*out[0], out[1], *grads]]
+
+    assert_trees_close(run(torch_xla.device(), True), run("cpu", False), rtol=1e-5, atol=1e-5)

@@ -17,6 +17,7 @@ import torch
 
 from .. import _compat
 from ..core.op_args import split_out
+from ..trace.indexing import TensorIndexRewrite
 from .hop import scan_op
 from .loop import body_shape_run, carry_after_no_step, empty_ys, run_flat, shape_run
 
@@ -39,8 +40,8 @@ def _batched_outputs(combine_fn, args, in_dims, batch_size, num_carry):
         found[:] = [_compat.is_batched_here(o) for o in outs]
         return [o.new_zeros(()) if isinstance(o, torch.Tensor) else o for o in outs][:1] or [torch.zeros(())]
 
-    try:
-        with _compat.fresh_fake_mode():
+    try:  # (a fake step index is read as in a trace: buf[t], buf.select(0, t))
+        with _compat.fresh_fake_mode(), TensorIndexRewrite(refuse_lost_writes=False, refresh_stale_reads=False):
             fake = [_fake_input(a, d, batch_size) for a, d in zip(args, in_dims)]
             torch.vmap(probe, in_dims=tuple(in_dims), randomness="different")(*fake)
     except Exception:  # a body the probe cannot run (e.g. batched closures): batch every carry
@@ -56,20 +57,25 @@ def _fake_input(a, bdim, batch_size):
 
 
 def _carry_batching(combine_fn, init_batched, examples, other_dims, batch_size):
-    """The carries' batched flags at the fixed point."""
+    """The carries' batched flags step by step, as the loop's become batched: ``[b0, b1, ..., bk]``,
+    ``b0`` the init's, each the one a step with the one before gives, ``bk`` the fixed point (a step
+    with it gives it again). Where a step cannot be probed (a body the probe cannot run, e.g. with
+    batched closures, or one vmap refuses with those carries batched), every carry is batched from
+    there: from step 0 if the init's cannot be probed. At most ``len(init_batched) + 2`` entries."""
     nc = len(init_batched)
-    flags = list(init_batched)
+    chain = [list(init_batched)]
     args = [*examples[0], *examples[1], *examples[2]]
-    for _ in range(nc + 1):
+    while len(chain) <= nc + 1:
+        flags = chain[-1]
         in_dims = [0 if f else None for f in flags] + other_dims
         out = _batched_outputs(combine_fn, args, in_dims, batch_size, nc)
         if out is None:
-            return [True] * nc
+            return [[True] * nc] if len(chain) == 1 else chain + [[True] * nc]
         grown = [f or o for f, o in zip(flags, out)]
         if grown == flags:
-            return flags
-        flags = grown
-    return [True] * nc
+            return chain
+        chain.append(grown)
+    return chain
 
 
 def _unbatched(combine_fn, inputs, examples):
@@ -111,25 +117,56 @@ def scan_vmap(interpreter, combine_fn, init, xs, additional_inputs, **options):
     if _unbatched(combine_fn, (*init_u, *xs_u, *lifted_u), examples):
         with interpreter.lower():
             return scan_op(combine_fn, init, xs, additional_inputs, **options)
-    carry_batched = _carry_batching(combine_fn, [d is not None for _, d in init_u], examples,
-                                    x_dims + lifted_dims, batch_size)
-    init_b = [_to_front(v, d, b, batch_size) for (v, d), b in zip(init_u, carry_batched)]
+    chain = _carry_batching(combine_fn, [d is not None for _, d in init_u], examples, x_dims + lifted_dims,
+                            batch_size)
     # xs: the batch dim right after the scan dim, so every slice is batched at 0
     xs_b = [v if d is None else v.movedim(d, 1) for v, d in xs_u]
     lifted_b = [_to_front(v, d, False, batch_size) for v, d in lifted_u]
-    carry_dims = [0 if b else None for b in carry_batched]
-    body = _batched_body(combine_fn, tuple(carry_dims + x_dims + lifted_dims), carry_dims, interpreter.randomness())
-    try:
+    length = next((v.shape[0] for v in xs_b if isinstance(v, torch.Tensor)), 0)
+    # the loop's carries become batched step by step (a carry of a batched value from step 1 on): each
+    # step before the fixed point runs alone, batched as the loop's (a write of such a carry into an
+    # unbatched closed-over buffer at step 0 is refused by vmap where the loop's is not)
+    first = min(len(chain) - 1, length)
+    carry, dims, ys_first = [v for v, _ in init_u], [d for _, d in init_u], []
+    for i in range(first):
+        carry = [_to_front(v, d, False, batch_size) for v, d in zip(carry, dims)]
+        dims, out_dims = [0 if b else None for b in chain[i]], [0 if b else None for b in chain[i + 1]]
+        k = length - 1 - i if options.get("reverse") else i
+        body = _batched_body(combine_fn, tuple(dims + x_dims + lifted_dims), out_dims, interpreter.randomness())
         with interpreter.lower():
-            out = scan_op(body, init_b, xs_b, tuple(lifted_b), **options)
-    except RuntimeError as e:
-        if not (_compat.is_vmap_inplace_error(e) and _no_step(xs_u)):
-            raise
-        return _no_step_outputs(interpreter, combine_fn, init_u, examples)
-    carry, ys = split_out(out, len(init))
+            out = body(*carry, *(v.select(0, k) if isinstance(v, torch.Tensor) else v for v in xs_b), *lifted_b)
+        carry, dims = out[:len(init)], out_dims
+        ys_first.append([y.unsqueeze(0) for y in out[len(init):]])
+    batched = chain[first] if first else chain[-1]  # (no step: the ys' shape run batched as ever)
+    carry = [_to_front(v, d, b, batch_size) for v, d, b in zip(carry, dims, batched)]
+    dims = [0 if b else None for b in batched]
+    if first == 0 or first < length:
+        rest = [_steps(v, first, length, options) for v in xs_b] if first else xs_b
+        body = _batched_body(combine_fn, tuple(dims + x_dims + lifted_dims), dims, interpreter.randomness())
+        try:
+            with interpreter.lower():
+                out = scan_op(body, carry, rest, tuple(lifted_b), **options)
+        except RuntimeError as e:
+            if not (_compat.is_vmap_inplace_error(e) and _no_step(xs_u)):
+                raise
+            return _no_step_outputs(interpreter, combine_fn, init_u, examples)
+        carry, ys = split_out(out, len(init))
+        ys_first.append(ys)
+    if len(ys_first) > 1:  # in xs' order: a reverse scan's first steps are its last slices
+        with interpreter.lower():
+            ys = [torch.cat(list(parts[::-1] if options.get("reverse") else parts)) for parts in zip(*ys_first)]
+    else:
+        ys = ys_first[0]
     # ys are all batched (at 0 per step, so at 1 once stacked behind the scan dim)
-    return [*(c if d is None else _compat.add_batch_dim(c, 0, level) for c, d in zip(carry, carry_dims)),
+    return [*(c if d is None else _compat.add_batch_dim(c, 0, level) for c, d in zip(carry, dims)),
             *(_compat.add_batch_dim(y, 1, level) for y in ys)]
+
+
+def _steps(v, first, length, options):
+    """The slices of ``v`` (scan dim first) of the steps from ``first`` on, in scan order."""
+    if not isinstance(v, torch.Tensor):
+        return v
+    return v.narrow(0, 0, length - first) if options.get("reverse") else v.narrow(0, first, length - first)
 
 
 def _no_step(xs_u):
@@ -153,7 +190,8 @@ def _no_step_outputs(interpreter, combine_fn, init_u, examples):
 
 
 def _batched_body(combine_fn, in_dims, carry_dims, randomness):
-    """``torch.vmap`` of the body: carries keep their batching, every y is batched."""
+    """``torch.vmap`` of the body: carries batched as ``carry_dims`` (their batching after the step),
+    every y batched."""
     def body(*args):
         outs = list(combine_fn(*args))
         return outs[:len(carry_dims)], outs[len(carry_dims):]

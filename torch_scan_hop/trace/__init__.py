@@ -10,6 +10,8 @@
 - ``copies``: a graph's ``aten.copy`` made differentiable where autograd runs the graph;
 - ``indexing``: ``buf[:, t]`` and ``buf[:, t] = h`` with a 0-d integer tensor ``t`` traced as
   advanced indexing, not read as a Python int;
+- ``stale_reads``: such a read (and a view of it) used after a write into its tensor, read again as
+  the loop's view would show the write;
 - ``body_checks``: a body traced for its input-mutation check (the checks: ``core/checks.py``);
 - ``joint``: one step's joint forward/backward graph, traced from the user's own function;
 - ``partition``: the joint split into ``fwd`` / ``bwd`` (``FwdBwd``), by ``remat/partition.py``'s functions;

@@ -14,6 +14,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _compat
 from ..core.trees import ScanError
+from . import stale_reads
 
 _GET, _SET = torch.Tensor.__getitem__, torch.Tensor.__setitem__
 _NOT_INDEX_DTYPES = (torch.bool, torch.uint8)  # masks, not positions
@@ -85,6 +86,20 @@ def write(t, index, value):
     torch.ops.aten.index_put_.default(view, _advanced(view, parts[1]), value.to(view.dtype))
 
 
+def loop_view(t, index):
+    """``t[index]`` as the loop's view at index 0 of each 0-d integer tensor in it (the same sizes
+    and strides as at any index): ``stale_reads``' probe of whether a view of the read is the loop's."""
+    basic, advanced = split_index(t, index)
+    view = t[basic]
+    for dim in sorted((d for d, e in enumerate(advanced) if e is not None), reverse=True):
+        view = view.select(dim, 0)
+    return view
+
+
+_LOOP_VIEWS = {"read": loop_view, "select": lambda t, dim, i: t.select(dim, 0),
+               "narrow": lambda t, dim, start, length: t.narrow(dim, 0, length)}
+
+
 def select_at(t, dim, i):
     """``t.select(dim, i)``, a 0-d integer tensor ``i`` taken as an advanced index (a copy)."""
     return read(t, (slice(None),) * (dim % t.dim()) + (i,))
@@ -106,17 +121,17 @@ def _is_dim(t, dim):
 
 
 def _rewritten_read(func, args, kwargs):
-    """A thunk computing a read this mode rewrites (``t[index]``, ``t.select(dim, i)``,
-    ``t.narrow(dim, i, n)`` with 0-d integer tensors ``i``), else None."""
+    """``(thunk, kind)`` for a read this mode rewrites (``t[index]``, ``t.select(dim, i)``,
+    ``t.narrow(dim, i, n)`` with 0-d integer tensors ``i``; ``kind``: its ``_LOOP_VIEWS`` entry), else None."""
     if kwargs or len(args) < 2 or not isinstance(args[0], torch.Tensor):
         return None
     if func is _GET and len(args) == 2:
-        return (lambda: read(*args)) if split_index(*args) is not None else None
+        return ((lambda: read(*args)), "read") if split_index(*args) is not None else None
     if func in _SELECTS and len(args) == 3 and _is_scalar_index(args[2]) and _is_dim(*args[:2]):
-        return lambda: select_at(*args)
+        return (lambda: select_at(*args)), "select"
     if func in _NARROWS and len(args) == 4 and _is_scalar_index(args[2]) and _is_dim(*args[:2]) \
             and isinstance(args[3], (int, torch.SymInt)):
-        return lambda: narrow_at(*args)
+        return (lambda: narrow_at(*args)), "narrow"
     return None
 
 
@@ -130,43 +145,57 @@ class TensorIndexRewrite(TorchFunctionMode):
     ScanError when the trace ends. And a write into ``buf`` after the read would not show in it
     (``v = buf[t]; buf[t] = h; use(v)``: the loop's view holds ``h``; the copy held the old row, a
     silent wrong number): a read used after its tensor was written in place is read again there
-    (``_fresh``), as the view would show it. Reads derived from such a read (``buf[t].unsqueeze(0)``)
-    are not followed. Dynamo's graph records the body as written (the mode only serves its fake
-    runs): ``refresh_stale_reads=False`` there."""
+    (``_fresh``), as the view would show it, and so is a view taken of it before the write
+    (``buf[t].unsqueeze(0)``) where the loop's is a view of ``buf`` too (``stale_reads``). Dynamo's
+    graph records the body as written (the mode only serves its fake runs): ``refresh_stale_reads=False``
+    there."""
 
     def __init__(self, refuse_lost_writes=True, refresh_stale_reads=True):
         super().__init__()
         self._reads, self._written_back = {}, set()
         self._refuse = refuse_lost_writes  # False: a run whose values nobody reads (the ys' shape run)
-        # id(read) -> [read, its value now, recompute, the read tensor's version that value holds]
+        # id(read or view of one) -> stale_reads.Tracked
         self._sources, self._refresh = {}, refresh_stale_reads
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        source = None
         if self._sources:
-            args, kwargs = _compat.pytree.tree_map(self._fresh, (args, kwargs or {}))
+            source = self._sources.get(id(args[0])) if args and isinstance(args[0], torch.Tensor) else None
+            given = (args, kwargs)
+            args, kwargs = _compat.pytree.tree_map(self._fresh, (args, kwargs))
         rewritten = _rewritten_read(func, args, kwargs)
         if rewritten is not None:
-            out = rewritten()
+            out = rewritten[0]()
             self._reads[id(out)] = (out, out._version)
             if self._refresh:
-                self._sources[id(out)] = [out, out, rewritten, args[0], args[0]._version]
+                probe = stale_reads.probing(lambda: _LOOP_VIEWS[rewritten[1]](*args))
+                self._sources[id(out)] = stale_reads.Tracked(out, rewritten[0], args[0], probe)
             return out
         if func is _SET and len(args) == 3 and isinstance(args[0], torch.Tensor):
             self._written_back.add(id(args[2]))
             return write(*args)
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **kwargs)
+        if source is not None:  # a view of a read (r.unsqueeze(0)): the loop's may be a view of buf too
+            def again(value, rest=given[0][1:], kw=given[1]):
+                rest, kw = _compat.pytree.tree_map(self._fresh, (rest, kw))
+                return func(value, *rest, **kw)
+            name = getattr(func, "__name__", None) or str(func)
+            for entry in stale_reads.derived(func, again, source, out, f"a view of the read ({name})"):
+                self._sources[id(entry.first)] = entry
+        return out
 
     def _fresh(self, t):
-        """What a use of the read ``t`` reads: ``t``, or ``t`` read again once its tensor was written."""
+        """What a use of the read (or view of one) ``t`` reads: ``t``, or ``t`` made again once its
+        tensor was written."""
         entry = self._sources.get(id(t)) if isinstance(t, torch.Tensor) else None
         if entry is None:
             return t
-        _, now, recompute, base, version = entry
-        if base._version != version and self._reads[id(t)][1] == t._version:  # (t written: a lost write)
-            now = entry[1] = recompute()
-            entry[4] = base._version
-            self._reads[id(now)] = (now, now._version)
-        return now
+        now = entry.now
+        fresh = entry.current()
+        if fresh is not now and id(t) in self._reads:  # a read made again: writes through it refused too
+            self._reads[id(fresh)] = (fresh, fresh._version)
+        return fresh
 
     def __exit__(self, exc_type, exc_value, traceback):
         super().__exit__(exc_type, exc_value, traceback)
@@ -212,42 +241,7 @@ def rewrite_graph_indexing(graph):
     _read_again_after_writes(graph)
 
 
-def _storage(node):
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
-    try:
-        return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
-    except (NotImplementedError, RuntimeError):  # no storage to name (a vmap's BatchedTensor): not followed
-        return None
-
-
-def _writes_first_arg(node):
-    import operator
-
-    if node.op == "call_method":
-        return node.target.endswith("_") and not node.target.endswith("__")
-    return node.op == "call_function" and (node.target in (write, operator.setitem) or (
-        getattr(node.target, "__name__", "").endswith("_") and not node.target.__name__.endswith("__")))
-
-
 def _read_again_after_writes(graph):
-    """``TensorIndexRewrite``'s ``_fresh`` on a Dynamo graph: a use of a read (``read``, ``select_at``,
-    ``narrow_at``) after an in-place write into the storage it was read from uses the read done again
-    just before it, as the loop's view would show the write (Dynamo records the body as written)."""
-    reads = {}  # read node -> [the node its uses take now, storage read from, written since]
-    for node in list(graph.nodes):
-        for r in [n for n in node.all_input_nodes if n in reads]:
-            if reads[r][2]:
-                with graph.inserting_before(node):
-                    again = graph.call_function(r.target, r.args, r.kwargs)
-                again.meta = dict(r.meta)
-                reads[r][0], reads[r][2] = again, False
-            if reads[r][0] is not r:
-                node.replace_input_with(r, reads[r][0])
-        if node.op == "call_function" and node.target in (read, select_at, narrow_at):
-            reads[node] = [node, _storage(node.args[0]), False]
-        if _writes_first_arg(node) and node.args:
-            written = _storage(node.args[0])
-            for entry in reads.values():
-                entry[2] = entry[2] or (written is not None and entry[1] == written)
+    """``TensorIndexRewrite``'s ``_fresh`` on a Dynamo graph (``stale_reads.read_again_after_writes``)."""
+    probes = {read: _LOOP_VIEWS["read"], select_at: _LOOP_VIEWS["select"], narrow_at: _LOOP_VIEWS["narrow"]}
+    stale_reads.read_again_after_writes(graph, probes, (write,))

@@ -206,7 +206,8 @@ class BodyHlo:
     hoisted: List[OwnBuffer]  # device data the body made, appended to the pass-through inputs
     uses_seed: bool  # the last x is the per-step RNG seed vector
     y_carry: List[int]  # per y: the carry it is (the step's carry input, unchanged), or -1
-    carry_rows: List[int]  # per carry: the dim whose row the While writes (row_writes), or -1
+    carry_rows: List[int]  # per carry: the dim whose rows the While writes (row_writes), or -1
+    row_carries: List[int]  # per row the While writes per step, in the body's order: its carry
 
 
 def _xla():
@@ -301,7 +302,7 @@ def lower_body(combine_fn, init, xs, additional_inputs):
     for k, dim in rows.writes:
         carry_rows[k] = dim
     return BodyHlo(ctx.hlo(), params, [(tuple(y.shape), y.dtype) for y in ys], hoisted, uses_seed,
-                   [_carry_of(ctx, y, params) for y in ys], carry_rows)
+                   [_carry_of(ctx, y, params) for y in ys], carry_rows, [k for k, _ in rows.writes])
 
 
 def _carry_of(ctx, y, params):

@@ -65,7 +65,7 @@ def _lower(combine_fn, init, xs, additional_inputs, reverse, unroll):
         [_shape(c.dtype, c.shape) for c in init], xs_shapes,
         [_shape(dtype, (length, *shape)) for shape, dtype in body.y_meta],
         [_shape(a.dtype, a.shape) for a in [*additional_inputs, *body.hoisted]], body.params,
-        body.y_carry, body.carry_rows)
+        body.y_carry, body.carry_rows, body.row_carries)
     computation = _compat.xla.computation_from_module_proto("scan", module)
     straight = schedule.one_iteration(length, unroll)  # csrc/hlo_straight.h: no ys parameters
     return LoweredScan(computation, body.y_meta, body.hoisted, body.uses_seed, takes_ys=not straight)

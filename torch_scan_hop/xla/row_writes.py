@@ -1,4 +1,4 @@
-"""A carried buffer the body writes one row of per step (``buf[t] = h``), written by the While.
+"""A carried buffer the body writes rows of per step (``buf[t] = h``), written by the While.
 
 Traced, ``buf[t] = h`` is an ``index_put`` of the carry at a 0-d index (``trace/indexing.py``).
 torch_xla lowers it to a scatter, which XLA turns into a dynamic-update-slice of the whole
@@ -10,18 +10,24 @@ written dim of size 1) and its index (negative ones wrapped, as indexing does); 
 (csrc/hlo_scan.cc, "written rows") writes it as a lone, in-place update before the next
 step's body reads the buffer.
 
-Only rows of the first dim (``buf[t] = h``): the row of ``buf[:, t] = h`` has a unit dim in the
-middle, XLA's layout assignment gives the pending row in the loop state another layout than the
-buffer's (the unit dim moved first, the same bytes), and the copy between the two layouts is
-fused into the update, which then writes the whole buffer again. Such writes keep torch_xla's
-scatter; on the first dim the row's layout is the buffer's.
+Rows of any dim: the row of ``buf[:, t] = h`` has a unit dim in the middle, which XLA's layout
+assignment moved in the pending row of the loop state (another layout than the buffer's, the same
+bytes), and the copy back was fused into the update, which then wrote the whole buffer again; so
+the While holds such a buffer with its written dim first (csrc/hlo_rows.h, one transpose each way
+per scan), where a row is a slice of the first dim as for ``buf[t] = h``.
 
-A carry qualifies when its output is such an ``index_put`` of its own input (no accumulate,
-one 0-d integer index; or ``index_put_`` of a clone of it, as a body traced
-without functionalization has it) that nothing else in the body reads; other reads of
-the input see the buffer as the step began, which the While also gives them. Anything else
-keeps torch_xla's scatter (right, slower). An index outside the buffer, an IndexError in the
-loop, is clamped by the update instead (XLA cannot raise).
+A carry qualifies when its output is such an ``index_put`` of its own input (one 0-d integer
+index; or ``index_put_`` of a clone of it, as a body traced without functionalization has it)
+that nothing else in the body reads; other reads of the input see the buffer as the step began,
+which the While also gives them. Also a chain of up to four such writes of one dim, each
+``index_put`` of the one before (``_row_ops``), where a write may accumulate: ``index_put(...,
+accumulate=True)``, or the ``add`` of one into zeros of the buffer's shape, which is what the
+backward of a body reading its buffer has (``g[t] = 0`` for the write, ``g[t - 1] += dr`` for the
+read ``buf[t - 1]``: the whole-buffer add kept the backward O(T) per step). Such an added row is
+written whole: the step's input row (or what an earlier write of the step at the same index gave
+it) plus the addend, each of the step's rows a pending row of the While, written in order.
+Anything else keeps torch_xla's scatter (right, slower). An index outside the buffer, an
+IndexError in the loop, is clamped by the update instead (XLA cannot raise).
 """
 import copy
 import dataclasses
@@ -35,6 +41,8 @@ from ..core.aten_nodes import makes_new_tensor
 _INDEX_PUT = torch.ops.aten.index_put.default
 _INDEX_PUT_ = torch.ops.aten.index_put_.default
 _CLONE = torch.ops.aten.clone.default
+_ADD = torch.ops.aten.add.Tensor
+_ZEROS = (torch.ops.aten.zeros.default, torch.ops.aten.new_zeros.default)
 
 
 @dataclasses.dataclass
@@ -52,31 +60,37 @@ def defer_row_writes(body, num_carry, inputs):
     values (a backward step made by our own tracing)."""
     if not isinstance(body, torch.fx.GraphModule):
         return RowWrites(body, [])
-    found = _row_writes(body, num_carry, inputs)
+    gm = torch.fx.GraphModule(body, copy.deepcopy(body.graph))
+    found = _row_writes(gm, num_carry, inputs)
     if not found:
         return RowWrites(body, [])
-    gm = torch.fx.GraphModule(body, copy.deepcopy(body.graph))
     placeholders = gm.graph.find_nodes(op="placeholder")
     output = gm.graph.output_node()
     outputs = list(output.args[0])
-    extra = []
-    for k, _dim in found:
-        extra += [outputs[k].args[2], outputs[k].args[1][-1]]
-    writes = [outputs[k] for k, _ in found]
-    for k, _dim in found:
+    extra, writes, written = [], [], []
+    for k, ops in found:
+        with gm.graph.inserting_before(output):
+            for index, value, dim in _row_values(gm.graph, placeholders[k], ops, inputs[k][0]):
+                extra += [value, index]
+                writes.append((k, dim))
+        written.append(outputs[k])
         outputs[k] = placeholders[k]
     output.args = (outputs + extra,)
-    for write in writes:  # index_put_ is not dead code to FX: its mutation could be seen
+    for write in written:  # index_put_ is not dead code to FX: its mutation could be seen
+        if write.target is not _INDEX_PUT_:
+            continue
         buf = write.args[0]
         gm.graph.erase_node(write)
         if buf is not None and buf.op == "call_function":  # a clone read (before the write): the carry itself
             buf.replace_all_uses_with(buf.args[0])
     gm.graph.eliminate_dead_code()
     gm.recompile()
-    return RowWrites(_RowsAfterYs(gm, found), found)
+    return RowWrites(_RowsAfterYs(gm, writes), writes)
 
 
 def _row_writes(body, num_carry, inputs):
+    """``[(carry index, [(op, index, value, dim), ...])]``: the carries whose output is rows written into
+    their input, each with those writes in order (``_row_ops``)."""
     placeholders = body.graph.find_nodes(op="placeholder")
     outputs = list(body.graph.output_node().args[0])
     meta = dict(zip(placeholders, inputs))
@@ -84,12 +98,92 @@ def _row_writes(body, num_carry, inputs):
     for k in range(min(num_carry, len(placeholders), len(outputs))):
         dim = _written_dim(outputs[k], placeholders[k], outputs, meta)
         if dim is not None:
-            found.append((k, dim))
+            node = outputs[k]
+            found.append((k, [("set", node.args[1][-1], node.args[2], dim)]))
+            continue
+        node = outputs[k]
+        if not isinstance(node, torch.fx.Node) or len(node.users) != 1 or sum(o is node for o in outputs) != 1:
+            continue
+        ops = _row_ops(node, placeholders[k], meta)
+        if ops and len(ops) <= _MOST_ROWS and len({dim for *_, dim in ops}) == 1:
+            found.append((k, ops))
     return found
 
 
+_MOST_ROWS = 4  # rows one carry may have written per step (each is a pending row of the While's state)
+
+
+def _row_ops(node, carry, meta):
+    """The row writes ``node`` makes into ``carry`` in order, ``[(op, index, value, dim)]`` (``op``: "set"
+    for ``index_put``, "add" for one accumulating, or for ``add`` of an accumulating ``index_put`` into
+    zeros of the carry's shape: the backward of a read ``buf[s]``); None for anything else. Each
+    node of the chain but ``node`` has no other user (its value is not seen elsewhere)."""
+    if node is carry:
+        return []
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return None
+    row = _accumulated_row(node, meta)
+    if node.target is _INDEX_PUT and row is None:
+        buf, indices, value = node.args[:3]
+        accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+        if not isinstance(value, torch.fx.Node) or not _is_index_list(indices, meta) or _lone(buf, carry) is None:
+            return None
+        ops = _row_ops(buf, carry, meta)
+        return None if ops is None else ops + [("add" if accumulate else "set", indices[-1], value, len(indices) - 1)]
+    if node.target is _ADD and len(node.args) == 2 and not node.kwargs:
+        for base, other in (node.args, node.args[::-1]):
+            row = _accumulated_row(other, meta)
+            if row is not None and _lone(other, None) is not None and _lone(base, carry) is not None \
+                    and _same_shape(row[3], carry, meta):
+                ops = _row_ops(base, carry, meta)
+                return None if ops is None else ops + [("add", *row[:3])]
+    return None
+
+
+def _lone(node, carry):
+    """``node`` when it is ``carry`` or has one user, else None."""
+    return node if node is carry or (isinstance(node, torch.fx.Node) and len(node.users) == 1) else None
+
+
+def _accumulated_row(node, meta):
+    """``(index, value, dim, zeros)`` for ``index_put(zeros, [.., i], v, accumulate=True)`` whose zeros have
+    no other use, else None."""
+    if not isinstance(node, torch.fx.Node) or node.target is not _INDEX_PUT or len(node.args) < 4 or not node.args[3]:
+        return None
+    zeros, indices, value = node.args[:3]
+    if not isinstance(zeros, torch.fx.Node) or zeros.target not in _ZEROS or len(zeros.users) != 1 \
+            or not isinstance(value, torch.fx.Node) or not _is_index_list(indices, meta):
+        return None
+    return indices[-1], value, len(indices) - 1, zeros
+
+
+def _same_shape(zeros, carry, meta):
+    size = zeros.args[1] if zeros.target is torch.ops.aten.new_zeros.default else zeros.args[0]
+    shape = meta.get(carry, (None,))[0]
+    return shape is not None and isinstance(size, (list, tuple)) and list(size) == list(shape)
+
+
+def _row_values(graph, carry, ops, shape):
+    """``[(index, value, dim)]`` of ``ops``' rows in order, each the row's whole value once written
+    (an added row: the step's input row, or the value an earlier write of the step gave it, plus the
+    addend), new nodes of ``graph`` where needed."""
+    call = graph.call_function
+    done, rows = [], []
+    for op, index, value, dim in ops:
+        at = call(torch.ops.aten.remainder.Scalar, (index, shape[dim]))  # (a negative index counts from the end)
+        if op == "add":
+            current = call(torch.ops.aten.index.Tensor, (carry, [None] * dim + [index]))
+            for earlier, row in done:
+                current = call(torch.ops.aten.where.self, (call(torch.ops.aten.eq.Tensor, (at, earlier)), row, current))
+            value = call(_ADD, (current, value))
+        done.append((at, value))
+        rows.append((index, value, dim))
+    return rows
+
+
 def _written_dim(node, carry, outputs, meta):
-    """The dim ``node`` (a carry's output) writes one row of in ``carry``, else None."""
+    """The dim ``node`` (a carry's output) writes one row of in ``carry`` (``index_put``'s one index, at
+    the dim its list's length says), else None."""
     if not isinstance(node, torch.fx.Node) or node.op != "call_function" or node.target not in (_INDEX_PUT, _INDEX_PUT_):
         return None
     buf, indices, value = node.args[:3]
@@ -102,9 +196,9 @@ def _written_dim(node, carry, outputs, meta):
         return None
     if buf is not carry or accumulate or len(node.users) != 1 or sum(o is node for o in outputs) != 1:
         return None
-    if not isinstance(value, torch.fx.Node) or not _is_index_list(indices, meta) or len(indices) != 1:
-        return None  # a row of another dim than the first: see the module's docstring
-    return 0
+    if not isinstance(value, torch.fx.Node) or not _is_index_list(indices, meta):
+        return None
+    return len(indices) - 1
 
 
 def _read_before(clone, write):
