@@ -28,12 +28,20 @@ class _Scan(torch.nn.Module):
         return scan(body, (c, buf, tbuf), xs, with_index=True)
 
 
+def _loop_of(step):
+    """The Python loop of ``step`` over its carries and xs (the reference of each test)."""
+    def loop(*args):
+        *state, xs = args
+        state, ys = tuple(state), []
+        for i in range(xs.shape[0]):
+            state, y = step(state, xs[i], torch.tensor(i))
+            ys.append(y)
+        return state, torch.stack(ys)
+    return loop
+
+
 def _loop(c, buf, tbuf, xs):
-    state, ys = (c, buf, tbuf), []
-    for i in range(xs.shape[0]):
-        state, y = body(state, xs[i], torch.tensor(i))
-        ys.append(y)
-    return state, torch.stack(ys)
+    return _loop_of(body)(c, buf, tbuf, xs)
 
 
 def _args():
@@ -85,11 +93,7 @@ def test_a_read_used_after_a_write_into_its_tensor_shows_the_write():
 
 
 def _stale_loop(c, buf, xs):
-    state, ys = (c, buf), []
-    for i in range(xs.shape[0]):
-        state, y = _stale(state, xs[i], torch.tensor(i))
-        ys.append(y)
-    return state, torch.stack(ys)
+    return _loop_of(_stale)(c, buf, xs)
 
 
 def test_a_read_used_after_a_write_shows_it_under_strict_export():
@@ -116,11 +120,7 @@ def _viewed(state, x, t):
 
 
 def _viewed_loop(c, buf, cols, xs):
-    state, ys = (c, buf, cols), []
-    for i in range(xs.shape[0]):
-        state, y = _viewed(state, xs[i], torch.tensor(i))
-        ys.append(y)
-    return state, torch.stack(ys)
+    return _loop_of(_viewed)(c, buf, cols, xs)
 
 
 def _viewed_scan(c, buf, cols, xs):
