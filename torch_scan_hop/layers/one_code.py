@@ -24,8 +24,8 @@ import torch
 from .. import _compat
 from ..core import modes
 from ..core.trees import ScanError
-from ..trace.cache import graph_key
 from ..trace.graph import trace_aten_graph
+from ..trace.same_branches import same_graph
 from .patterns import tree_signature
 
 _MAX_SIGNATURES = 64  # per stack: past it the answers are forgotten and traced again
@@ -91,19 +91,15 @@ def excused_paths(layers, kinds):
 
 
 def _one_graph(branches, operands):
-    keys = []
+    graphs = []
     for run in branches:
         try:
-            gm = trace_aten_graph(run, list(operands))
+            graphs.append(trace_aten_graph(run, list(operands)))
         except ScanError:
             raise
         except Exception:  # noqa: BLE001 -- e.g. a tensor closed over: the cond traces it instead
             return False
-        key = graph_key(gm)
-        if key is None:
-            return False
-        keys.append(key[0])
-    return all(k == keys[0] for k in keys[1:])
+    return all(same_graph(graphs[0], gm) for gm in graphs[1:])
 
 
 def _signature(layers, kinds, operands):

@@ -42,9 +42,7 @@ def inline_identical_conds(graph, resolve):
             if inner:
                 gm.recompile()
                 inlined += inner
-        keys = [graph_key(gm) for gm in branches]
-        if (keys[0] is None or keys[1] is None or keys[0][0] != keys[1][0]
-                or not all(u.op == "call_function" and u.target is operator.getitem for u in node.users)):
+        if not same_graph(*branches) or not outputs_read_one_by_one(node):
             _counts["kept"] += 1
             continue
         _inline(graph, node, branches[0].graph, list(operands))
@@ -66,23 +64,38 @@ def _attr(gm, target, resolve):
         return resolve(target)
 
 
-def _inline(graph, node, branch, operands):
-    """The branch's nodes copied before ``node``, its placeholders read as ``operands``; the
-    cond's ``getitem`` users read the branch's outputs."""
-    placeholders = branch.find_nodes(op="placeholder")
-    env = dict(zip(placeholders, operands))
+def same_graph(a, b):
+    """Whether the GraphModules ``a`` and ``b`` compute one graph (``graph_key``; False where
+    either has no key)."""
+    ka, kb = graph_key(a), graph_key(b)
+    return ka is not None and kb is not None and ka[0] == kb[0]
+
+
+def outputs_read_one_by_one(node):
+    """Every user of the cond ``node`` reads one output (``getitem``), as a traced cond's do."""
+    return all(u.op == "call_function" and u.target is operator.getitem for u in node.users)
+
+
+def copy_branch(graph, node, branch, operands, get_attr=None):
+    """The values of ``branch``'s outputs, its nodes copied into ``graph`` before ``node`` with
+    its placeholders read as ``operands``. ``get_attr(n)``: the node of ``graph`` standing for
+    the branch's ``get_attr`` node ``n`` (by default ``n`` copied as it is)."""
+    env = dict(zip(branch.find_nodes(op="placeholder"), operands))
     with graph.inserting_before(node):
         for n in branch.nodes:
             if n.op in ("placeholder", "output"):
                 continue
-            env[n] = graph.node_copy(n, lambda a: env[a])
+            env[n] = get_attr(n) if n.op == "get_attr" and get_attr is not None \
+                else graph.node_copy(n, lambda a: env[a])
     (outs,) = branch.find_nodes(op="output")[0].args
     outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    return [env[o] if isinstance(o, torch.fx.Node) else o for o in outs]
+
+
+def _inline(graph, node, branch, operands):
+    """The branch's nodes copied before ``node``; the cond's ``getitem`` users read its outputs."""
+    outs = copy_branch(graph, node, branch, operands)
     for user in list(node.users):  # all getitem (checked by the caller)
-        user.replace_all_uses_with(_mapped(outs[user.args[1]], env))
+        user.replace_all_uses_with(outs[user.args[1]])
         graph.erase_node(user)
     graph.erase_node(node)
-
-
-def _mapped(value, env):
-    return env[value] if isinstance(value, torch.fx.Node) else value

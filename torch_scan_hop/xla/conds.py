@@ -21,12 +21,12 @@ or the body is refused with a ScanError: the While cannot run it otherwise. Coun
 """
 import collections
 import copy
-import operator
 
 import torch
 
 from ..core.trees import ScanError
-from ..trace.cache import graph_key, resolve_attr
+from ..trace.cache import resolve_attr
+from ..trace.same_branches import copy_branch, outputs_read_one_by_one, same_graph
 
 _COND = torch.ops.higher_order.cond
 _WHERE = torch.ops.aten.where.self
@@ -58,12 +58,11 @@ def conds_as_selects(body):
 
 def _replace(gm, node):
     pred, true_attr, false_attr, operands = node.args[:4]
-    if node.kwargs or not all(u.op == "call_function" and u.target is operator.getitem for u in node.users):
+    if node.kwargs or not outputs_read_one_by_one(node):
         raise ScanError("a torch.cond in a scan body on XLA has its outputs read whole, not one by one; "
                         "XLA runs a cond in a scan as both branches and a select per output")
     branches = [conds_as_selects(resolve_attr(gm, a.target)) for a in (true_attr, false_attr)]
-    keys = [graph_key(b) for b in branches]
-    same = keys[0] is not None and keys[1] is not None and keys[0][0] == keys[1][0]
+    same = same_graph(*branches)
     if isinstance(pred, bool):
         branches, same = [branches[0 if pred else 1]], True
     outs = [_staged(gm, node, b, list(operands)) for b in branches[:1 if same else 2]]
@@ -84,20 +83,11 @@ def _replace(gm, node):
 def _staged(gm, node, branch, operands):
     """The branch's nodes copied before ``node`` (its placeholders read as ``operands``, its
     attributes installed on ``gm``); the values of its outputs."""
-    graph = gm.graph
-    env = dict(zip(branch.graph.find_nodes(op="placeholder"), operands))
-    with graph.inserting_before(node):
-        for n in branch.graph.nodes:
-            if n.op in ("placeholder", "output"):
-                continue
-            if n.op == "get_attr":
-                env[n] = graph.get_attr(_install(gm, resolve_attr(branch, n.target), n.target))
-                env[n].meta = dict(n.meta)
-            else:
-                env[n] = graph.node_copy(n, lambda a: env[a])
-    (outs,) = branch.graph.find_nodes(op="output")[0].args
-    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-    return [env[o] if isinstance(o, torch.fx.Node) else o for o in outs]
+    def get_attr(n):
+        attr = gm.graph.get_attr(_install(gm, resolve_attr(branch, n.target), n.target))
+        attr.meta = dict(n.meta)
+        return attr
+    return copy_branch(gm.graph, node, branch.graph, operands, get_attr)
 
 
 def _install(gm, value, name):
