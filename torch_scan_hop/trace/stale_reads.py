@@ -81,10 +81,7 @@ class Tracked:
         if self.base._version == self.base_version or self.first._version != self.own_version:
             return self.now
         if self.probe is UNKNOWN and self.what is not None:
-            raise ScanError(
-                f"scan: {self.what} taken from buf[..., t, ...] (read at a 0-d tensor index t) is used after a "
-                "write into buf: traced, the read is a copy, and whether the loop's value is a view of buf "
-                "(and shows the write) could not be told. Take the read after the write, or .clone() it first.")
+            raise _untold_view(self.what)
         self.now = self.recompute()
         self.base_version = self.base._version
         return self.now
@@ -163,10 +160,7 @@ def _fresh_node(graph, reads, r, user):
     entry = reads[r]
     if entry[2]:
         if entry[3] is UNKNOWN and entry[4] is not None:  # (a read itself is the loop's view, known or not)
-            raise ScanError(
-                f"scan: {_what(r)} taken from buf[..., t, ...] (read at a 0-d tensor index t) is used after a "
-                "write into buf: traced, the read is a copy, and whether the loop's value is a view of buf "
-                "(and shows the write) could not be told. Take the read after the write, or .clone() it first.")
+            raise _untold_view(_what(r))
         args = r.args
         if entry[4] is not None:  # a view: of its source, made again first
             args = (_fresh_node(graph, reads, entry[4], user), *r.args[1:])
@@ -175,6 +169,14 @@ def _fresh_node(graph, reads, r, user):
         again.meta = dict(r.meta)
         entry[0], entry[2] = again, False
     return entry[0]
+
+
+def _untold_view(what):
+    """The error for a view of a read, used after a write, that the probe could not tell about."""
+    return ScanError(
+        f"scan: {what} taken from buf[..., t, ...] (read at a 0-d tensor index t) is used after a "
+        "write into buf: traced, the read is a copy, and whether the loop's value is a view of buf "
+        "(and shows the write) could not be told. Take the read after the write, or .clone() it first.")
 
 
 def _what(node):

@@ -24,8 +24,8 @@ then, and every call after it costs a guard check. A call that may train (grad
 mode on and a tensor it reaches requiring grad: ``_may_train``) is captured at
 once: the two routes leave slightly different programs at the step's sync (the
 make_fx route's trace differs by a few ops, and its tracer's reference cycle
-keeps the trace's constants alive until Python's gc runs), so a first call on make_fx made XLA compile the whole
-training step twice, the second compile costing more than the capture saved.
+keeps the trace's constants alive until Python's gc runs), so a first call on
+make_fx made XLA compile the whole training step twice, the second compile costing more than the capture saved.
 Which path runs never changes a result: make_fx traces the body afresh,
 Dynamo's guards check what it read.
 """
@@ -82,16 +82,20 @@ def first_sight(fn, leaves, options):
     requires_grad, options and closed-over tensors' metadata? Records
     it: the next such call is not. Only the route depends on it, never a result:
     a key that misses a change (a tensor held deeper in the closure) merely
-    sends a call to Dynamo's capture, which sees the change itself. A call with
-    grad mode on is never a first sight (the module docstring says why)."""
-    if _may_train(fn, leaves):
-        return False
+    sends a call to Dynamo's capture, which sees the change itself. A call that
+    may train is never a first sight (the module docstring says why); asked only
+    of a call not seen before (a repeated call does not walk the closures again)."""
     cells = tuple(_meta(_cell_contents(c)) for c in getattr(fn, "__closure__", None) or ())
-    key = (fn.__code__, tuple(sorted(options.items())), cells,  # grad mode: always off here
-           tuple(_meta(t) for t in leaves))
+    # no grad mode in the key: a call recorded here trains nothing, with grad mode or without
+    key = (fn.__code__, tuple(sorted(options.items())), cells, tuple(_meta(t) for t in leaves))
     with _lock:
         if key in _seen:
             _seen.move_to_end(key)
+            return False
+    if _may_train(fn, leaves):
+        return False
+    with _lock:
+        if key in _seen:  # recorded meanwhile by another thread
             return False
         _seen[key] = None
         if len(_seen) > _MAX_SEEN:
