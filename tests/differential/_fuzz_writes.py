@@ -66,11 +66,6 @@ def draw(seed, carry_leaves):
     return Writes(bool(carried or closed) or r.random() < 0.5, ops, carried, closed)
 
 
-def known_failure(p, mode):
-    """Why (p, mode) is known to fail, else None: such a case fails as an xfail, not silently (none now)."""
-    return None
-
-
 def rng(seed):
     return random.Random(f"writes body {seed}")
 

@@ -14,8 +14,7 @@ lengths 0 and 1 above all.
 About a quarter of the seeds write in place (_fuzz_writes.py: carry leaves, carried and closed-over
 buffers written at the step index); the closed-over buffers' contents after the scan are compared
 too, and where such writes are documented as a ScanError (torch.compile, strict export) the case
-asserts it. Known, unfixed failures of write problems (``_fuzz_writes.known_failure``) are xfails
-with their reason.
+asserts it. No case is expected to fail.
 
 Budget: the default run takes about 3 minutes on 2 cores (the func modes about 30 s of it).
 SCAN_FUZZ_CASES=N runs N eager cases and scales every other mode by the same factor;
@@ -70,9 +69,6 @@ def flags(out):
 def test_fuzz(mode, seed):
     if mode == "xla":  # in a child interpreter: a native crash fails this case, not the whole run
         pytest.importorskip("torch_xla", reason="torch_xla is not installed")
-        known = _fuzz_writes.known_failure(generate(seed), mode)
-        if known is not None:
-            pytest.xfail(f"known (not run): {known}")
         return _isolated.call("test_differential", "check_case", mode, seed)
     check_case(mode, seed)
 
@@ -128,9 +124,6 @@ def check_case(mode, seed):
     try:
         RUNNERS[mode.split("_")[0]](p, mode, want_out, want_grads, weights)
     except Exception as e:  # noqa: BLE001  (any failure: print the problem)
-        known = _fuzz_writes.known_failure(p, mode)
-        if known is not None:
-            pytest.xfail(f"known: {known}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         cause = None if isinstance(e, Mismatch) else e  # an error in the package: keep its traceback
         raise AssertionError(f"[{mode}] {type(e).__name__}: {e}\n\n{p.describe()}") from cause
 
