@@ -26,7 +26,7 @@ from .core.trees import ScanError
 from .fwd_bwd import fwd_bwd
 from .inductor import workarounds
 from .inductor.buffer_pool import empty_cache
-from .layers import intact
+from .layers import intact, trace_time
 from .layers.scan_layers import scan_layers
 from .layers.storage import stack_layers
 from .models import scan_model
@@ -37,6 +37,7 @@ from .trace.partition import FwdBwd
 _compat.install_as_upstream_scan(scan_op)
 _dynamo_rule.install()
 intact.install()
+trace_time.install()
 workarounds.fake_float64_attention_logsumexp_as_float64()
 
 __all__ = ["scan", "scan_layers", "stack_layers", "scan_model", "scan_op", "fwd_bwd", "ScanError", "FwdBwd", "clear_cache", "empty_cache",

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from torch_scan_hop import scan_layers
-from torch_scan_hop.layers import alike, patterns
+from torch_scan_hop.layers import alike, one_code, patterns
 from torch_scan_hop.trace import same_branches
 
 D = 5
@@ -54,9 +54,13 @@ def _loop(layers, h, per_layer):
     return h
 
 
+def _nodes(gm, target):
+    found = [n for n in gm.graph.nodes if n.target is target]
+    return found + [n for sub in gm.children() if isinstance(sub, torch.fx.GraphModule) for n in _nodes(sub, target)]
+
+
 def _scans(gm):
-    found = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.scan]
-    return found + [n for sub in gm.children() if isinstance(sub, torch.fx.GraphModule) for n in _scans(sub)]
+    return _nodes(gm, torch.ops.higher_order.scan)
 
 
 @pytest.mark.parametrize("selects", [False, True])
@@ -75,13 +79,17 @@ def test_one_scan_over_kinds_matches_the_loop(selects, fresh_dynamo):
     graphs = []
     backend = aot_autograd(fw_compiler=lambda gm, _: graphs.append(gm) or gm.forward,
                            bw_compiler=lambda gm, _: gm.forward)
-    before = same_branches.counts()
+    before = {**same_branches.counts(), **one_code.counts()}
     got = torch.compile(lambda: _run(layers, h, per_layer), backend=backend, fullgraph=True)()
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(torch.autograd.grad(got.square().sum(), params), want_grads)
-    after = same_branches.counts()
-    grew = {k: after.get(k, 0) - before.get(k, 0) for k in ("inlined", "kept")}
-    assert (grew["kept"] > 0) == selects and (grew["inlined"] > 0) != selects, grew
+    after = {**same_branches.counts(), **one_code.counts()}
+    grew = {k: after.get(k, 0) - before.get(k, 0) for k in ("inlined", "kept", "alike", "differ")}
+    # told at trace time (layers.trace_time): alike kinds run one layer's code, no cond to inline
+    assert grew == ({"inlined": 0, "kept": grew["kept"], "alike": 0, "differ": grew["differ"]} if selects else
+                    {"inlined": 0, "kept": 0, "alike": grew["alike"], "differ": 0}), grew
+    assert (grew["kept"] > 0 and grew["differ"] > 0) if selects else grew["alike"] > 0, grew
+    assert bool([n for gm in graphs for n in _nodes(gm, torch.ops.higher_order.cond)]) == selects
     assert len([n for gm in graphs for n in _scans(gm)]) == 1  # one scan over all seven layers, not nested
 
 

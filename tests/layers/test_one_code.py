@@ -2,8 +2,9 @@
 one graph, the step runs one layer's code with no cond; the attributes that tell the kinds apart
 are excused from the check on read, per-layer data (a value per layer) is not.
 
-Only outside any trace, i.e. an eager call on XLA tensors (elsewhere the scan is the loop, or
-Dynamo traces the cond): those tests need torch_xla."""
+Told outside any trace (an eager call on XLA tensors: those tests need torch_xla) and under
+Dynamo, by its tracker at trace time (``layers.trace_time``), on the CPU; elsewhere (make_fx)
+the cond runs."""
 import pytest
 import torch
 
@@ -81,3 +82,47 @@ def test_per_layer_data_that_changes_the_code_is_refused():
     layers = _stack(special=4).to(dev)
     with pytest.raises(ScanError, match="idx"):
         scan_layers(layers, torch.randn(2, 4).to(dev), period="auto")
+
+
+def _compiled_with_graphs(fn, *args):
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+    backend = aot_autograd(fw_compiler=lambda gm, _: graphs.append(gm) or gm.forward,
+                           bw_compiler=lambda gm, _: gm.forward)
+    return torch.compile(fn, backend=backend, fullgraph=True)(*args), graphs
+
+
+def _conds(gm):
+    found = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.cond]
+    return found + [n for sub in gm.children() if isinstance(sub, torch.fx.GraphModule) for n in _conds(sub)]
+
+
+def test_under_dynamo_the_kinds_are_told_at_trace_time(fresh_dynamo):
+    """Compiled with no eager call before (nothing cached on the stack): the kinds and whether they
+    trace alike are read at trace time; the body is one layer's code, no cond; values and
+    gradients are the loop's."""
+    from torch_scan_hop import scan_layers
+
+    layers, h0 = _stack(), torch.randn(2, 4)
+    h = h0.clone().requires_grad_()
+    want = h
+    for layer in layers:
+        want = layer(want)
+    want_grads = torch.autograd.grad(want.square().sum(), [h, *layers.parameters()])
+    before = one_code.counts().get("alike", 0)
+    h = h0.clone().requires_grad_()
+    got, graphs = _compiled_with_graphs(lambda h: scan_layers(layers, h, period="auto"), h)
+    grads = torch.autograd.grad(got.square().sum(), [h, *layers.parameters()])
+    assert one_code.counts().get("alike", 0) > before
+    assert graphs and not [n for gm in graphs for n in _conds(gm)]
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(grads, want_grads)
+
+
+def test_under_dynamo_per_layer_data_that_changes_the_code_is_refused(fresh_dynamo):
+    from torch_scan_hop import scan_layers
+
+    layers = _stack(special=4)
+    with pytest.raises(ScanError, match="idx"):
+        _compiled_with_graphs(lambda h: scan_layers(layers, h, period="auto"), torch.randn(2, 4))

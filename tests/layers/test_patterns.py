@@ -95,15 +95,20 @@ def test_patterned_stack_matches_the_loop(backend, period, fresh_dynamo):
     torch.testing.assert_close(got, want)
 
 
-def test_compiled_first_a_pattern_of_attributes_alone_is_refused(fresh_dynamo):
-    """Dynamo cannot list a module's attributes: compiled before any eager call, layers that
-    differ only in a plain attribute are taken for one kind, and the body's read of it is refused."""
+def test_compiled_first_a_pattern_of_attributes_alone_is_read_at_trace_time(fresh_dynamo):
+    """Dynamo cannot list a module's attributes; compiled before any eager call (nothing cached
+    on the stack), the kinds are read in Python at trace time (``layers.trace_time``): layers that
+    differ only in a plain attribute (here one that selects tanh or sin) run their own kind's code,
+    as in the loop (before, they were taken for one kind and the body's read was refused)."""
     layers = _stack(GEMMA_LIKE * 2, alike_weights=True)
-    h = torch.randn(2, D, dtype=torch.float64)
-    masks = {"sliding": torch.ones(D, dtype=torch.float64), "full": torch.ones(D, dtype=torch.float64)}
-    with pytest.raises(Exception, match=r"layer 2's attribute 'kind' is 'full' but layer 0's is 'sliding'"):
-        torch.compile(lambda: scan_layers(layers, h, layer_kwargs=_kwargs(layers, masks), period="auto"),
-                      backend="aot_eager", fullgraph=True)()
+    h = torch.randn(2, D, dtype=torch.float64, requires_grad=True)
+    masks = {"sliding": torch.rand(D, dtype=torch.float64), "full": torch.rand(D, dtype=torch.float64)}
+    per_layer = _kwargs(layers, masks)
+    want = _value_and_grads(lambda: _loop(layers, h, per_layer), layers, h, [])
+    assert getattr(layers, "_scan_layers_alike", None) is None and getattr(layers, "_scan_layers_plans", None) is None
+    f = torch.compile(lambda: scan_layers(layers, h, layer_kwargs=per_layer, period="auto"),
+                      backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(_value_and_grads(f, layers, h, []), want)
 
 
 def test_one_scan_over_blocks_in_the_graph(fresh_dynamo):

@@ -277,3 +277,39 @@ def partial_tracker(fn, args):
     from torch._dynamo.variables.functions import FunctoolsPartialVariable
 
     return FunctoolsPartialVariable(UserFunctionVariable(fn), list(args), {})
+
+
+def python_value(var, tx):
+    """The Python value a tracker stands for, for a function run at trace time on what the traced
+    code holds: a tensor as its example value (a fake of Dynamo's fake mode), lists, tuples and
+    dicts item by item, an nn.Module or a function as itself, constants as themselves (2.9 to
+    2.15: ``TensorVariable``'s proxy node keeps ``example_value``, containers keep ``items``,
+    dict keys are ``HashableTracker``s with ``vt``, module trackers keep ``value``).
+
+    Raises:
+        NotImplementedError: a value with no such stand-in (a symbolic int, an object built while
+            tracing)."""
+    from torch._dynamo.variables import BaseListVariable, ConstDictVariable, TensorVariable
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    var = var.realize() if hasattr(var, "realize") else var
+    if isinstance(var, TensorVariable):
+        value = var.as_proxy().node.meta.get("example_value")
+        if not isinstance(value, torch.Tensor):
+            raise NotImplementedError(f"no example value for {var}")
+        if not isinstance(value, FakeTensor):  # a module's parameter reached by get_attr: its real self
+            value = tx.fake_mode.from_tensor(value, static_shapes=True)
+        return value
+    if isinstance(var, BaseListVariable):
+        items = [python_value(v, tx) for v in var.items]
+        return tuple(items) if issubclass(var.python_type(), tuple) else items
+    if isinstance(var, ConstDictVariable):
+        return {k.vt.as_python_constant(): python_value(v, tx) for k, v in var.items.items()}
+    if isinstance(getattr(var, "value", None), torch.nn.Module):
+        return var.value
+    if hasattr(var, "get_function"):
+        try:
+            return var.get_function()
+        except Exception as e:  # noqa: BLE001 -- a function built while tracing
+            raise NotImplementedError(f"no function for {var}") from e
+    return var.as_python_constant()

@@ -13,6 +13,7 @@
 - ``storage``: the stacked containers ``stack_layers`` returns;
 - ``checks``: what a scanned stack asks of its layers (no hooks, no running-stat updates);
 - ``grads``: where stacked storage's gradients go (per layer or on the stacks);
+- ``trace_time``: a question answered in plain Python while Dynamo traces (``one_code``'s);
 - ``intact``: the per-call "layers still hold the stack's parameters" check, answered by
   Dynamo when tracing;
 - ``layer_state``: each layer's parameters and buffers, checked to agree with layer 0's;

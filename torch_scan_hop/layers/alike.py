@@ -25,7 +25,7 @@ from .. import _compat
 from ..api import scan
 from ..core import dtensors as dt, route, schedule
 from ..core.trees import ScanError
-from . import module_state, one_code, written_rows
+from . import module_state, one_code, trace_time, written_rows
 from .blocks import hidden_of
 from .checks import check_no_hooks, check_no_hooks_traced, check_no_running_stat_updates
 from .fsdp import check_fsdp
@@ -57,62 +57,95 @@ def scan_alike(layers, kinds, hidden, per_layer, remat, unroll):
         return None  # the pattern's plan runs, and raises what applies to it
     if collected:
         return None
-    members = [[i for i, k in enumerate(kinds) if k == kind] for kind in range(max(kinds) + 1)]
-    reps = [m[0] for m in members]
-    peers = [[layers[i] for i in m[1:]] for m in members]
-    labels = [[f"layer {i}" for i in m] for m in members]
+    stack = _Kinds(layers, kinds)
     xs = stack_state(states, False)
     kind_rows = torch.tensor(kinds, device=hidden.device)
     distinct = [] if varying is None else varying.distinct()  # Gemma 3's masks: two, not one per layer
-    stacks = [values for values, _ in distinct]
+    stacks, rows = [values for values, _ in distinct], [index for _, index in distinct]
 
-    def operands(h, x):
-        """(the cond's operands: kind, h and each tensor once, the layout to rebuild the rest)."""
-        params, rows, kind = x
-        kwargs = shared if varying is None else varying.rebuild([values[r] for values, r in zip(stacks, rows)])
-        leaves, spec = _compat.pytree.tree_flatten((params, kwargs))
-        where = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-        unique, slots = [h], []  # each tensor once: Dynamo's cond (2.9) names a repeated operand twice
-        for i in where:
-            j = next((j for j, u in enumerate(unique) if u is leaves[i]), None)
-            if j is None:
-                j = len(unique)
-                unique.append(leaves[i])
-            slots.append(j)
-        return (kind, *unique), (leaves, spec, where, slots)
+    def kwargs_at(step_rows):
+        return shared if varying is None else varying.rebuild([values[r] for values, r in zip(stacks, step_rows)])
 
-    def branch(k, layout, one=False):
-        """Kind k's code; with ``one``, kind 0's code for every layer (``one_code``)."""
+    excused = _one_code(layers, kinds, lambda: (hidden, states[0], per_layer[0], kind_rows[0]))  # layer 0's step
+
+    def step(h, x):
+        params, step_rows, kind = x
+        ops, layout = _operands(h, params, kwargs_at(step_rows), kind)
+        if excused is not None:
+            return stack.branch(0, layout, excused)(*ops)[0], None
+        return _chain(ops[0], [stack.branch(k, layout) for k in range(stack.count)], ops)[0], None
+
+    out, _ = scan(step, hidden, (xs, rows, kind_rows), remat=remat, unroll=unroll)
+    return out
+
+
+def one_code_excused(layers, kinds, hidden, params, kwargs, kind):
+    """Where every kind's code traces to one graph on one step's operands (``one_code``), the
+    attribute paths that tell the kinds apart (excused from the check on read), sorted; else
+    None. Run outside any trace, or by Dynamo's tracker at trace time on fakes (``trace_time``)."""
+    stack = _Kinds(layers, kinds)
+    ops, layout = _operands(hidden, params, kwargs, kind)
+    plain = [v for v in layout[0] if not isinstance(v, torch.Tensor)]
+    if not one_code.traces_alike(layers, kinds, [stack.branch(k, layout) for k in range(stack.count)], ops, plain):
+        return None
+    return tuple(sorted(one_code.excused_paths(layers, kinds)))
+
+
+def _one_code(layers, kinds, first_step):
+    """``one_code_excused`` told before the scan: outside any trace directly, under Dynamo by its
+    tracker at trace time (so Dynamo never speculates the cond); under make_fx and the like
+    None (the cond runs)."""
+    if one_code.may_decide():
+        return one_code_excused(layers, kinds, *first_step())
+    if _compat.is_dynamo_compiling() and trace_time.installed():
+        return trace_time.ask(one_code_excused, None, layers, tuple(kinds), *first_step())
+    return None
+
+
+class _Kinds:
+    """A stack's kinds: each kind's first layer (whose code its branch runs), the others of
+    its kind (checked on read against it) and their labels."""
+
+    def __init__(self, layers, kinds):
+        members = [[i for i, k in enumerate(kinds) if k == kind] for kind in range(max(kinds) + 1)]
+        self.layers, self.count = layers, len(members)
+        self.reps = [m[0] for m in members]
+        self.peers = [[layers[i] for i in m[1:]] for m in members]
+        self.labels = [[f"layer {i}" for i in m] for m in members]
+
+    def branch(self, k, layout, excused=None):
+        """Kind k's code on the cond's operands; with ``excused`` (``one_code``), layer 0's code
+        for every layer, checked on read against all of them but for the excused attributes."""
         leaves, spec, where, slots = layout
+        rep, layers = self.layers[self.reps[k]], self.layers
+        peers = self.peers[k] if excused is None else layers[1:]  # reps[0] is layer 0
 
         def run(kind, *tensors):
             full = list(leaves)
             for i, j in zip(where, slots):
                 full[i] = tensors[j]
             p, kw = _compat.pytree.tree_unflatten(full, spec)
-            checked = {LABELS: everyone, **dict.fromkeys(excused, True)} if one else {LABELS: labels[k]}
-            view = view_of(layers[reps[k]], p, peers=others if one else peers[k], checked=checked)
-            return (hidden_of(view(tensors[0], **kw), reps[k]),)
+            # the view records what it checked in ``checked``: made here, inside the branch (Dynamo
+            # refuses a cond branch that changes a dict from outside it)
+            checked = ({LABELS: self.labels[k]} if excused is None else
+                       {LABELS: [f"layer {i}" for i in range(len(layers))], **dict.fromkeys(excused, True)})
+            view = view_of(rep, p, peers=peers, checked=checked)
+            return (hidden_of(view(tensors[0], **kw), self.reps[k]),)
         return run
 
-    rows = [index for _, index in distinct]
-    one = False
-    if one_code.may_decide():  # outside any trace: tell on the first step's operands
-        first, layout = operands(hidden, (_compat.pytree.tree_map(lambda v: v[0], xs), [r[0] for r in rows],
-                                          kind_rows[0]))
-        plain = [v for v in layout[0] if not isinstance(v, torch.Tensor)]
-        one = one_code.traces_alike(layers, kinds, [branch(k, layout) for k in range(len(reps))], first, plain)
-    excused = one_code.excused_paths(layers, kinds) if one else frozenset()
-    everyone, others = [f"layer {i}" for i in range(len(layers))], layers[1:]  # reps[0] is layer 0
 
-    def step(h, x):
-        ops, layout = operands(h, x)
-        if one:
-            return branch(0, layout, one=True)(*ops)[0], None
-        return _chain(ops[0], [branch(k, layout) for k in range(len(reps))], ops)[0], None
-
-    out, _ = scan(step, hidden, (xs, rows, kind_rows), remat=remat, unroll=unroll)
-    return out
+def _operands(h, params, kwargs, kind):
+    """(the cond's operands: kind, h and each tensor once, the layout to rebuild the rest)."""
+    leaves, spec = _compat.pytree.tree_flatten((params, kwargs))
+    where = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    unique, slots = [h], []  # each tensor once: Dynamo's cond (2.9) names a repeated operand twice
+    for i in where:
+        j = next((j for j, u in enumerate(unique) if u is leaves[i]), None)
+        if j is None:
+            j = len(unique)
+            unique.append(leaves[i])
+        slots.append(j)
+    return (kind, *unique), (leaves, spec, where, slots)
 
 
 def _chain(kind, branches, operands, first=0):

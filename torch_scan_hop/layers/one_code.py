@@ -14,7 +14,9 @@ reach the graph); every other attribute the code reads is checked against every 
 
 Counted per call (``counts()``). Kept per stack and input signature (shapes, dtypes, plain values, training flags), as the kinds
 themselves are (``patterns.stack_alike``): attributes changed after a stack's first call are
-seen by neither. Under Dynamo or another trace nothing is decided here (False): the cond runs.
+seen by neither. Under Dynamo the same question is asked by its tracker at trace time, on the
+operands' fake example values (``layers.trace_time``), where it costs the same; under make_fx
+and the like nothing is decided here (False): the cond runs.
 """
 import collections
 import weakref
@@ -40,7 +42,8 @@ def counts():
 
 
 def may_decide():
-    """Outside any trace (Dynamo's, make_fx's): only there are kinds told apart before the scan."""
+    """Outside any trace (Dynamo's, make_fx's), where Python runs on the operands as they are
+    (also Dynamo's tracker at trace time): only there are kinds told apart before the scan."""
     return not _compat.is_dynamo_compiling() and not modes.tracing_modes_active()
 
 

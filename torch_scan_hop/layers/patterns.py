@@ -18,7 +18,8 @@ body still reads only layer 0's (the block's first) value of it, so ``layers.vie
 what the body reads with every peer and refuses a difference (a ScanError naming it): a wrong
 guess here costs a refusal, never a wrong number.
 
-Plain Python over ints and tuples, computed once per stack (``kinds``) outside any tracer;
+Plain Python over ints and tuples, computed once per stack (``kinds``) outside any tracer
+(under Dynamo, by its tracker at trace time: ``trace_time``);
 ``plan`` is cheap enough to run in traced code. ``stack_plan`` keeps a container's plan on it
 (``scan_model`` makes it before any trace); ``layers.blocks`` the blocks a scan over blocks runs.
 """
@@ -28,6 +29,7 @@ import torch
 
 from .. import _compat
 from ..core.trees import ScanError
+from . import trace_time
 
 _PLAIN = (bool, int, float, str, type(None))
 Segment = collections.namedtuple("Segment", "start period count")  # count blocks of period layers from start
@@ -48,7 +50,8 @@ def kinds_traced(layers):
     """``kinds`` from what Dynamo can read: module types and parameter and buffer signatures (it
     cannot enumerate a module's plain attributes). Layers told apart only by attributes fall into
     one kind, and the body's check on read refuses the attribute that differs (a ScanError, never
-    a wrong number); ``scan_model`` and a first eager call read the full kinds outside the trace."""
+    a wrong number); ``scan_model``, a first eager call or Dynamo's tracker at trace time
+    (``trace_time``) read the full kinds."""
     seen, out = [], []
     for layer in layers:
         sig = _weights_signature(layer)
@@ -181,8 +184,9 @@ def stack_plan(container, layers, period):
     hit = cache.get(key)
     if hit is not None and same_modules(hit[0], layers):  # a layer replaced since: planned again
         return hit[1]
-    if _compat.is_dynamo_compiling():  # not cached: a first eager call reads the full kinds
-        return _segments(kinds_traced(layers), len(layers), period)
+    if _compat.is_dynamo_compiling():  # not cached: the full kinds read at trace time, else the weights'
+        ks = trace_time.ask(kinds, None, list(layers))
+        return _segments(kinds_traced(layers) if ks is None else ks, len(layers), period)
     segments = _segments(kinds(layers), len(layers), period)
     cache[key] = (tuple(layers), segments)
     return segments
@@ -192,20 +196,26 @@ def stack_alike(container, layers):
     """Per layer its kind numbered 0.. in order of first use when ``layers.alike`` may run the
     stack as one scan choosing each layer's code by kind (every layer has one weight signature,
     and the layers are of several kinds), else None. Read outside Dynamo (the plain attributes)
-    and cached on the container as the plan is; None under Dynamo with no cached answer."""
+    and cached on the container as the plan is; under Dynamo with no cached answer, read at trace
+    time (``trace_time``), or None."""
     cache = container_cache(container, "_scan_layers_alike")
     hit = cache.get(len(layers))
     if hit is not None and same_modules(hit[0], layers):
         return hit[1]
-    if _compat.is_dynamo_compiling():
-        return None
-    ks, weights = kinds(layers), kinds_traced(layers)
-    value = None
-    if len(set(weights)) == 1 and len(set(ks)) > 1 and not _grouped_experts(layers[0]):
-        order = {}
-        value = tuple(order.setdefault(k, len(order)) for k in ks)
+    if _compat.is_dynamo_compiling():  # not cached: read at trace time (None where it cannot be)
+        return trace_time.ask(alike_kinds, None, list(layers))
+    value = alike_kinds(layers)
     cache[len(layers)] = (tuple(layers), value)
     return value
+
+
+def alike_kinds(layers):
+    """``stack_alike``'s answer, not cached."""
+    ks, weights = kinds(layers), kinds_traced(layers)
+    if len(set(weights)) == 1 and len(set(ks)) > 1 and not _grouped_experts(layers[0]):
+        order = {}
+        return tuple(order.setdefault(k, len(order)) for k in ks)
+    return None
 
 
 def _grouped_experts(layer):

@@ -43,8 +43,10 @@ def trace_aten_graph(fn, args, *, force_enable_grad=False):
             return _trace_fresh(fn, args, force_enable_grad)
         with outer_grad_mode_recorders_suspended():
             return _compat.materialize_as_graph(fn, tuple(args), force_enable_grad=force_enable_grad)
-    if _compat.detect_fake_mode(args) is not None:
-        return _compat.materialize_as_graph(fn, tuple(args), force_enable_grad=force_enable_grad)
+    fake_mode = _compat.detect_fake_mode(args)
+    if fake_mode is not None:  # (entered: the inputs' copies are made under it, not as real tensors)
+        with fake_mode:
+            return _compat.materialize_as_graph(fn, tuple(args), force_enable_grad=force_enable_grad)
     return _trace_fresh(fn, args, force_enable_grad)
 
 
