@@ -348,4 +348,15 @@ def frame_locals(tx):
 
 
 def fake_mode(tx):
-    return tx.output.fake_mode
+    """The frame's fake mode, for a run whose results are thrown away: the unbacked symbols
+    it makes (an index read as a size) are not the frame's to bind (2.15 raises
+    PendingUnbackedSymbolNotFound at the next node otherwise; 2.9 and 2.15:
+    ``ShapeEnv.ignore_fresh_unbacked_symbols``)."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(tx.output.fake_mode)
+    shape_env = tx.output.shape_env
+    if shape_env is not None:
+        stack.enter_context(shape_env.ignore_fresh_unbacked_symbols())
+    return stack
