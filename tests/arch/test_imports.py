@@ -40,7 +40,7 @@ FLOORS = {
     "": 8,  # torch_scan_hop/__init__.py, the package face
     "demo": 9,  # a user program of the package
 }
-RULE_HELPERS = {"__init__", "hop", "loop", "compile_errors"}  # op/ modules that are not dispatch rules
+RULE_HELPERS = {"__init__", "hop", "loop", "compile_errors", "carry_grads"}  # op/ modules that are not dispatch rules
 
 
 def _modules():

@@ -57,11 +57,11 @@ def forward(self, L_h0_ : torch.Tensor, L_xs_ : torch.Tensor, L_self_modules_lin
     return (getitem, getitem_1)""")
         body = getattr(graphs[0], scan_nodes(graphs[0])[0].args[0].target)
         self.assertExpectedInline(body.code.strip(), """\
-def forward(self, child : torch.Tensor, child_1 : torch.Tensor, l_self_modules_lin_parameters_weight_ : torch._subclasses.fake_tensor.FakeTensor, l_self_modules_lin_parameters_bias_ : torch._subclasses.fake_tensor.FakeTensor):
-    linear = torch._C._nn.linear(child, l_self_modules_lin_parameters_weight_, l_self_modules_lin_parameters_bias_);  l_self_modules_lin_parameters_weight_ = l_self_modules_lin_parameters_bias_ = None
-    add = linear + child_1;  linear = child_1 = None
+def forward(self, clone : torch.Tensor, zeros : torch.Tensor, l_self_modules_lin_parameters_weight_ : torch._subclasses.fake_tensor.FakeTensor, l_self_modules_lin_parameters_bias_ : torch._subclasses.fake_tensor.FakeTensor):
+    linear = torch._C._nn.linear(clone, l_self_modules_lin_parameters_weight_, l_self_modules_lin_parameters_bias_);  l_self_modules_lin_parameters_weight_ = l_self_modules_lin_parameters_bias_ = None
+    add = linear + zeros;  linear = zeros = None
     new_carry = torch.tanh(add);  add = None
-    y = child.sum(-1);  child = None
+    y = clone.sum(-1);  clone = None
     return (new_carry, y)""")
 
     def test_aot_forward_and_backward_graphs(self):

@@ -313,3 +313,86 @@ def python_value(var, tx):
         except Exception as e:  # noqa: BLE001 -- a function built while tracing
             raise NotImplementedError(f"no function for {var}") from e
     return var.as_python_constant()
+
+
+# --- what a speculation reads of its tensors' autograd state (op/carry_grads) ---------------
+
+_FLAG_ATTRS = ("requires_grad", "has_grad_fn")  # has_grad_fn: what ``t.grad_fn`` is told from
+_flag_recorders = []
+
+
+def _recorded_flag(name):
+    def get(var):
+        try:
+            value = var.__dict__[name]
+        except KeyError:
+            raise AttributeError(name) from None
+        node = getattr(var.__dict__.get("proxy"), "node", None)
+        for nodes in _flag_recorders:
+            nodes.append(node)
+        return value
+
+    def put(var, value):
+        var.__dict__[name] = value
+
+    return property(get, put)
+
+
+class flag_reads:  # noqa: N801  (a context manager, used as a function)
+    """Records the graph node of every TensorVariable whose ``requires_grad`` or
+    ``has_grad_fn`` Dynamo reads in the block: the user's ``t.requires_grad`` and
+    ``t.grad_fn``, an autograd.Function's ``ctx.needs_input_grad``, Dynamo's own checks.
+    torch 2.9 to 2.15: TensorVariable keeps both as plain instance attributes, set in
+    ``__init__`` and read wherever a tracker needs them, so a property on the class
+    sees every read; it stores the value where the attribute was and is removed
+    when the outermost block ends. Dynamo traces one frame at a time (its compile
+    lock), so the property is not seen by another thread's trace."""
+
+    def __enter__(self):
+        from torch._dynamo.variables import TensorVariable
+
+        if not _flag_recorders:
+            for name in _FLAG_ATTRS:
+                setattr(TensorVariable, name, _recorded_flag(name))
+        self.nodes = []
+        _flag_recorders.append(self.nodes)
+        return self.nodes
+
+    def __exit__(self, *exc):
+        from torch._dynamo.variables import TensorVariable
+
+        _flag_recorders.pop()
+        if not _flag_recorders:
+            for name in _FLAG_ATTRS:
+                delattr(TensorVariable, name)
+
+
+def tracer_graphs(tx):
+    """The graphs of the tracer now active and of those it is nested in (2.9 to 2.15:
+    ``SubgraphTracer.parent``)."""
+    tracer, graphs = tx.output.current_tracer, []
+    while tracer is not None:
+        graphs.append(tracer.graph)
+        tracer = tracer.parent
+    return graphs
+
+
+def frame_locals(tx):
+    """The real Python values of the compiled frame's locals (2.9 to 2.15: the root
+    translator's ``f_locals``); empty where not kept."""
+    return dict(getattr(getattr(tx.output, "root_tx", None), "f_locals", None) or {})
+
+
+def fake_mode(tx):
+    """The frame's fake mode, for a run whose results are thrown away: the unbacked symbols
+    it makes (an index read as a size) are not the frame's to bind (2.15 raises
+    PendingUnbackedSymbolNotFound at the next node otherwise; 2.9 and 2.15:
+    ``ShapeEnv.ignore_fresh_unbacked_symbols``)."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(tx.output.fake_mode)
+    shape_env = tx.output.shape_env
+    if shape_env is not None:
+        stack.enter_context(shape_env.ignore_fresh_unbacked_symbols())
+    return stack

@@ -21,7 +21,8 @@ selective checkpoint modes     ``checkpoint``      traced: the scan is one op to
 
 May import: ``core``, ``trace``, ``xla``, ``inductor``, ``_compat``. Rules import only
 ``hop`` (the operator), ``loop`` (the eager loop they share), ``compile_errors`` (the
-ScanErrors of a failed torch.compile capture, also raised by the front ends under Dynamo)
+ScanErrors of a failed torch.compile capture, also raised by the front ends under Dynamo),
+``carry_grads`` (the carries' requires-grad flags ``dynamo`` speculates a body with)
 and the layers below, never each other (tests/arch/test_imports.py checks).
 """
 from . import (

@@ -22,12 +22,12 @@ from .. import _compat
 from .._compat import versions
 from ..core import dtensors as dt
 from ..core.checks import input_name, mutation_message
-from ..core.op_args import slice_example
 from ..remat.policies import RematPolicy, as_token
 from ..trace.body_checks import is_leaf_write_error
 from ..trace.flat_body import _ERROR, rewritten_step
 from ..trace.indexing import TensorIndexRewrite, rewrite_graph_indexing
 from ..trace import example_values, same_branches
+from . import carry_grads
 from .compile_errors import GRAPH_BREAK, capture_failure, compile_error, tensor_repr_releases_its_guard
 
 
@@ -68,18 +68,8 @@ def _make_tracker_class():
             _check_dtensor_sharded_sizes([("init", [_example(v) for v in init_vars]),
                                           ("xs", [_example(v) for v in xs_vars]),
                                           ("closure", [_example(v) for v in add_vars])])
-            carry_grad, body = None, _Body(combine_fn, len(init_vars), len(xs_vars))
-            for _ in range(len(init_vars) + 1):  # the carries' requires_grad fixed point
-                with dyn.discard_graph_changes(tx):
-                    sub_args = [v.call_method(tx, "clone", args=(), kwargs={}) for v in init_vars]
-                    sub_args += [dyn.inlined(tx, slice_example)(v) for v in xs_vars]
-                    sub_args += [v.call_method(tx, "clone", args=(), kwargs={}) for v in add_vars]
-                carry_grad = _require_grad(sub_args[:len(init_vars)], carry_grad)
-                (_, spec), graph, freevars = body.speculate(tx, sub_args, self.value)
-                grown = _carries_requiring_grad(graph, carry_grad)
-                if grown == carry_grad:
-                    break
-                carry_grad = grown
+            body = _Body(combine_fn, len(init_vars), len(xs_vars))
+            (_, spec), graph, freevars = carry_grads.speculate(tx, body, init_vars, xs_vars, add_vars, self.value)
             _check_dtensor_sharded_sizes([("closure", [p.node.meta.get("example_value") for p in freevars])])
             _reject_constant_ys(spec)
             same_branches.inline_identical_conds(graph, lambda name: dyn.installed_subgraph(tx, name))
@@ -111,16 +101,17 @@ class _Body:
                 with TensorIndexRewrite(refresh_stale_reads=False):  # (rewrite_graph_indexing reads again)
                     out = dyn.speculate_subgraph(
                         tx, self.fn, sub_args, description="torch_scan_hop.scan body",
-                        source_target=source_target, set_subgraph_inputs="flatten_manual",
+                        source_target=source_target, set_subgraph_inputs=_inputs_mode(sub_args),
                         should_flatten_outputs=True, supports_input_mutation=False, supports_aliasing=True)
                 if self.copied or _versions(sub_args[:self.num_carry]) == before:
                     return out
                 self._copy()  # a write Dynamo's own check missed: into a vmapped carry's batched value
                 continue
             except Exception as e:
-                mutated = _mutated_inputs(e) or ([0] if is_leaf_write_error(e) else [])
+                names = _input_names(sub_args)
+                mutated = _mutated_inputs(e, names) or ([0] if is_leaf_write_error(e) else [])
                 if self.copied or not mutated or any(i >= self.num_carry for i in mutated):
-                    _raise_if_input_mutation(e, self.num_carry, self.num_x)
+                    _raise_if_input_mutation(e, self.num_carry, self.num_x, names)
                     raise
                 self._copy()
 
@@ -129,6 +120,16 @@ class _Body:
 
         self.copied = True
         self.fn = dyn.partial_tracker(rewritten_step, [dyn.constant(self.num_carry), self.fn])
+
+
+def _inputs_mode(sub_args):
+    """How the speculation makes the body's placeholders. Our arguments are flat: with every one
+    a tensor in the graph, "manual" makes one placeholder each, as "flatten_manual" does after
+    Dynamo inlined ``tree_flatten`` and ``tree_unflatten`` over them, a third of a small body's
+    speculation. Anything else (a constant leaf: "manual" would give it a placeholder of its
+    own) takes "flatten_manual"."""
+    tensors = all(isinstance(_example(v), torch.Tensor) for v in sub_args)
+    return "manual" if tensors else "flatten_manual"
 
 
 def _versions(carry_vars):
@@ -143,27 +144,38 @@ def _versions(carry_vars):
     return versions
 
 
-def _mutated_inputs(e):
+def _input_names(sub_args):
+    """The names the body's placeholders get: the arguments' own node names with "manual" inputs,
+    "child", "child_1", ... after Dynamo's inlined ``tree_unflatten`` ("flatten_manual")."""
+    if _inputs_mode(sub_args) == "manual":
+        return [v.as_proxy().node.name for v in sub_args]
+    return None
+
+
+def _mutated_inputs(e, arg_names=None):
     """Positions of the subgraph inputs (flattened carries, x slices, closures) Dynamo found written
     into, read from its message: "Input mutation detected at [child_2] in graph(): ..." lists the
     mutated placeholders by name, then the graph, whose placeholders come first, in order (their
-    names are not positions: child, child_1 may be taken by the enclosing graph)."""
+    names are not positions: child, child_1 may be taken by the enclosing graph). Without the
+    graph: by ``arg_names`` (``_input_names``), else as "child" names' positions."""
     text = f"{e} {getattr(e, 'msg', '')}"
     found = re.search(r"[Ii]nput mutation detected at \[([^\]]*)\]", text)
     if found is None:
         return []
     placeholders = list(dict.fromkeys(re.findall(r"placeholder\[target=([^\]]+)\]", text[found.end():])))
     names = [n.strip() for n in found.group(1).split(",")]
+    if not placeholders and arg_names is not None:  # no graph in the message: the arguments' names
+        return [arg_names.index(n) if n in arg_names else 10 ** 9 for n in names]
     if not placeholders:  # no graph in the message: the default names are positions
         parsed = [re.fullmatch(r"child(?:_(\d+))?", n) for n in names]
         return [int(m.group(1) or 0) if m else 10 ** 9 for m in parsed]
     return [placeholders.index(n) if n in placeholders else 10 ** 9 for n in names]
 
 
-def _raise_if_input_mutation(e, num_carry, num_x):
+def _raise_if_input_mutation(e, num_carry, num_x, arg_names=None):
     """Dynamo refuses a body that writes into an input with its own generic message ("Input mutation
     detected at [child_1]"); the ScanError names the leaf, as make_fx's check does."""
-    mutated = _mutated_inputs(e)
+    mutated = _mutated_inputs(e, arg_names)
     if mutated:
         names = [input_name(i, num_carry, num_x) if i < 10 ** 9 else "a closed-over tensor" for i in mutated]
         raise compile_error(mutation_message(", ".join(dict.fromkeys(names)))) from e
@@ -197,35 +209,6 @@ def _check_dtensor_sharded_sizes(groups):
                     "dynamic sizes only along dims that are not sharded (uneven shards would give the ranks "
                     "different graphs). Compile with torch.compile(..., dynamic=False), or with the default "
                     "dynamic=None when only unsharded dims change (dynamic=True makes every size dynamic).")
-
-
-def _require_grad(carry_vars, flags):
-    """The carries' example values, made to require grad where ``flags`` says
-    (None: as init's). The body is traced with a carry requiring grad when any
-    step's does, as in the loop from step 2 on: what reads requires_grad at trace
-    time (an autograd.Function's ``ctx.needs_input_grad``) must see it. A carry
-    wrapped by a torch.func transform (Dynamo tracing ``grad(f)``) is left as it is:
-    functorch refuses ``requires_grad_`` there and differentiates by its own levels.
-    A carry no transform wraps is marked also while one is active (an unbatched carry of
-    ``vmap(f)`` whose body applies a module with trained weights)."""
-    examples = [_example(v) for v in carry_vars]
-    if flags is None:
-        return [isinstance(e, torch.Tensor) and e.requires_grad for e in examples]
-    with _compat.disable_proxy_modes_tracing(), _compat.functorch.requires_grad_allowed():
-        for var, e, flag in zip(carry_vars, examples, flags):
-            if flag and not e.requires_grad and not _compat.is_functorch_wrapped(e):
-                var.as_proxy().node.meta["example_value"] = e.detach().requires_grad_()
-    return flags
-
-
-def _carries_requiring_grad(graph, flags):
-    """``flags`` grown by the body's carry outputs that require grad."""
-    (outs,) = graph.find_nodes(op="output")[0].args
-    grown = []
-    for flag, out in zip(flags, outs[:len(flags)]):
-        e = out.meta.get("example_value") if isinstance(out, torch.fx.Node) else None
-        grown.append(flag or (isinstance(e, torch.Tensor) and e.requires_grad))
-    return grown
 
 
 def _clone_outputs_that_are_inputs(graph):
