@@ -62,6 +62,15 @@ def child_modules(module):
     return module._modules
 
 
+def state_tensor(module, path, is_param):
+    """The parameter (or buffer) at ``path`` (a state_dict name split at its dots) of ``module``:
+    the dict reads ``own_parameters``/``child_modules`` would make, in one function (under
+    Dynamo one inlined call per tensor)."""
+    for part in path[:-1]:
+        module = module._modules[part]
+    return (module._parameters if is_param else module._buffers)[path[-1]]
+
+
 def children_named(modules, name):
     """Each module's child ``name``: ``child_modules`` in one list comprehension
     (under Dynamo one inlined call, not one per module)."""

@@ -9,6 +9,7 @@ import torch
 
 from .. import _compat
 from ..core.trees import ScanError
+from . import trace_time
 from .grads import registered_stacks
 from .ownership import container_of
 
@@ -62,12 +63,19 @@ def check_no_hooks_traced(layers, token):
     added after compiling is not seen, for a compiled loop as well), so the
     check is made once, in Python, when the body is traced: walking every
     layer's modules in traced code made the trace grow with depth (~1.5 s from
-    8 to 64 layers). Needs a stacked container (its token finds the layers).
+    8 to 64 layers). A stacked container's token finds the layers; any other
+    stack is walked by Dynamo's tracker at trace time (``trace_time``).
     Whether transformers collects outputs is read in traced code: it changes
     from call to call (a guard), the hooks do not."""
     keys = None
     if token is not None and _compat.dynamo.hook_guards_skipped():
         keys = _capture_keys_when_traced(token)
+    if keys is None and _compat.dynamo.hook_guards_skipped():  # any stack: the walk in Python at trace time
+        answer = trace_time.ask(_traced_hooks, None, list(layers))
+        if answer is not None:
+            message, keys = answer
+            if message:
+                raise ScanError(message)
     if keys is None:
         return check_no_hooks(layers)  # traced: raises the ScanError naming the hooked layer
     return collected_now(keys)

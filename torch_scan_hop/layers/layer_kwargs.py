@@ -52,10 +52,12 @@ class Varying:
 def split(per_layer, where):
     """``(shared, varying)``: the keywords every layer gets unchanged (a dict), and a ``Varying``
     (None when every leaf is shared). ``per_layer``: one dict per layer; ``where(i)`` names layer i."""
-    flat = [_compat.pytree.tree_flatten(kw) for kw in per_layer]
+    flat = _flat_plain(per_layer) if _compat.is_dynamo_compiling() else None
+    if flat is None:
+        flat = [_compat.pytree.tree_flatten(kw) for kw in per_layer]
     spec = flat[0][1]
     for i, (_, s) in enumerate(flat[1:], 1):
-        if s != spec:
+        if s is not spec and s != spec:
             raise ScanError(f"scan_layers: {where(i)}'s keyword inputs have the structure {s}, {where(0)}'s "
                             f"{spec}; a scan needs one structure for every layer (pass None where a layer "
                             "has no value).")
@@ -78,6 +80,53 @@ def split(per_layer, where):
     if not positions:
         return _compat.pytree.tree_unflatten(template, spec), None
     return None, Varying(spec, template, positions, columns)
+
+
+def _flat_plain(per_layer):
+    """``tree_flatten`` of each layer's keywords where every one is a tree of dicts, lists and
+    tuples: layer 0's by pytree, the others by a plain walk giving the same leaves in the same
+    order and, where their structure is layer 0's, layer 0's spec itself (else their own, by
+    pytree, for the message). Traced by Dynamo, pytree's walk of one layer's keywords cost
+    ~80 ms (~1.3 s at 16 layers); the plain walk a fraction. None where a keyword is another
+    container (a pytree node of its own): pytree then walks every layer."""
+    leaves0, spec = _compat.pytree.tree_flatten(per_layer[0])
+    shape0 = _plain_shape(per_layer[0])
+    if shape0 is None:
+        return None
+    flat = [(leaves0, spec)]
+    for kw in per_layer[1:]:
+        leaves = []
+        shape = _plain_shape(kw, leaves)
+        if shape is None:
+            return None
+        flat.append((leaves, spec) if shape == shape0 else _compat.pytree.tree_flatten(kw))
+    return flat
+
+
+def _plain_shape(x, leaves=None):
+    """The structure of a tree of dicts (in key order, as pytree), lists and tuples, its leaves
+    appended to ``leaves``; None where a node is another container."""
+    if type(x) is dict:
+        parts = ["dict"]
+        for key, v in x.items():
+            sub = _plain_shape(v, leaves)
+            if sub is None:
+                return None
+            parts.append((key, sub))
+        return tuple(parts)
+    if type(x) in (list, tuple):
+        parts = [type(x).__name__]
+        for v in x:
+            sub = _plain_shape(v, leaves)
+            if sub is None:
+                return None
+            parts.append(sub)
+        return tuple(parts)
+    if x is None or isinstance(x, torch.Tensor) or type(x) in _PLAIN:
+        if leaves is not None:
+            leaves.append(x)
+        return "leaf"
+    return None
 
 
 def _check_alike(column, spec, pos, where):

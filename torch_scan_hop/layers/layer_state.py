@@ -14,6 +14,7 @@ import torch
 from .. import _compat
 from ..core import dtensors as dt
 from ..core.trees import ScanError
+from . import trace_time
 
 
 def layer_states(layers):
@@ -23,7 +24,36 @@ def layer_states(layers):
     dtypes. Written as plain dict walks rather than ``named_parameters()``:
     Dynamo traces this once per layer, and the generator machinery of
     ``named_parameters`` cost ~0.1 s per layer to trace (6 s at depth 64).
+    Under Dynamo the walk and the check run in Python at trace time
+    (``trace_time``), and the traced code only fetches each tensor by its path:
+    the simulated walk still cost ~0.3 s per Gemma 3 layer.
     """
+    if _compat.is_dynamo_compiling():
+        paths = trace_time.ask(_state_paths, None, list(layers))
+        if paths is not None:
+            return [{name: _compat.nn.state_tensor(layer, path, is_param) for name, path, is_param in paths}
+                    for layer in layers]
+    return _checked_states(layers)
+
+
+def _state_paths(layers):
+    """``((name, path, is_parameter), ...)`` of layer 0's state, in ``layer_state``'s order, after the
+    check of every layer against it (a ScanError as ``layer_states`` raises it)."""
+    states = _checked_states(layers)
+    params = {name for name, _ in _named_parameters(layers[0], "")}
+    return tuple((name, tuple(name.split(".")), name in params) for name in states[0])
+
+
+def _named_parameters(module, prefix):
+    for name, p in _compat.nn.own_parameters(module).items():
+        if p is not None:
+            yield prefix + name, p
+    for name, sub in _compat.nn.child_modules(module).items():
+        if sub is not None:
+            yield from _named_parameters(sub, prefix + name + ".")
+
+
+def _checked_states(layers):
     states = [layer_state(layer, "", {}) for layer in layers]
     ref, ref_state = layers[0], states[0]
     for i in range(1, len(layers)):
