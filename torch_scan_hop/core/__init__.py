@@ -16,6 +16,7 @@
 - ``torch_xla_keywords``: torch_xla's scan keywords (``partition_fn``, ``is_fn_pure``) mapped
   onto ours;
 - ``aten_nodes``: what an ATen call in a traced graph does to its inputs (graph passes ask);
+- ``grad_reach``: whether a tensor requiring grad is within reach of a body's closures;
 - ``drain``: autograd work a failed backward leaves queued, freed while Python still runs.
 
 (Remat, what a step keeps for its backward, is the ``remat`` folder above this one.)

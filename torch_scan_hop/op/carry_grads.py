@@ -26,6 +26,7 @@ import types
 import torch
 
 from .. import _compat
+from ..core import grad_reach
 
 
 def speculate(tx, body, init_vars, xs_vars, add_vars, source_target):
@@ -74,7 +75,8 @@ def _guess(tx, init_vars, xs_vars, add_vars, init_flags):
         return init_flags
     examples = [_example(v) for v in (*init_vars, *xs_vars, *add_vars)]
     placeholders = [p.meta.get("example_value") for g in dyn.tracer_graphs(tx) for p in g.find_nodes(op="placeholder")]
-    if not (_any_requires_grad(examples + placeholders) or _reaches_grad(dyn.frame_locals(tx).values(), 2)):
+    if not (_any_requires_grad(examples + placeholders)
+            or grad_reach.reaches_grad(dyn.frame_locals(tx).values(), 2)):
         return init_flags
     guess = []
     for flag, e in zip(init_flags, examples):
@@ -85,30 +87,6 @@ def _guess(tx, init_vars, xs_vars, add_vars, init_flags):
 
 def _any_requires_grad(values):
     return any(isinstance(v, torch.Tensor) and v.requires_grad for v in values)
-
-
-def _reaches_grad(values, depth):
-    """Whether a tensor requiring grad is among ``values``: a tensor, a module's parameter,
-    an item of a list, tuple or dict, what a function closes over or a bound method's
-    module (``depth`` levels of functions deep: a body made by a function of a function)."""
-    for v in values:
-        for item in (v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else (v,)):
-            if isinstance(item, torch.Tensor) and item.requires_grad:
-                return True
-            if isinstance(item, torch.nn.Module) and any(p.requires_grad for p in item.parameters()):
-                return True
-            if depth > 1 and callable(item) and getattr(item, "__closure__", None):
-                cells = [_cell_contents(c) for c in item.__closure__]
-                if _reaches_grad([*cells, getattr(item, "__self__", None)], depth - 1):
-                    return True
-    return False
-
-
-def _cell_contents(cell):
-    try:
-        return cell.cell_contents
-    except ValueError:  # an empty cell
-        return None
 
 
 def _least_fixed_point(tx, graph, init_flags, guess, reads, outer_graphs):

@@ -36,7 +36,7 @@ import types
 import torch
 
 from .. import _compat
-from ..core import modes, trace_lock
+from ..core import grad_reach, modes, trace_lock
 from . import mesh_texts
 
 _MAX_BODIES = 256  # distinct body codes with an entry of their own
@@ -67,14 +67,7 @@ def applies(fn, leaves, remat):
 def _body_key(fn):
     """What a Dynamo failure is remembered by: the body's code and what its closure holds."""
     cells = getattr(fn, "__closure__", None) or ()
-    return fn.__code__, tuple(type(_cell_contents(c)) for c in cells)
-
-
-def _cell_contents(cell):
-    try:
-        return cell.cell_contents
-    except ValueError:  # an empty cell
-        return None
+    return fn.__code__, tuple(type(grad_reach.cell_contents(c)) for c in cells)
 
 
 def first_sight(fn, leaves, options):
@@ -85,7 +78,7 @@ def first_sight(fn, leaves, options):
     sends a call to Dynamo's capture, which sees the change itself. A call that
     may train is never a first sight (the module docstring says why); asked only
     of a call not seen before (a repeated call does not walk the closures again)."""
-    cells = tuple(_meta(_cell_contents(c)) for c in getattr(fn, "__closure__", None) or ())
+    cells = tuple(_meta(grad_reach.cell_contents(c)) for c in getattr(fn, "__closure__", None) or ())
     # no grad mode in the key: a call recorded here trains nothing, with grad mode or without
     key = (fn.__code__, tuple(sorted(options.items())), cells, tuple(_meta(t) for t in leaves))
     with _lock:
@@ -113,22 +106,7 @@ def _may_train(fn, leaves):
     torch_xla's when every call with grad mode was captured at once)."""
     if not torch.is_grad_enabled():
         return False
-    return any(t.requires_grad for t in leaves) or _reaches_grad(fn, 2)
-
-
-def _reaches_grad(fn, depth):
-    values = [_cell_contents(c) for c in getattr(fn, "__closure__", None) or ()]
-    values.append(getattr(fn, "__self__", None))  # a bound method's module
-    for v in values:
-        for item in (v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else (v,)):
-            if isinstance(item, torch.Tensor) and item.requires_grad:
-                return True
-            if isinstance(item, torch.nn.Module) and any(p.requires_grad for p in item.parameters()):
-                return True
-            if depth > 1 and callable(item) and getattr(item, "__closure__", None):
-                if _reaches_grad(item, depth - 1):
-                    return True
-    return False
+    return any(t.requires_grad for t in leaves) or grad_reach.reaches_grad(grad_reach.closed_over(fn), 2)
 
 
 def _meta(v):
