@@ -18,7 +18,7 @@ import warnings
 import torch
 
 from .. import _compat
-from .._compat import versions
+from . import trace_time
 from .ownership import layers_hold_stack_parameters
 
 _NAME = "torch_scan_hop_layers_intact"
@@ -114,14 +114,6 @@ def _make_tracker_class():
 
 def install():
     """Register the tracker for our op's name (idempotent)."""
-    from .._compat.dynamo import tracker_registry
-
-    registry = tracker_registry()
-    try:
-        registry.setdefault(_NAME, _make_tracker_class())
-    except (AttributeError, TypeError, ImportError) as e:  # a torch whose Dynamo internals moved
-        warnings.warn(f"torch_scan_hop supports {versions.supported_range()}; on torch {torch.__version__} the "
-                      f"tracker of stacked storage's check could not be installed ({e}): under "
-                      "torch.compile the check is traced, compile time then grows with depth.")
-        return
-    _installed[0] = True
+    _installed[0] = trace_time.install_tracker(
+        _NAME, _make_tracker_class, "of stacked storage's check",
+        "the check is traced, compile time then grows with depth")

@@ -101,17 +101,24 @@ def _make_tracker_class():
 
 def install():
     """Register the tracker for our op's name (idempotent)."""
+    _installed[0] = install_tracker(_NAME, _make_tracker_class, "of questions asked while tracing",
+                                    "a stack of several layer kinds then runs a cond between them")
+
+
+def install_tracker(name, make_class, what, otherwise):
+    """Register the tracker ``make_class()`` for the HOP ``name`` (idempotent): whether it is.
+    A torch whose Dynamo internals moved gets a warning naming the tracker (``what``) and what
+    torch.compile then does (``otherwise``)."""
     from .._compat.dynamo import tracker_registry
 
     registry = tracker_registry()
     try:
-        registry.setdefault(_NAME, _make_tracker_class())
+        registry.setdefault(name, make_class())
     except (AttributeError, TypeError, ImportError) as e:  # a torch whose Dynamo internals moved
         warnings.warn(f"torch_scan_hop supports {versions.supported_range()}; on torch {torch.__version__} the "
-                      f"tracker of questions asked while tracing could not be installed ({e}): under "
-                      "torch.compile a stack of several layer kinds then runs a cond between them.")
-        return
-    _installed[0] = True
+                      f"tracker {what} could not be installed ({e}): under torch.compile {otherwise}.")
+        return False
+    return True
 
 
 def installed():
