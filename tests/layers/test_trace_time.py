@@ -73,3 +73,17 @@ def test_an_answer_that_is_no_constant_is_refused():
 
 def test_outside_dynamo_the_default():
     assert trace_time.ask(_shape_and_scale, "default", torch.zeros(2), Scaled(), {"k": 1, "pair": (0, 0)}) == "default"
+
+
+def test_a_module_the_frame_changed_gives_the_default():
+    """The real module lags the trace once the compiled frame set one of its attributes: no
+    answer from it (the traced code's general path reads what the frame set)."""
+    module = Scaled()
+
+    def fn(x):
+        module.lin.extra = 1  # a submodule changed in the frame
+        answer = trace_time.ask(_shape_and_scale, None, x, module, {"k": 5, "pair": (1, 7)})
+        return x + (0 if answer is None else 1)
+
+    out, _ = _compiled(fn, torch.zeros(2))
+    torch.testing.assert_close(out, torch.zeros(2))

@@ -279,12 +279,13 @@ def partial_tracker(fn, args):
     return FunctoolsPartialVariable(UserFunctionVariable(fn), list(args), {})
 
 
-def python_value(var, tx):
+def python_value(var, tx, modules=None):
     """The Python value a tracker stands for, for a function run at trace time on what the traced
     code holds: a tensor as its example value (a fake of Dynamo's fake mode), lists, tuples and
     dicts item by item, an nn.Module or a function as itself, constants as themselves (2.9 to
     2.15: ``TensorVariable``'s proxy node keeps ``example_value``, containers keep ``items``,
-    dict keys are ``HashableTracker``s with ``vt``, module trackers keep ``value``).
+    dict keys are ``HashableTracker``s with ``vt``, module trackers keep ``value``). Modules met
+    are appended to ``modules`` (to ask ``modified_in_trace`` of them).
 
     Raises:
         NotImplementedError: a value with no such stand-in (a symbolic int, an object built while
@@ -301,11 +302,15 @@ def python_value(var, tx):
             value = tx.fake_mode.from_tensor(value, static_shapes=True)
         return value
     if isinstance(var, BaseListVariable):
-        items = [python_value(v, tx) for v in var.items]
+        items = [python_value(v, tx, modules) for v in var.items]
         return tuple(items) if issubclass(var.python_type(), tuple) else items
     if isinstance(var, ConstDictVariable):
-        return {k.vt.as_python_constant(): python_value(v, tx) for k, v in var.items.items()}
+        return {k.vt.as_python_constant(): python_value(v, tx, modules) for k, v in var.items.items()}
     if isinstance(getattr(var, "value", None), torch.nn.Module):
+        if getattr(var, "source", None) is None:  # built while tracing: its real object lags the trace
+            raise NotImplementedError(f"a module built while tracing: {var}")
+        if modules is not None:
+            modules.append(var.value)
         return var.value
     if hasattr(var, "get_function"):
         try:

@@ -71,6 +71,12 @@ def state_tensor(module, path, is_param):
     return (module._parameters if is_param else module._buffers)[path[-1]]
 
 
+def tree_objects(module):
+    """Every module of ``module``'s tree and the dicts holding its parameters, buffers and
+    children: the objects a traced frame may have changed (an attribute set, a parameter swapped)."""
+    return [o for m in module.modules() for o in (m, m._parameters, m._buffers, m._modules)]
+
+
 def children_named(modules, name):
     """Each module's child ``name``: ``child_modules`` in one list comprehension
     (under Dynamo one inlined call, not one per module)."""

@@ -89,9 +89,13 @@ def _make_tracker_class():
         def _call_function(self, tx, args, kwargs):
             args = dyn.realize_all(list(args))
             default = args[1].as_python_constant()
+            modules = []
             try:
-                fn, values = dyn.python_value(args[0], tx), [dyn.python_value(a, tx) for a in args[2:]]
+                fn, values = dyn.python_value(args[0], tx), [dyn.python_value(a, tx, modules) for a in args[2:]]
+                changed = dyn.modified_in_trace(tx, [o for module in modules for o in _compat.nn.tree_objects(module)])
             except (NotImplementedError, AttributeError, TypeError, KeyError):
+                changed = True
+            if changed:  # no stand-in, or the frame changed a module: the real objects lag the trace
                 _counts["default"] += 1
                 return dyn.constant(default)
             return dyn.constant(_answer(fn, default, values))
