@@ -22,7 +22,7 @@ def speculations(monkeypatch):
     seen, real = [], op_dynamo._Body.speculate
 
     def spy(self, tx, sub_args, source_target):
-        seen.append([op_dynamo._example(v).requires_grad for v in sub_args[:self.num_carry]])
+        seen.append([op_dynamo.example_of(v).requires_grad for v in sub_args[:self.num_carry]])
         return real(self, tx, sub_args, source_target)
 
     monkeypatch.setattr(op_dynamo._Body, "speculate", spy)

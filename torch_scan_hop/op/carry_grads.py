@@ -45,7 +45,7 @@ def speculate(tx, body, init_vars, xs_vars, add_vars, source_target):
         _require_grad(sub_args[:n], flags)
         return body.speculate(tx, sub_args, source_target)
 
-    init_flags = [isinstance(e, torch.Tensor) and e.requires_grad for e in map(_example, init_vars)]
+    init_flags = [isinstance(e, torch.Tensor) and e.requires_grad for e in map(example_of, init_vars)]
     flags, made = init_flags, {}
     guess = _guess(tx, init_vars, xs_vars, add_vars, init_flags)
     if guess != init_flags:
@@ -73,7 +73,7 @@ def _guess(tx, init_vars, xs_vars, add_vars, init_flags):
 
     if not torch.is_grad_enabled():
         return init_flags
-    examples = [_example(v) for v in (*init_vars, *xs_vars, *add_vars)]
+    examples = [example_of(v) for v in (*init_vars, *xs_vars, *add_vars)]
     placeholders = [p.meta.get("example_value") for g in dyn.tracer_graphs(tx) for p in g.find_nodes(op="placeholder")]
     if not (_any_requires_grad(examples + placeholders)
             or grad_reach.reaches_grad(dyn.frame_locals(tx).values(), 2)):
@@ -185,7 +185,7 @@ def _require_grad(carry_vars, flags):
     of ``vmap(f)`` whose body applies a module with trained weights)."""
     with _compat.disable_proxy_modes_tracing(), _compat.functorch.requires_grad_allowed():
         for var, flag in zip(carry_vars, flags):
-            e = _example(var)
+            e = example_of(var)
             if flag and not e.requires_grad and not _compat.is_functorch_wrapped(e):
                 var.as_proxy().node.meta["example_value"] = e.detach().requires_grad_()
 
@@ -200,7 +200,7 @@ def carries_requiring_grad(graph, flags):
     return grown
 
 
-def _example(var):
+def example_of(var):
     """The example value of a traced variable; None for one without a graph node (a constant)."""
     try:
         proxy = var.as_proxy()

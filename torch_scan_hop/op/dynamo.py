@@ -28,6 +28,7 @@ from ..trace.flat_body import _ERROR, rewritten_step
 from ..trace.indexing import TensorIndexRewrite, rewrite_graph_indexing
 from ..trace import example_values, same_branches
 from . import carry_grads
+from .carry_grads import example_of
 from .compile_errors import GRAPH_BREAK, capture_failure, compile_error, tensor_repr_releases_its_guard
 
 
@@ -65,9 +66,9 @@ def _make_tracker_class():
             options = _non_default_options(options)
             init_vars, xs_vars = init.unpack_var_sequence(tx), xs.unpack_var_sequence(tx)
             add_vars = additional.unpack_var_sequence(tx)
-            _check_dtensor_sharded_sizes([("init", [_example(v) for v in init_vars]),
-                                          ("xs", [_example(v) for v in xs_vars]),
-                                          ("closure", [_example(v) for v in add_vars])])
+            _check_dtensor_sharded_sizes([("init", [example_of(v) for v in init_vars]),
+                                          ("xs", [example_of(v) for v in xs_vars]),
+                                          ("closure", [example_of(v) for v in add_vars])])
             body = _Body(combine_fn, len(init_vars), len(xs_vars))
             (_, spec), graph, freevars = carry_grads.speculate(tx, body, init_vars, xs_vars, add_vars, self.value)
             _check_dtensor_sharded_sizes([("closure", [p.node.meta.get("example_value") for p in freevars])])
@@ -128,7 +129,7 @@ def _inputs_mode(sub_args):
     Dynamo inlined ``tree_flatten`` and ``tree_unflatten`` over them, a third of a small body's
     speculation. Anything else (a constant leaf: "manual" would give it a placeholder of its
     own) takes "flatten_manual"."""
-    tensors = all(isinstance(_example(v), torch.Tensor) for v in sub_args)
+    tensors = all(isinstance(example_of(v), torch.Tensor) for v in sub_args)
     return "manual" if tensors else "flatten_manual"
 
 
@@ -137,7 +138,7 @@ def _versions(carry_vars):
     vmapped carry bumps its batched value's counter only)."""
     versions = []
     for var in carry_vars:
-        e = _example(var)
+        e = example_of(var)
         while isinstance(e, torch.Tensor) and _compat.functorch.is_functorch_wrapped(e):
             e = _compat.functorch.functorch_unwrap(e)
         versions.append(e._version if isinstance(e, torch.Tensor) else None)
@@ -179,15 +180,6 @@ def _raise_if_input_mutation(e, num_carry, num_x, arg_names=None):
     if mutated:
         names = [input_name(i, num_carry, num_x) if i < 10 ** 9 else "a closed-over tensor" for i in mutated]
         raise compile_error(mutation_message(", ".join(dict.fromkeys(names)))) from e
-
-
-def _example(var):
-    """The example value of a traced variable; None for one without a graph node (a constant)."""
-    try:
-        proxy = var.as_proxy()
-    except (AttributeError, NotImplementedError):
-        return None
-    return proxy.node.meta.get("example_value") if isinstance(proxy, torch.fx.Proxy) else None
 
 
 def _check_dtensor_sharded_sizes(groups):
