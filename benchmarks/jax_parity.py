@@ -20,7 +20,8 @@ jax is optional (``pip install -e '.[bench]'``): without it the jax columns say 
 ours is compared with the compiled loop instead. ``--bodies rnn,rnn_no_tanh,rnn_no_mm`` adds the
 RNN's step less its tanh (``(c @ W + x) * 0.5``) and less its matmul (``tanh(c * 0.5 + x)``):
 their differences to the full step are what the tanh and the matmul cost on each side.
-``--sides jax,scan`` runs only those sides (all four by default).
+``--sides jax,scan`` runs only those sides (all four by default). ``--passes-off fast_tanh`` runs
+ours with those codegen passes off (what each is worth: ``fast_tanh`` is the tanh in our loops).
 Run: python benchmarks/jax_parity.py [--lengths 16,256,1024] [--bodies rnn,mlp] [--sides ...] [--repeat 20]
 """
 import argparse
@@ -41,6 +42,7 @@ LOOP_MAX_T = {"rnn": 256, "mlp": 16, "rnn_no_tanh": 256, "rnn_no_mm": 256}  # th
 SHAPES = {"rnn": {"H": 64, "B": 8}, "mlp": {"H": 256, "B": 64, "layers": 4},
           "rnn_no_tanh": {"H": 64, "B": 8}, "rnn_no_mm": {"H": 64, "B": 8}}
 MARK = "@@jax-parity@@ "
+PASSES_OFF = "JAX_PARITY_PASSES_OFF"
 
 
 def make_inputs(body, t):
@@ -186,8 +188,22 @@ def torch_worker(cases, repeat, impl):
     # kernel with a tiled loop (sympy.simplify imports sympy.physics): not the scan's compile
     warm, w = torch.ones(8, 16, requires_grad=True), torch.ones(16, 16)
     torch.autograd.grad(torch.compile(lambda x: torch.tanh(x @ w).sum(-1).sum())(warm), warm)
-    return {f"{body}/{t}/{mode}": measure(body, t, mode) for body, t, mode in cases
-            if scan is not None or t <= LOOP_MAX_T[body]}
+    with _passes_off():
+        return {f"{body}/{t}/{mode}": measure(body, t, mode) for body, t, mode in cases
+                if scan is not None or t <= LOOP_MAX_T[body]}
+
+
+def _passes_off():
+    """``--passes-off`` (handed to the workers as PASSES_OFF): our codegen passes turned off, to
+    measure what one of them is worth (e.g. ``fast_tanh``)."""
+    import contextlib
+
+    names = [n for n in os.environ.get(PASSES_OFF, "").split(",") if n]
+    if not names:
+        return contextlib.nullcontext()
+    from torch_scan_hop.inductor import codegen
+
+    return codegen.passes_off(*names)
 
 
 # ---- the driver -----------------------------------------------------------------------------------
@@ -266,7 +282,10 @@ def main():
     parser.add_argument("--sides", default="jax,scan,scan_cpp,loop")
     parser.add_argument("--worker", choices=["jax", "scan", "scan_cpp", "loop"])
     parser.add_argument("--cases")
+    parser.add_argument("--passes-off", default="", help="our codegen passes to turn off, comma-separated (fast_tanh, ...)")
     args = parser.parse_args()
+    if args.passes_off:
+        os.environ[PASSES_OFF] = args.passes_off
     if args.worker:
         cases = json.loads(args.cases)
         out = jax_worker(cases, args.repeat) if args.worker == "jax" else torch_worker(cases, args.repeat, args.worker)

@@ -165,3 +165,40 @@ def fx_compile():
     from torch._inductor.compile_fx import _InProcessFxCompile
 
     return _InProcessFxCompile
+
+
+def wrap_vector_tanh(choose):
+    """Have inductor's C++ vector kernels write ``tanh(a)`` as ``choose(a, a.dtype, aten)``
+    (``aten(a)``: what inductor writes itself). Idempotent. torch 2.9 to 2.15:
+    ``torch._inductor.codegen.cpp.CppVecOverrides.tanh``, a staticmethod that
+    ``CppVecOverrides.__new__`` wraps per instance (scalar operands go to ``CppOverrides``);
+    its operands are ``CppCSEVariable`` s with a ``dtype``."""
+    from torch._inductor.codegen.cpp import CppVecOverrides
+
+    aten = CppVecOverrides.tanh
+    if getattr(aten, "_scan_chosen", False):
+        return
+
+    def tanh(a):
+        return choose(a, getattr(a, "dtype", None), aten)
+
+    tanh._scan_chosen = True
+    CppVecOverrides.tanh = staticmethod(tanh)
+
+
+def vector_kernel_type(dtype):
+    """The C++ vector type the C++ kernel being generated uses for ``dtype``
+    (``at::vec::Vectorized<float>``, ``at::vec::VectorizedN<float,2>``), or None outside one.
+    torch 2.9 to 2.15: ``V.kernel`` a ``CppVecKernel`` with ``_get_vec_type(dtype)``."""
+    kernel = virtualized().kernel
+    get = getattr(kernel, "_get_vec_type", None)
+    return get(dtype) if get is not None else None
+
+
+def vector_isa_name():
+    """The name of the vector ISA inductor's C++ kernels are built for (``"avx512"``,
+    ``"avx2"``, ``"neon"``, ...; ``""`` without one): ``str`` of
+    ``torch._inductor.cpu_vec_isa.pick_vec_isa()`` (torch 2.9 to 2.15, cached)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return str(pick_vec_isa() or "")

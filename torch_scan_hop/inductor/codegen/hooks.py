@@ -2,12 +2,12 @@
 ``cpp_loop`` and, here, ``write_extern_calls_as_kernels``) installed with this package's decisions
 and pipelines as their callbacks, in the one order they must go in."""
 from ... import _compat
-from . import blas, counted_loops, cpp_loop, passes, pipeline, python_loop
+from . import blas, counted_loops, cpp_loop, fast_tanh, passes, pipeline, python_loop
 
 
 def install(is_ours):
     """Counted loops for the while_loops whose cond subgraph's name ``is_ours(name)`` accepts,
-    in both wrappers; the two text pipelines; float32 matmuls in those loops as BLAS calls. Install
+    in both wrappers; the two text pipelines; float32 matmuls in those loops as BLAS calls, float32 ``tanh`` as ``fast_tanh``'s. Install
     after ``inductor.cpp_wrapper.name_mutated_carries_in_cpp_while_loops`` (the C++ loop wraps the
     ``codegen_while_loop`` then installed). Not idempotent: ``lowering.install`` calls it once."""
     counted_loops.count_loops_named(is_ours)
@@ -16,6 +16,7 @@ def install(is_ours):
     python_loop.rewrite_generated_python_wrapper(rewrite_python_wrapper)
     cpp_loop.rewrite_generated_cpp_wrapper(rewrite_cpp_wrapper)
     write_extern_calls_as_kernels(plan_blas_call, blas.kernel_definition, blas.call_line)
+    fast_tanh.install()
 
 
 def rewrite_python_wrapper(code):
