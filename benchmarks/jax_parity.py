@@ -20,7 +20,8 @@ jax is optional (``pip install -e '.[bench]'``): without it the jax columns say 
 ours is compared with the compiled loop instead. ``--bodies rnn,rnn_no_tanh,rnn_no_mm`` adds the
 RNN's step less its tanh (``(c @ W + x) * 0.5``) and less its matmul (``tanh(c * 0.5 + x)``):
 their differences to the full step are what the tanh and the matmul cost on each side.
-``--sides jax,scan`` runs only those sides (all four by default). ``--passes-off fast_tanh`` runs
+``--sides jax,scan`` runs only those sides (all four by default). ``--clock cpu``: steady times in
+the process's CPU time (all threads; steadier on a busy box). ``--passes-off fast_tanh`` runs
 ours with those codegen passes off (what each is worth: ``fast_tanh`` is the tanh in our loops).
 Run: python benchmarks/jax_parity.py [--lengths 16,256,1024] [--bodies rnn,mlp] [--sides ...] [--repeat 20]
 """
@@ -43,6 +44,7 @@ SHAPES = {"rnn": {"H": 64, "B": 8}, "mlp": {"H": 256, "B": 64, "layers": 4},
           "rnn_no_tanh": {"H": 64, "B": 8}, "rnn_no_mm": {"H": 64, "B": 8}}
 MARK = "@@jax-parity@@ "
 PASSES_OFF = "JAX_PARITY_PASSES_OFF"
+CLOCK = "JAX_PARITY_CLOCK"
 
 
 def make_inputs(body, t):
@@ -65,13 +67,19 @@ def _progress(side, body, t, mode, result):
     return result
 
 
+def _clock():
+    """--clock (handed to the workers as CLOCK): the wall clock, or the process's CPU time (all
+    its threads: XLA's run on its own), steadier on a shared box."""
+    return time.process_time if os.environ.get(CLOCK) == "cpu" else time.perf_counter
+
+
 def best_of(fn, n, budget_s=2.0):
     """Best time of up to ``n`` calls of ``fn`` (warm), stopping after ``budget_s`` (3 calls at least)."""
-    best, spent, done = float("inf"), 0.0, 0
+    best, spent, done, clock = float("inf"), 0.0, 0, _clock()
     while done < n and (done < 3 or spent < budget_s):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        dt = time.perf_counter() - t0
+        dt = clock() - t0
         best, spent, done = min(best, dt), spent + dt, done + 1
     return best
 
@@ -283,7 +291,10 @@ def main():
     parser.add_argument("--worker", choices=["jax", "scan", "scan_cpp", "loop"])
     parser.add_argument("--cases")
     parser.add_argument("--passes-off", default="", help="our codegen passes to turn off, comma-separated (fast_tanh, ...)")
+    parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                        help="steady times by the wall clock or the process's CPU time (first calls: wall)")
     args = parser.parse_args()
+    os.environ[CLOCK] = args.clock
     if args.passes_off:
         os.environ[PASSES_OFF] = args.passes_off
     if args.worker:
