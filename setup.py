@@ -9,7 +9,7 @@ setup(ext_modules=[Extension(
     "torch_scan_hop._hlo_scan",
     sources=["csrc/hlo_scan.cc"],
     depends=["csrc/hlo_proto.h", "csrc/hlo_py.h", "csrc/hlo_signature.h", "csrc/hlo_step.h", "csrc/hlo_straight.h",
-             "csrc/hlo_rows.h"],
+             "csrc/hlo_rows.h", "csrc/hlo_stacked.h"],
     extra_compile_args=["-std=c++17", "-O2"],
     language="c++",
 )])

@@ -16,7 +16,7 @@ namespace hlo {
 // A carry the body writes one row of per step (``buf[t] = h``; the body returns the carry input
 // unchanged and the row and its index after its ys, Python's xla/row_writes.py) would be a
 // dynamic-update-slice fused with the row's producer, which writes the whole carry: O(length)
-// per step, as for the stacked ys (hlo_scan.cc). So the row is written one iteration late, as the ys'
+// per step, as for the stacked ys (hlo_stacked.h). So the row is written one iteration late, as the ys'
 // blocks are: the iteration first writes the pending row from the state (a lone, in-place
 // update), BEFORE its body calls, which then read the buffer as the loop has it. The first
 // iteration's pending row is the carry's own row 0, written back unchanged; the entry writes
