@@ -170,7 +170,11 @@ def scan(fn: Callable[[Carry, X], tuple[Carry, Y]], init: Carry, xs: X | None = 
         options = {"length": length, "reverse": reverse, "dim": dim, "remat": remat, "unroll": unroll,
                    "with_index": with_index}
         if xla_eager.first_sight(user_fn, leaves, options):  # traced once with make_fx: cheaper than a capture
-            return _scan(fn, init, inputs, reverse, remat, unroll or 1)
+            try:
+                return _scan(fn, init, inputs, reverse, remat, unroll or 1)
+            except Exception as e:
+                if not xla_eager.needs_capture(e):
+                    raise
         return _scan_on_xla(user_fn, init, xs, options)
     return _scan(fn, init, inputs, reverse, remat, unroll, path)
 

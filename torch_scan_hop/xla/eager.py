@@ -28,6 +28,10 @@ keeps the trace's constants alive until Python's gc runs), so a first call on
 make_fx made XLA compile the whole training step twice, the second compile costing more than the capture saved.
 Which path runs never changes a result: make_fx traces the body afresh,
 Dynamo's guards check what it read.
+
+A first call whose make_fx trace fails where only Dynamo can trace the body
+(``needs_capture``: a ``torch.cond`` or ``while_loop`` the body calls itself)
+takes the capture at once, as under torch.compile.
 """
 import collections
 import threading
@@ -107,6 +111,15 @@ def _may_train(fn, leaves):
     if not torch.is_grad_enabled():
         return False
     return any(t.requires_grad for t in leaves) or grad_reach.reaches_grad(grad_reach.closed_over(fn), 2)
+
+
+def needs_capture(error):
+    """Whether the make_fx trace of a body failed where only Dynamo's capture can trace it: a
+    higher-order op the body calls itself (``torch.cond``, upstream's ``while_loop``) compiles its
+    own call with Dynamo when no Dynamo trace is running, and that Dynamo then traces scan's
+    closure stand-ins and refuses them. Such a call takes the capture (as under torch.compile);
+    if the capture fails too, the make_fx path runs again and raises the body's own error."""
+    return isinstance(error, _compat.dynamo.unsupported_error_classes())
 
 
 def _meta(v):
