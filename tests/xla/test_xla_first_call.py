@@ -1,7 +1,7 @@
 """An eager XLA scan's first training call is traced by make_fx, its second captured by Dynamo
-(xla/eager.py): the two routes must leave XLA one program per training step and keep none of the
-user's tensors alive past the call (a live tensor is an output of the step's program). Values and
-gradients are the loop's on both routes."""
+(xla/eager.py): the two routes must leave XLA one program per training step, reuse one plan
+and keep none of the user's tensors alive past the call (a live tensor is an output of the
+step's program). Values and gradients are the loop's on both routes."""
 import gc
 import weakref
 
@@ -10,6 +10,7 @@ import torch
 from conftest import assert_trees_close
 
 from torch_scan_hop import clear_cache, scan
+from torch_scan_hop.op import autograd as op_autograd
 from torch_scan_hop.xla import eager as xla_eager
 
 torch_xla = pytest.importorskip("torch_xla", reason="torch_xla is not installed: the XLA tests need the [xla] extra (torch 2.9)")
@@ -71,6 +72,27 @@ def test_a_training_step_is_compiled_once_across_the_two_routes():
     finally:
         gc.enable()
     assert compiled[0] > 0 and compiled[1:] == [0, 0], compiled
+
+
+def test_the_capture_after_a_traced_first_call_reuses_its_plan(monkeypatch):
+    """The second call's graph is Dynamo's, not make_fx's: its plan is found by the joint."""
+    clear_cache()
+    partitions = [0]
+    real = op_autograd.partition_step
+
+    def counting(*args, **kwargs):
+        partitions[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(op_autograd, "partition_step", counting)
+    gen = torch.Generator().manual_seed(1)
+    w = (torch.randn(5, 5, generator=gen) * 0.3).to(DEV).requires_grad_()
+    init, xs = torch.randn(2, 5, generator=gen).to(DEV), torch.randn(4, 2, 5, generator=gen).to(DEV)
+    for call in range(3):
+        c, ys = scan(lambda c, x: (torch.tanh(c @ w + x), c.sum(-1)), init, xs)
+        (c.sum() + ys.sum()).backward()
+        assert partitions[0] == 1, (call, partitions[0])
+    assert len(xla_eager._entries) == 1
 
 
 def test_a_first_call_keeps_no_closure_alive_without_gc():

@@ -21,7 +21,8 @@ costs more than the make_fx trace it would save, two to three times the call's
 own work (xla_compile.py's RNN, training: the capture made a first call
 1.2-1.5x torch_xla's scan, make_fx 0.7-0.9x). A scan run once per shape (an
 evaluation, a shape sweep) never pays it; a call that comes back with the same
-shapes is captured then, and every call after it costs a guard check. The two routes leave the same program
+shapes is captured then, its autograd plan found by its joint (``trace.cache``),
+and every call after it costs a guard check. The two routes leave the same program
 at the step's sync, so XLA compiles a training step once: the make_fx route
 keeps none of the user's tensors alive past the call (``trace.lift.forget_source``,
 ``trace.graph.forget_constants``, the tracer's constants in ``_compat.tracing``),
