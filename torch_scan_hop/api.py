@@ -22,7 +22,7 @@ from .trace.body_checks import is_leaf_write_error, mark_checked, writes_only_ca
 from .trace.closure_writes import ClosureWrites, closures_carried
 from .trace.flat_body import copied_carries, dynamo_body
 from .trace.indexing import TensorIndexRewrite
-from .trace.lift import source_of, trace_and_lift
+from .trace.lift import forget_source, source_of, trace_and_lift
 from .xla import eager as xla_eager
 
 Carry = TypeVar("Carry")  # the carry pytree: init's structure, kept across steps
@@ -330,7 +330,10 @@ def _call_op(fn, inputs, **kwargs):
         return scan_op(body, init, xs, (), **kwargs), body.y_spec
     with trace_lock.tracing_lock():
         gm, lifted, y_spec = _traced_body(fn, inputs)
-        return scan_op(gm, init, xs, tuple(lifted), **kwargs), y_spec
+        out = scan_op(gm, init, xs, tuple(lifted), **kwargs)
+    if _compat.on_xla([*init, *xs]) and not _compat.dispatch_modes_active() and not trace_lock.under_make_fx():
+        forget_source(gm)  # an eager call on XLA: nothing reads the graph again
+    return out, y_spec
 
 
 def _traced_body(fn, inputs):

@@ -24,8 +24,8 @@ DEV = torch_xla.device()
 
 def force_route(monkeypatch, route):
     """An eager XLA scan's route for the rest of a test: "make_fx" traces every call (the route of a
-    body Dynamo cannot capture), "dynamo" is the default (a training call is captured at once, a call
-    without grad traced by make_fx first: ``xla/eager.py``)."""
+    body Dynamo cannot capture), "dynamo" is the default (a body's first call on given shapes is traced
+    by make_fx, the next captured by Dynamo: ``xla/eager.py``)."""
     if route == "make_fx":
         import torch_scan_hop.xla.eager as xla_eager  # noqa: PLC0415
 

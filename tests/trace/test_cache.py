@@ -142,6 +142,22 @@ def test_graph_key_sees_constants_and_signed_zero():
     assert key_of(lambda x: x.sin()) != key_of(lambda x: x.cos())
 
 
+def test_a_joints_key_skips_detach_and_alias_only():
+    """A joint is keyed by its values (``plan_for(keyed_by="joint")``): a detach there changes
+    nothing, so the make_fx route's joint (closures read through detaches) and Dynamo's of the
+    same body share a plan; any other op still tells graphs apart."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def key_of(fn, values_only):
+        return _cache.graph_key(make_fx(fn)(torch.ones(3), torch.ones(3)), values_only=values_only)[0]
+
+    plain, detached = (lambda x, w: x * w), (lambda x, w: x * w.detach().detach())
+    assert key_of(plain, False) != key_of(detached, False)
+    assert key_of(plain, True) == key_of(detached, True)
+    assert key_of(plain, True) != key_of(lambda x, w: x * w.neg(), True)
+    assert key_of(plain, True) != key_of(lambda x, w: w * x, True)
+
+
 def test_graph_key_of_a_module_follows_its_recompiled_graph_and_its_tensors():
     """graph_key remembers the key of a flat graph per module: an edited, recompiled graph
     and a get_attr tensor changed in place still give new keys."""

@@ -67,10 +67,9 @@ def _run(body, w, init, xs, device):
 
 
 @pytest.mark.parametrize("trains", [False, True])
-def test_the_first_call_is_traced_or_captured_and_later_ones_not_traced(traces, trains):
-    """Under no_grad: the first call of a body takes make_fx, the second Dynamo's capture, later
-    ones the guards. With grad mode on (a call that may train) the first call is captured
-    (xla/eager.py: the make_fx route would leave XLA a second program to compile next step)."""
+def test_the_first_call_is_traced_the_second_captured_and_later_ones_not_traced(traces, trains):
+    """With grad mode on and a weight to train as under no_grad: the first call of a body takes
+    make_fx, the second Dynamo's capture, later ones the guards (xla/eager.py)."""
     clear_cache()
     problems = [_problem(seed) for seed in range(3)]  # new values, same shapes: the same graph
     run = _run_and_grads if trains else _run
@@ -78,9 +77,8 @@ def test_the_first_call_is_traced_or_captured_and_later_ones_not_traced(traces, 
     for i, (w, init, xs) in enumerate(problems):
         traces[0] = 0
         got.append(run(_cell, w, init, xs, DEV))
-        assert len(xla_eager._entries) == (i > 0 or trains)  # Dynamo's entry, made by its first capture
-        traced = i == 0 if trains else i < 2  # make_fx then Dynamo's capture, or the capture at once
-        assert (traces[0] > 0) == traced, (i, traces[0])
+        assert len(xla_eager._entries) == (i > 0)  # Dynamo's entry, made by its first capture
+        assert (traces[0] > 0) == (i < 2), (i, traces[0])  # make_fx, then Dynamo's capture
     for (w, init, xs), g in zip(problems, got):
         assert_trees_close(g, run(_cell, w, init, xs, "cpu"), atol=1e-4, rtol=1e-4)
 
@@ -276,10 +274,9 @@ def test_a_scan_in_a_scan_body_on_each_path(reverse):
 
 
 
-def test_a_forward_with_grad_mode_on_and_nothing_to_train_is_traced_first(traces):
-    """Grad mode on, but no input, closed-over tensor or module parameter requires grad: a
-    forward (xla_compile.py's rows), traced by make_fx first as under no_grad. With a weight
-    requiring grad, even one a module holds two closures deep, the first call is captured."""
+def test_a_first_call_is_traced_with_or_without_a_weight_to_train(traces):
+    """Grad mode on, with nothing to train or with a weight a module holds two closures deep:
+    the first call is traced by make_fx, not captured (no Dynamo entry)."""
     clear_cache()
     w, init, xs = (t.to(DEV) for t in _problem(5))
     traces[0] = 0
@@ -291,5 +288,7 @@ def test_a_forward_with_grad_mode_on_and_nothing_to_train_is_traced_first(traces
 
     def make_body(module):
         return lambda c, x: (torch.tanh(module(c) + x), None)
-    scan(make_body(lin), init, xs)
-    assert len(xla_eager._entries) == 1  # may train: captured at once
+    traces[0] = 0
+    scan(make_body(lin), init, xs)[0].sum().backward()
+    assert not xla_eager._entries and traces[0] > 0
+    assert lin.weight.grad is not None

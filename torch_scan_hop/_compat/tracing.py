@@ -12,6 +12,7 @@ only optional arguments): ``make_fx``, ``ProxyTorchDispatchMode``,
 whose tree_map / tree_leaves / tree_flatten / TreeSpec are the same on all).
 """
 import contextlib
+import functools
 
 import torch
 import torch.utils._pytree as pytree  # noqa: F401  (re-exported for core.trees and op.proxy)
@@ -74,8 +75,50 @@ def functionalization_suspended():
 
 def fake_trace(fn):
     """``fn`` traced by make_fx in a fresh fake mode that accepts real inputs (constants).
-    torch 2.9 to 2.15: ``make_fx(tracing_mode="fake", _allow_non_fake_inputs=True)``."""
-    return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)
+    torch 2.9 to 2.15: ``make_fx(tracing_mode="fake", _allow_non_fake_inputs=True)``.
+
+    The tracer's own references to those constants are dropped once the graph is made (the
+    graph keeps its own): the tracer sits in reference cycles (its proxies' closures), so it
+    kept them alive until Python's gc ran. On XLA a live tensor is an output of the step's
+    program: a body's closures (scan_model's stacked weights, made anew each step) were then
+    outputs of the first step's program and of no later one, and XLA compiled the step twice."""
+    traced = make_fx(_recording_tracer(fn, tracers := []), tracing_mode="fake", _allow_non_fake_inputs=True)
+
+    @functools.wraps(fn)
+    def run(*args):
+        gm = None
+        try:
+            gm = traced(*args)
+            return gm
+        finally:
+            for tracer in tracers:
+                if getattr(tracer, "root", None) is not gm:  # (the graph's own module keeps them)
+                    _drop_constants(tracer)
+            tracers.clear()
+    return run
+
+
+def _recording_tracer(fn, tracers):
+    @functools.wraps(fn)
+    def recording(*args):
+        mode = _proxy_tensor.get_proxy_mode()
+        if mode is not None:
+            tracers.append(mode.tracer)
+        return fn(*args)
+    return recording
+
+
+def _drop_constants(tracer):
+    """The tensors a make_fx tracer stowed as constants, off its root module and its
+    ``tensor_attrs`` (torch 2.9 to 2.15: ``_tensor_constantN`` / ``_param_constantN``
+    attributes of ``tracer.root``, ``fx.Tracer.tensor_attrs``)."""
+    root = getattr(tracer, "root", None)
+    for name, value in list(vars(root).items()) if root is not None else ():
+        if isinstance(value, torch.Tensor) and name.startswith(("_tensor_constant", "_param_constant")):
+            delattr(root, name)
+    attrs = getattr(tracer, "tensor_attrs", None)
+    if isinstance(attrs, dict):
+        attrs.clear()
 
 
 def functional_value(t):

@@ -1,7 +1,8 @@
 """Whether a call may train: a tensor requiring grad within reach of a body's Python values.
 
-XLA's eager entry (whether a call may train) and Dynamo's tracker (whether to guess the carries
-require grad) both ask it of what a body closes over, before anything is traced.
+Dynamo's tracker (whether to guess the carries require grad, ``op.carry_grads``) asks it of
+what a traced frame holds, before the body is speculated; XLA's eager entry reads closures
+with ``cell_contents``.
 """
 import torch
 

@@ -274,13 +274,17 @@ def build_plan(combine_fn, init, xs, additional_inputs, reverse, remat):
         scope = _compat.detect_fake_mode([t for t in flat if isinstance(t, torch.Tensor)])
         if scope is None:  # real-mode make_fx: nothing outlives its trace to key a plan by
             return plan(trace())
+    def by_joint(step):
+        if scope is not None:  # a front end's body under a tracer: its joint may hold the trace's constants
+            return plan(step)
+        return cache.plan_for(step.joint, init, xs, additional_inputs, reverse, remat, lambda: plan(step))
+
     if isinstance(combine_fn, torch.fx.GraphModule) and source_of(combine_fn) is None:
-        return cache.plan_for(combine_fn, init, xs, additional_inputs, reverse, remat, lambda: plan(trace()),
+        # a new body graph whose joint was planned already (XLA's eager entry: a first call
+        # traced by make_fx, the next captured by Dynamo) reuses that plan
+        return cache.plan_for(combine_fn, init, xs, additional_inputs, reverse, remat, lambda: by_joint(trace()),
                                keyed_by="body", scope=scope)
-    step = trace()
-    if scope is not None:  # a front end's body under a tracer: its joint may hold the trace's constants
-        return plan(step)
-    return cache.plan_for(step.joint, init, xs, additional_inputs, reverse, remat, lambda: plan(step))
+    return by_joint(trace())
 
 
 @scan_op.py_impl(_compat.DispatchKey.Autograd)  # not py_autograd_impl: it would trace the body for a schema every call

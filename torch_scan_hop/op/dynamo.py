@@ -25,6 +25,7 @@ from ..core.checks import input_name, mutation_message
 from ..remat.policies import RematPolicy, as_token
 from ..trace.body_checks import is_leaf_write_error
 from ..trace.flat_body import _ERROR, rewritten_step
+from ..trace.graph import drop_dead_aliases
 from ..trace.indexing import TensorIndexRewrite, rewrite_graph_indexing
 from ..trace import example_values, same_branches
 from . import carry_grads
@@ -71,6 +72,7 @@ def _make_tracker_class():
                                           ("closure", [example_of(v) for v in add_vars])])
             body = _Body(combine_fn, len(init_vars), len(xs_vars))
             (_, spec), graph, freevars = carry_grads.speculate(tx, body, init_vars, xs_vars, add_vars, self.value)
+            _drop_unread_freevars(graph, freevars)
             _check_dtensor_sharded_sizes([("closure", [p.node.meta.get("example_value") for p in freevars])])
             _reject_constant_ys(spec)
             same_branches.inline_identical_conds(graph, lambda name: dyn.installed_subgraph(tx, name))
@@ -84,6 +86,18 @@ def _make_tracker_class():
                 return dyn.call_and_unflatten(tx, self.value, p_args, options, spec)
 
     return ScanVariable
+
+
+def _drop_unread_freevars(graph, freevars):
+    """Closures the body reads only through dead aliases or detaches are not lifted (nor are those
+    nodes kept), as on the make_fx route (``trace.graph``): the two routes then give XLA one
+    program per training step (xla/eager.py). ``freevars``: outer proxy -> the body's placeholder."""
+    _, orphans = drop_dead_aliases(graph)
+    unread = {node for node in orphans if node.op == "placeholder"}
+    for outer, inner in list(freevars.items()):
+        if inner.node in unread:
+            graph.erase_node(inner.node)
+            del freevars[outer]
 
 
 class _Body:

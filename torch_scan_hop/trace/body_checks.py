@@ -7,12 +7,16 @@ imports another.
 from .. import _compat
 from ..core.checks import check_graph_mutation
 from ..core.op_args import example_args
-from .graph import outer_grad_mode_recorders_suspended, trace_graph
+from .graph import forget_constants, outer_grad_mode_recorders_suspended, trace_graph
 
 
 def check_no_input_mutation(combine_fn, init, xs, additional_inputs):
     args = example_args(init, xs, additional_inputs)
-    check_graph_mutation(trace_graph(combine_fn, args), len(init), len(xs))
+    gm = trace_graph(combine_fn, args)
+    try:
+        check_graph_mutation(gm, len(init), len(xs))
+    finally:
+        forget_constants(gm)
 
 
 _CHECKED = "_torch_scan_hop_no_input_mutation"  # attribute set on a graph known not to mutate its inputs

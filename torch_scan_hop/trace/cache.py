@@ -33,6 +33,10 @@ _SMALL_CONSTANT = 4096  # elements: constants up to this size are keyed by value
 _LITERALS = (type(None), bool, int, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
+# identities on values: in a joint graph (autograd already traced) they change nothing
+_IDENTITIES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+
+
 class _Uncacheable(Exception):
     pass
 
@@ -42,15 +46,19 @@ class _GraphKey:
     ``flat``: the key read no tensor and no nested graph, so it is a function of the
     GraphModule's own graph and code (``graph_key`` remembers it for the module)."""
 
-    def __init__(self):
+    def __init__(self, values_only=False):
         self.refs = []
         self.flat = True
+        self.values_only = values_only
 
     def graph(self, gm):
         index = {}
         parts = []
-        for i, node in enumerate(gm.graph.nodes):
-            index[node] = i
+        for node in gm.graph.nodes:
+            if self.values_only and node.op == "call_function" and node.target in _IDENTITIES:
+                index[node] = index[node.args[0]]  # the value of its input
+                continue
+            index[node] = len(parts)
             parts.append((node.op, self.target(gm, node), self.arg(node.args, index),
                           self.arg(node.kwargs, index), self.meta(node)))
         return tuple(parts)
@@ -140,24 +148,26 @@ def resolve_attr(gm, target):
 _flat_keys = weakref.WeakKeyDictionary()  # GraphModule -> (weak ref to its graph, its code, key, refs)
 
 
-def graph_key(gm):
+def graph_key(gm, values_only=False):
     """(hashable key, weak refs that must stay alive) of what ``gm`` computes, or None.
+    ``values_only``: for a graph no autograd will see (a joint), ``detach`` and ``alias``
+    are skipped, their users keyed on their input.
 
     The key of a graph that reads no tensor and no subgraph (a Dynamo body, a
     partitioned step) is remembered for the module while its graph object and
     generated code are the same objects (``recompile`` makes new code): a steady
     scan on XLA asks three times per step (plan, forward and backward lowering),
     ~0.1 ms each to build at a layer's size."""
-    memo = _flat_keys.get(gm)
+    memo = None if values_only else _flat_keys.get(gm)
     if memo is not None and memo[0]() is gm.graph and memo[1] is gm.code and all(r() is not None for r in memo[3]):
         return memo[2], memo[3]
-    builder = _GraphKey()
+    builder = _GraphKey(values_only)
     try:
         key = builder.graph(gm)
         hash(key)
     except (_Uncacheable, TypeError, RecursionError, RuntimeError):
         return None
-    if builder.flat:  # the graph held weakly: it holds its module, which would then never die
+    if builder.flat and not values_only:  # the graph held weakly: it holds its module, which would then never die
         _flat_keys[gm] = (weakref.ref(gm.graph), gm.code, key, builder.refs)
     return key, builder.refs
 
@@ -214,9 +224,11 @@ def by_graph(gm, key, build):
 
 def plan_for(gm, init, xs, additional_inputs, reverse, remat, build, keyed_by="joint", scope=None):
     """The autograd plan, once per (graph ``gm``, per-step input metadata, reverse, remat).
-    ``keyed_by``: what ``gm`` is, the step's joint or a body graph that determines it.
+    ``keyed_by``: what ``gm`` is, the step's joint or a body graph that determines it. A joint is
+    keyed by its values only (``graph_key``): the joint of a body traced from the user's function
+    reads its closures through detaches that Dynamo's capture of the same body does not have.
     ``scope``: the fake mode of the trace asking (its plans are kept with it), else None."""
-    found = graph_key(gm)
+    found = graph_key(gm, values_only=keyed_by == "joint")
     if found is None:
         return build()
     graph, refs = found

@@ -27,6 +27,7 @@ def trace_graph(fn, args, *, force_enable_grad=False):
             TensorIndexRewrite():
         gm = trace_aten_graph(fn, args, force_enable_grad=force_enable_grad)
     _refuse_value_dependent_sizes(gm)
+    _drop_unread_aliases(gm)
     return gm
 
 
@@ -104,6 +105,62 @@ def _trace_fresh(fn, args, force_enable_grad):
         if force_enable_grad:
             stack.enter_context(torch.enable_grad())
         return _tracing.fake_trace(fn)(*args)
+
+
+# identities on values, aten's and (in Dynamo's graphs) torch's: unread, they compute nothing
+_UNREAD_IF_UNUSED = (torch.ops.aten.alias.default, torch.ops.aten.detach.default, torch.detach)
+
+
+def _is_unread_alias(node):
+    if node.users:
+        return False
+    if node.op == "call_method":
+        return node.target == "detach"
+    return node.op == "call_function" and node.target in _UNREAD_IF_UNUSED
+
+
+def drop_dead_aliases(graph):
+    """Dead aliases and detaches erased (chains followed: ``t.detach().detach()``, the graph
+    walked from its end): (whether any was, the nodes they read that are left without users)."""
+    erased, orphans = False, []
+    for node in reversed(list(graph.nodes)):
+        if not _is_unread_alias(node):
+            continue
+        source = node.args[0]
+        graph.erase_node(node)
+        erased = True
+        if isinstance(source, torch.fx.Node) and not source.users:
+            orphans.append(source)
+    return erased, orphans
+
+
+def _drop_unread_aliases(gm):
+    """Dead aliases and detaches dropped, and the constants only they read. A closure read by
+    none but them must not be lifted or kept: one traced only to read a closure's sizes
+    (``_compat`` binds an outer trace's symbols with one) is dead when nothing used those sizes
+    (the front end's own carry-shape check), and a body's dead ``t.detach()`` of a tensor it
+    also receives as its carry (scan_model's layer views) lifted that tensor a second time, an
+    input requiring grad that Dynamo's capture of the same body does not have: XLA then
+    compiled a training step's program twice, once per route (``op.dynamo`` drops the same)."""
+    erased, orphans = drop_dead_aliases(gm.graph)
+    for source in orphans:
+        if source.op == "get_attr" and not source.users:
+            gm.graph.erase_node(source)
+            if not gm.graph.find_nodes(op="get_attr", target=source.target) and hasattr(gm, source.target):
+                delattr(gm, source.target)  # nor kept alive by the graph (see ``forget_constants``)
+    if erased:
+        gm.recompile()
+
+
+def forget_constants(gm):
+    """Drop a thrown-away graph's references to its tensor constants. An FX graph and its
+    GraphModule refer to each other, so a graph no one holds lives until Python's gc runs,
+    and with it the user's tensors it holds as constants (a body's closures); on XLA a live
+    tensor is an output of the step's program, which then differs from the next step's."""
+    for node in gm.graph.find_nodes(op="get_attr"):
+        if isinstance(getattr(gm, node.target, None), torch.Tensor):
+            delattr(gm, node.target)
+    return gm
 
 
 def _refuse_value_dependent_sizes(gm):

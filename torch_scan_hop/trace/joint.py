@@ -22,7 +22,7 @@ import torch
 
 from .. import _compat
 from .closures import recording_functional_closures
-from .graph import trace_graph
+from .graph import forget_constants, trace_graph
 from .lift import source_of
 from .xla_formulas import functions_as_ops
 
@@ -78,7 +78,7 @@ def _outputs_require_grad(combine_fn, examples, flags):
         return []
 
     with functions_as_ops():
-        trace_graph(run, with_flags(examples, flags), force_enable_grad=True)
+        forget_constants(trace_graph(run, with_flags(examples, flags), force_enable_grad=True))
     return found
 
 

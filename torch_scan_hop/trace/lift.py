@@ -26,21 +26,9 @@ def _tensor_constants(gm):
     return pairs
 
 
-def _drop_unread_aliases(gm):
-    """Aliases traced only to read a closure's sizes (``_compat`` binds an
-    outer trace's symbols with one) are dead when nothing used those sizes,
-    e.g. the front end's own carry-shape check: they must not lift the closure."""
-    for node in reversed(list(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.alias.default))):
-        source = node.args[0]
-        if not node.users and source.op == "get_attr":
-            gm.graph.erase_node(node)
-            if not source.users:
-                gm.graph.erase_node(source)
-
-
 def lift_constants(gm):
-    """Rewrite ``gm`` in place so its tensor constants are trailing inputs; return them."""
-    _drop_unread_aliases(gm)
+    """Rewrite ``gm`` in place so its tensor constants are trailing inputs; return them
+    (``trace_graph`` has dropped the constants only dead aliases read)."""
     lifted, placeholder_of = [], {}
     last = list(gm.graph.find_nodes(op="placeholder"))[-1:] or [None]
     constants = _tensor_constants(gm)
@@ -84,6 +72,15 @@ def source_of(gm):
         return _sources.get(gm)
     except TypeError:  # not weakly referenceable: not one of ours
         return None
+
+
+def forget_source(gm):
+    """Drop ``gm``'s Source once the call that traced it is done (an eager call on XLA, whose
+    graph no later call or outer trace reads). An FX graph and its GraphModule refer to each
+    other, so the graph, its entry here and the user's tensors the entry holds lived until
+    Python's gc ran; on XLA a live tensor is an output of the step's program (scan_model's
+    weights, stacked anew each step), which then differed from the next step's."""
+    _sources.pop(gm, None)
 
 
 def trace_and_lift(flat_body, example_args):

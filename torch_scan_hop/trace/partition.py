@@ -21,7 +21,7 @@ import torch
 from .. import _compat
 from ..remat.partition import drop_names, partition_fn
 from .copies import differentiable_copies
-from .graph import trace_graph
+from .graph import forget_constants, trace_graph
 from .joint import flags_and_joint
 from .peephole import drop_aliases, recompute_saved_extrema, save_dense_layouts, simplify
 
@@ -334,7 +334,7 @@ def trace_step(body: Callable, carry, x, lifted, requires_grad) -> JointStep:
     """
     body = differentiable_copies(body)
     examples = _detached_examples([*carry, *x, *lifted])
-    out_vals = _output_metas(body, examples) or _output_metas(trace_graph(body, examples), examples)
+    out_vals = _output_metas(body, examples) or _output_metas(forget_constants(trace_graph(body, examples)), examples)
     with _compat.disable_proxy_modes_tracing():
         tangents = [torch.zeros(v.shape, dtype=v.dtype, device=v.device) for v in out_vals]
     grad_mask, out_grad, flag_orbit, primals, joint = flags_and_joint(body, examples, requires_grad, len(carry),
