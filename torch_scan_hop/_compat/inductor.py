@@ -202,3 +202,43 @@ def vector_isa_name():
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     return str(pick_vec_isa() or "")
+
+
+def build_cpp_pybinding(argtypes, source, build):
+    """Start inductor's build of ``source`` as a ``cpp_pybinding`` kernel (its source file, flags,
+    precompiled header, cache key, lock and loader), each of its C++ builds done by
+    ``build(command, run, target)`` (``command``: inductor's command line, ``run(command)``: run a
+    command line for it, ``target``: the file it makes), on inductor's compile thread pool
+    (where it has one, else at the first ``result()``); none where the library is already on
+    disk. Returns ``result()``: the loaded kernel, waiting for the build.
+
+    torch 2.9 to 2.15: ``CppPythonBindingsCodeCache.load_pybinding_async(argtypes, source,
+    submit_fn=)`` calls ``submit_fn(worker_fn)`` (only when the library is not built), with
+    ``worker_fn`` a ``functools.partial(_worker_compile_cpp, lock_path, builders)``, and runs
+    ``worker_fn()`` again when loading (a no-op once built); ``CppBuilder.get_command_line()``,
+    ``build()``, ``get_target_file_path()``; ``AsyncCompile.pool()``, ``get_compile_threads()``.
+    A ``worker_fn`` of another shape is submitted as it is (inductor's own builds)."""
+    from torch._inductor.async_compile import AsyncCompile, get_compile_threads
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+    from torch._inductor.cpp_builder import CppBuilder
+
+    def built_by_us(builder):
+        command = builder.get_command_line()
+
+        def run(line):
+            builder.get_command_line = lambda: line  # the instance's: read by CppBuilder.build
+            try:
+                CppBuilder.build(builder)
+            finally:
+                del builder.get_command_line
+
+        builder.build = lambda: build(command, run, builder.get_target_file_path())
+
+    def submit(worker_fn):
+        builders = worker_fn.args[1] if isinstance(worker_fn, functools.partial) and len(worker_fn.args) == 2 else ()
+        for builder in builders if isinstance(builders, (list, tuple)) else ():
+            if isinstance(builder, CppBuilder):
+                built_by_us(builder)
+        return AsyncCompile.pool().submit(worker_fn) if get_compile_threads() > 1 else None
+
+    return CppPythonBindingsCodeCache.load_pybinding_async(argtypes, source, submit_fn=submit)

@@ -20,17 +20,20 @@ allocation, a nested loop, a GPU kernel, a statement of another shape) keeps the
 
 Numbers: the same kernel sources, called with the same pointers in the same order; each is a
 function the compiler may not inline, clone or look into (``noipa``), so its code is what its
-own build made of it (same flags: ``cpp_pybinding`` builds both). Line count: unchanged (the
+own build made of it (same compile flags: ``kernel_build`` builds the loop's kernel as
+``cpp_pybinding`` builds the others, linked and loaded differently). Line count: unchanged (the
 call and the carried list's last values on the ``for`` line, the body's lines kept as comments,
-the kernel's definition on the line of ``async_compile.wait``); kernels left with no caller are
-not built (their definitions become tuples), so a cold cache builds one C++ file instead of the
-body's kernels. torch 2.9 to 2.15: ``cpp_pybinding(argtypes, source)`` with ``extern "C" void
-kernel(...)``, pointer arguments as tensors (their data pointer), ``int64_t`` as Python ints;
-``_reinterpret_tensor(base, size, stride, offset)`` adds ``offset`` to base's storage offset.
+the kernel's definition, ``kernel_build.deferred_kernel``, on the line of ``async_compile.wait``);
+kernels left with no caller are not built (their definitions become tuples), so a cold cache
+builds one C++ file instead of the body's kernels. torch 2.9 to 2.15: ``cpp_pybinding(argtypes,
+source)`` with ``extern "C" void kernel(...)``, pointer arguments as tensors (their data pointer),
+``int64_t`` as Python ints; ``_reinterpret_tensor(base, size, stride, offset)`` adds ``offset`` to
+base's storage offset.
 """
 import ast
 import re
 
+from . import kernel_build
 from .accumulate import accumulate_in_place
 from .python_text import _FOR, STEPS_CALL, _body_end, unbuilt
 
@@ -296,7 +299,8 @@ def _write(lines, start, plan, kernels):
     for j in range(start + 1, end):
         if lines[j].strip():
             lines[j] = f"{indent}# (in {name}) {lines[j][len(indent):]}"
-    return f"{name} = async_compile.cpp_pybinding({argtypes!r}, {source!r})"
+    return (f"from {kernel_build.__name__} import deferred_kernel as scan_deferred_kernel; "
+            f"{name} = scan_deferred_kernel(globals(), {name!r}, {argtypes!r}, {source!r})")
 
 
 def _source(plan, kernels, params):
