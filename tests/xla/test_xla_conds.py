@@ -8,6 +8,7 @@ import torch
 pytest.importorskip("torch_xla", reason="torch_xla is not installed: the XLA tests need the [xla] extra (torch 2.9)")
 from xla_util import assert_matches_loop, force_route  # noqa: E402
 
+from torch_scan_hop import clear_cache  # noqa: E402
 from torch_scan_hop.layers import one_code  # noqa: E402
 from torch_scan_hop.xla import conds  # noqa: E402
 
@@ -52,6 +53,7 @@ def _cases(code):
 @pytest.mark.parametrize("code", [(_tanh, _sin), (_sqrt_of_negative, _tanh)], ids=["differ", "nan_not_taken"])
 def test_cond_values_and_grads_match_loop(monkeypatch, route, code):
     force_route(monkeypatch, route)
+    clear_cache()  # each route lowers its own While (the capture would find the make_fx route's by its joint)
     before = conds.counts().get("selected", 0)
     got = assert_matches_loop(_chosen(code), *_cases(code[0]), grad=True, atol=1e-4, rtol=1e-4)
     assert conds.counts().get("selected", 0) > before  # forward, and the backward's cond of the gradients
@@ -112,6 +114,7 @@ def test_layers_of_two_kinds_are_one_while(monkeypatch, route, selects):
     want_grads = torch.autograd.grad(want.square().sum(), [h, *want_layers.parameters()])
 
     layers, h0, per_layer = _stack_and_inputs(selects, DEV)
+    clear_cache()  # as above: this route's own lowering
     before = {**conds.counts(), **one_code.counts()}
     h = h0.clone().requires_grad_()
     got = scan_layers(layers, h, layer_kwargs=per_layer, period="auto", unroll=1)
