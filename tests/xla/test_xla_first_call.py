@@ -7,7 +7,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import assert_trees_close
+from conftest import assert_trees_close, reference_scan
 
 from torch_scan_hop import clear_cache, scan
 from torch_scan_hop.op import autograd as op_autograd
@@ -24,14 +24,6 @@ def _compiles():
     return data[0] if data else 0
 
 
-def _loop(body, init, xs):
-    c, ys = init, []
-    for x in xs:
-        c, y = body(c, x)
-        ys.append(y)
-    return c, torch.stack(ys)
-
-
 def _step(w, h0, xs, device):
     """One training step shaped like scan_model's: the weights the body reads are made anew each
     step (scan_model stacks its layers' weights so), and the body closes over its own init and
@@ -45,7 +37,7 @@ def _step(w, h0, xs, device):
         c = torch.tanh(c @ stacked + x)
         return c, c.sum(-1)
 
-    c, ys = (scan if device == DEV else _loop)(body, init, xs.to(device))
+    c, ys = (scan if device == DEV else reference_scan)(body, init, xs.to(device))
     loss = c.pow(2).sum() + ys.sin().sum()
     loss.backward()
     if device == DEV:
