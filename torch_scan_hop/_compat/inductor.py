@@ -196,12 +196,12 @@ def vector_kernel_type(dtype):
 
 
 def vector_isa_name():
-    """The name of the vector ISA inductor's C++ kernels are built for (``"avx512"``,
-    ``"avx2"``, ``"neon"``, ...; ``""`` without one): ``str`` of
-    ``torch._inductor.cpu_vec_isa.pick_vec_isa()`` (torch 2.9 to 2.15, cached)."""
+    """The vector ISA family inductor's C++ kernels are built for (``"avx512"``, also for AMX's
+    ``"avx512 amx_tile"``; ``"avx2"``, ``"neon"``, ...; ``""`` without one): the first word of
+    ``str(torch._inductor.cpu_vec_isa.pick_vec_isa())`` (torch 2.9 to 2.15, cached)."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    return str(pick_vec_isa() or "")
+    return str(pick_vec_isa() or "").split(" ")[0]
 
 
 def build_cpp_pybinding(argtypes, source, build):

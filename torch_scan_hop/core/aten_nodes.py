@@ -1,6 +1,12 @@
 """What an ATen call in a traced graph does to its inputs, for the passes that rewrite graphs
 (inductor's and XLA's row writes ask the same question of a buffer's users)."""
+import torch
+
 from .. import _compat
+
+# identities on values (autograd apart): a graph that builds no autograd state (a joint, a
+# backward) may read through them, and unread they compute nothing
+VALUE_IDENTITIES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 
 
 def makes_new_tensor(node):

@@ -27,14 +27,11 @@ import weakref
 import torch
 
 from .. import _compat
+from ..core.aten_nodes import VALUE_IDENTITIES
 
 _MAX_ENTRIES = 64
 _SMALL_CONSTANT = 4096  # elements: constants up to this size are keyed by value
 _LITERALS = (type(None), bool, int, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
-
-
-# identities on values: in a joint graph (autograd already traced) they change nothing
-_IDENTITIES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 
 
 class _Uncacheable(Exception):
@@ -55,7 +52,7 @@ class _GraphKey:
         index = {}
         parts = []
         for node in gm.graph.nodes:
-            if self.values_only and node.op == "call_function" and node.target in _IDENTITIES:
+            if self.values_only and node.op == "call_function" and node.target in VALUE_IDENTITIES:
                 index[node] = index[node.args[0]]  # the value of its input
                 continue
             index[node] = len(parts)

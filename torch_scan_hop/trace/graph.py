@@ -12,6 +12,7 @@ import torch
 
 from .. import _compat
 from .._compat import tracing as _tracing
+from ..core.aten_nodes import VALUE_IDENTITIES
 from ..core.trace_lock import tracing_lock, under_make_fx
 from ..core.trees import ScanError
 from .effects import without_effectful_checks
@@ -108,7 +109,7 @@ def _trace_fresh(fn, args, force_enable_grad):
 
 
 # identities on values, aten's and (in Dynamo's graphs) torch's: unread, they compute nothing
-_UNREAD_IF_UNUSED = (torch.ops.aten.alias.default, torch.ops.aten.detach.default, torch.detach)
+_UNREAD_IF_UNUSED = (*VALUE_IDENTITIES, torch.detach)
 
 
 def _is_unread_alias(node):

@@ -10,6 +10,7 @@ rounding of a fused multiply-add.
 import torch
 
 from .. import _compat
+from ..core.aten_nodes import VALUE_IDENTITIES
 
 aten = torch.ops.aten
 
@@ -21,7 +22,7 @@ def _is(node, target):
 def _drop_detach(graph):
     """detach (and alias) is the identity on values; a backward graph never builds autograd state."""
     for node in list(graph.nodes):
-        if _is(node, aten.detach.default) or _is(node, aten.alias.default):
+        if node.op == "call_function" and node.target in VALUE_IDENTITIES:
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
 

@@ -30,7 +30,7 @@ from ... import _compat
 from . import counted_loops, pipeline
 
 NAME = "fast_tanh"
-_ISAS = ("avx2", "avx512")
+ISAS = ("avx2", "avx512")  # the vector ISAs whose at::vec arithmetic the module docstring relies on
 
 # One C++ expression (a lambda applied to the operand): CSE writes it as one ``auto tmp = ...;``.
 _BODY = """
@@ -69,7 +69,7 @@ def vector_tanh(operand, dtype, aten_tanh):
     usable = (not pipeline.is_off(NAME) and dtype == torch.float32
               and not _compat.inductor.config().cpp.use_decompose_tanh
               and _compat.inductor.vector_kernel_type(dtype) == "at::vec::Vectorized<float>"
-              and _compat.inductor.vector_isa_name().split(" ")[0] in _ISAS)
+              and _compat.inductor.vector_isa_name() in ISAS)
     pipeline.record(NAME, "applied" if usable else "skipped")
     return f"{FUNCTION}({operand})" if usable else aten_tanh(operand)
 

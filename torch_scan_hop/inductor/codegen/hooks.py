@@ -7,8 +7,9 @@ from . import blas, counted_loops, cpp_loop, fast_tanh, passes, pipeline, python
 
 def install(is_ours):
     """Counted loops for the while_loops whose cond subgraph's name ``is_ours(name)`` accepts,
-    in both wrappers; the two text pipelines; float32 matmuls in those loops as BLAS calls, float32 ``tanh`` as ``fast_tanh``'s. Install
-    after ``inductor.cpp_wrapper.name_mutated_carries_in_cpp_while_loops`` (the C++ loop wraps the
+    in both wrappers; the two text pipelines; float32 matmuls in those loops as BLAS calls, and
+    float32 vector ``tanh`` as ``fast_tanh``'s. Install after
+    ``inductor.cpp_wrapper.name_mutated_carries_in_cpp_while_loops`` (the C++ loop wraps the
     ``codegen_while_loop`` then installed). Not idempotent: ``lowering.install`` calls it once."""
     counted_loops.count_loops_named(is_ours)
     python_loop.run_counted_loops_as_for_loops(counted_loops)
