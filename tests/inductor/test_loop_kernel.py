@@ -78,6 +78,36 @@ def test_training_loops_are_one_call_with_the_python_loops_bits(reverse):
     assert_trees_close(got, _train(reference_scan, step, [w], c0, xs, reverse=reverse), rtol=1e-4, atol=1e-5)
 
 
+def _mlp(params):
+    def step(c, x):
+        for w, bias in zip(params[::2], params[1::2]):
+            c = torch.tanh((c + x) @ w + bias)
+        return c, c.mean(-1)
+    return step
+
+
+def test_bias_gradients_summed_as_views_stay_in_the_kernel():
+    """``h @ w + bias``'s bias gradient is summed as (1, n) and handed on as its (n,) view
+    (inductor's ``reinterpret_tensor(...); del ...  # reuse``): pooled with its buffer, the
+    backward is still one C++ call (it was a Python loop with an allocation per step), and the
+    loop's last bias gradient is that view of the pool's last slot."""
+    h, b = 64, 16  # at 16 x 4 inductor sums the bias gradient into an (n,) buffer itself
+    params = [(torch.randn(*shape) * 0.3).requires_grad_() for shape in [(h, h), (h,), (h, h), (h,)]]
+    step = _mlp(params)
+    c0, xs = _inputs(67, h, b)
+    got, codes = _compiled(step, params, c0, xs)
+    _assert_one_call_per_loop(codes)
+    assert re.search(r"= reinterpret_tensor\(buf\d+_pool\d+\[\(67 - 1\) & 1\], \(64, \), \(1, \), 0\)", codes[1])
+    want, _ = _compiled(step, params, c0, xs, fused=False)
+    for g, o in zip(tree_leaves(got), tree_leaves(want)):
+        assert torch.equal(g, o), (g - o).abs().max()
+    # gradients up to ~30 summed over 67 steps: the float32 loop itself is 5e-4 off the float64 loop
+    exact = [(p.detach().double().requires_grad_()) for p in [*params, c0, xs]]
+    params, (c0, xs) = exact[:-2], exact[-2:]
+    want = [t.float() for t in _train(reference_scan, _mlp(params), params, c0, xs)]
+    assert_trees_close(got, want, rtol=1e-4, atol=1e-3)
+
+
 def test_forward_only():
     w, step = _rnn()
     c0, xs = _inputs(64)

@@ -149,6 +149,9 @@ def _statement(text, plan, env, kernels):
     if m := re.fullmatch(r"(\w+) = (reinterpret_tensor\(.*\))  # alias", text):
         env[m.group(1)] = _tensor(m.group(2), plan, env)
         return env[m.group(1)] is not None
+    if m := re.fullmatch(r"(\w+) = (reinterpret_tensor\((\w+), (.*)\)); del \3  # reuse", text):
+        env[m.group(1)] = _pooled_view(m.group(2), env.get(m.group(3)), m.group(4), plan, env)
+        return env[m.group(1)] is not None
     if m := re.fullmatch(rf"{loop}\[(\d+)\] = (\w+)", text):
         return _write_back(int(m.group(1)), _as_tensor(env.get(m.group(2), ("outer", m.group(2))), plan), plan)
     if (m := re.fullmatch(r"(\w+)\((.*)\)", text)) and m.group(1) in kernels:
@@ -178,6 +181,18 @@ def _tensor(arg, plan, env):
     if not re.fullmatch(r"\w+", arg) or arg.isdigit():
         return None
     return _as_tensor(env.get(arg, ("outer", arg)), plan)
+
+
+def _pooled_view(view, base, view_args, plan, env):
+    """A view inductor makes of a buffer in its place (``b2 = reinterpret_tensor(b1, size,
+    stride, offset); del b1  # reuse``): the view's tensor value. Of a pooled buffer at offset 0
+    it keeps the pool as its origin (its data pointer is the slot's), with the view's arguments:
+    written back, the loop's last value is that view of the pool's last slot (``_write_back``)."""
+    value = _tensor(view, plan, env)
+    if value is None or base is None or base[0] != "tensor" or base[3][0] != "pool" \
+            or _split(view_args)[-1] != "0":
+        return value
+    return (*value[:3], ("pool", base[3][1], view_args))
 
 
 def _int(expr, plan, env):
@@ -248,7 +263,9 @@ def _write_back(position, value, plan):
         return True
     loop, n = plan.loop, plan.n
     if origin[0] == "pool":
-        last = f"{origin[1]}[({n} - 1) & 1]" if value[1].endswith("[step & 1]") else f"{origin[1]}[0]"
+        last = f"{origin[1]}[({n} - 1) & 1]" if "[step & 1]" in value[1] else f"{origin[1]}[0]"
+        if len(origin) == 3:  # a view of the pooled buffer (``_pooled_view``)
+            last = f"reinterpret_tensor({last}, {origin[2]})"
     elif origin[0] == "outer":
         last = origin[1]
     else:

@@ -101,8 +101,10 @@ def pool_loop_buffers(code):
     body's outputs are the next iteration's carried inputs, and a carried input that
     leaves as an output at another position (``(a, b) -> (b, a + b)``) would keep an
     iteration-i buffer alive longer, so a loop with such an output, or an output
-    this cannot trace to an allocation (a view, an extern kernel's result), is left as
-    it is. Line numbers do not change (the pools are created on the line before the
+    this cannot trace to an allocation (a view of a carried input, an extern kernel's
+    result), is left as it is; a view inductor makes of a fresh buffer in its place (``b2 =
+    reinterpret_tensor(b1, ...); del b1  # reuse``: a bias gradient summed as (1, n), handed
+    on as (n,)) lives in that buffer's storage, so it is pooled with it. Line numbers do not change (the pools are created on the line before the
     ``for``), so inductor's line map stays right."""
     lines = code.split("\n")
     for i in range(len(lines) - 1, 0, -1):
@@ -131,7 +133,8 @@ def _plan_pools(lines, start, body_indent, name):
     carried, fresh, outputs, allocs = {}, set(), [], []
     take = re.compile(rf"^(\w+) = {name}\[(\d+)\]$")
     give = re.compile(rf"^{name}\[(\d+)\] = (\w+)$")
-    reuse = re.compile(r"^(\w+) = (\w+); del \2  # reuse$")
+    # inductor hands a buffer on under another name, or as a view of it (a (1, n) sum read as (n,))
+    reuse = re.compile(r"^(\w+) = (?:(\w+)|reinterpret_tensor\((\w+), .*\)); del (?:\2|\3)  # reuse$")
     j = start + 1
     while j < len(lines) and (not lines[j].strip() or lines[j].startswith(body_indent)):
         line = lines[j]
@@ -145,7 +148,7 @@ def _plan_pools(lines, start, body_indent, name):
                 fresh.add(m.group(1))
                 if _nbytes(m.group(2), m.group(3)) <= _POOL_MAX_BYTES:
                     allocs.append((j, m.group(1), text[len(m.group(1)) + 3:]))
-            elif (m := reuse.match(text)) and m.group(2) in fresh:
+            elif (m := reuse.match(text)) and (m.group(2) or m.group(3)) in fresh:
                 fresh.add(m.group(1))
         j += 1
     for position, var in outputs:
