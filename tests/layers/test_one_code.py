@@ -45,6 +45,15 @@ def test_excused_paths_are_what_tells_the_kinds_apart():
     assert one_code.excused_paths(list(_stack()), kinds) == {"kind", "window"}  # not idx: a value per layer
 
 
+def _loop_values_and_grads(layers, h0):
+    """The plain loop over ``layers``: its output and the gradients of ``h0`` and every parameter."""
+    h = h0.clone().requires_grad_()
+    out = h
+    for layer in layers:
+        out = layer(out)
+    return out, torch.autograd.grad(out.square().sum(), [h, *layers.parameters()])
+
+
 def _on_xla():
     pytest.importorskip("torch_xla", reason="one_code decides only outside a trace: an eager call on XLA tensors")
     from xla_util import DEV
@@ -56,12 +65,8 @@ def test_kinds_that_trace_alike_run_one_code():
     from xla_util import to_cpu
 
     dev = _on_xla()
-    want_layers, h0 = _stack(), torch.randn(2, 4)
-    h = h0.clone().requires_grad_()
-    want = h
-    for layer in want_layers:
-        want = layer(want)
-    want_grads = torch.autograd.grad(want.square().sum(), [h, *want_layers.parameters()])
+    h0 = torch.randn(2, 4)
+    want, want_grads = _loop_values_and_grads(_stack(), h0)
     layers = _stack().to(dev)
     before = one_code.counts().get("alike", 0)
     h = h0.to(dev).requires_grad_()
@@ -105,11 +110,7 @@ def test_under_dynamo_the_kinds_are_told_at_trace_time(fresh_dynamo):
     from torch_scan_hop import scan_layers
 
     layers, h0 = _stack(), torch.randn(2, 4)
-    h = h0.clone().requires_grad_()
-    want = h
-    for layer in layers:
-        want = layer(want)
-    want_grads = torch.autograd.grad(want.square().sum(), [h, *layers.parameters()])
+    want, want_grads = _loop_values_and_grads(layers, h0)
     before = one_code.counts().get("alike", 0)
     h = h0.clone().requires_grad_()
     got, graphs = _compiled_with_graphs(lambda h: scan_layers(layers, h, period="auto"), h)
