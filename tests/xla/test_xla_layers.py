@@ -128,9 +128,9 @@ def test_hooks_are_refused_after_steady_calls(where, kind):
 
 
 def test_attribute_check_skips_empty_hook_containers_together():
-    """``_tree_agrees``: equal layers agree; a hook (or any non-empty container) on either side
+    """``tree_agrees``: equal layers agree; a hook (or any non-empty container) on either side
     sends it through the per-attribute comparison, which tells them apart."""
-    from torch_scan_hop.layers.scan_layers import _tree_agrees
+    from torch_scan_hop.layers.attributes import tree_agrees as _tree_agrees
 
     a, b = Scaled(), Scaled()
     assert _tree_agrees(a, b)
@@ -145,7 +145,7 @@ def test_attribute_check_skips_empty_hook_containers_together():
 @pytest.mark.parametrize("change", ["float", "gelu", "training", "set"])
 def test_an_attribute_changed_after_steady_steps_is_still_seen(change):
     """The per-call comparison of every layer's attributes (identity and empty containers
-    first, ``_tree_agrees``) still sees one layer's change after the steady calls: one the
+    first, ``attributes.tree_agrees``) still sees one layer's change after the steady calls: one the
     body reads is refused, naming layer and attribute; one it does not read runs as the loop."""
     layers, x = make(), torch.randn(6, 8).to(torch_xla.device())
     for _ in range(3):

@@ -16,8 +16,6 @@ parameter and buffer names, shapes and dtypes, and the same plain attributes
 0's attributes. Broadcast keyword inputs (attention masks, positions) reach
 every layer unchanged; tensor ones are closed over (constants of the call).
 """
-import collections
-import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -31,6 +29,7 @@ from ..core.torch_xla_keywords import remat_with_torch_xla_keywords
 from ..core.trees import ScanError, flatten
 from ..op.compile_errors import surface
 from ..op.loop import remat_step
+from .attributes import all_attributes_agree
 from .capture import StepRecords, capture_plan, replay
 from .checks import (
     check_no_hooks,
@@ -41,7 +40,7 @@ from .checks import (
 )
 from .fsdp import check_fsdp, gathered_state, tensor_parallel_parts
 from .grads import check_flags_traced, stacks_swapped
-from .layer_state import check_sharded_alike, layer_state, layer_states, same_value
+from .layer_state import check_sharded_alike, layer_state, layer_states
 from . import alike, blocks, module_state, patterns, written_rows
 from .layer_kwargs import split as split_kwargs
 from .outputs import join_output, layer_name, split_output, stack_extras
@@ -121,53 +120,6 @@ def _eager_loop(layers, inputs, remat, per_layer):
         written_rows.settle(per_layer[i])
         extras.append(extra)
     return join_output(h, stack_extras(extras, layers), n)
-
-
-_PER_LAYER_STATE = ("_parameters", "_buffers", "_modules")  # compared by layer_states / recursion
-_PLAIN_TYPES = (bool, int, float, str, type(None))  # == is value equality (a NaN falls to same_value)
-_CONTAINERS = (dict, collections.OrderedDict, set)  # hook dicts, _non_persistent_buffers_set
-
-
-def _all_attributes_agree(layers):
-    """Every plain attribute in every layer's module tree equals layer 0's.
-
-    Then the body's checks on read (``layers.view``: under Dynamo one guard per
-    layer and attribute read, the most of the compile time that grows with
-    depth) have nothing to find. Outside Dynamo only: it cannot enumerate a
-    ``__dict__``. Anything that differs (a per-layer index nobody reads, say)
-    leaves the checks on read to decide.
-    """
-    return all(_tree_agrees(layers[0], layer) for layer in layers[1:])
-
-
-@functools.lru_cache(maxsize=None)
-def _hook_keys():
-    """The containers every module starts with, empty (hooks, the non-persistent buffer names),
-    and what ``_tree_agrees`` skips when they are empty in both modules."""
-    keys = tuple(k for k, v in vars(torch.nn.Module()).items() if type(v) in _CONTAINERS and k not in _PER_LAYER_STATE)
-    return keys, frozenset((*keys, *_PER_LAYER_STATE))
-
-
-def _tree_agrees(ref, module):
-    mine, theirs = vars(module), vars(ref)
-    if mine.keys() != theirs.keys() or type(module) is not type(ref):
-        return False
-    hooks, skip = _hook_keys()
-    # most of a module's attributes are its empty hook containers: tested together, in C
-    if any(map(mine.get, hooks)) or any(map(theirs.get, hooks)):
-        skip = _PER_LAYER_STATE
-    for k, v in theirs.items():  # a plain loop, cheapest tests first: it runs per module on every call
-        w = mine[k]
-        if w is v or k in skip:
-            continue
-        t = type(v)
-        if t is type(w) and (t in _PLAIN_TYPES and w == v or t in _CONTAINERS and not v and not w):
-            continue  # equal plain values, or two empty hook containers (most of a module's attributes)
-        if not same_value(w, v):
-            return False
-    kids, ref_kids = _compat.nn.child_modules(module), _compat.nn.child_modules(ref)
-    return kids.keys() == ref_kids.keys() and all(
-        (a is None) == (b is None) and (a is None or _tree_agrees(b, a)) for a, b in zip(kids.values(), ref_kids.values()))
 
 
 def _check_call(layers, inputs, broadcast_kwargs, layer_kwargs):
@@ -288,7 +240,7 @@ def scan_layers(layers: Iterable[torch.nn.Module], *inputs: Any, remat: Remat = 
     if (route.runs_the_loop(tensors, remat)
             and not stacks_swapped(container, stacked)):  # a swapped stack: scanned, the layers cannot run it
         # a layer's own attribute: its own code runs it
-        over_rows = trained_stacks and differentiates_stacks(container, layers) and _all_attributes_agree(layers)
+        over_rows = trained_stacks and differentiates_stacks(container, layers) and all_attributes_agree(layers)
         if not over_rows:
             return _eager_loop(layers, inputs, remat, per_layer)
     try:  # traced: the per-layer keywords split into shared ones and stacked rows
@@ -316,7 +268,7 @@ def scan_layers(layers: Iterable[torch.nn.Module], *inputs: Any, remat: Remat = 
         plan = capture_plan(template, collected) if collected else None
     if not dynamo and not over_rows:  # checked here, in Python: the traced body then reads no peer
         check_no_running_stat_updates(template)  # other layers agree with layer 0 or are refused as read
-    peers = () if over_rows or (not dynamo and _all_attributes_agree(layers)) else layers[1:]
+    peers = () if over_rows or (not dynamo and all_attributes_agree(layers)) else layers[1:]
     selecting = written_rows.selecting_reads(template, slots[0])  # compared with no peer
     attrs = module_state.rows(template, layers)  # per-layer tensors kept on the modules
     # a scan over blocks: runs of one kind in the block as nested scans (layers.blocks)
