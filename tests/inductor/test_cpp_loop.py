@@ -47,6 +47,26 @@ def test_per_step_buffers_come_from_a_pool_of_two():
     assert "aoti_torch_assign_tensors_out(buf2_pool0[buf2_step & 1], &b_buf5_handle)" in code
 
 
+def _handed_on_as_view_of(base):
+    """LOOP whose last output is inductor's view of ``base`` made in its place (a bias
+    gradient summed as (1, n), handed on as (n,))."""
+    view = ("        auto b_buf8 = wrap_with_raii_handle_if_needed(reinterpret_tensor_wrapper("
+            f"{base}, 1, int_array_5, int_array_6, 0L)); {base}.reset();  // reuse")
+    code = LOOP.format(last="b_buf8")
+    return code.replace("        buf3.reset();", view + "\n        buf3.reset();", 1)
+
+
+def test_a_view_made_in_place_of_a_fresh_buffer_is_pooled_with_it():
+    code = pool_cpp_loop_buffers(_handed_on_as_view_of("b_buf6"))
+    assert code.count("aoti_torch_empty_strided(") == 1  # the pool's, before the loop
+    assert "aoti_torch_assign_tensors_out(buf2_pool0[buf2_step & 1], &b_buf5_handle)" in code
+
+
+def test_a_view_of_a_carried_input_leaves_the_loop_alone():
+    code = _handed_on_as_view_of("b_arg0_1")
+    assert pool_cpp_loop_buffers(code) == code
+
+
 @pytest.mark.parametrize("last", ["b_arg0_1", "b_view"])
 def test_outputs_that_could_outlive_an_iteration_leave_the_loop_alone(last):
     """A carried input leaving at another position, or a value not traced to an allocation."""

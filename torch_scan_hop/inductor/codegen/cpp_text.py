@@ -31,7 +31,9 @@ _CPP_EMPTY = re.compile(r"^AOTI_TORCH_ERROR_CODE_CHECK\(aoti_torch_empty_strided
                         r"cached_torch_dtype_(\w+), (cached_torch_device_type_cpu), +0, &(\w+)_handle\)\);$")
 _CPP_TAKE = re.compile(r"^AOTI_TORCH_ERROR_CODE_CHECK\(aoti_torch_assign_tensors_out\((\w+), &(\w+)_handle\)\);$")
 _CPP_GIVE = re.compile(r"^(\w+) = std::move\((\w+)\);$")
-_CPP_REUSE = re.compile(r"^auto (\w+) = std::move\((\w+)\);  // reuse$")
+# a buffer handed on under another name, or as a view of it (a (1, n) sum read as (n,))
+_CPP_REUSE = re.compile(r"^auto (\w+) = (?:std::move\((\w+)\)|wrap_with_raii_handle_if_needed\("
+                        r"reinterpret_tensor_wrapper\((\w+), [^;]*\)\); \3\.reset\(\));  // reuse$")
 
 
 def pool_cpp_loop_buffers(code):
@@ -40,8 +42,8 @@ def pool_cpp_loop_buffers(code):
     used by turns: ``aoti_torch_empty_strided`` (~0.3 us, a dispatcher call and a
     malloc) becomes a new handle on a pooled tensor (~0.02 us). Same rule as the
     Python wrapper's ``pool_loop_buffers``: two buffers suffice when every output
-    of the body is a buffer it allocated or the carried input at the same
-    position; otherwise the loop is left alone."""
+    of the body is a buffer it allocated (or a view inductor made of one in its
+    place) or the carried input at the same position; otherwise the loop is left alone."""
     lines = code.split("\n")
     arrays = {m.group(1): m.group(2) for m in _CPP_ARRAY.finditer(code)}
     for i in range(len(lines) - 1, -1, -1):
@@ -91,7 +93,7 @@ def _plan_cpp_pools(lines, start, indent, arrays):
             sizes, strides = arrays.get(m.group(2)), arrays.get(m.group(3))
             if sizes is not None and strides is not None and _nbytes(sizes.replace("L", ""), m.group(4)) <= _POOL_MAX_BYTES:
                 allocs.append((j, m.group(6), m.group(1), sizes, strides, m.group(4), m.group(5)))
-        elif (m := _CPP_REUSE.match(text)) and m.group(2) in fresh:
+        elif (m := _CPP_REUSE.match(text)) and (m.group(2) or m.group(3)) in fresh:
             fresh.add(m.group(1))
         j += 1
     if j == len(lines) or not outputs:
