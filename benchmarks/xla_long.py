@@ -25,15 +25,19 @@ Eigen's), whose spinning CPU time process_time counts and which a wall clock cre
 to whichever form has more independent work; on one core both forms get one thread.
 ``--stacked`` adds a column for ``stack_layers(layers, grads="stacked")`` (the stacks are the trained
 parameters: no stack per call, one gradient per stack).
+``--no-shift`` adds a column for the default scan with the shifted carries off (``trace/shift.py``: the backward
+reads each layer's input from a stack of its own instead of rebuilding it from the previous layer's saved values),
+and its per-round ratio to the default's.
 ``--thunks`` then prints, per depth, the loop's and the default scan's device time per step by XLA
 thunk kind (``_xla_thunks.py``: the dots, each fusion, the fills; inside the While by its name).
-Run: python benchmarks/xla_long.py [--max-len N] [--modes fwd_ys,train] [--depths 8,32,64 | --depths 0] [--one-core] [--stacked] [--thunks]
+Run: python benchmarks/xla_long.py [--max-len N] [--modes fwd_ys,train] [--depths 8,32,64 | --depths 0] [--one-core] [--stacked] [--no-shift] [--thunks]
 """
 import argparse
 import copy
 import os
 import sys
 import time
+import unittest.mock
 
 if "--one-core" in sys.argv:  # before torch and torch_xla start their threads: they inherit the mask
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
@@ -97,10 +101,17 @@ def per_step(n, with_ys, train, repeat):
     return best / n
 
 
-def layer_step(layers, x, stacked, unroll=1):
+def layer_step(layers, x, stacked, unroll=1, no_shift=False):
     from torch_scan_hop import scan_layers
+    from torch_scan_hop.trace import shift
 
     def run():
+        if no_shift:  # the call's plan keeps every saved carry
+            with unittest.mock.patch.object(shift, "use_shift", lambda *args: False):
+                return step()
+        return step()
+
+    def step():
         layers.zero_grad(set_to_none=True)
         h = x
         if stacked:
@@ -116,7 +127,7 @@ def layer_step(layers, x, stacked, unroll=1):
     return run
 
 
-def layers_table(depths, repeat, clock=time.process_time, stacked=False, thunks=False):
+def layers_table(depths, repeat, clock=time.process_time, stacked=False, thunks=False, no_shift=False):
     from _timing import interleaved_times, paired_ratio
     from torch_scan_hop import stack_layers
 
@@ -124,6 +135,8 @@ def layers_table(depths, repeat, clock=time.process_time, stacked=False, thunks=
     labels = {"scan_layers": "scan_layers", "while": "unroll=1", "unrolled": "unroll=depth"}  # form: column
     if stacked:
         labels["stacked_g"] = "stacked_g"
+    if no_shift:
+        labels["no_shift"] = "no_shift"
     for depth in depths:
         torch.manual_seed(depth)
         make = lambda: torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU())  # noqa: E731
@@ -133,6 +146,8 @@ def layers_table(depths, repeat, clock=time.process_time, stacked=False, thunks=
                "while": layer_step(layers, x, True), "unrolled": layer_step(layers, x, True, unroll=depth)}
         if stacked:  # a copy whose stacks are the trained parameters: no per-call stack, one grad per stack
             fns["stacked_g"] = layer_step(stack_layers(copy.deepcopy(layers), grads="stacked"), x, True, unroll=None)
+        if no_shift:
+            fns["no_shift"] = layer_step(layers, x, True, unroll=None, no_shift=True)
         firsts = {}
         for name, fn in fns.items():  # first call compiles; the scan's second is Dynamo's capture
             t0 = time.perf_counter()
@@ -148,6 +163,9 @@ def layers_table(depths, repeat, clock=time.process_time, stacked=False, thunks=
             med, lo, hi = paired_ratio(rounds[name], rounds["loop"])
             row += [f"{ours / depth * 1e3:.3f}", f"{ours / loop:.2f}x", f"{med:.2f}x [{lo:.2f}, {hi:.2f}]",
                     f"{ratios[0]:.2f}-{ratios[-1]:.2f}"]
+        if no_shift:  # the question the column asks: with the shift off, faster or not (same rounds)
+            med, lo, hi = paired_ratio(rounds["no_shift"], rounds["scan_layers"])
+            row.append(f"{med:.2f}x [{lo:.2f}, {hi:.2f}]")
         rows.append(row)
         print(*rows[-1], flush=True)
         if thunks:
@@ -157,7 +175,8 @@ def layers_table(depths, repeat, clock=time.process_time, stacked=False, thunks=
     print(f"XLA, one thread ({'wall clock, pinned to one core' if clock is time.perf_counter else 'CPU time'}): training step of Linear({WIDTH}, {WIDTH}) + GELU stacks on {ROWS} rows, best of {repeat}; "
           f"per-round ratios: median [95% interval], min-max; load {os.getloadavg()[0]:.1f}")
     print_table(["depth", "loop ms/layer"] + [f"{label} {c}" for label in labels.values()
-                                              for c in ("ms/layer", "best/best", "round median", "rounds")], rows)
+                                              for c in ("ms/layer", "best/best", "round median", "rounds")]
+                + (["no_shift / scan_layers round median"] if no_shift else []), rows)
 
 
 def main():
@@ -168,6 +187,7 @@ def main():
     parser.add_argument("--depths", default="8,32,64")
     parser.add_argument("--one-core", action="store_true", help="pin to one core, time the wall clock")
     parser.add_argument("--stacked", action="store_true", help="a column for stack_layers(layers, grads='stacked')")
+    parser.add_argument("--no-shift", action="store_true", help="a column for the default scan without shifted carries")
     parser.add_argument("--thunks", action="store_true", help="device time per XLA thunk kind, loop and scan_layers")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -187,7 +207,7 @@ def main():
         print_table(["mode", "T", "ms/call", "us/step", "vs T=1k"], rows)
     if depths:
         layers_table(depths, args.repeat, time.perf_counter if args.one_core else time.process_time, args.stacked,
-                     args.thunks)
+                     args.thunks, args.no_shift)
 
 
 if __name__ == "__main__":
