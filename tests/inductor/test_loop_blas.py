@@ -73,6 +73,38 @@ def test_weight_gradients_accumulate_with_atens_bits(monkeypatch):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
 
 
+@needs_blas
+def test_a_linear_layers_bias_addmm_gives_atens_bits(monkeypatch):
+    """``nn.Linear`` in the forward is ``addmm(bias, x, w.t())`` with a 1-D bias, which ATen expands
+    to the output's shape and copies in before the gemm: our kernel copies it broadcast (stride 0
+    rows), so a Linear body's loops call BLAS (they kept ATen's addmm, and the Python loop,
+    before) with the bits of the same loop calling ATen's addmm."""
+    import torch_scan_hop.inductor.codegen.blas as blas
+
+    torch.manual_seed(4)
+    lin = torch.nn.Linear(6, 6)
+    norm = torch.nn.LayerNorm(6)  # a reduction: the addmm is not unfused into a pointwise kernel
+    c0, xs = torch.randn(5, 6, requires_grad=True), torch.randn(64, 5, 6)
+    body = lambda c, x: (norm(lin(c + x)), c)
+
+    def run():
+        torch._dynamo.reset()
+        c, ys = torch.compile(lambda c0, xs: scan(body, c0, xs))(c0, xs)
+        return [c, ys, *torch.autograd.grad(c.sum() + ys.pow(2).sum(), (lin.weight, lin.bias, c0))]
+
+    with torch._inductor.config.patch(force_disable_caches=True):
+        got, codes = run_and_get_code(run)
+        monkeypatch.delitem(blas.KINDS, "extern_kernels.addmm")
+        atens, aten_codes = run_and_get_code(run)
+    assert "scan_blas_addmm(" in codes[0] and "extern_kernels.addmm(" in aten_codes[0]
+    for g, a in zip(got, atens):
+        assert torch.equal(g, a), (g - a).abs().max()
+    c, ys = reference_scan(body, c0, xs)
+    want = [c, ys, *torch.autograd.grad(c.sum() + ys.pow(2).sum(), (lin.weight, lin.bias, c0))]
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
+
+
 def test_short_loops_keep_atens_mm():
     """Under 64 steps the BLAS kernel (one more C++ build on a cold cache) does not pay."""
     got, want, code = _compiled(4, 5)

@@ -250,8 +250,9 @@ def _long_enough(counts):
 
 def _plan_of(node, accumulates):
     """``(mm_plan, None)`` of an ``mm`` node, ``(mm_plan, (rows, cols, out strides, self strides))``
-    of an ``addmm(self, a, b, alpha=1, beta=1)`` node (self copied into out first, then the gemm
-    with beta 1, as ``addmm_impl_cpu_``), or None where ATen's call is not that."""
+    of an ``addmm(self, a, b, alpha=1, beta=1)`` node (self, broadcast to the output's shape as
+    a Linear's bias is, copied into out first, then the gemm with beta 1, as ``addmm_impl_cpu_``),
+    or None where ATen's call is not that."""
     import torch
 
     out = node.output_view or node
@@ -264,9 +265,10 @@ def _plan_of(node, accumulates):
     else:
         operands = [out, *node.inputs]
     shapes = []
-    for x in operands:
+    for i, x in enumerate(operands):
         layout = x.get_layout()
-        if layout.dtype != torch.float32 or layout.device.type != "cpu" or len(layout.size) != 2:
+        dims = (1, 2) if accumulates and i == 1 else (2,)  # addmm's self: a Linear's bias is 1-D
+        if layout.dtype != torch.float32 or layout.device.type != "cpu" or len(layout.size) not in dims:
             return None
         try:
             shapes.append((tuple(int(s) for s in layout.size), tuple(int(s) for s in layout.stride)))
@@ -277,11 +279,20 @@ def _plan_of(node, accumulates):
     if not accumulates:
         mm = mm_plan(*shapes)
         return None if mm is None else (mm, None)
-    (sizes, strides), (self_sizes, self_strides) = shapes[:2]
+    (sizes, strides), (self_sizes, self_strides) = shapes[0], _expanded(*shapes[1], shapes[0][0])
     mm = mm_plan(shapes[0], *shapes[2:])
     if mm is None or self_sizes != sizes:
         return None
     return mm, (*sizes, *strides, *self_strides)
+
+
+def _expanded(sizes, strides, to):
+    """``(sizes, strides)`` of addmm's ``self`` as ATen's ``addmm_out_cpu`` expands it to the
+    output's sizes ``to`` before copying it in (``expand_size``): a broadcast dim gets stride 0."""
+    sizes, strides = (1,) * (2 - len(sizes)) + sizes, (0,) * (2 - len(strides)) + strides
+    if any(s != t and s != 1 for s, t in zip(sizes, to)):
+        return sizes, strides
+    return to, tuple(0 if s != t else st for s, t, st in zip(sizes, to, strides))
 
 
 KINDS = {"extern_kernels.mm": (_KERNEL, SGEMM_ARGTYPES, SGEMM_KERNEL),
