@@ -16,8 +16,8 @@ Modules:
   releases after finished loops);
 - ``loop_kernel``: a Python loop whose body only calls C++ kernels, as ONE C++ kernel;
 - ``kernel_build``: that kernel built as inductor builds its kernels but linked against libtorch
-  only (``loop_kernel_link`` in ``pass_counts``), and waited for by its first call, not by the
-  wrapper module's load;
+  only (``loop_kernel_link`` in ``pass_counts``), its binding without ``<sstream>``
+  (``loop_kernel_binding``), and waited for by its first call, not by the wrapper module's load;
 - ``accumulate``: in such a kernel, a carried sum ``scan_blas_addmm`` accumulates (a weight
   gradient) accumulated in its own buffer (no copy of the old sum a step);
 - ``cpp_text``: the C++ wrapper's passes (buffer pools, row views as pointers, mm as BLAS);
