@@ -151,6 +151,16 @@ def cpp_wrapper_codegen():
     return CppWrapperCpu
 
 
+def cpp_codegen():
+    """``torch._inductor.codegen.cpp``, inductor's C++ kernel codegen module. torch 2.9 (and the
+    versions before 2.15) defines ``simplify_index_in_vec_range(index, var, vec_length)`` there
+    (a ``functools.lru_cache``), looked up as a module global by its ``stride_at_vec_range`` when
+    that runs; torch 2.15 moved both to ``sizevars`` (without the full ``sympy.simplify``)."""
+    from torch._inductor.codegen import cpp
+
+    return cpp
+
+
 def scheduler():
     """``torch._inductor.scheduler.Scheduler`` (torch 2.9 to 2.15: ``should_partition``)."""
     from torch._inductor.scheduler import Scheduler

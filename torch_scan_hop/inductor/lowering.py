@@ -60,6 +60,7 @@ def install():
     workarounds.realize_copies_of_aliased_carries()
     workarounds.keep_carried_inputs_unreused()
     workarounds.pair_mutated_carries_by_index()
+    workarounds.keep_polynomial_vec_indices_unsimplified()
     workarounds.mark_loop_outputs_unaligned(lambda name: _LOOP_PREFIX in name)
     wrapper_patches.reuse_no_aliasing_buffers()
     cpp_wrapper.track_cpp_wrapper_compiles()

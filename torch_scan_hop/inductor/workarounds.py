@@ -1,5 +1,5 @@
-"""Workarounds for eight torch defects that scan's inductor loops hit (2.9; 5 and 8 also 2.15; 6 in
-2.10-2.11; 7 in 2.9-2.11).
+"""Workarounds for nine torch defects that scan's inductor loops hit (2.9; 5 and 8 also 2.15; 6 in
+2.10-2.11; 7 in 2.9-2.11; 9 before 2.15).
 
 1. Subgraph inputs taken as donated buffers (fixed upstream by pytorch#193960).
    Compiling a backward graph, inductor marks the inputs listed in AOT's
@@ -68,6 +68,17 @@
    found by a random DTensor body on 2 ranks, where it failed one rank only and the other
    then waited in its next collective). Our loops' outputs count as unaligned buffers: no
    assert, and no kernel reading them assumes alignment.
+
+9. A slow analysis of every vectorized index (speed, not values). Before it vectorizes a loop,
+   torch 2.9's C++ codegen asks each index's stride in the vector lane (``stride_at_vec_range``),
+   first rewriting the index's ``FloorDiv`` / ``ModularIndexing`` of the lane variable and then
+   running ``sympy.simplify`` on the whole index: ~6-10 ms for an index holding a size symbol,
+   which every kernel of a loop body has (its row of xs: ``x0 + 512*ks0``, ks0 the step), ~0.05 s
+   CPU of the tanh RNN's first compiled call. torch 2.15 no longer runs that ``simplify``. For a
+   polynomial index (``is_polynomial()``: no floor division, modulus or other function), which
+   the rewrite leaves as it is, the index is returned unsimplified: its only reader,
+   ``stride_at(index, var)``, simplifies ``index(var + 1) - index``, the same number either way.
+   Others go to torch's function. Global (every CPU kernel; only the time changes).
 """
 import contextlib
 
@@ -194,6 +205,27 @@ def pair_mutated_carries_by_index():
 
     create_sorted._scan_sorted = True
     ir.WhileLoop.create = classmethod(create_sorted)
+
+
+def keep_polynomial_vec_indices_unsimplified():
+    """Defect 9: torch 2.9's ``simplify_index_in_vec_range`` returns a polynomial index as it is
+    (no ``sympy.simplify``). Idempotent; nothing where the codegen module does not define it
+    (torch 2.15). Before torch 2.15: ``_compat.inductor.cpp_codegen()``'s
+    ``simplify_index_in_vec_range`` (an ``lru_cache``), a module global of its callers."""
+    cpp = _inductor.cpp_codegen()
+    simplify = getattr(cpp, "simplify_index_in_vec_range", None)
+    if simplify is None or getattr(simplify, "_scan_polynomial", False):
+        return
+
+    def polynomial_unsimplified(index, var, vec_length):
+        if index.is_polynomial() is True:
+            return index
+        return simplify(index, var, vec_length)
+
+    polynomial_unsimplified._scan_polynomial = True
+    polynomial_unsimplified.__wrapped__ = simplify
+    polynomial_unsimplified.cache_clear = getattr(simplify, "cache_clear", lambda: None)
+    cpp.simplify_index_in_vec_range = polynomial_unsimplified
 
 
 def fake_float64_attention_logsumexp_as_float64():

@@ -16,8 +16,8 @@ Modules:
   releases after finished loops);
 - ``loop_kernel``: a Python loop whose body only calls C++ kernels, as ONE C++ kernel;
 - ``kernel_build``: that kernel built as inductor builds its kernels but linked against libtorch
-  only (``loop_kernel_link`` in ``pass_counts``), and waited for by its first call, not by the
-  wrapper module's load;
+  only (``loop_kernel_link`` in ``pass_counts``), its binding without ``<sstream>``
+  (``loop_kernel_binding``), and waited for by its first call, not by the wrapper module's load;
 - ``accumulate``: in such a kernel, a carried sum ``scan_blas_addmm`` accumulates (a weight
   gradient) accumulated in its own buffer (no copy of the old sum a step);
 - ``cpp_text``: the C++ wrapper's passes (buffer pools, row views as pointers, mm as BLAS);
@@ -70,6 +70,11 @@ Global, each for a reason:
       views (``reuse_no_aliasing_buffers``)                     outer wrapper (inlined), which has no scan
                                                                 name; reusing a view's storage (a slice of a
                                                                 live buffer) is never right
+    ``simplify_index_in_vec_range``        every vectorized     a body kernel's codegen has no name to tell
+      returns a polynomial index as it is  C++ kernel index     ours by; there every index of xs holds a size
+      (defect 9; speed only)               (before torch 2.15)  symbol (``x0 + 512*ks0``): ~6-10 ms of
+                                                                ``sympy.simplify`` each; the stride read from
+                                                                it is the same; torch 2.15 has no simplify
     ``codegen_allocation`` skips graph     every graph          only a ``NonOwningLayout`` over an input (our
       inputs                                                    row writes) reaches it; allocating a graph
                                                                 input is never right (torch 2.14 skips it)

@@ -14,6 +14,14 @@ forward at T=256 spent ~0.9 s of a ~1.5 s first call building this one kernel):
   inductor's own command, with one ``KernelLinkWarning``. Counted as ``loop_kernel_link``
   (``pass_counts``): applied, skipped (a command without those two libraries in that order, as
   on macOS or Windows), failed (linked again).
+- its Python binding (inductor's, after the kernel in the same file) is compiled without
+  ``<sstream>``: the binding reads one decimal address from an environment variable, which
+  torch 2.9 parses with ``std::istringstream`` (torch 2.15 with ``std::strtoull``, the header still
+  included), and parsing ``<sstream>`` made ~0.06 s (~8%) of this kernel's build. The file is
+  written next to inductor's (``.main.cpp`` -> ``.main.scan.cpp``), the cache key is inductor's.
+  Counted as ``loop_kernel_binding``: applied, skipped (a binding not as expected, or a file that
+  reads a stream anywhere else: built as inductor wrote it), failed (that file did not build and
+  inductor's did: built from inductor's, with one ``KernelBindingWarning``).
 - the wrapper module does not wait for it when it loads: the build runs on inductor's compile
   thread pool while the compile goes on (AOTAutograd's wrappers, Dynamo's guards, a backward
   graph); the kernel's first call waits for it, then rebinds the module's name to the kernel
@@ -30,6 +38,11 @@ from . import pipeline
 class KernelLinkWarning(RuntimeWarning):
     """The loop kernel, linked without libtorch_cpu, did not load: it was linked again as
     inductor links its kernels (right, the first call slower)."""
+
+
+class KernelBindingWarning(RuntimeWarning):
+    """The loop kernel's file with its binding's ``<sstream>`` left out did not build: it was built
+    from the file inductor wrote (right, the first call slower)."""
 
 
 def deferred_kernel(scope, name, argtypes, source):
@@ -66,8 +79,73 @@ def relinked(command):
     return " ".join(parts)
 
 
+_SSTREAM = "#include <sstream>"
+_ISTRINGSTREAM = ("std::istringstream iss(str_addr);", "uintptr_t addr = 0;", "iss >> addr;")
+_STRTOULL = "uintptr_t addr = std::strtoull(str_addr, nullptr, 10);"  # ``iss >> addr``'s value: 0 where no digits
+
+
+def without_sstream(text):
+    """``text`` (a kernel's file: its source, then inductor's Python binding) with the binding's
+    ``#include <sstream>`` left out and torch 2.9's ``std::istringstream`` parse of the address
+    written as ``std::strtoull`` (torch 2.15's); None where the include is not there exactly once
+    or where a stream is read anywhere else."""
+    lines = text.split("\n")
+    at = [i for i, line in enumerate(lines) if line.strip() == _SSTREAM]
+    if len(at) != 1:
+        return None
+    del lines[at[0]]
+    stripped = [line.strip() for line in lines]
+    for i in range(len(lines) - len(_ISTRINGSTREAM) + 1):
+        if tuple(stripped[i:i + len(_ISTRINGSTREAM)]) == _ISTRINGSTREAM:
+            indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
+            lines[i:i + len(_ISTRINGSTREAM)] = [indent + _STRTOULL]
+            break
+    out = "\n".join(lines)
+    return None if "stream" in out else out
+
+
+def lighter_binding(command):
+    """``command`` compiling ``<name>.main.scan.cpp`` (written here: its ``.main.cpp`` as
+    ``without_sstream`` gives it) instead of ``<name>.main.cpp``; None where the command names no
+    such file once or ``without_sstream`` gives None."""
+    parts = command.split(" ")
+    sources = [i for i, part in enumerate(parts) if part.endswith(".main.cpp")]
+    if len(sources) != 1 or not os.path.isfile(parts[sources[0]]):
+        return None
+    path = parts[sources[0]]
+    with open(path) as f:
+        text = without_sstream(f.read())
+    if text is None:
+        return None
+    light = path[:-len(".cpp")] + ".scan.cpp"
+    with open(light, "w") as f:
+        f.write(text)
+    parts[sources[0]] = light
+    return " ".join(parts)
+
+
 def _build(command, run, target):
-    """One build of the kernel (``_compat.inductor.build_cpp_pybinding``'s ``build``)."""
+    """One build of the kernel (``_compat.inductor.build_cpp_pybinding``'s ``build``): its file
+    with the lighter binding, else (or where that did not build but inductor's does) inductor's."""
+    lighter = lighter_binding(command)
+    if lighter is None:
+        pipeline.record("loop_kernel_binding", "skipped")
+        return _linked(command, run, target)
+    try:
+        result = _linked(lighter, run, target)
+    except Exception as error:
+        result = _linked(command, run, target)  # raises the kernel's own error where this does not build either
+        pipeline.record("loop_kernel_binding", "failed")
+        warnings.warn(f"torch_scan_hop: the loop kernel without <sstream> in its binding did not build ({error}); "
+                      "built as inductor wrote it. Please report it with your torch version.",
+                      KernelBindingWarning, stacklevel=2)
+        return result
+    pipeline.record("loop_kernel_binding", "applied")
+    return result
+
+
+def _linked(command, run, target):
+    """``command`` run linked against libtorch only (``relinked``), or as it is where it cannot be."""
     light = relinked(command)
     if light is None:
         pipeline.record("loop_kernel_link", "skipped")
