@@ -181,7 +181,7 @@ def test_graph_key_of_a_module_follows_its_recompiled_graph_and_its_tensors():
 def test_traced_path_does_not_grow_linecache_without_bound(monkeypatch):
     from torch_scan_hop.core import trace_lock
 
-    monkeypatch.setattr(trace_lock, "_MAX_OUR_SOURCES", 40)
+    monkeypatch.setattr(trace_lock, "_MAX_OUR_SOURCES", 10)
     part = CountingPartition()
     init, xs = torch.randn(2, 3), torch.randn(3, 2, 3)
 
@@ -202,7 +202,7 @@ def test_traced_path_does_not_grow_linecache_without_bound(monkeypatch):
     before = len(linecache.cache)
     for _ in range(30):
         call()
-    assert len(linecache.cache) - before <= 40 < 30 * per_call  # ...but only the newest 40 are kept
+    assert len(linecache.cache) - before <= 10 < 30 * per_call  # ...but only the newest 10 are kept
 
 
 def test_a_graph_body_reuses_its_plan_with_no_trace(monkeypatch):
