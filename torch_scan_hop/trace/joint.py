@@ -160,8 +160,10 @@ def flags_and_joint(combine_fn, examples, flags, num_carry, tangents):
     primals = with_flags(examples, [*upper, *rest])
     try:
         tried = primals, trace_joint(combine_fn, primals, tangents, [*upper, *rest], stash, num_carry)
-    except Exception:  # noqa: BLE001  (a failure only this state met: the traces below decide)
-        tried = None
+    except Exception:  # noqa: BLE001
+        if upper == start:  # the fixed point itself (no carry can require grad beyond it): the body's error
+            raise
+        tried = None  # a failure only this guess met: the traces below decide (the body's own error recurs)
     known = {upper: stash["out_flags"]} if tried is not None else {}
     reach = stash.get("reach") if tried is not None else None
     grad_mask, out_grad, orbit = requires_grad_flags(combine_fn, examples, flags, num_carry, known, reach)
