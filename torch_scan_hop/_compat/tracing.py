@@ -226,3 +226,22 @@ def printing_fx_code():
     while frame is not None and frame.f_code is not code:
         frame = frame.f_back
     return frame is not None
+
+
+def lazy_graph_modules():
+    """A context in which the GraphModules FX makes (make_fx's, the partitioners') write their
+    Python code only when first run or printed, not on every ``recompile()``: most graphs of a
+    first call are only read node by node (partitioned, lowered to XLA, keyed) and never run.
+    Dynamo builds all its graphs so (``torch._dynamo.config.use_lazy_graph_module``, on by
+    default). torch 2.9 to 2.15: ``torch.fx._lazy_graph_module._use_lazy_graph_module``."""
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    return _use_lazy_graph_module(True)
+
+
+def lazy_graph_module(root, graph):
+    """``torch.fx.GraphModule(root, graph)`` whose Python code is written when first run or
+    printed (see ``lazy_graph_modules``). torch 2.9 to 2.15: ``torch.fx._lazy_graph_module._LazyGraphModule``."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    return _LazyGraphModule(root, graph)

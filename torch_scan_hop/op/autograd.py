@@ -34,7 +34,7 @@ from .loop import run_flat
 def _sym_graph(fb: FwdBwd, sym_saved):
     """fwd graph trimmed to the symbolic sizes the backward needs (they depend on
     shapes only, so one evaluation on the inputs serves every step)."""
-    gm = torch.fx.GraphModule(fb.fwd, copy.deepcopy(fb.fwd.graph))
+    gm = _compat.tracing.lazy_graph_module(fb.fwd, copy.deepcopy(fb.fwd.graph))
     out_node = gm.graph.find_nodes(op="output")[0]
     (outs,) = out_node.args
     out_node.args = ([outs[fb.num_carry + fb.num_y + i] for i in sym_saved],)
@@ -46,7 +46,7 @@ def _sym_graph(fb: FwdBwd, sym_saved):
 def _fwd_step_graph(fb: FwdBwd, step_saved):
     """fwd graph trimmed to (*new_carry, *y, *per-step saved); outputs that are
     inputs get a clone so the body never returns an alias of its argument."""
-    gm = torch.fx.GraphModule(fb.fwd, copy.deepcopy(fb.fwd.graph))  # shares constants, copies nodes
+    gm = _compat.tracing.lazy_graph_module(fb.fwd, copy.deepcopy(fb.fwd.graph))  # shares constants, copies nodes
     out_node = gm.graph.find_nodes(op="output")[0]
     (outs,) = out_node.args
     num_out = fb.num_carry + fb.num_y
@@ -136,7 +136,7 @@ def _bwd_step_graph(plan):
     sums = [fuse_accumulate(graph, graph.call_function(torch.ops.aten.add.Tensor, (s, grads[nc + nx + i])))
             for s, i in zip(g_sum, plan.lifted_grad)]
     graph.output([*(grads[i] for i in plan.carry_grad), *sums, *(grads[nc + i] for i in plan.x_grad)])
-    return torch.fx.GraphModule(fb.bwd, graph)
+    return _compat.tracing.lazy_graph_module(fb.bwd, graph)
 
 
 def _rebuild_shifted(plan, graph, inputs, prev_first, lifted):

@@ -14,6 +14,8 @@
   the loop's view would show the write;
 - ``body_checks``: a body traced for its input-mutation check (the checks: ``core/checks.py``);
 - ``joint``: one step's joint forward/backward graph, traced from the user's own function;
+- ``flag_reach``: the loop's requires-grad flags for fewer carries requiring grad, read off one
+  joint's autograd graph instead of a trace per carry-flag state;
 - ``partition``: the joint split into ``fwd`` / ``bwd`` (``FwdBwd``), by ``remat/partition.py``'s functions;
 - ``peephole``: clean-ups of the partitioned graphs;
 - ``shift``: saved carries read from the previous step's stack (one stacked buffer fewer per carry);

@@ -9,6 +9,7 @@ can differentiate.
 """
 import torch
 
+from .. import _compat
 from .cache import memo
 
 
@@ -31,4 +32,4 @@ def _without_copies(body, copy):
     graph.output(graph.graph_copy(body.graph, {}))
     for node in graph.find_nodes(op="call_function", target=copy):
         node.target = _copy
-    return torch.fx.GraphModule(body, graph)
+    return _compat.tracing.lazy_graph_module(body, graph)

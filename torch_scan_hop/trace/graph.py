@@ -24,8 +24,9 @@ def trace_graph(fn, args, *, force_enable_grad=False):
     """``fn(*args)`` as an aten GraphModule, traced in whatever mode is active."""
     if force_enable_grad:  # differentiating: torch_xla's custom ops need their formulas
         register_missing()
-    with _data_dependence_as_scan_error(), _in_place_sharding_as_scan_error(), _real_index_as_scan_error(args), \
-            TensorIndexRewrite():
+    # lazy: the graph's Python code is written only if it is run or printed (most are only read)
+    with _tracing.lazy_graph_modules(), _data_dependence_as_scan_error(), _in_place_sharding_as_scan_error(), \
+            _real_index_as_scan_error(args), TensorIndexRewrite():
         gm = trace_aten_graph(fn, args, force_enable_grad=force_enable_grad)
     _refuse_value_dependent_sizes(gm)
     _drop_unread_aliases(gm)

@@ -22,15 +22,17 @@ import torch
 
 from .. import _compat
 from .closures import recording_functional_closures
+from .flag_reach import FlagWatch, reach_or_none
 from .graph import forget_constants, trace_graph
 from .lift import source_of
 from .xla_formulas import functions_as_ops
 
 
 @contextlib.contextmanager
-def stepping(combine_fn, primals):
+def stepping(combine_fn, primals, watch=None):
     """Runs one step on ``primals`` (*carry, *x, *lifted); yields
-    ``(outputs, wrt, outer)`` with the closures' stand-ins active.
+    ``(outputs, wrt, outer)`` with the closures' stand-ins active. ``watch``: a mode active
+    while the body itself runs (above the stand-ins' mode, which it then does not see).
 
     ``wrt[i]`` lists the tensors autograd may reach for input i: the primal
     itself, or for a lifted closure what the body read in its place (its
@@ -39,12 +41,16 @@ def stepping(combine_fn, primals):
     stand-in back to the user's tensor (``closures.recording_functional_closures``).
     """
     src = source_of(combine_fn)
+    watch = contextlib.nullcontext() if watch is None else watch
     if src is None:
-        yield list(combine_fn(*primals)), [[p] for p in primals], lambda t: t
+        with watch:
+            outs = list(combine_fn(*primals))
+        yield outs, [[p] for p in primals], lambda t: t
         return
     n = len(primals) - len(src.lifted)
     with recording_functional_closures(primals) as closures:
-        outs = list(src.body(*primals[:n]))
+        with watch:
+            outs = list(src.body(*primals[:n]))
         reached = [_reached(closures.inner(t), t) for t in src.lifted]
         yield outs, [*([p] for p in primals[:n]), *reached], closures.outer
 
@@ -103,7 +109,7 @@ class FlagOrbit:
         return [*self.steps[k][:nc], *ys]
 
 
-def requires_grad_flags(combine_fn, examples, flags, num_carry, known=None):
+def requires_grad_flags(combine_fn, examples, flags, num_carry, known=None, reach=None):
     """(input flags with the carries' fixed point, output flags there, the loop's ``FlagOrbit`` or None).
 
     ``flags``: does each input (*init, *x, *lifted) require grad. A carry is
@@ -111,14 +117,18 @@ def requires_grad_flags(combine_fn, examples, flags, num_carry, known=None):
     mask or a counter carried along never asks for a gradient it cannot have.
     That fixed point decides what the backward computes; the orbit says which
     outputs require grad after a given number of steps, as in the loop.
-    ``known``: carry flags -> output flags already found (by another trace).
+    ``known``: carry flags -> output flags already found (by another trace). ``reach``: a
+    ``flag_reach.Reach`` that reads them off a trace for the states it covers.
     """
     flags = [bool(f) and _differentiable(e) for f, e in zip(flags, examples)]
     rest, seen_outputs = flags[num_carry:], dict(known or {})
 
-    def outputs(carry_flags):  # one trace per distinct carry-flag state
+    def outputs(carry_flags):  # one trace per distinct carry-flag state the reach does not cover
         if carry_flags not in seen_outputs:
-            seen_outputs[carry_flags] = _outputs_require_grad(combine_fn, examples, [*carry_flags, *rest])
+            if reach is not None and reach.covers(carry_flags):
+                seen_outputs[carry_flags] = reach.outputs(carry_flags)
+            else:
+                seen_outputs[carry_flags] = _outputs_require_grad(combine_fn, examples, [*carry_flags, *rest])
         return seen_outputs[carry_flags]
 
     def carried(out):
@@ -134,28 +144,30 @@ def flags_and_joint(combine_fn, examples, flags, num_carry, tangents):
     """``requires_grad_flags`` and the joint traced at their fixed point:
     (input flags, output flags, orbit, primals, joint).
 
-    When one step makes a carry require grad (init does not, a weight does:
-    a training scan from a fresh carry), the fixed point is guessed from that
-    step and the joint is traced there first: its outputs' flags are what a
-    flags trace of that state would find, so the guess is checked without
-    one (one body trace fewer of the four a first call makes). A guess that
-    does not hold costs the joint's trace again, at the real fixed point.
+    The joint is traced first with every floating carry requiring grad: the fixed point
+    of a training scan (init's carry requiring grad, or a fresh carry a weight reaches
+    in one step). Its trace tells which outputs require grad there, and its autograd
+    graph which would with fewer carries requiring grad (``flag_reach``): init's state
+    and any other the loop passes through then need no trace of their own (one trace
+    of the body where a first call made two). Where the fixed point is smaller (a float
+    carry nothing requiring grad reaches), the joint is traced again there; where the
+    reach cannot be read (the body reads flags), each state is traced as before.
     """
     flags = [bool(f) and _differentiable(e) for f, e in zip(flags, examples)]
     start, rest = tuple(flags[:num_carry]), flags[num_carry:]
-    known = {start: _outputs_require_grad(combine_fn, examples, flags)}
-    guess = tuple(f or (bool(o) and _differentiable(e)) for f, o, e in zip(start, known[start], examples))
-    tried = None
-    if guess != start:
-        stash = {}
-        primals = with_flags(examples, [*guess, *rest])
-        try:
-            tried = primals, trace_joint(combine_fn, primals, tangents, [*guess, *rest], stash)
-            known[guess] = stash["out_flags"]
-        except Exception:  # noqa: BLE001  (a failure only the guess met: the exact path below decides)
-            tried = None
-    grad_mask, out_grad, orbit = requires_grad_flags(combine_fn, examples, flags, num_carry, known)
-    if tried is None or tuple(grad_mask[:num_carry]) != guess:
+    upper = tuple(f or _differentiable(e) for f, e in zip(start, examples))
+    stash, tried = {}, None
+    primals = with_flags(examples, [*upper, *rest])
+    try:
+        tried = primals, trace_joint(combine_fn, primals, tangents, [*upper, *rest], stash, num_carry)
+    except Exception:  # noqa: BLE001
+        if upper == start:  # the fixed point itself (no carry can require grad beyond it): the body's error
+            raise
+        tried = None  # a failure only this guess met: the traces below decide (the body's own error recurs)
+    known = {upper: stash["out_flags"]} if tried is not None else {}
+    reach = stash.get("reach") if tried is not None else None
+    grad_mask, out_grad, orbit = requires_grad_flags(combine_fn, examples, flags, num_carry, known, reach)
+    if tried is None or tuple(grad_mask[:num_carry]) != upper:
         primals = with_flags(examples, grad_mask)
         tried = primals, trace_joint(combine_fn, primals, tangents, grad_mask)
     return (grad_mask, out_grad, orbit, *tried)
@@ -199,15 +211,19 @@ def _tag_forward_nodes(num_primals):
         node.meta["partitioner_tag"] = "is_backward" if is_tangent else "is_forward"
 
 
-def _joint_fn(combine_fn, grad_mask, stash):
-    """primals, tangents -> (*outputs, *grads): the shape AOTAutograd's partitioners expect."""
+def _joint_fn(combine_fn, grad_mask, stash, num_carry=None):
+    """primals, tangents -> (*outputs, *grads): the shape AOTAutograd's partitioners expect.
+    With ``num_carry``, ``stash["reach"]``: the step's ``flag_reach.Reach`` (or None)."""
     num_primals = len(grad_mask)
 
     def joint(*args):
         primals, tangents = args[:num_primals], args[num_primals:]
-        with stepping(combine_fn, primals) as (outs, wrt, stash["outer"]):
+        watch = None if num_carry is None else FlagWatch()
+        with stepping(combine_fn, primals, watch) as (outs, wrt, stash["outer"]):
             pass  # the backward below runs outside the stand-ins: its ops must not move devices
         stash["out_flags"] = [isinstance(o, torch.Tensor) and o.requires_grad for o in outs]
+        if watch is not None:  # read before the backward frees the autograd graph
+            stash["reach"] = reach_or_none(outs, primals[:num_carry], watch)
         _tag_forward_nodes(num_primals)
         pairs = [(o, t) for o, t in zip(outs, tangents) if isinstance(o, torch.Tensor) and o.requires_grad]
         wanted = [reach for reach, m in zip(wrt, grad_mask) if m]
@@ -235,13 +251,14 @@ def _sum(parts):
     return total
 
 
-def trace_joint(combine_fn, primals, tangents, grad_mask, stash=None):
+def trace_joint(combine_fn, primals, tangents, grad_mask, stash=None, num_carry=None):
     """The joint GraphModule over (*primals, *tangents); closures read by the
     user's body are rebound to the lifted primals. ``stash["out_flags"]``:
-    which of the step's outputs required grad in the trace."""
+    which of the step's outputs required grad in the trace; with ``num_carry``,
+    ``stash["reach"]`` (``_joint_fn``)."""
     stash = {} if stash is None else stash
     with _compat.eager_autograd_engine(), functions_as_ops(), _missing_derivative_is_an_error():
-        joint = trace_graph(_joint_fn(combine_fn, grad_mask, stash), [*primals, *tangents],
+        joint = trace_graph(_joint_fn(combine_fn, grad_mask, stash, num_carry), [*primals, *tangents],
                                     force_enable_grad=True)
     src = source_of(combine_fn)
     if src is not None:

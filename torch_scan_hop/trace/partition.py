@@ -356,7 +356,15 @@ def _drop_error_checks(joint):
 
 
 def partition_step(step: JointStep, remat="save_all") -> FwdBwd:
-    """Split a traced joint into the forward and backward graphs of one step."""
+    """Split a traced joint into the forward and backward graphs of one step. The graphs made
+    on the way are lazy (``_compat.tracing.lazy_graph_modules``): each extraction and pass
+    would otherwise write and compile Python code for graphs only read node by node (a
+    quarter of the Python time of an XLA training scan's first call)."""
+    with _compat.tracing.lazy_graph_modules():
+        return _partition_step(step, remat)
+
+
+def _partition_step(step, remat):
     joint, primals, tangents = step.joint, step.primals, step.tangents
     num_out, num_carry, num_x = len(step.out_vals), step.num_carry, step.num_x
     # Re-traced functionalized when it mutates: decompositions (GRUCell's, say) emit

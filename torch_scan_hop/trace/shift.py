@@ -78,7 +78,7 @@ def _build_recipe(fwd, out, nodes, leaves, lifted):
         if node in nodes:
             env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(env[out])
-    return torch.fx.GraphModule(fwd, graph)
+    return _compat.tracing.lazy_graph_module(fwd, graph)
 
 
 def find_shifts(fb) -> List[Shift]:

@@ -60,7 +60,7 @@ def defer_row_writes(body, num_carry, inputs):
     values (a backward step made by our own tracing)."""
     if not isinstance(body, torch.fx.GraphModule):
         return RowWrites(body, [])
-    gm = torch.fx.GraphModule(body, copy.deepcopy(body.graph))
+    gm = _compat.tracing.lazy_graph_module(body, copy.deepcopy(body.graph))
     found = _row_writes(gm, num_carry, inputs)
     if not found:
         return RowWrites(body, [])
