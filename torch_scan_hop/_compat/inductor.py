@@ -214,11 +214,39 @@ def vector_isa_name():
     return str(pick_vec_isa() or "").split(" ")[0]
 
 
+def _run_compile_command(line):
+    """Run one compiler command line as inductor's ``run_compile_cmd`` does (split, no shell, in a
+    scratch directory, output captured; a failure raises its ``CppCompileError``), but with the
+    environment handed over explicitly.
+
+    Why: our loop kernel builds on a worker thread while the main thread goes on, and inductor's
+    ``CppPythonBindingsCodeCache._load_library_inner`` writes ``os.environ`` each time it loads a
+    kernel. ``subprocess`` without ``env`` lets the child read the C ``environ`` after a (v)fork
+    while that write frees the string it replaces: the compiler then failed to start now and then
+    ("[Errno 14] Bad address: 'g++'", "cannot execute 'cc1plus'"). With ``env``, the child's
+    environment is built before the fork from a copy of ``os.environ`` (torch 2.9 to 2.15:
+    ``torch._inductor.exc.CppCompileError(cmd, output)``)."""
+    import os
+    import shlex
+    import subprocess
+    import tempfile
+
+    from torch._inductor.exc import CppCompileError
+
+    cmd = shlex.split(line)
+    with tempfile.TemporaryDirectory() as cwd:
+        try:
+            subprocess.run(cmd, cwd=cwd, env=os.environ.copy(), check=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        except subprocess.CalledProcessError as e:
+            raise CppCompileError(cmd, e.stdout) from e
+
+
 def build_cpp_pybinding(argtypes, source, build):
     """Start inductor's build of ``source`` as a ``cpp_pybinding`` kernel (its source file, flags,
     precompiled header, cache key, lock and loader), each of its C++ builds done by
     ``build(command, run, target)`` (``command``: inductor's command line, ``run(command)``: run a
-    command line for it, ``target``: the file it makes), on inductor's compile thread pool
+    command line for it (``_run_compile_command``), ``target``: the file it makes), on inductor's compile thread pool
     (where it has one, else at the first ``result()``); none where the library is already on
     disk. Returns ``result()``: the loaded kernel, waiting for the build.
 
@@ -226,7 +254,7 @@ def build_cpp_pybinding(argtypes, source, build):
     submit_fn=)`` calls ``submit_fn(worker_fn)`` (only when the library is not built), with
     ``worker_fn`` a ``functools.partial(_worker_compile_cpp, lock_path, builders)``, and runs
     ``worker_fn()`` again when loading (a no-op once built); ``CppBuilder.get_command_line()``,
-    ``build()``, ``get_target_file_path()``; ``AsyncCompile.pool()``, ``get_compile_threads()``.
+    ``build()`` (replaced per builder), ``get_target_file_path()``; ``AsyncCompile.pool()``, ``get_compile_threads()``.
     A ``worker_fn`` of another shape is submitted as it is (inductor's own builds)."""
     from torch._inductor.async_compile import AsyncCompile, get_compile_threads
     from torch._inductor.codecache import CppPythonBindingsCodeCache
@@ -234,15 +262,7 @@ def build_cpp_pybinding(argtypes, source, build):
 
     def built_by_us(builder):
         command = builder.get_command_line()
-
-        def run(line):
-            builder.get_command_line = lambda: line  # the instance's: read by CppBuilder.build
-            try:
-                CppBuilder.build(builder)
-            finally:
-                del builder.get_command_line
-
-        builder.build = lambda: build(command, run, builder.get_target_file_path())
+        builder.build = lambda: build(command, _run_compile_command, builder.get_target_file_path())
 
     def submit(worker_fn):
         builders = worker_fn.args[1] if isinstance(worker_fn, functools.partial) and len(worker_fn.args) == 2 else ()
