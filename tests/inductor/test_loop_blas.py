@@ -42,13 +42,27 @@ def test_float32_matmuls_in_the_loop_give_atens_bits(batch):
     assert "extern_kernels.mm(" not in loop
 
 
+def _bits_against_atens_addmm(run, monkeypatch, code_index):
+    """``run()`` compiled with our ``scan_blas_addmm`` and again with ATen's ``addmm`` (the kind taken
+    out of ``blas.KINDS``): the results have the same bits; returns ours. ``code_index``: the graph
+    (0 forward, 1 backward) whose code calls the addmm."""
+    import torch_scan_hop.inductor.codegen.blas as blas
+
+    with torch._inductor.config.patch(force_disable_caches=True):
+        got, codes = run_and_get_code(run)
+        monkeypatch.delitem(blas.KINDS, "extern_kernels.addmm")
+        atens, aten_codes = run_and_get_code(run)
+    assert "scan_blas_addmm(" in codes[code_index] and "extern_kernels.addmm(" in aten_codes[code_index]
+    for g, a in zip(got, atens):
+        assert torch.equal(g, a), (g - a).abs().max()
+    return got
+
+
 @needs_blas
 def test_weight_gradients_accumulate_with_atens_bits(monkeypatch):
     """The backward's ``addmm(grad_w, a, b, beta=1)`` (a weight gradient summed over steps) is
     ``self`` copied into the output, then ``sgemm_`` with beta 1, as ATen's ``addmm_impl_cpu_``:
     the bits of the same compiled loop calling ATen's addmm."""
-    import torch_scan_hop.inductor.codegen.blas as blas
-
     gen = torch.Generator().manual_seed(3)
     w = (torch.randn(6, 6, generator=gen) * 0.4).requires_grad_()
     c0, xs = torch.randn(5, 6, generator=gen, requires_grad=True), torch.randn(64, 5, 6, generator=gen)
@@ -59,13 +73,7 @@ def test_weight_gradients_accumulate_with_atens_bits(monkeypatch):
         c, ys = fn(c0, xs)
         return torch.autograd.grad(c.sum() + ys.pow(2).sum(), (w, c0))
 
-    with torch._inductor.config.patch(force_disable_caches=True):
-        got, codes = run_and_get_code(run)
-        monkeypatch.delitem(blas.KINDS, "extern_kernels.addmm")
-        atens, aten_codes = run_and_get_code(run)
-    assert "scan_blas_addmm(" in codes[1] and "extern_kernels.addmm(" in aten_codes[1]
-    for g, a in zip(got, atens):
-        assert torch.equal(g, a), (g - a).abs().max()
+    got = _bits_against_atens_addmm(run, monkeypatch, code_index=1)
     with torch.enable_grad():
         want = torch.autograd.grad((lambda c, ys: c.sum() + ys.pow(2).sum())(
             *reference_scan(lambda c, x: (torch.tanh(c @ w + x), c), c0, xs)), (w, c0))
@@ -79,8 +87,6 @@ def test_a_linear_layers_bias_addmm_gives_atens_bits(monkeypatch):
     to the output's shape and copies in before the gemm: our kernel copies it broadcast (stride 0
     rows), so a Linear body's loops call BLAS (they kept ATen's addmm, and the Python loop,
     before) with the bits of the same loop calling ATen's addmm."""
-    import torch_scan_hop.inductor.codegen.blas as blas
-
     torch.manual_seed(4)
     lin = torch.nn.Linear(6, 6)
     norm = torch.nn.LayerNorm(6)  # a reduction: the addmm is not unfused into a pointwise kernel
@@ -92,13 +98,7 @@ def test_a_linear_layers_bias_addmm_gives_atens_bits(monkeypatch):
         c, ys = torch.compile(lambda c0, xs: scan(body, c0, xs))(c0, xs)
         return [c, ys, *torch.autograd.grad(c.sum() + ys.pow(2).sum(), (lin.weight, lin.bias, c0))]
 
-    with torch._inductor.config.patch(force_disable_caches=True):
-        got, codes = run_and_get_code(run)
-        monkeypatch.delitem(blas.KINDS, "extern_kernels.addmm")
-        atens, aten_codes = run_and_get_code(run)
-    assert "scan_blas_addmm(" in codes[0] and "extern_kernels.addmm(" in aten_codes[0]
-    for g, a in zip(got, atens):
-        assert torch.equal(g, a), (g - a).abs().max()
+    got = _bits_against_atens_addmm(run, monkeypatch, code_index=0)
     c, ys = reference_scan(body, c0, xs)
     want = [c, ys, *torch.autograd.grad(c.sum() + ys.pow(2).sum(), (lin.weight, lin.bias, c0))]
     for g, r in zip(got, want):

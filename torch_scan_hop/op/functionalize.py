@@ -13,7 +13,7 @@ from ..trace.body_checks import check_no_input_mutation, is_checked
 from .hop import scan_op
 
 
-def _checked_once(ctx, combine_fn, init, xs, additional_inputs):
+def _checked_once(combine_fn, init, xs, additional_inputs):
     """check_no_input_mutation, memoized per body and input metadata (shapes, dtypes, devices,
     requires_grad): a body's graph and those decide what it writes. In plain eager (C++
     functionalization, e.g. XLA tensors) per call; under a trace, AOTAutograd's two passes over
@@ -42,7 +42,7 @@ def _unwrapped(ctx, tensors):
 def scan_functionalize(ctx, combine_fn, init, xs, additional_inputs, **kwargs):
     init, xs, additional_inputs = (_unwrapped(ctx, list(t)) for t in (init, xs, additional_inputs))
     with ctx.redispatch_to_next():
-        _checked_once(ctx, combine_fn, init, xs, additional_inputs)
+        _checked_once(combine_fn, init, xs, additional_inputs)
         if _compat.on_xla([*init, *xs]):
             # The XLA rule lowers the body on its own placeholder tensors, where
             # internal in-place ops are fine; keeping the body object lets it

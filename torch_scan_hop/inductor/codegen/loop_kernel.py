@@ -263,7 +263,7 @@ def _write_back(position, value, plan):
         return True
     loop, n = plan.loop, plan.n
     if origin[0] == "pool":
-        last = f"{origin[1]}[({n} - 1) & 1]" if "[step & 1]" in value[1] else f"{origin[1]}[0]"
+        last = f"{origin[1]}[({n} - 1) & 1]" if value[1].endswith("[step & 1]") else f"{origin[1]}[0]"
         if len(origin) == 3:  # a view of the pooled buffer (``_pooled_view``)
             last = f"reinterpret_tensor({last}, {origin[2]})"
     elif origin[0] == "outer":

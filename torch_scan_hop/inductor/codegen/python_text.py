@@ -104,8 +104,9 @@ def pool_loop_buffers(code):
     this cannot trace to an allocation (a view of a carried input, an extern kernel's
     result), is left as it is; a view inductor makes of a fresh buffer in its place (``b2 =
     reinterpret_tensor(b1, ...); del b1  # reuse``: a bias gradient summed as (1, n), handed
-    on as (n,)) lives in that buffer's storage, so it is pooled with it. Line numbers do not change (the pools are created on the line before the
-    ``for``), so inductor's line map stays right."""
+    on as (n,)) lives in that buffer's storage, so it is pooled with it. Line numbers do not
+    change (the pools are created on the line before the ``for``), so inductor's line map
+    stays right."""
     lines = code.split("\n")
     for i in range(len(lines) - 1, 0, -1):
         loop = _FOR.match(lines[i])
