@@ -1,6 +1,6 @@
 """How a loop run as one C++ kernel (``loop_kernel``) is built and loaded: inductor's
 ``cpp_pybinding`` build (its source file, compile flags, precompiled header, cache key, lock and
-loader) with two differences, both for the first call of a compiled scan (issue 62; the tanh RNN's
+loader) with these differences, all for the first call of a compiled scan (issue 62; the tanh RNN's
 forward at T=256 spent ~0.9 s of a ~1.5 s first call building this one kernel):
 
 - the link names ``libtorch`` (kept as a needed library whatever the toolchain's ``--as-needed``
@@ -8,10 +8,10 @@ forward at T=256 spent ~0.9 s of a ~1.5 s first call building this one kernel):
   its dynamic symbols, and libtorch_cpu.so (~440 MB) made ~0.25-0.4 s of the build. Loading does
   not change: the kernel's undefined symbols (``sgemm_``, Sleef's ``tanh``) are looked up in the
   libraries it needs and theirs, and libtorch.so needs libtorch_cpu.so, the one torch has
-  loaded: the same functions as before. The compile command (and so the precompiled header
-  inductor's kernels share, and the cache key) is inductor's. The library is loaded once right
-  after the link (every symbol bound at once): where it does not load, it is linked again with
-  inductor's own command, with one ``KernelLinkWarning``. Counted as ``loop_kernel_link``
+  loaded: the same functions as before. The compile options (and the cache key) are
+  inductor's. The library is loaded once right after the link (every symbol bound at once):
+  where it does not load, it is linked again with inductor's own command, with one
+  ``KernelLinkWarning``. Counted as ``loop_kernel_link``
   (``pass_counts``): applied, skipped (a command without those two libraries in that order, as
   on macOS or Windows), failed (linked again).
 - its Python binding (inductor's, after the kernel in the same file) is compiled without

@@ -142,7 +142,7 @@ _DONE = "scan_pch: instantiated"
 def build_script(ours, flags, scratch):
     """The shell commands that build our header in ``scratch`` (holding ``plugin.cc`` and
     ``header.h``) and move it next to inductor's (the ``.gch``, then the ``#error`` text), or leave
-    ``.failed`` (the compiler's output in ``.log``)."""
+    ``.failed`` (and the compiler's output in ``.log``)."""
     q = shlex.quote
     at = lambda name: q(os.path.join(scratch, name))  # noqa: E731
     plugin = " ".join([q(flags[0]), "-shared", "-fPIC", "-O1", at("plugin.cc"), "-o", at("plugin.so")])
@@ -157,8 +157,9 @@ def build_script(ours, flags, scratch):
         f"printf %s {q(_NOT_USABLE)} > {q(ours + '.tmp')}",
         f"mv {q(ours + '.tmp')} {q(ours)}",
     ]
-    return (f"( {' && '.join(steps)} ) > {q(ours + '.log')} 2>&1 || {{ cat {at('err')} >> {q(ours + '.log')}; "
-            f"touch {q(ours + '.failed')}; }}; rm -rf {q(scratch)} {q(ours + '.lock')}")
+    log = q(ours + ".log")
+    return (f"if ( {' && '.join(steps)} ) > {log} 2>&1; then rm -f {log}; "
+            f"else cat {at('err')} >> {log}; touch {q(ours + '.failed')}; fi; rm -rf {q(scratch)} {q(ours + '.lock')}")
 
 
 def wait_for_builds():
