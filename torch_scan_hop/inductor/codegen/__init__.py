@@ -17,7 +17,10 @@ Modules:
 - ``loop_kernel``: a Python loop whose body only calls C++ kernels, as ONE C++ kernel;
 - ``kernel_build``: that kernel built as inductor builds its kernels but linked against libtorch
   only (``loop_kernel_link`` in ``pass_counts``), its binding without ``<sstream>``
-  (``loop_kernel_binding``), and waited for by its first call, not by the wrapper module's load;
+  (``loop_kernel_binding``), compiled with ``kernel_header``'s precompiled header
+  (``loop_kernel_header``), and waited for by its first call, not by the wrapper module's load;
+- ``kernel_header``: inductor's precompiled ``cpp_prefix.h`` made once more (in the background) with
+  the template instantiations GCC leaves pending at the end of a header done, by a GCC plugin's pragma;
 - ``accumulate``: in such a kernel, a carried sum ``scan_blas_addmm`` accumulates (a weight
   gradient) accumulated in its own buffer (no copy of the old sum a step);
 - ``cpp_text``: the C++ wrapper's passes (buffer pools, row views as pointers, mm as BLAS);

@@ -1,6 +1,6 @@
 """How a loop run as one C++ kernel (``loop_kernel``) is built and loaded: inductor's
 ``cpp_pybinding`` build (its source file, compile flags, precompiled header, cache key, lock and
-loader) with two differences, both for the first call of a compiled scan (issue 62; the tanh RNN's
+loader) with these differences, all for the first call of a compiled scan (issue 62; the tanh RNN's
 forward at T=256 spent ~0.9 s of a ~1.5 s first call building this one kernel):
 
 - the link names ``libtorch`` (kept as a needed library whatever the toolchain's ``--as-needed``
@@ -8,10 +8,10 @@ forward at T=256 spent ~0.9 s of a ~1.5 s first call building this one kernel):
   its dynamic symbols, and libtorch_cpu.so (~440 MB) made ~0.25-0.4 s of the build. Loading does
   not change: the kernel's undefined symbols (``sgemm_``, Sleef's ``tanh``) are looked up in the
   libraries it needs and theirs, and libtorch.so needs libtorch_cpu.so, the one torch has
-  loaded: the same functions as before. The compile command (and so the precompiled header
-  inductor's kernels share, and the cache key) is inductor's. The library is loaded once right
-  after the link (every symbol bound at once): where it does not load, it is linked again with
-  inductor's own command, with one ``KernelLinkWarning``. Counted as ``loop_kernel_link``
+  loaded: the same functions as before. The compile options (and the cache key) are
+  inductor's. The library is loaded once right after the link (every symbol bound at once):
+  where it does not load, it is linked again with inductor's own command, with one
+  ``KernelLinkWarning``. Counted as ``loop_kernel_link``
   (``pass_counts``): applied, skipped (a command without those two libraries in that order, as
   on macOS or Windows), failed (linked again).
 - its Python binding (inductor's, after the kernel in the same file) is compiled without
@@ -22,6 +22,13 @@ forward at T=256 spent ~0.9 s of a ~1.5 s first call building this one kernel):
   Counted as ``loop_kernel_binding``: applied, skipped (a binding not as expected, or a file that
   reads a stream anywhere else: built as inductor wrote it), failed (that file did not build and
   inductor's did: built from inductor's, with one ``KernelBindingWarning``).
+- it is compiled with ``kernel_header``'s precompiled header, inductor's ``cpp_prefix.h`` with the
+  template instantiations that GCC leaves pending at the end of a header already done (each file
+  including inductor's did them: ~0.3 s of CPU, the kernel's object file the same byte for byte),
+  where that header is built (in the background, the first time a kernel asks for it). Counted as
+  ``loop_kernel_header``: applied, skipped (not built yet, not GCC, or failed before), failed (the
+  command did not build with it and did with inductor's header: built so, with one
+  ``KernelHeaderWarning``, and that header not used again).
 - the wrapper module does not wait for it when it loads: the build runs on inductor's compile
   thread pool while the compile goes on (AOTAutograd's wrappers, Dynamo's guards, a backward
   graph); the kernel's first call waits for it, then rebinds the module's name to the kernel
@@ -32,12 +39,17 @@ import os
 import warnings
 
 from ... import _compat
-from . import pipeline
+from . import kernel_header, pipeline
 
 
 class KernelLinkWarning(RuntimeWarning):
     """The loop kernel, linked without libtorch_cpu, did not load: it was linked again as
     inductor links its kernels (right, the first call slower)."""
+
+
+class KernelHeaderWarning(RuntimeWarning):
+    """The loop kernel did not build with our precompiled header (``kernel_header``) and did with
+    inductor's: built with inductor's (right, the first call slower); ours is not used again."""
 
 
 class KernelBindingWarning(RuntimeWarning):
@@ -126,7 +138,9 @@ def lighter_binding(command):
 
 def _build(command, run, target):
     """One build of the kernel (``_compat.inductor.build_cpp_pybinding``'s ``build``): its file
-    with the lighter binding, else (or where that did not build but inductor's does) inductor's."""
+    with the lighter binding, else (or where that did not build but inductor's does) inductor's;
+    each command run with our precompiled header where there is one (``_with_own_header``)."""
+    run = _with_own_header(run)
     lighter = lighter_binding(command)
     if lighter is None:
         pipeline.record("loop_kernel_binding", "skipped")
@@ -142,6 +156,30 @@ def _build(command, run, target):
         return result
     pipeline.record("loop_kernel_binding", "applied")
     return result
+
+
+def _with_own_header(run):
+    """``run`` where each command includes ``kernel_header``'s header instead of inductor's when
+    it is built, and runs again as it is where it does not build that way but does as it is (a
+    command that fails both ways raises its own error)."""
+    def run_with_own_header(command):
+        ours = kernel_header.with_own_header(command)
+        if ours is None:
+            pipeline.record("loop_kernel_header", "skipped")
+            return run(command)
+        try:
+            result = run(ours)
+        except Exception as error:
+            result = run(command)
+            kernel_header.forget(ours)
+            pipeline.record("loop_kernel_header", "failed")
+            warnings.warn(f"torch_scan_hop: the loop kernel did not build with its precompiled header ({error}); "
+                          "built with inductor's. Please report it with your compiler and torch versions.",
+                          KernelHeaderWarning, stacklevel=2)
+            return result
+        pipeline.record("loop_kernel_header", "applied")
+        return result
+    return run_with_own_header
 
 
 def _linked(command, run, target):

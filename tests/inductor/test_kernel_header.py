@@ -1,0 +1,119 @@
+"""The loop kernel's own precompiled header (``inductor.codegen.kernel_header``): inductor's
+``cpp_prefix.h`` with GCC's pending template instantiations done, built in the background the first
+time a kernel asks for it; kernels built with it give the same numbers as with inductor's (the same
+bits) and as the loop; a header that does not serve is not used again, the kernel built with
+inductor's with one warning; a header that cannot be built is left ``.failed``."""
+import os
+import time
+import warnings
+
+import pytest
+import torch
+from conftest import assert_trees_close, reference_scan
+
+from torch_scan_hop import scan
+from torch_scan_hop.inductor import codegen
+from torch_scan_hop.inductor.codegen import kernel_build, kernel_header
+
+_INDUCTOR = ("g++ /tmp/k.main.cpp -D TORCH_INDUCTOR_CPP_WRAPPER -D  C10_USING_CUSTOM_GENERATED_MACROS -O3 -shared "
+             "-fPIC -include /tmp/p/h.h -I/py/include -march=native  -o /tmp/k.so  -Wl,--push-state,--no-as-needed "
+             "-ltorch -Wl,--pop-state -lgomp -L/torch/lib")
+
+
+def test_header_flags_leave_out_the_source_output_header_and_link():
+    assert kernel_header.header_flags(_INDUCTOR) == [
+        "g++", "-D", "TORCH_INDUCTOR_CPP_WRAPPER", "-D", "C10_USING_CUSTOM_GENERATED_MACROS", "-O3", "-fPIC",
+        "-I/py/include", "-march=native"]
+
+
+@pytest.mark.parametrize("command", [
+    _INDUCTOR.replace(" -include /tmp/p/h.h", ""),  # no precompiled header
+    _INDUCTOR,  # a header without its .gch (not GCC's)
+])
+def test_commands_without_a_gcc_precompiled_header_are_left_alone(command):
+    assert kernel_header.with_own_header(command) is None
+
+
+def _rnn(length=64, h=16, b=4):
+    w = torch.randn(h, h) * 0.3
+
+    def step(c, x):
+        c = torch.tanh(c @ w + x)
+        return c, c.sum(-1)
+    return step, torch.randn(b, h), torch.randn(length, b, h)
+
+
+def _compiled_forward(step, c0, xs):
+    torch._dynamo.reset()
+    codegen.reset_pass_counts()
+    with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True, compile_threads=1):
+        got = torch.compile(lambda c0, xs: scan(step, c0, xs))(c0, xs)
+    return got, codegen.pass_counts().get("loop_kernel_header", {})
+
+
+def _our_header(monkeypatch, step, c0, xs):
+    """Our header's path for this machine's kernel command, built (a first compile starts its
+    build; another process may be building it)."""
+    commands = []
+    asked = kernel_header.with_own_header
+    monkeypatch.setattr(kernel_header, "with_own_header", lambda command: commands.append(command) or asked(command))
+    _compiled_forward(step, c0, xs)
+    monkeypatch.setattr(kernel_header, "with_own_header", asked)
+    parts = commands[0].split(" ")
+    if "-include" not in parts:
+        pytest.skip("inductor's command names no precompiled header here")
+    header = parts[parts.index("-include") + 1]
+    if not os.path.isfile(header + ".gch"):
+        pytest.skip("inductor's precompiled header is not GCC's here")
+    ours = kernel_header.own_header_path(header, kernel_header.header_flags(commands[0]))
+    kernel_header.wait_for_builds()
+    deadline = time.monotonic() + 600
+    while not (os.path.isfile(ours) or os.path.isfile(ours + ".failed")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if not os.path.isfile(ours):
+        pytest.skip(f"this compiler did not build our header (see {ours}.log)")
+    return ours
+
+
+def test_a_kernel_built_with_our_header_gives_the_same_bits(monkeypatch):
+    step, c0, xs = _rnn()
+    _our_header(monkeypatch, step, c0, xs)
+    got, counts = _compiled_forward(step, c0, xs)
+    assert counts == {"applied": 1, "skipped": 0, "failed": 0}
+    monkeypatch.setattr(kernel_header, "with_own_header", lambda command: None)
+    theirs, counts = _compiled_forward(step, c0, xs)
+    assert counts == {"applied": 0, "skipped": 1, "failed": 0}
+    assert all(torch.equal(a, b) for a, b in zip(torch.utils._pytree.tree_leaves(got),
+                                                 torch.utils._pytree.tree_leaves(theirs)))
+    assert_trees_close(got, reference_scan(step, c0, xs), rtol=1e-4, atol=1e-5)
+
+
+def test_a_header_that_does_not_serve_is_not_used_again(monkeypatch, tmp_path):
+    step, c0, xs = _rnn()
+    unusable = tmp_path / "unusable.h"
+    unusable.write_text('#error "not usable (simulated)"\n')
+
+    def with_unusable_header(command):
+        if (tmp_path / "unusable.h.failed").exists():
+            return None
+        parts = command.split(" ")
+        parts[parts.index("-include") + 1] = str(unusable)
+        return " ".join(parts)
+    monkeypatch.setattr(kernel_header, "with_own_header", with_unusable_header)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, counts = _compiled_forward(step, c0, xs)
+    assert counts == {"applied": 0, "skipped": 0, "failed": 1}
+    assert len([w for w in caught if issubclass(w.category, kernel_build.KernelHeaderWarning)]) == 1
+    assert (tmp_path / "unusable.h.failed").exists()
+    assert_trees_close(got, reference_scan(step, c0, xs), rtol=1e-4, atol=1e-5)
+
+
+def test_a_header_that_cannot_be_built_is_left_failed(tmp_path):
+    header = tmp_path / "h.h"
+    header.write_text("#include <cstdint>\n")
+    flags = ["false"]  # a compiler that fails
+    ours = kernel_header.own_header_path(str(header), flags)
+    kernel_header.start_building(str(header), ours, flags)
+    kernel_header.wait_for_builds()
+    assert os.path.isfile(ours + ".failed") and not os.path.exists(ours) and not os.path.exists(ours + ".lock")
