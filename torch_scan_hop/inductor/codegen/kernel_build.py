@@ -26,7 +26,8 @@ forward at T=256 spent ~0.9 s of a ~1.5 s first call building this one kernel):
   template instantiations that GCC leaves pending at the end of a header already done (each file
   including inductor's did them: ~0.3 s of CPU, the kernel's object file the same byte for byte),
   where that header is built (in the background, the first time a kernel asks for it). Counted as
-  ``loop_kernel_header``: applied, skipped (not built yet, not GCC, or failed before), failed (the
+  ``loop_kernel_header``: applied, skipped (not built yet, not GCC, failed before, or turned off by
+  ``passes_off("loop_kernel_header")``), failed (the
   command did not build with it and did with inductor's header: built so, with one
   ``KernelHeaderWarning``, and that header not used again).
 - the wrapper module does not wait for it when it loads: the build runs on inductor's compile
@@ -36,6 +37,7 @@ forward at T=256 spent ~0.9 s of a ~1.5 s first call building this one kernel):
 """
 import ctypes
 import os
+import time
 import warnings
 
 from ... import _compat
@@ -158,12 +160,26 @@ def _build(command, run, target):
     return result
 
 
+def prepare_header():
+    """Build the loop kernel's precompiled header (``kernel_header``) now and wait for it: a tiny
+    kernel built as loop kernels are asks for it (it is built with inductor's header meanwhile).
+    Once per machine, compiler, flags and torch version, as inductor's own header: for a benchmark's
+    warm-up or a container image's build step, so that no first compiled call of a scan is the one
+    that starts it. Returns whether the header is there to be used (False: not GCC, or a GCC that
+    did not build it; kernels then build with inductor's header)."""
+    nonce = f"{os.getpid()}-{time.time_ns()}"  # a source never built before: its build is what asks
+    source = f'#include <torch/csrc/inductor/cpp_prefix.h>\n// {nonce}\nextern "C" void kernel(const int64_t n) {{}}\n'
+    kernel = _compat.inductor.build_cpp_pybinding(["const int64_t"], source, _build)()
+    kernel(0)
+    return kernel_header.ready()
+
+
 def _with_own_header(run):
     """``run`` where each command includes ``kernel_header``'s header instead of inductor's when
     it is built, and runs again as it is where it does not build that way but does as it is (a
     command that fails both ways raises its own error)."""
     def run_with_own_header(command):
-        ours = kernel_header.with_own_header(command)
+        ours = None if pipeline.is_off("loop_kernel_header") else kernel_header.with_own_header(command)
         if ours is None:
             pipeline.record("loop_kernel_header", "skipped")
             return run(command)

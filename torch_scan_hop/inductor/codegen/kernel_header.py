@@ -63,6 +63,7 @@ _NOT_USABLE = '#error "torch_scan_hop: this precompiled header was not usable he
 _STALE_LOCK_S = 600
 _started = {}  # our header's path -> its build (a Popen), or None where another process builds it
 _lock = threading.Lock()
+_asked = set()  # our headers kernels of this process asked for
 
 
 def with_own_header(command):
@@ -80,6 +81,7 @@ def with_own_header(command):
     if flags is None:
         return None
     ours = own_header_path(header, flags)
+    _asked.add(ours)
     if os.path.isfile(ours + ".failed"):
         return None
     if os.path.isfile(ours) and os.path.isfile(ours + ".gch"):
@@ -169,6 +171,18 @@ def wait_for_builds():
         builds = [build for build in _started.values() if build is not None]
     for build in builds:
         build.wait()
+
+
+def ready(timeout_s=600):
+    """Wait (up to ``timeout_s``) until every header this process's kernels asked for is built or
+    failed, by this process or another; whether they are all built (and some was asked for)."""
+    wait_for_builds()
+    deadline = time.monotonic() + timeout_s
+    with _lock:
+        asked = sorted(_asked)
+    while any(not (os.path.isfile(p) or os.path.isfile(p + ".failed")) for p in asked) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return bool(asked) and all(os.path.isfile(p) and os.path.isfile(p + ".gch") for p in asked)
 
 
 def start_building(header, ours, flags):
