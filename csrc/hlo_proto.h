@@ -67,6 +67,33 @@ constexpr int kLayoutMinorToMajor = 1;  // repeated int64 minor_to_major = 1;
 constexpr int kLiteralShape = 1;  // ShapeProto shape = 1;
 constexpr int kLiteralS64s = 5;   // repeated int64 s64s = 5;
 
+// Where a LiteralProto keeps the values of an element type, and how many bytes one zero takes
+// there: packed varints (preds, s32s, s64s, u32s, u64s) one byte, packed fixed-width floats and
+// the byte strings (s8s, f16s, bf16s, ...) their width. {0, 0}: a type not listed here.
+struct LiteralField {
+  int field, zero_bytes;
+};
+inline LiteralField literal_field(int etype) {
+  switch (etype) {
+    case 1: return {2, 1};    // PRED: repeated bool preds = 2
+    case 2: return {15, 1};   // S8: bytes s8s = 15
+    case 3: return {17, 2};   // S16: bytes s16s = 17
+    case 4: return {4, 1};    // S32: repeated int32 s32s = 4
+    case 5: return {5, 1};    // S64: repeated int64 s64s = 5
+    case 6: return {3, 1};    // U8: bytes u8s = 3
+    case 7: return {16, 2};   // U16: bytes u16s = 16
+    case 8: return {6, 1};    // U32: repeated uint32 u32s = 6
+    case 9: return {7, 1};    // U64: repeated uint64 u64s = 7
+    case 10: return {11, 2};  // F16: bytes f16s = 11
+    case 11: return {8, 4};   // F32: repeated float f32s = 8
+    case 12: return {9, 8};   // F64: repeated double f64s = 9
+    case 15: return {12, 8};  // C64: repeated float c64s = 12 (real, imag)
+    case 16: return {13, 2};  // BF16: bytes bf16s = 13
+    case 18: return {18, 16}; // C128: repeated double c128s = 18 (real, imag)
+    default: return {0, 0};
+  }
+}
+
 // ------------------------------------------------------------ enum values
 // PrimitiveType (xla/xla_data.proto): the values of ShapeProto.element_type.
 constexpr int kPred = 1;    // PRED = 1;
@@ -228,6 +255,23 @@ struct Computation {
       Msg lit;
       lit.msg(kLiteralShape, scalar(kS64).proto());
       lit.packed(kLiteralS64s, {v}, true);
+      m.msg(kHloInstructionLiteral, lit);
+    });
+  }
+  // An array of junk as a literal: zeros but for its first element's lowest byte, so that XLA's
+  // algebraic simplifier does not make it a broadcast of one value (which XLA CPU compiles as a
+  // kernel). For values never read. -1 where the element type has no LiteralField.
+  int64_t constant_junk(const std::string& label, const Shape& shape) {
+    LiteralField f = literal_field(shape.etype);
+    if (!f.field) return -1;
+    int64_t n = 1;
+    for (int64_t d : shape.dims) n *= d;
+    return emit(label, "constant", shape, {}, [&](Msg& m) {
+      Msg lit;
+      lit.msg(kLiteralShape, shape.proto());
+      std::string values(size_t(n * f.zero_bytes), '\0');
+      if (n) values[0] = 1;  // 1 (a varint), true, or a denormal
+      lit.bytes(f.field, values);
       m.msg(kHloInstructionLiteral, lit);
     });
   }

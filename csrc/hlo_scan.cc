@@ -5,7 +5,7 @@
 // [start, stop) run as iterations of `unroll` body calls). We return
 //
 //   entry(carry..., xs..., ys..., pass...):
-//     state = (counter=0, carry..., xs..., ys (flat)..., pass..., pending blocks, offsets,
+//     state = (counter=0, carry..., xs..., ys..., pass..., pending blocks, their rows,
 //              pending rows, their indices)
 //     for each segment:                    one While per segment
 //       state = while counter < stop - start:
@@ -49,10 +49,10 @@ std::vector<Shape> state_parts(const Signature& sig, int64_t unroll) {
   std::vector<Shape> parts{scalar(kS64)};
   for (size_t k = 0; k < sig.carry.size(); ++k) parts.push_back(held_carry(sig, k));
   parts.insert(parts.end(), sig.xs.begin(), sig.xs.end());
-  for (size_t k = 0; k < sig.ys.size(); ++k) parts.push_back(stacked(sig, k));
+  parts.insert(parts.end(), sig.ys.begin(), sig.ys.end());
   parts.insert(parts.end(), sig.pass.begin(), sig.pass.end());
   for (size_t k = 0; k < sig.ys.size(); ++k)
-    if (delayed(sig, k)) parts.push_back(flat(sig.ys[k], unroll));
+    if (delayed(sig, k)) parts.push_back(as_rows(sig.ys[k], unroll));
   for (size_t k = 0; k < sig.ys.size(); ++k)
     if (delayed(sig, k)) parts.push_back(scalar(kS64));
   for (int64_t k : sig.row_carries) parts.push_back(held_row(sig, size_t(k)));
@@ -107,12 +107,14 @@ int64_t pack(Computation& c, const std::string& label, const State& s, const Sig
   return c.emit(label, "tuple", tuple_of(state_parts(sig, unroll)), parts);
 }
 
-// Writes each pending block into its flat ys buffer.
+// Writes each pending block into its ys buffer.
 void write_blocks(Computation& c, const Signature& sig, State& s, const std::string& p) {
   for (size_t k = 0; k < s.ys.size(); ++k)
-    if (delayed(sig, k))
-      s.ys[k] = c.emit(p + "ys" + std::to_string(k), "dynamic-update-slice", stacked(sig, k),
-                       {s.ys[k], s.blocks[k], s.offsets[k]});
+    if (delayed(sig, k)) {
+      std::vector<int64_t> operands{s.ys[k], s.blocks[k]};
+      for (int64_t v : block_at(c, sig, k, s.offsets[k], p)) operands.push_back(v);
+      s.ys[k] = c.emit(p + "ys" + std::to_string(k), "dynamic-update-slice", sig.ys[k], operands);
+    }
 }
 
 // ---------------------------------------------------------------- one body call
@@ -123,7 +125,7 @@ int64_t step_index(Computation& c, const Signature& sig, const Segment& seg, int
   return c.add(p + "idx", c.constant_s64(p + "start", seg.start), pos);
 }
 
-// Body call j of the current iteration; updates s.carry and appends each y, flat, to rows[k]. The
+// Body call j of the current iteration; updates s.carry and appends each y, as one row, to rows[k]. The
 // last call's written carry rows are left pending (s.rows), the others' written at once.
 void emit_step(Computation& c, const Signature& sig, const Segment& seg, int64_t j, State& s,
                std::vector<std::vector<int64_t>>& rows) {
@@ -135,7 +137,7 @@ void emit_step(Computation& c, const Signature& sig, const Segment& seg, int64_t
     std::string name = p + "y" + std::to_string(k);
     int64_t y = step.ys[k];
     if (delayed(sig, k)) {
-      rows[k].push_back(c.emit(name + "_flat", "reshape", flat(sig.ys[k], 1), {y}));
+      rows[k].push_back(c.emit(name + "_row", "reshape", as_rows(sig.ys[k], 1), {y}));
       continue;
     }
     if (carried(sig, k)) {
@@ -173,15 +175,32 @@ int64_t build_loop_body(Module& mod, const Signature& sig, const Segment& seg, i
     if (!delayed(sig, k)) continue;
     std::string name = "block" + std::to_string(k);
     if (sig.reverse) std::reverse(rows[k].begin(), rows[k].end());  // call j writes row stop - 1 - (counter + j)
-    s.blocks[k] = rows[k].size() == 1 ? rows[k][0] : c.emit(name, "concatenate", flat(sig.ys[k], seg.unroll), rows[k],
+    s.blocks[k] = rows[k].size() == 1 ? rows[k][0] : c.emit(name, "concatenate", as_rows(sig.ys[k], seg.unroll), rows[k],
                                                             [](Msg& m) { m.packed(kHloInstructionDimensions, {0}); });
-    s.offsets[k] = c.multiply(name + "_offset", first_row, c.constant_s64(name + "_row_size", per_step(sig.ys[k])));
+    s.offsets[k] = first_row;
   }
   s.counter = c.add("next_counter", counter, c.constant_s64("unroll", seg.unroll));
   return c.finish(pack(c, "next_state", s, sig, seg.unroll), state);
 }
 
 // ---------------------------------------------------------------- the module
+// The pending block a segment's first iteration writes (at its own rows, which it then leaves
+// pending, so the value is never read): a literal when small, as the slice of the buffer there
+// (a broadcast of the fill, after XLA's simplifier) would be one more kernel for XLA CPU to
+// compile (each kernel is an LLVM module: most of a small scan's compile time).
+constexpr int64_t kLiteralBlockMaxBytes = 1 << 16;
+int64_t first_block(Computation& e, const Signature& sig, size_t k, const Shape& block, int64_t ys, int64_t first_row,
+                    const std::string& name) {
+  if (block.dims[0] * per_step(block) * literal_field(block.etype).zero_bytes <= kLiteralBlockMaxBytes) {
+    int64_t junk = e.constant_junk(name, block);
+    if (junk >= 0) return junk;
+  }
+  std::vector<int64_t> operands{ys};
+  for (int64_t v : block_at(e, sig, k, first_row, name + "_")) operands.push_back(v);
+  return e.emit(name, "dynamic-slice", block, operands,
+                [&](Msg& m) { m.packed(kHloInstructionDynamicSliceSizes, block.dims); });
+}
+
 int element_type(const std::string& shape) {
   int etype = 0;
   reader(shape).each([&](int f, uint64_t v, const std::string&) {
@@ -265,21 +284,18 @@ std::string build_module(const std::string& body, Signature sig) {
   params("pass", sig.pass, s.pass);
   const std::vector<int64_t> init_carry = s.carry;
   for (size_t k = 0; k < s.carry.size(); ++k) s.carry[k] = transposed(e, sig, k, s.carry[k], false, false, "carry" + std::to_string(k));
-  for (size_t k = 0; k < sig.ys.size(); ++k)
-    if (delayed(sig, k)) s.ys[k] = e.emit("ys" + std::to_string(k) + "_flat", "reshape", stacked(sig, k), {s.ys[k]});
   for (size_t n = 0; n < loops.size(); ++n) {
     const Segment& seg = sig.segments[n];
     std::string p = "seg" + std::to_string(n) + "_";
     s.counter = e.constant_s64(p + "counter", 0);
     int64_t first_row = block_row(e, sig, seg, s.counter, p);
     s.blocks.assign(sig.ys.size(), -1), s.offsets.assign(sig.ys.size(), -1);
-    for (size_t k = 0; k < sig.ys.size(); ++k) {  // what the buffer holds where the first block goes
+    for (size_t k = 0; k < sig.ys.size(); ++k) {  // the first block: overwritten unread
       if (!delayed(sig, k)) continue;
       std::string name = p + "block" + std::to_string(k);
-      Shape block = flat(sig.ys[k], seg.unroll);
-      s.offsets[k] = e.multiply(name + "_offset", first_row, e.constant_s64(name + "_row_size", per_step(sig.ys[k])));
-      s.blocks[k] = e.emit(name, "dynamic-slice", block, {s.ys[k], s.offsets[k]},
-                           [&](Msg& m) { m.packed(kHloInstructionDynamicSliceSizes, block.dims); });
+      Shape block = as_rows(sig.ys[k], seg.unroll);
+      s.offsets[k] = first_row;
+      s.blocks[k] = first_block(e, sig, k, block, s.ys[k], first_row, name);
     }
     first_pending_rows(e, sig, s.carry, s.rows, s.row_idx, p);
     int64_t init = pack(e, p + "init", s, sig, seg.unroll);
@@ -296,8 +312,7 @@ std::string build_module(const std::string& body, Signature sig) {
                           e.constant_s64("first_row" + std::to_string(k), sig.reverse ? sig.length - 1 : 0), "first_");
   std::vector<int64_t> outs(s.carry);
   for (size_t k = 0; k < outs.size(); ++k) outs[k] = transposed(e, sig, k, outs[k], false, true, "result" + std::to_string(k));
-  for (size_t k = 0; k < sig.ys.size(); ++k)
-    outs.push_back(delayed(sig, k) ? e.emit("ys" + std::to_string(k), "reshape", sig.ys[k], {s.ys[k]}) : s.ys[k]);
+  outs.insert(outs.end(), s.ys.begin(), s.ys.end());
   std::vector<Shape> out_shapes(sig.carry);
   out_shapes.insert(out_shapes.end(), sig.ys.begin(), sig.ys.end());
   Shape result = tuple_of(out_shapes);

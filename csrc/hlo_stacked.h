@@ -16,13 +16,17 @@ namespace hlo {
 // into the [length, ...] buffer by a dus fused with the row's producer costs
 // O(length) per step, O(length^2) per scan. A dus whose operands are all
 // get-tuple-elements of the loop state stays unfused and is emitted in place.
-// So each y lives flat ([length * n], n elements per step) in the loop state,
-// with a pending block: the rows the previous iteration made (unroll * n
-// elements, in buffer order) and the flat offset where they go. An iteration
-// first writes the pending block, from the state, then makes its own rows and
-// leaves them pending; after each While the entry writes the last block. The
-// first iteration's pending block is what the buffer already holds where its
-// own rows will go, so writing it back changes nothing.
+// So each y has a pending block in the loop state: the rows the previous
+// iteration made ([unroll, ...], in buffer order) and the first row where they
+// go. An iteration first writes the pending block, from the state, then makes
+// its own rows and leaves them pending; after each While the entry writes the
+// last block. The first iteration's pending block goes where its own rows will
+// go, which overwrite it, so its value is never read (hlo_scan.cc's first_block).
+// The buffer keeps the y's own shape and a block is placed by its first row (the
+// step's own index): a flat buffer took a multiply for the offset and a reshape
+// out, which XLA fused with the last block's write into a loop over the whole
+// buffer; each is one more kernel for XLA CPU to compile, and a small scan's
+// compile is mostly its kernels'.
 // The delay costs two copies of a row per step. Where rows are big and few
 // (layer stacks: a [1024, 256] row, 64 steps) the fused write costs less: its
 // loop skips each other row with one test, so a y whose row has at least
@@ -32,10 +36,19 @@ inline int64_t per_step(const Shape& y) {
   for (size_t i = 1; i < y.dims.size(); ++i) n *= y.dims[i];
   return n;
 }
-inline Shape flat(const Shape& y, int64_t rows) { return Shape{y.etype, {rows * per_step(y)}, {}}; }
+// `rows` rows of y ([length, ...] -> [rows, ...]).
+inline Shape as_rows(const Shape& y, int64_t rows) {
+  Shape block = y;
+  block.dims[0] = rows;
+  return block;
+}
 inline bool delayed(const Signature& sig, size_t k) { return per_step(sig.ys[k]) < 4 * sig.length; }
-// How ys[k] lives in the loop state.
-inline Shape stacked(const Signature& sig, size_t k) { return delayed(sig, k) ? flat(sig.ys[k], sig.length) : sig.ys[k]; }
+// Where a block of ys[k] starting at row `row` (a value) goes: row, 0, ..., 0.
+inline std::vector<int64_t> block_at(Computation& c, const Signature& sig, size_t k, int64_t row, const std::string& p) {
+  std::vector<int64_t> at{row};
+  at.insert(at.end(), sig.ys[k].dims.size() - 1, c.constant_s64(p + "zero" + std::to_string(k), 0));
+  return at;
+}
 
 // The first buffer row of the block iteration `counter` (a value) of seg writes.
 inline int64_t block_row(Computation& c, const Signature& sig, const Segment& seg, int64_t counter, const std::string& p) {

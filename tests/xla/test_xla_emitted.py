@@ -37,6 +37,7 @@ class TestEmittedModule(expecttest.TestCase):
         lowered = xla_lower._lower(body, [z], [torch.zeros(3, 2, device=DEV)], (z,), reverse=True, unroll=2)
         self.assertExpectedInline(_emitted_structure(lowered.computation), """\
 %scan_loop0 (state: State) -> State {
+  %pending_zero0 = s64[] constant(0)
   %state = State parameter(0)
   %counter = s64[] get-tuple-element(%state), index=0
   %unroll = s64[] constant(2)
@@ -65,15 +66,13 @@ class TestEmittedModule(expecttest.TestCase):
   %offset0 = s64[] get-tuple-element(%state), index=6
   %pending_ys0 = f32[3] dynamic-update-slice(%ys0, %block0, %offset0)
   %s1_y0 = f32[] get-tuple-element(%s1_body), index=1
-  %s1_y0_flat = f32[1] reshape(%s1_y0)
+  %s1_y0_row = f32[1] reshape(%s1_y0)
   %s0_y0 = f32[] get-tuple-element(%s0_body), index=1
-  %s0_y0_flat = f32[1] reshape(%s0_y0)
-  %block0 = f32[2] concatenate(%s1_y0_flat, %s0_y0_flat), dimensions={0}
+  %s0_y0_row = f32[1] reshape(%s0_y0)
+  %block0 = f32[2] concatenate(%s1_y0_row, %s0_y0_row), dimensions={0}
   %block_last = s64[] constant(1)
   %block_row = s64[] subtract(%block_last, %counter)
-  %block0_row_size = s64[] constant(1)
-  %block0_offset = s64[] multiply(%block_row, %block0_row_size)
-  ROOT %next_state = State tuple(%next_counter, %s1_carry0, %xs0, %pending_ys0, %pass0, /*index=5*/%block0, %block0_offset)
+  ROOT %next_state = State tuple(%next_counter, %s1_carry0, %xs0, %pending_ys0, %pass0, /*index=5*/%block0, %block_row)
 }
 
 %scan_cond0 (state: State) -> pred[] {
@@ -84,6 +83,7 @@ class TestEmittedModule(expecttest.TestCase):
 }
 
 %scan_loop1 (state: State) -> State {
+  %pending_zero0 = s64[] constant(0)
   %state = State parameter(0)
   %counter = s64[] get-tuple-element(%state), index=0
   %unroll = s64[] constant(1)
@@ -103,12 +103,10 @@ class TestEmittedModule(expecttest.TestCase):
   %offset0 = s64[] get-tuple-element(%state), index=6
   %pending_ys0 = f32[3] dynamic-update-slice(%ys0, %block0, %offset0)
   %s0_y0 = f32[] get-tuple-element(%s0_body), index=1
-  %s0_y0_flat = f32[1] reshape(%s0_y0)
+  %s0_y0_row = f32[1] reshape(%s0_y0)
   %block_last = s64[] constant(0)
   %block_row = s64[] subtract(%block_last, %counter)
-  %block0_row_size = s64[] constant(1)
-  %block0_offset = s64[] multiply(%block_row, %block0_row_size)
-  ROOT %next_state = State tuple(%next_counter, %s0_carry0, %xs0, %pending_ys0, %pass0, /*index=5*/%s0_y0_flat, %block0_offset)
+  ROOT %next_state = State tuple(%next_counter, %s0_carry0, %xs0, %pending_ys0, %pass0, /*index=5*/%s0_y0_row, %block_row)
 }
 
 %scan_cond1 (state: State) -> pred[] {
@@ -119,19 +117,18 @@ class TestEmittedModule(expecttest.TestCase):
 }
 
 ENTRY %scan_entry (carry0: f32[2], xs0: f32[3,2], ys0: f32[3], pass0: f32[2]) -> (f32[2], f32[3]) {
+  %seg0_last_zero0 = s64[] constant(0)
+  %seg1_last_zero0 = s64[] constant(0)
   %seg1_counter = s64[] constant(0)
   %seg0_counter = s64[] constant(0)
   %carry0 = f32[2] parameter(0)
   %xs0 = f32[3,2] parameter(1)
   %ys0 = f32[3] parameter(2)
-  %ys0_flat = f32[3] reshape(%ys0)
   %pass0 = f32[2] parameter(3)
+  %seg0_block0 = f32[2] constant({1.4013e-45, 0})
   %seg0_block_last = s64[] constant(1)
   %seg0_block_row = s64[] subtract(%seg0_block_last, %seg0_counter)
-  %seg0_block0_row_size = s64[] constant(1)
-  %seg0_block0_offset = s64[] multiply(%seg0_block_row, %seg0_block0_row_size)
-  %seg0_block0 = f32[2] dynamic-slice(%ys0_flat, %seg0_block0_offset), dynamic_slice_sizes={2}
-  %seg0_init = State tuple(%seg0_counter, %carry0, %xs0, %ys0_flat, %pass0, /*index=5*/%seg0_block0, %seg0_block0_offset)
+  %seg0_init = State tuple(%seg0_counter, %carry0, %xs0, %ys0, %pass0, /*index=5*/%seg0_block0, %seg0_block_row)
   %seg0_while = State while(%seg0_init), condition=%scan_cond0, body=%scan_loop0
   %seg0_carry0 = f32[2] get-tuple-element(%seg0_while), index=1
   %seg0_xs0 = f32[3,2] get-tuple-element(%seg0_while), index=2
@@ -140,20 +137,17 @@ ENTRY %scan_entry (carry0: f32[2], xs0: f32[3,2], ys0: f32[3], pass0: f32[2]) ->
   %seg0_offset0 = s64[] get-tuple-element(%seg0_while), index=6
   %seg0_last_ys0 = f32[3] dynamic-update-slice(%seg0_ys0, %seg0_block0, %seg0_offset0)
   %seg0_pass0 = f32[2] get-tuple-element(%seg0_while), index=4
+  %seg1_block0 = f32[1] constant({1.4013e-45})
   %seg1_block_last = s64[] constant(0)
   %seg1_block_row = s64[] subtract(%seg1_block_last, %seg1_counter)
-  %seg1_block0_row_size = s64[] constant(1)
-  %seg1_block0_offset = s64[] multiply(%seg1_block_row, %seg1_block0_row_size)
-  %seg1_block0 = f32[1] dynamic-slice(%seg0_last_ys0, %seg1_block0_offset), dynamic_slice_sizes={1}
-  %seg1_init = State tuple(%seg1_counter, %seg0_carry0, %seg0_xs0, %seg0_last_ys0, %seg0_pass0, /*index=5*/%seg1_block0, %seg1_block0_offset)
+  %seg1_init = State tuple(%seg1_counter, %seg0_carry0, %seg0_xs0, %seg0_last_ys0, %seg0_pass0, /*index=5*/%seg1_block0, %seg1_block_row)
   %seg1_while = State while(%seg1_init), condition=%scan_cond1, body=%scan_loop1
   %seg1_carry0 = f32[2] get-tuple-element(%seg1_while), index=1
   %seg1_ys0 = f32[3] get-tuple-element(%seg1_while), index=3
   %seg1_block0 = f32[1] get-tuple-element(%seg1_while), index=5
   %seg1_offset0 = s64[] get-tuple-element(%seg1_while), index=6
   %seg1_last_ys0 = f32[3] dynamic-update-slice(%seg1_ys0, %seg1_block0, %seg1_offset0)
-  %ys0 = f32[3] reshape(%seg1_last_ys0)
-  ROOT %result = (f32[2], f32[3]) tuple(%seg1_carry0, %ys0)
+  ROOT %result = (f32[2], f32[3]) tuple(%seg1_carry0, %seg1_last_ys0)
 }""")
 
 

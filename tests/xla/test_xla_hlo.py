@@ -94,8 +94,8 @@ class TestScanHlo(expecttest.TestCase):
   ROOT %tuple.18 = (f32[4,3], f32[4]) tuple(%tanh.15, %reduce.17)
 }
 
-%scan_loop0.19 (state.20: (s64[], f32[4,3], f32[2,4,3], f32[8], f32[3,3], /*index=5*/f32[4], s64[])) -> (s64[], f32[4,3], f32[2,4,3], f32[8], f32[3,3], /*index=5*/f32[4], s64[]) {
-  %state.20 = (s64[], f32[4,3], f32[2,4,3], f32[8], f32[3,3], /*index=5*/f32[4], s64[]) parameter(0)
+%scan_loop0.19 (state.20: (s64[], f32[4,3], f32[2,4,3], f32[2,4], f32[3,3], /*index=5*/f32[1,4], s64[])) -> (s64[], f32[4,3], f32[2,4,3], f32[2,4], f32[3,3], /*index=5*/f32[1,4], s64[]) {
+  %state.20 = (s64[], f32[4,3], f32[2,4,3], f32[2,4], f32[3,3], /*index=5*/f32[1,4], s64[]) parameter(0)
   %counter.21 = s64[] get-tuple-element(%state.20), index=0
   %unroll.22 = s64[] constant(1)
   %next_counter.23 = s64[] add(%counter.21, %unroll.22)
@@ -109,62 +109,58 @@ class TestScanHlo(expecttest.TestCase):
   %carry0.31 = f32[4,3] get-tuple-element(%state.20), index=1
   %s0_body.32 = (f32[4,3], f32[4]) call(%s0_x0.29, %pass0.30, %carry0.31), to_apply=%scan_body.5
   %s0_carry0.33 = f32[4,3] get-tuple-element(%s0_body.32), index=0
-  %ys0.34 = f32[8] get-tuple-element(%state.20), index=3
-  %block0.35 = f32[4] get-tuple-element(%state.20), index=5
+  %ys0.34 = f32[2,4] get-tuple-element(%state.20), index=3
+  %block0.35 = f32[1,4] get-tuple-element(%state.20), index=5
   %offset0.36 = s64[] get-tuple-element(%state.20), index=6
-  %pending_ys0.37 = f32[8] dynamic-update-slice(%ys0.34, %block0.35, %offset0.36)
-  %s0_y0.38 = f32[4] get-tuple-element(%s0_body.32), index=1
-  %s0_y0_flat.39 = f32[4] reshape(%s0_y0.38)
-  %block_first.40 = s64[] constant(0)
-  %block_row.41 = s64[] add(%block_first.40, %counter.21)
-  %block0_row_size.42 = s64[] constant(4)
-  %block0_offset.43 = s64[] multiply(%block_row.41, %block0_row_size.42)
-  ROOT %next_state.44 = (s64[], f32[4,3], f32[2,4,3], f32[8], f32[3,3], /*index=5*/f32[4], s64[]) tuple(%next_counter.23, %s0_carry0.33, %xs0.24, %pending_ys0.37, %pass0.30, /*index=5*/%s0_y0_flat.39, %block0_offset.43)
+  %pending_zero0.37 = s64[] constant(0)
+  %pending_ys0.38 = f32[2,4] dynamic-update-slice(%ys0.34, %block0.35, %offset0.36, %pending_zero0.37)
+  %s0_y0.39 = f32[4] get-tuple-element(%s0_body.32), index=1
+  %s0_y0_row.40 = f32[1,4] reshape(%s0_y0.39)
+  %block_first.41 = s64[] constant(0)
+  %block_row.42 = s64[] add(%block_first.41, %counter.21)
+  ROOT %next_state.43 = (s64[], f32[4,3], f32[2,4,3], f32[2,4], f32[3,3], /*index=5*/f32[1,4], s64[]) tuple(%next_counter.23, %s0_carry0.33, %xs0.24, %pending_ys0.38, %pass0.30, /*index=5*/%s0_y0_row.40, %block_row.42)
 }
 
-%scan_cond0.45 (state.46: (s64[], f32[4,3], f32[2,4,3], f32[8], f32[3,3], /*index=5*/f32[4], s64[])) -> pred[] {
-  %state.46 = (s64[], f32[4,3], f32[2,4,3], f32[8], f32[3,3], /*index=5*/f32[4], s64[]) parameter(0)
-  %counter.47 = s64[] get-tuple-element(%state.46), index=0
-  %steps.48 = s64[] constant(2)
-  ROOT %more.49 = pred[] compare(%counter.47, %steps.48), direction=LT
+%scan_cond0.44 (state.45: (s64[], f32[4,3], f32[2,4,3], f32[2,4], f32[3,3], /*index=5*/f32[1,4], s64[])) -> pred[] {
+  %state.45 = (s64[], f32[4,3], f32[2,4,3], f32[2,4], f32[3,3], /*index=5*/f32[1,4], s64[]) parameter(0)
+  %counter.46 = s64[] get-tuple-element(%state.45), index=0
+  %steps.47 = s64[] constant(2)
+  ROOT %more.48 = pred[] compare(%counter.46, %steps.47), direction=LT
 }
 
-%scan_entry.50 (carry0.51: f32[4,3], xs0.52: f32[2,4,3], ys0.53: f32[2,4], pass0.54: f32[3,3]) -> (f32[4,3], f32[2,4]) {
-  %seg0_counter.55 = s64[] constant(0)
-  %carry0.51 = f32[4,3] parameter(0)
-  %xs0.52 = f32[2,4,3] parameter(1)
-  %ys0.53 = f32[2,4] parameter(2)
-  %ys0_flat.56 = f32[8] reshape(%ys0.53)
-  %pass0.54 = f32[3,3] parameter(3)
-  %seg0_block_first.57 = s64[] constant(0)
-  %seg0_block_row.58 = s64[] add(%seg0_block_first.57, %seg0_counter.55)
-  %seg0_block0_row_size.59 = s64[] constant(4)
-  %seg0_block0_offset.60 = s64[] multiply(%seg0_block_row.58, %seg0_block0_row_size.59)
-  %seg0_block0.61 = f32[4] dynamic-slice(%ys0_flat.56, %seg0_block0_offset.60), dynamic_slice_sizes={4}
-  %seg0_init.62 = (s64[], f32[4,3], f32[2,4,3], f32[8], f32[3,3], /*index=5*/f32[4], s64[]) tuple(%seg0_counter.55, %carry0.51, %xs0.52, %ys0_flat.56, %pass0.54, /*index=5*/%seg0_block0.61, %seg0_block0_offset.60)
-  %seg0_while.63 = (s64[], f32[4,3], f32[2,4,3], f32[8], f32[3,3], /*index=5*/f32[4], s64[]) while(%seg0_init.62), condition=%scan_cond0.45, body=%scan_loop0.19
-  %seg0_carry0.64 = f32[4,3] get-tuple-element(%seg0_while.63), index=1
-  %seg0_ys0.65 = f32[8] get-tuple-element(%seg0_while.63), index=3
-  %seg0_block0.66 = f32[4] get-tuple-element(%seg0_while.63), index=5
-  %seg0_offset0.67 = s64[] get-tuple-element(%seg0_while.63), index=6
-  %seg0_last_ys0.68 = f32[8] dynamic-update-slice(%seg0_ys0.65, %seg0_block0.66, %seg0_offset0.67)
-  %ys0.69 = f32[2,4] reshape(%seg0_last_ys0.68)
-  ROOT %result.70 = (f32[4,3], f32[2,4]) tuple(%seg0_carry0.64, %ys0.69)
+%scan_entry.49 (carry0.50: f32[4,3], xs0.51: f32[2,4,3], ys0.52: f32[2,4], pass0.53: f32[3,3]) -> (f32[4,3], f32[2,4]) {
+  %seg0_counter.54 = s64[] constant(0)
+  %carry0.50 = f32[4,3] parameter(0)
+  %xs0.51 = f32[2,4,3] parameter(1)
+  %ys0.52 = f32[2,4] parameter(2)
+  %pass0.53 = f32[3,3] parameter(3)
+  %seg0_block0.55 = f32[1,4] constant({ { 1.4013e-45, 0, 0, 0 } })
+  %seg0_block_first.56 = s64[] constant(0)
+  %seg0_block_row.57 = s64[] add(%seg0_block_first.56, %seg0_counter.54)
+  %seg0_init.58 = (s64[], f32[4,3], f32[2,4,3], f32[2,4], f32[3,3], /*index=5*/f32[1,4], s64[]) tuple(%seg0_counter.54, %carry0.50, %xs0.51, %ys0.52, %pass0.53, /*index=5*/%seg0_block0.55, %seg0_block_row.57)
+  %seg0_while.59 = (s64[], f32[4,3], f32[2,4,3], f32[2,4], f32[3,3], /*index=5*/f32[1,4], s64[]) while(%seg0_init.58), condition=%scan_cond0.44, body=%scan_loop0.19
+  %seg0_carry0.60 = f32[4,3] get-tuple-element(%seg0_while.59), index=1
+  %seg0_ys0.61 = f32[2,4] get-tuple-element(%seg0_while.59), index=3
+  %seg0_block0.62 = f32[1,4] get-tuple-element(%seg0_while.59), index=5
+  %seg0_offset0.63 = s64[] get-tuple-element(%seg0_while.59), index=6
+  %seg0_last_zero0.64 = s64[] constant(0)
+  %seg0_last_ys0.65 = f32[2,4] dynamic-update-slice(%seg0_ys0.61, %seg0_block0.62, %seg0_offset0.63, %seg0_last_zero0.64)
+  ROOT %result.66 = (f32[4,3], f32[2,4]) tuple(%seg0_carry0.60, %seg0_last_ys0.65)
 }
 
-ENTRY %IrToHlo.71 (p0.72: f32[3,3], p1.73: f32[2,4,3], p2.74: f32[4,3]) -> (f32[4,3], f32[2,4]) {
-  %p2.74 = f32[4,3] parameter(2)
-  %p1.73 = f32[2,4,3] parameter(1)
-  %constant.75 = f32[] constant(0)
-  %reshape.76 = f32[1,1] reshape(%constant.75)
-  %broadcast.77 = f32[1,1] broadcast(%reshape.76), dimensions={0,1}
-  %reshape.78 = f32[] reshape(%broadcast.77)
-  %broadcast.79 = f32[2,4] broadcast(%reshape.78), dimensions={}
-  %p0.72 = f32[3,3] parameter(0)
-  %call.80 = (f32[4,3], f32[2,4]) call(%p2.74, %p1.73, %broadcast.79, %p0.72), to_apply=%scan_entry.50
-  %get-tuple-element.81 = f32[4,3] get-tuple-element(%call.80), index=0
-  %get-tuple-element.82 = f32[2,4] get-tuple-element(%call.80), index=1
-  ROOT %tuple.83 = (f32[4,3], f32[2,4]) tuple(%get-tuple-element.81, %get-tuple-element.82)
+ENTRY %IrToHlo.67 (p0.68: f32[3,3], p1.69: f32[2,4,3], p2.70: f32[4,3]) -> (f32[4,3], f32[2,4]) {
+  %p2.70 = f32[4,3] parameter(2)
+  %p1.69 = f32[2,4,3] parameter(1)
+  %constant.71 = f32[] constant(0)
+  %reshape.72 = f32[1,1] reshape(%constant.71)
+  %broadcast.73 = f32[1,1] broadcast(%reshape.72), dimensions={0,1}
+  %reshape.74 = f32[] reshape(%broadcast.73)
+  %broadcast.75 = f32[2,4] broadcast(%reshape.74), dimensions={}
+  %p0.68 = f32[3,3] parameter(0)
+  %call.76 = (f32[4,3], f32[2,4]) call(%p2.70, %p1.69, %broadcast.75, %p0.68), to_apply=%scan_entry.49
+  %get-tuple-element.77 = f32[4,3] get-tuple-element(%call.76), index=0
+  %get-tuple-element.78 = f32[2,4] get-tuple-element(%call.76), index=1
+  ROOT %tuple.79 = (f32[4,3], f32[2,4]) tuple(%get-tuple-element.77, %get-tuple-element.78)
 }""")
 
     def test_rnn_reverse(self):
@@ -191,8 +187,8 @@ ENTRY %IrToHlo.71 (p0.72: f32[3,3], p1.73: f32[2,4,3], p2.74: f32[4,3]) -> (f32[
   ROOT %tuple.18 = (f32[4,3], f32[4]) tuple(%tanh.15, %reduce.17)
 }
 
-%scan_loop0.19 (state.20: (s64[], f32[4,3], f32[2,4,3], f32[8], f32[3,3], /*index=5*/f32[4], s64[])) -> (s64[], f32[4,3], f32[2,4,3], f32[8], f32[3,3], /*index=5*/f32[4], s64[]) {
-  %state.20 = (s64[], f32[4,3], f32[2,4,3], f32[8], f32[3,3], /*index=5*/f32[4], s64[]) parameter(0)
+%scan_loop0.19 (state.20: (s64[], f32[4,3], f32[2,4,3], f32[2,4], f32[3,3], /*index=5*/f32[1,4], s64[])) -> (s64[], f32[4,3], f32[2,4,3], f32[2,4], f32[3,3], /*index=5*/f32[1,4], s64[]) {
+  %state.20 = (s64[], f32[4,3], f32[2,4,3], f32[2,4], f32[3,3], /*index=5*/f32[1,4], s64[]) parameter(0)
   %counter.21 = s64[] get-tuple-element(%state.20), index=0
   %unroll.22 = s64[] constant(1)
   %next_counter.23 = s64[] add(%counter.21, %unroll.22)
@@ -206,62 +202,58 @@ ENTRY %IrToHlo.71 (p0.72: f32[3,3], p1.73: f32[2,4,3], p2.74: f32[4,3]) -> (f32[
   %carry0.31 = f32[4,3] get-tuple-element(%state.20), index=1
   %s0_body.32 = (f32[4,3], f32[4]) call(%s0_x0.29, %pass0.30, %carry0.31), to_apply=%scan_body.5
   %s0_carry0.33 = f32[4,3] get-tuple-element(%s0_body.32), index=0
-  %ys0.34 = f32[8] get-tuple-element(%state.20), index=3
-  %block0.35 = f32[4] get-tuple-element(%state.20), index=5
+  %ys0.34 = f32[2,4] get-tuple-element(%state.20), index=3
+  %block0.35 = f32[1,4] get-tuple-element(%state.20), index=5
   %offset0.36 = s64[] get-tuple-element(%state.20), index=6
-  %pending_ys0.37 = f32[8] dynamic-update-slice(%ys0.34, %block0.35, %offset0.36)
-  %s0_y0.38 = f32[4] get-tuple-element(%s0_body.32), index=1
-  %s0_y0_flat.39 = f32[4] reshape(%s0_y0.38)
-  %block_last.40 = s64[] constant(1)
-  %block_row.41 = s64[] subtract(%block_last.40, %counter.21)
-  %block0_row_size.42 = s64[] constant(4)
-  %block0_offset.43 = s64[] multiply(%block_row.41, %block0_row_size.42)
-  ROOT %next_state.44 = (s64[], f32[4,3], f32[2,4,3], f32[8], f32[3,3], /*index=5*/f32[4], s64[]) tuple(%next_counter.23, %s0_carry0.33, %xs0.24, %pending_ys0.37, %pass0.30, /*index=5*/%s0_y0_flat.39, %block0_offset.43)
+  %pending_zero0.37 = s64[] constant(0)
+  %pending_ys0.38 = f32[2,4] dynamic-update-slice(%ys0.34, %block0.35, %offset0.36, %pending_zero0.37)
+  %s0_y0.39 = f32[4] get-tuple-element(%s0_body.32), index=1
+  %s0_y0_row.40 = f32[1,4] reshape(%s0_y0.39)
+  %block_last.41 = s64[] constant(1)
+  %block_row.42 = s64[] subtract(%block_last.41, %counter.21)
+  ROOT %next_state.43 = (s64[], f32[4,3], f32[2,4,3], f32[2,4], f32[3,3], /*index=5*/f32[1,4], s64[]) tuple(%next_counter.23, %s0_carry0.33, %xs0.24, %pending_ys0.38, %pass0.30, /*index=5*/%s0_y0_row.40, %block_row.42)
 }
 
-%scan_cond0.45 (state.46: (s64[], f32[4,3], f32[2,4,3], f32[8], f32[3,3], /*index=5*/f32[4], s64[])) -> pred[] {
-  %state.46 = (s64[], f32[4,3], f32[2,4,3], f32[8], f32[3,3], /*index=5*/f32[4], s64[]) parameter(0)
-  %counter.47 = s64[] get-tuple-element(%state.46), index=0
-  %steps.48 = s64[] constant(2)
-  ROOT %more.49 = pred[] compare(%counter.47, %steps.48), direction=LT
+%scan_cond0.44 (state.45: (s64[], f32[4,3], f32[2,4,3], f32[2,4], f32[3,3], /*index=5*/f32[1,4], s64[])) -> pred[] {
+  %state.45 = (s64[], f32[4,3], f32[2,4,3], f32[2,4], f32[3,3], /*index=5*/f32[1,4], s64[]) parameter(0)
+  %counter.46 = s64[] get-tuple-element(%state.45), index=0
+  %steps.47 = s64[] constant(2)
+  ROOT %more.48 = pred[] compare(%counter.46, %steps.47), direction=LT
 }
 
-%scan_entry.50 (carry0.51: f32[4,3], xs0.52: f32[2,4,3], ys0.53: f32[2,4], pass0.54: f32[3,3]) -> (f32[4,3], f32[2,4]) {
-  %seg0_counter.55 = s64[] constant(0)
-  %carry0.51 = f32[4,3] parameter(0)
-  %xs0.52 = f32[2,4,3] parameter(1)
-  %ys0.53 = f32[2,4] parameter(2)
-  %ys0_flat.56 = f32[8] reshape(%ys0.53)
-  %pass0.54 = f32[3,3] parameter(3)
-  %seg0_block_last.57 = s64[] constant(1)
-  %seg0_block_row.58 = s64[] subtract(%seg0_block_last.57, %seg0_counter.55)
-  %seg0_block0_row_size.59 = s64[] constant(4)
-  %seg0_block0_offset.60 = s64[] multiply(%seg0_block_row.58, %seg0_block0_row_size.59)
-  %seg0_block0.61 = f32[4] dynamic-slice(%ys0_flat.56, %seg0_block0_offset.60), dynamic_slice_sizes={4}
-  %seg0_init.62 = (s64[], f32[4,3], f32[2,4,3], f32[8], f32[3,3], /*index=5*/f32[4], s64[]) tuple(%seg0_counter.55, %carry0.51, %xs0.52, %ys0_flat.56, %pass0.54, /*index=5*/%seg0_block0.61, %seg0_block0_offset.60)
-  %seg0_while.63 = (s64[], f32[4,3], f32[2,4,3], f32[8], f32[3,3], /*index=5*/f32[4], s64[]) while(%seg0_init.62), condition=%scan_cond0.45, body=%scan_loop0.19
-  %seg0_carry0.64 = f32[4,3] get-tuple-element(%seg0_while.63), index=1
-  %seg0_ys0.65 = f32[8] get-tuple-element(%seg0_while.63), index=3
-  %seg0_block0.66 = f32[4] get-tuple-element(%seg0_while.63), index=5
-  %seg0_offset0.67 = s64[] get-tuple-element(%seg0_while.63), index=6
-  %seg0_last_ys0.68 = f32[8] dynamic-update-slice(%seg0_ys0.65, %seg0_block0.66, %seg0_offset0.67)
-  %ys0.69 = f32[2,4] reshape(%seg0_last_ys0.68)
-  ROOT %result.70 = (f32[4,3], f32[2,4]) tuple(%seg0_carry0.64, %ys0.69)
+%scan_entry.49 (carry0.50: f32[4,3], xs0.51: f32[2,4,3], ys0.52: f32[2,4], pass0.53: f32[3,3]) -> (f32[4,3], f32[2,4]) {
+  %seg0_counter.54 = s64[] constant(0)
+  %carry0.50 = f32[4,3] parameter(0)
+  %xs0.51 = f32[2,4,3] parameter(1)
+  %ys0.52 = f32[2,4] parameter(2)
+  %pass0.53 = f32[3,3] parameter(3)
+  %seg0_block0.55 = f32[1,4] constant({ { 1.4013e-45, 0, 0, 0 } })
+  %seg0_block_last.56 = s64[] constant(1)
+  %seg0_block_row.57 = s64[] subtract(%seg0_block_last.56, %seg0_counter.54)
+  %seg0_init.58 = (s64[], f32[4,3], f32[2,4,3], f32[2,4], f32[3,3], /*index=5*/f32[1,4], s64[]) tuple(%seg0_counter.54, %carry0.50, %xs0.51, %ys0.52, %pass0.53, /*index=5*/%seg0_block0.55, %seg0_block_row.57)
+  %seg0_while.59 = (s64[], f32[4,3], f32[2,4,3], f32[2,4], f32[3,3], /*index=5*/f32[1,4], s64[]) while(%seg0_init.58), condition=%scan_cond0.44, body=%scan_loop0.19
+  %seg0_carry0.60 = f32[4,3] get-tuple-element(%seg0_while.59), index=1
+  %seg0_ys0.61 = f32[2,4] get-tuple-element(%seg0_while.59), index=3
+  %seg0_block0.62 = f32[1,4] get-tuple-element(%seg0_while.59), index=5
+  %seg0_offset0.63 = s64[] get-tuple-element(%seg0_while.59), index=6
+  %seg0_last_zero0.64 = s64[] constant(0)
+  %seg0_last_ys0.65 = f32[2,4] dynamic-update-slice(%seg0_ys0.61, %seg0_block0.62, %seg0_offset0.63, %seg0_last_zero0.64)
+  ROOT %result.66 = (f32[4,3], f32[2,4]) tuple(%seg0_carry0.60, %seg0_last_ys0.65)
 }
 
-ENTRY %IrToHlo.71 (p0.72: f32[3,3], p1.73: f32[2,4,3], p2.74: f32[4,3]) -> (f32[4,3], f32[2,4]) {
-  %p2.74 = f32[4,3] parameter(2)
-  %p1.73 = f32[2,4,3] parameter(1)
-  %constant.75 = f32[] constant(0)
-  %reshape.76 = f32[1,1] reshape(%constant.75)
-  %broadcast.77 = f32[1,1] broadcast(%reshape.76), dimensions={0,1}
-  %reshape.78 = f32[] reshape(%broadcast.77)
-  %broadcast.79 = f32[2,4] broadcast(%reshape.78), dimensions={}
-  %p0.72 = f32[3,3] parameter(0)
-  %call.80 = (f32[4,3], f32[2,4]) call(%p2.74, %p1.73, %broadcast.79, %p0.72), to_apply=%scan_entry.50
-  %get-tuple-element.81 = f32[4,3] get-tuple-element(%call.80), index=0
-  %get-tuple-element.82 = f32[2,4] get-tuple-element(%call.80), index=1
-  ROOT %tuple.83 = (f32[4,3], f32[2,4]) tuple(%get-tuple-element.81, %get-tuple-element.82)
+ENTRY %IrToHlo.67 (p0.68: f32[3,3], p1.69: f32[2,4,3], p2.70: f32[4,3]) -> (f32[4,3], f32[2,4]) {
+  %p2.70 = f32[4,3] parameter(2)
+  %p1.69 = f32[2,4,3] parameter(1)
+  %constant.71 = f32[] constant(0)
+  %reshape.72 = f32[1,1] reshape(%constant.71)
+  %broadcast.73 = f32[1,1] broadcast(%reshape.72), dimensions={0,1}
+  %reshape.74 = f32[] reshape(%broadcast.73)
+  %broadcast.75 = f32[2,4] broadcast(%reshape.74), dimensions={}
+  %p0.68 = f32[3,3] parameter(0)
+  %call.76 = (f32[4,3], f32[2,4]) call(%p2.70, %p1.69, %broadcast.75, %p0.68), to_apply=%scan_entry.49
+  %get-tuple-element.77 = f32[4,3] get-tuple-element(%call.76), index=0
+  %get-tuple-element.78 = f32[2,4] get-tuple-element(%call.76), index=1
+  ROOT %tuple.79 = (f32[4,3], f32[2,4]) tuple(%get-tuple-element.77, %get-tuple-element.78)
 }""")
 
     def test_rnn_straight_line(self):
