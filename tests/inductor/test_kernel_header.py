@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 from conftest import assert_trees_close, reference_scan
+from test_kernel_build import _rnn
 
 from torch_scan_hop import scan
 from torch_scan_hop.inductor import codegen
@@ -32,15 +33,6 @@ def test_header_flags_leave_out_the_source_output_header_and_link():
 ])
 def test_commands_without_a_gcc_precompiled_header_are_left_alone(command):
     assert kernel_header.with_own_header(command) is None
-
-
-def _rnn(length=64, h=16, b=4):
-    w = torch.randn(h, h) * 0.3
-
-    def step(c, x):
-        c = torch.tanh(c @ w + x)
-        return c, c.sum(-1)
-    return step, torch.randn(b, h), torch.randn(length, b, h)
 
 
 def _compiled_forward(step, c0, xs):
@@ -68,7 +60,7 @@ def _our_header():
 
 
 def test_a_kernel_built_with_our_header_gives_the_same_bits():
-    step, c0, xs = _rnn()
+    step, c0, xs = _rnn(64)
     _our_header()
     got, counts = _compiled_forward(step, c0, xs)
     assert counts == {"applied": 1, "skipped": 0, "failed": 0}
@@ -81,7 +73,7 @@ def test_a_kernel_built_with_our_header_gives_the_same_bits():
 
 
 def test_a_header_that_does_not_serve_is_not_used_again(monkeypatch, tmp_path):
-    step, c0, xs = _rnn()
+    step, c0, xs = _rnn(64)
     unusable = tmp_path / "unusable.h"
     unusable.write_text('#error "not usable (simulated)"\n')
 

@@ -147,16 +147,25 @@ def _build(command, run, target):
     if lighter is None:
         pipeline.record("loop_kernel_binding", "skipped")
         return _linked(command, run, target)
+    # inductor's file: raises the kernel's own error where that does not build either
+    return _applied_or_fallen_back(
+        "loop_kernel_binding", lambda: _linked(lighter, run, target), lambda: _linked(command, run, target),
+        KernelBindingWarning, "the loop kernel without <sstream> in its binding did not build ({error}); "
+        "built as inductor wrote it. Please report it with your torch version.")
+
+
+def _applied_or_fallen_back(name, attempt, fallback, warning, message):
+    """``attempt()``, counted ``applied`` under ``name``; where it raises, ``fallback()`` (whose own
+    error is the one raised where it fails too), counted ``failed``, with one ``warning``
+    (``message`` formatted with the attempt's ``error``)."""
     try:
-        result = _linked(lighter, run, target)
+        result = attempt()
     except Exception as error:
-        result = _linked(command, run, target)  # raises the kernel's own error where this does not build either
-        pipeline.record("loop_kernel_binding", "failed")
-        warnings.warn(f"torch_scan_hop: the loop kernel without <sstream> in its binding did not build ({error}); "
-                      "built as inductor wrote it. Please report it with your torch version.",
-                      KernelBindingWarning, stacklevel=2)
+        result = fallback()
+        pipeline.record(name, "failed")
+        warnings.warn("torch_scan_hop: " + message.format(error=error), warning, stacklevel=3)
         return result
-    pipeline.record("loop_kernel_binding", "applied")
+    pipeline.record(name, "applied")
     return result
 
 
@@ -183,18 +192,15 @@ def _with_own_header(run):
         if ours is None:
             pipeline.record("loop_kernel_header", "skipped")
             return run(command)
-        try:
-            result = run(ours)
-        except Exception as error:
+
+        def with_inductors_header():
             result = run(command)
             kernel_header.forget(ours)
-            pipeline.record("loop_kernel_header", "failed")
-            warnings.warn(f"torch_scan_hop: the loop kernel did not build with its precompiled header ({error}); "
-                          "built with inductor's. Please report it with your compiler and torch versions.",
-                          KernelHeaderWarning, stacklevel=2)
             return result
-        pipeline.record("loop_kernel_header", "applied")
-        return result
+        return _applied_or_fallen_back(
+            "loop_kernel_header", lambda: run(ours), with_inductors_header, KernelHeaderWarning,
+            "the loop kernel did not build with its precompiled header ({error}); built with inductor's. "
+            "Please report it with your compiler and torch versions.")
     return run_with_own_header
 
 
