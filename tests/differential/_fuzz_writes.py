@@ -199,8 +199,9 @@ def prepare(p, init_bases, carried_bases):
     if p.writes is None:
         return init_bases
     leaves, spec = pytree.tree_flatten(init_bases)
+    slots = [k for k, t in enumerate(leaves) if t is not None]  # carry_ops index leaf_paths, which skip None
     for i, _ in p.writes.carry_ops:
-        leaves[i] = leaves[i].clone()
+        leaves[slots[i]] = leaves[slots[i]].clone()
     init = pytree.tree_unflatten(leaves, spec)
     return (init, [b.clone() for b in carried_bases]) if p.writes.carried else init
 

@@ -114,6 +114,10 @@ REGRESSIONS = [
     # inductor's own bits break a tie of amax's input that eager has (a LayerNorm of an arithmetic row):
     # the scan and the loop compiled by inductor agree, both differ from eager (the reference there)
     ("compile_inductor", 7022),
+    # odd seeds differentiate the graph: its targets were read after it ran, when its (correct) writes of values
+    # requiring grad into closed-over buffers that did not had made those buffers targets too (9 != 7 gradients)
+    ("make_fx_fake", 8005), ("make_fx_fake", 8039),
+    ("make_fx_real", 8057),  # a None carry leaf before a written one: _fuzz_writes.prepare cloned the None
 ]
 
 
@@ -182,10 +186,11 @@ def run_make_fx(p, mode, want_out, want_grads, weights):
             return
         raise
     fresh = materialize(p)
+    targets = fresh.targets()  # before the graph runs: it writes closed-over buffers, maybe with grad values
     out, got_grads = gm(*args(fresh))
     check(p, mode, "values of the traced graph", out, want_out)
     if not backward_inside:  # the graph's scan node differentiated by the op's autograd rule
-        got_grads = grads(fresh.targets(), out, weights)
+        got_grads = grads(targets, out, weights)
     check(p, mode, f"gradients ({'traced' if backward_inside else 'through the graph'})", got_grads, want_grads)
 
 
