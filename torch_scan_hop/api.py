@@ -19,7 +19,7 @@ from .op.loop import run_tree
 from .remat.policies import Remat, as_token, validated
 from .trace import cache
 from .trace.body_checks import is_leaf_write_error, mark_checked, writes_only_carries, written_inputs
-from .trace.closure_writes import ClosureWrites, closures_carried
+from .trace.closure_writes import ClosureWrites, carries_closures, closures_carried
 from .trace.flat_body import copied_carries, dynamo_body
 from .trace.indexing import TensorIndexRewrite
 from .trace.lift import forget_source, source_of, trace_and_lift
@@ -200,6 +200,12 @@ def _scan(fn, init, inputs, reverse, remat, unroll, path=None):
     try:
         flat_out, y_spec = _call_op(fn, inputs, reverse=reverse, remat=as_token(remat), unroll=unroll or 1)
     except ClosureWrites as e:
+        if carries_closures(fn):  # carried, still written: carrying them again would never end
+            written = ", ".join(f"shape {tuple(t.shape)} {t.dtype}" for t in e.tensors)
+            raise ScanError(f"scan: the body writes into closed-over tensors ({written}) that this "
+                            "scan already carries, and the trace still finds the writes (seen with "
+                            "remat='sqrt' under make_fx's fake mode, where the nested scans trace copies of "
+                            "them). Pass those tensors in the carry, or use another remat.") from None
         return _scan_carrying(e.tensors, fn, init, inputs, reverse, remat, unroll)
     nc = inputs.num_carry
     carry = inputs.init_spec.unflatten(flat_out[:nc])

@@ -39,6 +39,11 @@ class ClosureSubstitution(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def carries_closures(fn):
+    """Is ``fn`` a body ``closures_carried`` made (its closures already carried)?"""
+    return isinstance(fn, functools.partial) and fn.func is _with_closures_carried
+
+
 def _with_closures_carried(fn, closures, carry, x):
     inner, carried = carry
     with ClosureSubstitution(closures, carried):
