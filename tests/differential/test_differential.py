@@ -234,7 +234,8 @@ def _check_against_compiled_loop(p, mode, backend, out, got_grads, weights):
     kernels round differently at a point where the math is not smooth (seed 7022: a LayerNorm of
     an arithmetic row gives two equal maxima in eager, one in inductor's bits, and ``amax``'s
     gradient splits between ties): a scan that matches the compiled loop computes what the loop
-    does under this backend. A scan that differs from both fails with the eager loop's message."""
+    does under this backend. A scan that differs from both fails here, naming the compiled loop (the
+    eager loop's mismatch chained before it)."""
     torch._dynamo.reset()
     ref = materialize(p)
     loop_out = torch.compile(lambda init, xs: ref.observed(run_loop(p, ref.body, init, xs, ref.buffers)),

@@ -81,7 +81,8 @@ def with_own_header(command):
     if flags is None:
         return None
     ours = own_header_path(header, flags)
-    _asked.add(ours)
+    with _lock:  # kernels build on worker threads; ``ready`` reads the set
+        _asked.add(ours)
     if os.path.isfile(ours + ".failed"):
         return None
     if os.path.isfile(ours) and os.path.isfile(ours + ".gch"):
