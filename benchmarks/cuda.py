@@ -9,6 +9,10 @@ Three parts, each in a child process of its own (a crash or hang in one leaves t
   steady - steady calls (best of interleaved rounds, CUDA-synchronized): inductor forward, ours
            (default and unroll=1, also under mode="reduce-overhead") vs the compiled loop; eager
            training step and eager no-grad forward, ours vs the loop.
+  steps  - per-step cost under the profiler (tanh RNN, T from --lengths): wall us/step against the
+           body's kernel time per step, kernel launches and CUDA graph launches per call, and the
+           host syncs per call (stream/device/event synchronize, device-to-host copies): a step
+           should cost its launches and nothing more, and nothing should wait on the GPU per step.
   peaks  - peak memory (torch.cuda.max_memory_allocated over one training step, after a warm-up
            step) and time per remat policy, eager and compiled, MLP body d=1024 B=64 T=128,
            against the loop and the loop with torch.utils.checkpoint per step.
@@ -183,6 +187,67 @@ def part_steady(lengths):
                  "eager train ours/loop", "eager no-grad ours/loop"], rows)
 
 
+_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+          "cudaMemcpyAsync", "cuMemcpyDtoH", "cudaStreamIsCapturing")
+_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+
+
+def _profile_call(call, calls=5):
+    """Counts per call of one warm callable under torch.profiler: kernel launches, graph
+    launches, host syncs (by the runtime call's name), and the GPU's kernel time (us)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        call()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+    counts = {"launches": 0, "graphs": 0, "syncs": 0, "kernel_us": 0.0}
+    for ev in prof.events():
+        name = ev.name
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            counts["kernel_us"] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+        elif name in _LAUNCHES:
+            counts["launches"] += 1
+        elif name.startswith("cudaGraphLaunch"):
+            counts["graphs"] += 1
+        elif name.startswith(_SYNCS) and name != "cudaStreamIsCapturing":
+            counts["syncs"] += 1
+    return {k: v / calls for k, v in counts.items()}
+
+
+def part_steps(lengths):
+    from torch_scan_hop import scan
+
+    rows = []
+    for t in lengths:
+        args = _rnn_inputs(t, False)
+        with torch.no_grad():
+            variants = {"eager loop": lambda: run_loop(*args),
+                        "eager ours": lambda: scan(cell(args[0]), args[1], args[2])}
+            torch._dynamo.reset()
+            f = torch.compile(_variant("ours-default"))
+            variants["inductor ours"] = lambda: f(*args)
+            g = torch.compile(_variant("ours-default"), mode="reduce-overhead")
+            variants["reduce-overhead ours"] = lambda: g(*args)
+            if t <= 64:
+                h = torch.compile(_variant("loop"))
+                variants["inductor loop"] = lambda: h(*args)
+            for name, fn in variants.items():
+                try:
+                    prof = _profile_call(fn)
+                    best = min(interleaved_times({name: _sync_call(fn)}, repeat=10)[name])
+                except Exception as e:  # noqa: BLE001 - reported in the table
+                    print(f"T={t} {name} failed: {type(e).__name__}: {str(e)[:300]}")
+                    continue
+                rows.append([t, name, f"{best * 1e6 / t:.2f}", f"{prof['kernel_us'] / t:.2f}",
+                             f"{prof['launches'] / t:.1f}", f"{prof['graphs']:.0f}", f"{prof['syncs']:.0f}"])
+    print(f"per step on {_device_name()}, tanh RNN H={H} B={B}, no grad: wall us/step (best of 10) vs "
+          "the GPU's kernel time per step (profiler), launches per step, graph launches and host syncs per call")
+    print_table(["T", "variant", "wall us/step", "kernel us/step", "launches/step", "graph launches/call",
+                 "syncs/call"], rows)
+
+
 def _mlp(d):
     torch.manual_seed(0)
     ws = [(torch.randn(d, d, device=DEV) * d ** -0.5).requires_grad_() for _ in range(4)]
@@ -248,7 +313,8 @@ def main():
         print("benchmarks/cuda.py: no CUDA device here; nothing measured")
         return
     lengths = [int(v) for v in a.lengths.split(",")]
-    parts = {"first": lambda: part_first(lengths), "steady": lambda: part_steady(lengths), "peaks": part_peaks}
+    parts = {"first": lambda: part_first(lengths), "steady": lambda: part_steady(lengths),
+             "steps": lambda: part_steps(lengths), "peaks": part_peaks}
     for part in a.parts.split(","):
         parts[part]()
         sys.stdout.flush()
