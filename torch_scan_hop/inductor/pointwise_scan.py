@@ -21,6 +21,7 @@ import importlib.util
 import math
 import os
 import tempfile
+import logging
 import threading
 import warnings
 from typing import Optional
@@ -31,6 +32,7 @@ from .. import _compat
 from .codegen import pipeline, triton_scan
 from .codegen.triton_ops import Refused
 
+log = logging.getLogger("torch_scan_hop.inductor.pointwise_scan")
 PASS_NAME = "pointwise_scan_kernel"
 DEVICE_TYPES = {"cuda"}  # the CPU has its C++ loop kernel; tests add "cpu" under Triton's interpreter
 _SCAN = torch.ops.higher_order.scan
@@ -73,20 +75,26 @@ def _body_and_signature(gm, node):
     length = rows[0].shape[0] if rows else ys[0].shape[0] if ys else 0
     if length == 0:
         raise Refused("a scan of no steps (or of unknown length)")
-    shapes = {tuple(v.shape) for v in (*inits, *outs[:nc])} | {tuple(y.shape[1:]) for y in ys}
-    if len(shapes) != 1:
-        raise Refused(f"carries and ys of several shapes {sorted(shapes)}")
-    element = shapes.pop()
+    element = _element_shape([*(c.shape for c in (*inits, *outs[:nc])), *(y.shape[1:] for y in ys)])
     if math.prod(element) == 0 or any(not v.is_contiguous() for v in outs):
         raise Refused("an empty or non-contiguous output")
     if any(x.shape[0] != length for x in rows) or any(y.shape[0] != length for y in ys):
         raise Refused("xs of different lengths")
     sig = triton_scan.Signature(
-        element_shape=element, length=length, carries=tuple(v.dtype for v in inits),
+        element_shape=element, length=length, carries=tuple(triton_scan.Leaf(tuple(v.shape), v.dtype) for v in inits),
         xs=tuple(triton_scan.Leaf(tuple(x.shape[1:]), x.dtype) for x in rows),
         lifted=tuple(triton_scan.Leaf(tuple(w.shape), w.dtype) for w in closed),
-        ys=tuple(y.dtype for y in ys), reverse=bool(node.kwargs.get("reverse", False)))
+        ys=tuple(triton_scan.Leaf(tuple(y.shape[1:]), y.dtype) for y in ys), reverse=bool(node.kwargs.get("reverse", False)))
     return getattr(gm, combine.target), sig
+
+
+def _element_shape(shapes):
+    """E: the shape every carry and y row broadcasts to (a carry smaller than E must be a sum the
+    body accumulates, which the generator checks)."""
+    try:
+        return tuple(torch.broadcast_shapes(*shapes))
+    except RuntimeError:
+        raise Refused(f"carries and y rows of shapes {sorted({tuple(s) for s in shapes})}") from None
 
 
 def lower_pointwise_scans(gm: torch.fx.GraphModule) -> int:
@@ -126,13 +134,15 @@ def _decide(gm, node):
         pipeline.record(PASS_NAME, "skipped")
         return None
     try:
-        source, _why = plan(gm, node)
+        source, why = plan(gm, node)
     except Exception as error:  # noqa: BLE001 - a generator bug must not break the compile: keep the loop
         pipeline.record(PASS_NAME, "failed")
         warnings.warn(f"torch_scan_hop: the pointwise scan kernel could not be generated ({type(error).__name__}: "
                       f"{error}); the scan runs as a loop. Please report it.", PointwiseScanWarning, stacklevel=2)
         return None
     pipeline.record(PASS_NAME, "applied" if source is not None else "skipped")
+    if source is None:
+        log.debug("pointwise scan kernel not used for %s: %s", node.name, why)
     return source
 
 
@@ -185,10 +195,36 @@ def _strides(init, xs, lifted):
 def _outputs_like(source, init, xs, lifted):
     info = triton_scan.read_header(source)
     device = next(t.device for t in (*init, *xs, *lifted))
-    element, length = info["E"], info["T"]
-    carries = [torch.empty(element, dtype=d, device=device) for d in info["carries"]]
-    ys = [torch.empty((length, *element), dtype=d, device=device) for d in info["ys"]]
+    carries = [torch.empty(c.shape, dtype=c.dtype, device=device) for c in info["carries"]]
+    ys = [torch.empty((info["T"], *y.shape), dtype=y.dtype, device=device) for y in info["ys"]]
     return info, carries, ys
+
+
+def _partials(info, outputs):
+    """What the kernel writes for each output: the output itself, or for a sum over elements (a carry
+    the body sums into, a y that is a sum) an E-shaped buffer of per-element partials (per step for
+    a y) in the compute dtype (float32 for 16-bit floats)."""
+    wide = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+    nc = len(info["carries"])
+    return [torch.empty((*(() if k < nc else (info["T"],)), *info["E"]), dtype=wide.get(o.dtype, o.dtype),
+                        device=o.device) if k in info["acc"] else o for k, o in enumerate(outputs)]
+
+
+def _finish_sums(info, init, outputs, partials):
+    """Each sum over elements: the partials summed over the dims they are summed along, at index 0
+    along the dims whose lanes hold copies; a carry's added to its initial value."""
+    nc = len(info["carries"])
+    for k, (summed, first) in info["acc"].items():
+        part, lead = partials[k], 0 if k < nc else 1
+        for j in first:
+            part = part.narrow(j + lead, 0, 1)
+        if summed:
+            part = part.sum(dim=[j + lead for j in summed], keepdim=True)
+        part = part.reshape(outputs[k].shape)
+        if k < nc:
+            torch.add(init[k], part, out=outputs[k])
+        else:
+            outputs[k].copy_(part)
 
 
 @torch.library.custom_op("torch_scan_hop::pointwise_scan", mutates_args=())
@@ -198,17 +234,19 @@ def pointwise_scan(source: str, init: list[torch.Tensor], xs: list[torch.Tensor]
     Carries and ys come back new and contiguous."""
     info, carries, ys = _outputs_like(source, init, xs, additional_inputs)
     element, length = info["E"], info["T"]
-    if any(tuple(c.shape) != element for c in init) or any(x.shape[0] != length for x in xs) \
+    if any(c.shape != w.shape for c, w in zip(init, carries)) or any(x.shape[0] != length for x in xs) \
             or bool(info["reverse"]) != reverse or (len(xs), len(additional_inputs)) != (info["nx"], info["nl"]):
         raise ValueError("torch_scan_hop::pointwise_scan: the inputs do not match the kernel's signature")
     n = math.prod(element)
     device = carries[0].device if carries else ys[0].device
     block, warps = _block(n, device)
     kernel = _kernel(source)
-    args = [*init, *xs, *additional_inputs, *carries, *ys]
+    partials = _partials(info, [*carries, *ys])
+    args = [*init, *xs, *additional_inputs, *partials]
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         kernel[(-(-n // block),)](*args, **_strides(init, xs, additional_inputs),
                                           N=n, T=length, BLOCK=block, num_warps=warps)
+    _finish_sums(info, init, [*carries, *ys], partials)
     return [*carries, *ys]
 
 

@@ -85,6 +85,7 @@ _UNARY = {
     aten.relu.default: lambda x: f"tl.maximum({x}, 0.0, {NAN_ALL})",
     aten.abs.default: lambda x: f"tl.abs({x})",
     aten.reciprocal.default: lambda x: f"(1.0 / {x})",
+    aten.sign.default: lambda x: f"tl.where({x} > 0, 1.0, tl.where({x} < 0, -1.0, {x} * 0.0))",  # NaN stays NaN
 }
 _BINARY = {
     aten.mul.Tensor: _bin("({a} * {b})"), aten.mul.Scalar: _bin("({a} * {b})"),
