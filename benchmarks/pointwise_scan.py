@@ -13,7 +13,10 @@ import os
 import statistics
 import sys
 
-import torch
+os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")  # each variant compiled here, under its own pass setting
+os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import interleaved_times, print_table  # noqa: E402

@@ -152,11 +152,14 @@ _kernels, _kernels_lock = {}, threading.Lock()
 
 
 def _kernel(source):
-    """The jitted kernel of ``source``, loaded once per source from a file named by its hash
+    """``(header, jitted kernel)`` of ``source``, loaded once per source from a file named by its hash
     (Triton reads a kernel's source through ``inspect``, which needs a file)."""
+    found = _kernels.get(source)
+    if found is not None:
+        return found
     key = hashlib.sha256(source.encode()).hexdigest()[:32]
     with _kernels_lock:
-        if key not in _kernels:
+        if source not in _kernels:
             folder = os.path.join(tempfile.gettempdir(), f"torch_scan_hop_triton_{os.getuid()}")
             os.makedirs(folder, exist_ok=True)
             path = os.path.join(folder, f"pointwise_scan_{key}.py")
@@ -168,8 +171,8 @@ def _kernel(source):
             spec = importlib.util.spec_from_file_location(f"torch_scan_hop_pointwise_scan_{key}", path)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
-            _kernels[key] = getattr(module, triton_scan.KERNEL_NAME)
-        return _kernels[key]
+            _kernels[source] = triton_scan.read_header(source), getattr(module, triton_scan.KERNEL_NAME)
+        return _kernels[source]
 
 
 def _block(n, device):
@@ -192,12 +195,11 @@ def _strides(init, xs, lifted):
     return out
 
 
-def _outputs_like(source, init, xs, lifted):
-    info = triton_scan.read_header(source)
+def _outputs_like(info, init, xs, lifted):
     device = next(t.device for t in (*init, *xs, *lifted))
     carries = [torch.empty(c.shape, dtype=c.dtype, device=device) for c in info["carries"]]
     ys = [torch.empty((info["T"], *y.shape), dtype=y.dtype, device=device) for y in info["ys"]]
-    return info, carries, ys
+    return carries, ys
 
 
 def _partials(info, outputs):
@@ -232,7 +234,8 @@ def pointwise_scan(source: str, init: list[torch.Tensor], xs: list[torch.Tensor]
                    additional_inputs: list[torch.Tensor], reverse: bool) -> list[torch.Tensor]:
     """The scan ``source`` (from ``triton_scan.kernel_source``) computes, as one kernel launch.
     Carries and ys come back new and contiguous."""
-    info, carries, ys = _outputs_like(source, init, xs, additional_inputs)
+    info, kernel = _kernel(source)
+    carries, ys = _outputs_like(info, init, xs, additional_inputs)
     element, length = info["E"], info["T"]
     if any(c.shape != w.shape for c, w in zip(init, carries)) or any(x.shape[0] != length for x in xs) \
             or bool(info["reverse"]) != reverse or (len(xs), len(additional_inputs)) != (info["nx"], info["nl"]):
@@ -240,7 +243,6 @@ def pointwise_scan(source: str, init: list[torch.Tensor], xs: list[torch.Tensor]
     n = math.prod(element)
     device = carries[0].device if carries else ys[0].device
     block, warps = _block(n, device)
-    kernel = _kernel(source)
     partials = _partials(info, [*carries, *ys])
     args = [*init, *xs, *additional_inputs, *partials]
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
@@ -252,5 +254,5 @@ def pointwise_scan(source: str, init: list[torch.Tensor], xs: list[torch.Tensor]
 
 @pointwise_scan.register_fake
 def _(source, init, xs, additional_inputs, reverse):
-    _info, carries, ys = _outputs_like(source, init, xs, additional_inputs)
+    carries, ys = _outputs_like(triton_scan.read_header(source), init, xs, additional_inputs)
     return [*carries, *ys]

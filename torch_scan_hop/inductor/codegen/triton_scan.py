@@ -27,6 +27,7 @@ from .triton_body import Accumulated, Body, Leaf, leaf_dim_map
 from .triton_ops import FLOATS, Refused, compute_type
 
 KERNEL_NAME = "pointwise_scan_kernel"
+UNROLL = 8  # steps per iteration of the time loop (``_Step``)
 _HEADER = "# torch_scan_hop pointwise scan: "
 
 _HELPERS = '''
@@ -206,19 +207,46 @@ def _kernel(sig, body_lines, outs):
     for k, y in enumerate(ys):
         out.append(f"q{k} = y{k}_ptr + ({_row_offset(y.shape, E)})" + (f"{start}{math.prod(y.shape)}" if start else ""))
         out.append(f"m{k} = {_first_lanes(y.shape, E)}")
-    loop = [f"a{k} = " + load.format(f"p{k}", compute_type(x.dtype)) for k, x in enumerate(sig.xs)]
-    loop += body_lines
-    ytext = [o.text if isinstance(o, Accumulated) else o for o in outs[nc:]]
-    loop += [f"tl.store(q{k}, ({ytext[k]}).to(y{k}_ptr.dtype.element_ty), mask=m{k})" for k in range(ny)]
     carried = [k for k in range(nc) if k not in acc]
     summed = sorted(k for k in acc if k < nc)
-    loop += [f"r{k} = r{k} + ({outs[k].text}).to({compute_type(sig.carries[k].dtype)})" for k in summed]
-    loop += [f"n{k} = ({outs[k]}){_round(sig.carries[k].dtype)}.to({compute_type(sig.carries[k].dtype)})"
-             for k in carried]
-    loop += [f"h{k} = n{k}" for k in carried]
-    step = "-=" if sig.reverse else "+="
-    loop += [f"p{k} {step} a{k}_st" for k in range(nx)] + [f"q{k} {step} {math.prod(y.shape)}" for k, y in enumerate(ys)]
+    step = _Step(sig, ys, body_lines, outs, carried, summed)
+    unroll = UNROLL if len(body_lines) <= 64 else UNROLL // 2
+    loops = [*step.loop(sig.length // unroll, unroll), *step.loop(sig.length % unroll, 1)]
     end = [f"tl.store(h{k}_out + offs, h{k}.to(h{k}_out.dtype.element_ty), mask=mask)" for k in carried]
     end += [f"tl.store(h{k}_out + offs, r{k}.to(h{k}_out.dtype.element_ty), mask=mask)" for k in summed]
-    return ["", "", "@triton.jit", f"def {KERNEL_NAME}({params}):", *("    " + line for line in out),
-            "    for t in range(T):", *("        " + line for line in loop), *("    " + line for line in end)]
+    return ["", "", "@triton.jit", f"def {KERNEL_NAME}({params}):", *("    " + line for line in (*out, *loops, *end))]
+
+
+class _Step:
+    """The time loop's text: ``loop(count, unroll)`` runs ``count`` iterations of ``unroll`` steps each.
+    Why unrolled: a step's loads do not depend on the carry, but a thread stalls at the first use of
+    a load; with the loads of ``unroll`` steps written first, one memory latency covers them all
+    (the loop is latency bound: a few flops per element per step)."""
+
+    def __init__(self, sig, ys, body_lines, outs, carried, summed):
+        self.sig, self.ys, self.body, self.outs, self.carried, self.summed = sig, ys, body_lines, outs, carried, summed
+        self.sign = "-" if sig.reverse else "+"
+
+    def _at(self, pointer, i, stride):
+        return pointer if i == 0 else f"{pointer} {self.sign} {i} * {stride}"
+
+    def loop(self, count, unroll):
+        if count == 0:
+            return []
+        sig, nc = self.sig, len(self.sig.carries)
+        loads, steps = [], []
+        for i in range(unroll):
+            loads += [f"a{k}_{i} = tl.load({self._at(f'p{k}', i, f'a{k}_st')}, mask=mask, other=0)"
+                      f".to({compute_type(x.dtype)})" for k, x in enumerate(sig.xs)]
+            steps += [f"a{k} = a{k}_{i}" for k in range(len(sig.xs))] + list(self.body)
+            ytext = [o.text if isinstance(o, Accumulated) else o for o in self.outs[nc:]]
+            steps += [f"tl.store({self._at(f'q{k}', i, math.prod(y.shape))}, ({ytext[k]}).to(y{k}_ptr.dtype.element_ty), "
+                      f"mask=m{k})" for k, y in enumerate(self.ys)]
+            steps += [f"r{k} = r{k} + ({self.outs[k].text}).to({compute_type(sig.carries[k].dtype)})"
+                      for k in self.summed]
+            steps += [f"n{k} = ({self.outs[k]}){_round(sig.carries[k].dtype)}.to({compute_type(sig.carries[k].dtype)})"
+                      for k in self.carried]
+            steps += [f"h{k} = n{k}" for k in self.carried]
+        advance = [f"p{k} {self.sign}= {unroll} * a{k}_st" for k in range(len(sig.xs))]
+        advance += [f"q{k} {self.sign}= {unroll * math.prod(y.shape)}" for k, y in enumerate(self.ys)]
+        return [f"for t in range({count}):", *("    " + line for line in (*loads, *steps, *advance))]
