@@ -92,8 +92,8 @@ def _loop(body, init, xs, lifted, reverse):
     return [*carry, *(torch.stack(col) for col in zip(*ys))]
 
 
-def check_generator(case, dtype_name, reverse, strided=False):
-    dtype = getattr(torch, dtype_name)
+def _generated(case, dtype, reverse, strided=False):
+    """(kernel source, init, xs, closed-over tensors, the loop's outputs) of a case's body."""
     body = BODIES[case]
     init, xs, lifted = _inputs(case, dtype, strided)
     nc, nx = len(init), len(xs)
@@ -109,13 +109,45 @@ def check_generator(case, dtype_name, reverse, strided=False):
         xs=tuple(triton_scan.Leaf(tuple(x.shape[1:]), x.dtype) for x in xs),
         lifted=tuple(triton_scan.Leaf(tuple(w.shape), w.dtype) for w in lifted),
         ys=tuple(triton_scan.Leaf(tuple(v.shape[1:]), v.dtype) for v in want[nc:]), reverse=reverse)
-    source = triton_scan.kernel_source(graph, sig)
+    return triton_scan.kernel_source(graph, sig), init, xs, lifted, want
+
+
+def check_generator(case, dtype_name, reverse, strided=False):
+    dtype = getattr(torch, dtype_name)
+    source, init, xs, lifted, want = _generated(case, dtype, reverse, strided)
+    nc = len(init)
     got = torch.ops.torch_scan_hop.pointwise_scan(source, init, xs, lifted, reverse)
     tol = dict(atol=1e-12, rtol=1e-12) if dtype == torch.float64 else dict(atol=2e-5, rtol=2e-5)
     assert len(got) == len(want)
     for k, (g, w) in enumerate(zip(got, want)):
         assert g.is_contiguous() and g.shape == w.shape and g.dtype == w.dtype, (k, g.shape, w.shape)
         torch.testing.assert_close(g, w, **tol, msg=lambda m, k=k: f"output {k}: {m}")
+
+
+_POINTERS = {torch.float32: "*fp32", torch.float64: "*fp64", torch.bfloat16: "*bf16", torch.float16: "*fp16",
+             torch.bool: "*i1"}
+
+
+def check_compiles_for_cuda(case, dtype_name, reverse):
+    """The generated source compiled by Triton for an sm_90 GPU (no GPU needed: Triton's own compiler
+    and ptxas), with the arguments the operator launches it with: what the interpreter cannot check
+    (libdevice, loop-carried types, constexpr arithmetic, the unrolled loads)."""
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    source, init, xs, lifted, _want = _generated(case, getattr(torch, dtype_name), reverse)
+    info, kernel = pointwise_scan._kernel(source)
+    carries, ys = pointwise_scan._outputs_like(info, init, xs, lifted)
+    args = [*init, *xs, *lifted, *pointwise_scan._partials(info, [*carries, *ys])]
+    consts = {**pointwise_scan._strides(init, xs, lifted), "N": B * D, "T": T, "BLOCK": 32}
+    names = kernel.arg_names
+    assert names[:len(args)] == [n for n in names if n not in consts] and len(names) == len(args) + len(consts)
+    signature = {n: _POINTERS[a.dtype] for n, a in zip(names, args)} | {n: "constexpr" for n in names[len(args):]}
+    constexprs = {(i,): consts[n] for i, n in enumerate(names) if n in consts}
+    compiled = triton_compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 1})
+    assert "ld.global" in compiled.asm["ptx"] and compiled.asm["cubin"]
 
 
 def _training_inputs(case, device, dtype):

@@ -5,6 +5,7 @@ Without a GPU: the generated source runs on the CPU under Triton's interpreter, 
 interpreter started with ``TRITON_INTERPRET=1`` (``pointwise_scan_cases``), against the Python loop
 (float32 and float64, both directions, several carries and ys, broadcast x rows and closed-over
 tensors, non-contiguous inputs), also compiled end to end with the pass allowed on CPU tensors there;
+the same sources compiled by Triton for an sm_90 GPU (PTX and cubin, no GPU needed);
 and the pass's decisions on graphs of fake CUDA tensors (applied to pointwise bodies; a matmul, a
 reduction, an integer carry, mixed shapes, no steps, CPU tensors left exactly as they were). With a
 GPU: forward and training step compiled as users run them.
@@ -38,6 +39,13 @@ def test_generated_kernel_gives_the_loops_values(case, dtype, reverse):
 
 def test_generated_kernel_reads_inputs_by_their_strides():
     _interpreted("check_generator", "mixed", "float64", True, True)
+
+
+@pytest.mark.parametrize("case", ["linear", "rglru", "wkv", "mixed"])
+@pytest.mark.parametrize("dtype,reverse", [("float32", True), ("bfloat16", False), ("float64", False)])
+def test_generated_kernel_compiles_for_a_cuda_gpu(case, dtype, reverse):
+    """Triton's compiler (to PTX and ptxas's cubin) runs without a GPU: a child without the interpreter."""
+    _isolated.call("pointwise_scan_cases", "check_compiles_for_cuda", case, dtype, reverse)
 
 
 @pytest.mark.parametrize("case,reverse", [("linear", False), ("rglru", True), ("wkv", False), ("mixed", True)])
