@@ -50,6 +50,19 @@ def plan(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[Optional[str], 
         return None, str(refused)
 
 
+def _on_kernel_device(node):
+    """Whether every tensor the scan node reads or makes is on one device of ``DEVICE_TYPES`` (checked
+    first and quietly: a CPU scan is none of this pass's business)."""
+    vals = node.meta.get("val")
+    vals = [*vals] if isinstance(vals, (list, tuple)) else [vals]
+    for group in node.args[1:4]:
+        vals += [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in (group or ())] \
+            if isinstance(group, (list, tuple)) else [None]
+    tensors = [v for v in vals if isinstance(v, torch.Tensor)]
+    devices = {v.device for v in tensors}
+    return len(devices) == 1 and next(iter(devices)).type in DEVICE_TYPES
+
+
 def _val(arg):
     val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
     if not isinstance(val, torch.Tensor):
@@ -58,9 +71,11 @@ def _val(arg):
 
 
 def _body_and_signature(gm, node):
-    combine, init, xs, lifted = node.args[:4]
-    if set(node.kwargs) - {"reverse"} or len(node.args) != 4 or combine.op != "get_attr":
+    if set(node.kwargs) - {"reverse"} or len(node.args) != 4:
         raise Refused("a scan with options other than reverse")
+    combine, init, xs, lifted = node.args
+    if not isinstance(combine, torch.fx.Node) or combine.op != "get_attr":
+        raise Refused("a body that is not a subgraph")
     inits, rows, closed = [_val(a) for a in init], [_val(a) for a in xs], [_val(a) for a in lifted]
     outs = node.meta.get("val")
     if not isinstance(outs, (list, tuple)) or not all(isinstance(v, torch.Tensor) for v in outs):
@@ -108,8 +123,11 @@ def lower_pointwise_scans(gm: torch.fx.GraphModule) -> int:
         sources[node] = _decide(gm, node)
         return sources[node] is not None
 
+    bodies = []
+
     def replace(match, combine, init, xs, lifted, **kwargs):
         source, nc, nx = sources[match.nodes[0]], len(init), len(xs)
+        bodies.append(combine)
 
         def kernel_call(*flat):
             out = torch.ops.torch_scan_hop.pointwise_scan.default(
@@ -122,7 +140,9 @@ def lower_pointwise_scans(gm: torch.fx.GraphModule) -> int:
     _compat.inductor.call_pattern_pass(_SCAN, accepts, replace).apply(gm)
     applied = sum(s is not None for s in sources.values())
     if applied:
-        gm.graph.eliminate_dead_code()
+        for body in dict.fromkeys(bodies):  # the replaced scans' subgraphs, now read by nothing
+            if not body.users:
+                gm.graph.erase_node(body)
         gm.graph.lint()
         gm.recompile()
     return applied
@@ -130,7 +150,7 @@ def lower_pointwise_scans(gm: torch.fx.GraphModule) -> int:
 
 def _decide(gm, node):
     """The source for ``node`` or None, counted (and warned once when the generator fails)."""
-    if pipeline.is_off(PASS_NAME):
+    if pipeline.is_off(PASS_NAME) or not _on_kernel_device(node):
         pipeline.record(PASS_NAME, "skipped")
         return None
     try:
