@@ -18,8 +18,8 @@ import dataclasses
 
 import torch
 
-from .triton_ops import (CASTS, CONSTANTS, COPIES, EXPANDS, FLOATS, SIZE_ONE_VIEWS, Refused, compute_type,
-                         constant_value, expression, literal)
+from .triton_ops import (CASTS, CONSTANTS, COPIES, EXPANDS, FLOATS, SIZE_ONE_VIEWS, Refused, cast_target,
+                         compute_type, constant_value, expression, literal)
 
 aten = torch.ops.aten
 _SUMS = {aten.sum.dim_IntList, aten.sum.default}
@@ -148,6 +148,9 @@ class Body:
             expr, summed = self._sum(node, shape)
         elif target in CASTS:
             src = node.args[0]
+            cast_target(node)  # refuses a _to_copy with other options
+            if isinstance(src.meta.get("val"), torch.Tensor) and src.meta["val"].device != node.meta["val"].device:
+                raise Refused("a copy to another device")
             expr = self._operand(src, None)
             if dtype in (torch.float16, torch.bfloat16):
                 expr = f"{expr}.to({FLOATS[dtype]})"  # round through the narrow type

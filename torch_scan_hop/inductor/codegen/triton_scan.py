@@ -9,13 +9,14 @@ registers (as mamba_ssm's selective-scan kernel does). The backward of such a bo
 a scan (reversed), so a training step gets the same treatment per scan node.
 
 The source is a pure function of the body graph and the signature (element shape, T, dtypes,
-reverse), self-contained (it survives inductor's FX graph cache into a new process). Strides are
-``tl.constexpr`` parameters given at launch from the real tensors: inductor may pad or relayout a
-buffer after the graph was traced, and Triton specializes on their values anyway. Its first line
-holds what the operator's fake implementation needs (``header``/``read_header``).
+reverse), self-contained (a compiled graph holding it needs nothing else of this process). Strides
+are ``tl.constexpr`` parameters given at launch from the real tensors: inductor may pad or relayout
+a buffer after the graph was traced, and Triton specializes on their values anyway. Its first line
+holds what the operator's fake and real implementations need (``read_header``).
 
-The element space E is the carries' common shape (``triton_body`` checks that every value maps onto
-it); a program owns BLOCK consecutive elements of E flattened, with int64 offsets.
+The element space E is the shape every carry and y row broadcasts to (``triton_body`` checks that
+every value maps onto it); a program owns BLOCK consecutive elements of E flattened, with int64
+offsets, and walks the steps in an unrolled loop (``_Step``).
 """
 import dataclasses
 import json
