@@ -120,7 +120,7 @@ def run_length(t, args, train):
         makers["compiled Python loop"] = _loop_fn
     makers["associative_scan"] = lambda: _associative_fn(device)
     reset_pass_counts()
-    calls = {}
+    calls, applied = {}, 0
     for name, make in makers.items():
         torch._dynamo.reset()
         call = _prepared(name, make, inputs, train, sync)
