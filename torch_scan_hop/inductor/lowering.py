@@ -29,6 +29,7 @@ from . import (
     cpp_wrapper,
     extern_rows,
     host_rows,
+    pointwise_scan,
     row_writes,
     workarounds,
     wrapper_patches,
@@ -49,6 +50,9 @@ def install():
     def before_upstream(gm):
         if not gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan):
             return  # a graph without a scan is left exactly as it was (no lint, no recompile)
+        if pointwise_scan.lower_pointwise_scans(gm) and not gm.graph.find_nodes(
+                op="call_function", target=torch.ops.higher_order.scan):
+            return  # every scan became one kernel (CUDA, pointwise body)
         _refuse_complex_scans(gm)
         workarounds.materialize_expanded_operands(gm)
         _lower_scans(gm)

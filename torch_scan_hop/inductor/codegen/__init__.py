@@ -30,6 +30,10 @@ Modules:
 - ``python_loop``: the Python wrapper's ``codegen_while_loop`` (and dynamic scalars, asserts) patched
   to write a counted loop as ``for``, and its generated text handed to the pipeline;
 - ``cpp_loop``: the same for the C++ wrapper (inductor's own loop, three of its calls answered);
+- ``triton_scan``: a scan body that is pointwise in its carries as the source of ONE Triton kernel with the
+  time loop inside (``inductor.pointwise_scan`` runs it); ``triton_body`` translates the body, node by
+  node, checking every value is a function of one element of the carry (sums into a smaller carry
+  allowed: per-lane partials); ``triton_ops`` is its table of pointwise ops as Triton text;
 - ``hooks``: ``install``, the patches above wired to the decisions and pipelines, and the patch of
   extern kernel calls that writes a planned matmul as a ``blas`` kernel call.
 
@@ -38,7 +42,8 @@ while_loop of ours written as a counted loop, or left to inductor's loop) and
 ``blas_extern_calls`` (a matmul in such a loop written as a BLAS call, or left to ATen) and
 ``accumulate_in_place`` (a ``scan_blas_addmm`` of a loop run as one kernel accumulating in its own
 buffer, or not) and ``fast_tanh`` (a vector ``tanh`` in such a loop's kernel written as
-``fast_tanh``'s, or left to ATen's).
+``fast_tanh``'s, or left to ATen's) and ``pointwise_scan_kernel`` (a CUDA scan node run as one Triton
+kernel, or left to the loop lowering; ``passes_off("pointwise_scan_kernel")`` turns it off).
 
 The patches of inductor that scan installs (``inductor.lowering.install``), as one table. Scan-only
 (they act on our loops, whose subgraph names start with ``scan_loop_``, or on our operators):

@@ -1,0 +1,278 @@
+"""A GPU scan whose body is pointwise in its carries, run as ONE Triton kernel (the pass and its operator).
+
+Why: lowered to a ``while_loop``, each step of a scan on CUDA launches the body's kernels; for a
+recurrence such as ``h = a * h + b`` per channel (RG-LRU, Mamba, RWKV's wkv) those launches are the
+whole cost. ``codegen.triton_scan`` writes such a body as one kernel whose programs walk all T
+steps with the carry in registers. This post-grad pass runs before the scan lowering
+(``lowering.install``) and replaces each scan node it can (CUDA tensors, static shapes, a pointwise
+body, every carry and y of one shape) by a call to ``torch_scan_hop::pointwise_scan``, which takes
+the kernel's SOURCE as a string: the compiled graph stays self-contained through inductor's FX
+graph cache, and the kernel is built (once per source, by hash) at its first run. The pass counts
+per scan node under ``pointwise_scan_kernel`` in ``codegen.pass_counts()`` (applied, skipped,
+failed) and ``codegen.passes_off("pointwise_scan_kernel")`` turns it off. A node it refuses is left
+exactly as it was, for the loop lowering; a generator error warns once and also leaves it.
+
+A training step's backward scan is another scan node (reversed) whose body is again pointwise for
+such recurrences: it gets the same treatment here, with no special case.
+"""
+import contextlib
+import hashlib
+import importlib.util
+import math
+import os
+import tempfile
+import logging
+import threading
+import warnings
+from typing import Optional
+
+import torch
+
+from .. import _compat
+from .codegen import pipeline, triton_scan
+from .codegen.triton_ops import Refused
+
+log = logging.getLogger("torch_scan_hop.inductor.pointwise_scan")
+PASS_NAME = "pointwise_scan_kernel"
+DEVICE_TYPES = {"cuda"}  # the CPU has its C++ loop kernel; tests add "cpu" under Triton's interpreter
+_SCAN = torch.ops.higher_order.scan
+
+
+class PointwiseScanWarning(RuntimeWarning):
+    """The pointwise scan kernel could not be generated for a scan: it runs as a loop (right, slower)."""
+
+
+def plan(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[Optional[str], str]:
+    """``(kernel source, "")`` for a scan node the pass applies to, else ``(None, why not)``."""
+    try:
+        return triton_scan.kernel_source(*_body_and_signature(gm, node)), ""
+    except Refused as refused:
+        return None, str(refused)
+
+
+def _on_kernel_device(node):
+    """Whether every tensor the scan node reads or makes is on one device of ``DEVICE_TYPES`` (checked
+    first and quietly: a CPU scan is none of this pass's business)."""
+    vals = node.meta.get("val")
+    vals = [*vals] if isinstance(vals, (list, tuple)) else [vals]
+    for group in node.args[1:4]:
+        vals += [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in (group or ())] \
+            if isinstance(group, (list, tuple)) else [None]
+    tensors = [v for v in vals if isinstance(v, torch.Tensor)]
+    devices = {v.device for v in tensors}
+    return len(devices) == 1 and next(iter(devices)).type in DEVICE_TYPES
+
+
+def _val(arg):
+    val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        raise Refused(f"an operand that is not a tensor: {arg!r}")
+    return val
+
+
+def _body_and_signature(gm, node):
+    if set(node.kwargs) - {"reverse"} or len(node.args) != 4:
+        raise Refused("a scan with options other than reverse")
+    combine, init, xs, lifted = node.args
+    if not isinstance(combine, torch.fx.Node) or combine.op != "get_attr":
+        raise Refused("a body that is not a subgraph")
+    inits, rows, closed = [_val(a) for a in init], [_val(a) for a in xs], [_val(a) for a in lifted]
+    outs = node.meta.get("val")
+    if not isinstance(outs, (list, tuple)) or not all(isinstance(v, torch.Tensor) for v in outs):
+        raise Refused("outputs that are not tensors")
+    everything = [*inits, *rows, *closed, *outs]
+    if not everything or len({v.device for v in everything}) != 1 or everything[0].device.type not in DEVICE_TYPES:
+        raise Refused(f"devices {sorted({str(v.device) for v in everything})}")
+    if not all(type(s) is int for v in everything for s in (*v.shape, *v.stride())):
+        raise Refused("dynamic shapes")
+    nc = len(inits)
+    ys = outs[nc:]
+    length = rows[0].shape[0] if rows else ys[0].shape[0] if ys else 0
+    if length == 0:
+        raise Refused("a scan of no steps (or of unknown length)")
+    element = _element_shape([*(c.shape for c in (*inits, *outs[:nc])), *(y.shape[1:] for y in ys)])
+    if math.prod(element) == 0 or any(not v.is_contiguous() for v in outs):
+        raise Refused("an empty or non-contiguous output")
+    if any(x.shape[0] != length for x in rows) or any(y.shape[0] != length for y in ys):
+        raise Refused("xs of different lengths")
+    sig = triton_scan.Signature(
+        element_shape=element, length=length, carries=tuple(triton_scan.Leaf(tuple(v.shape), v.dtype) for v in inits),
+        xs=tuple(triton_scan.Leaf(tuple(x.shape[1:]), x.dtype) for x in rows),
+        lifted=tuple(triton_scan.Leaf(tuple(w.shape), w.dtype) for w in closed),
+        ys=tuple(triton_scan.Leaf(tuple(y.shape[1:]), y.dtype) for y in ys), reverse=bool(node.kwargs.get("reverse", False)))
+    return getattr(gm, combine.target), sig
+
+
+def _element_shape(shapes):
+    """E: the shape every carry and y row broadcasts to (a carry smaller than E must be a sum the
+    body accumulates, which the generator checks)."""
+    try:
+        return tuple(torch.broadcast_shapes(*shapes))
+    except RuntimeError:
+        raise Refused(f"carries and y rows of shapes {sorted({tuple(s) for s in shapes})}") from None
+
+
+def lower_pointwise_scans(gm: torch.fx.GraphModule) -> int:
+    """Replace every scan node of ``gm`` that ``plan`` accepts by the operator; how many were."""
+    sources = {}
+
+    def accepts(match):
+        node = match.nodes[0]
+        if node in sources:
+            return sources[node] is not None
+        sources[node] = _decide(gm, node)
+        return sources[node] is not None
+
+    bodies = []
+
+    def replace(match, combine, init, xs, lifted, **kwargs):
+        source, nc, nx = sources[match.nodes[0]], len(init), len(xs)
+        bodies.append(combine)
+
+        def kernel_call(*flat):
+            out = torch.ops.torch_scan_hop.pointwise_scan.default(
+                source, list(flat[:nc]), list(flat[nc:nc + nx]), list(flat[nc + nx:]),
+                bool(kwargs.get("reverse", False)))
+            return out if len(out) != 1 else [*out, out[0]]  # see lowering._as_multi_output
+
+        match.replace_by_example(kernel_call, [*init, *xs, *lifted], run_functional_passes=False)
+
+    _compat.inductor.call_pattern_pass(_SCAN, accepts, replace).apply(gm)
+    applied = sum(s is not None for s in sources.values())
+    if applied:
+        for body in dict.fromkeys(bodies):  # the replaced scans' subgraphs, now read by nothing
+            if not body.users:
+                gm.graph.erase_node(body)
+        gm.graph.lint()
+        gm.recompile()
+    return applied
+
+
+def _decide(gm, node):
+    """The source for ``node`` or None, counted (and warned once when the generator fails)."""
+    if pipeline.is_off(PASS_NAME) or not _on_kernel_device(node):
+        pipeline.record(PASS_NAME, "skipped")
+        return None
+    try:
+        source, why = plan(gm, node)
+    except Exception as error:  # noqa: BLE001 - a generator bug must not break the compile: keep the loop
+        pipeline.record(PASS_NAME, "failed")
+        warnings.warn(f"torch_scan_hop: the pointwise scan kernel could not be generated ({type(error).__name__}: "
+                      f"{error}); the scan runs as a loop. Please report it.", PointwiseScanWarning, stacklevel=2)
+        return None
+    pipeline.record(PASS_NAME, "applied" if source is not None else "skipped")
+    if source is None:
+        log.debug("pointwise scan kernel not used for %s: %s", node.name, why)
+    return source
+
+
+# ---- the operator -------------------------------------------------------------------------------
+
+_kernels, _kernels_lock = {}, threading.Lock()
+
+
+def _kernel(source):
+    """``(header, jitted kernel)`` of ``source``, loaded once per source from a file named by its hash
+    (Triton reads a kernel's source through ``inspect``, which needs a file)."""
+    found = _kernels.get(source)
+    if found is not None:
+        return found
+    key = hashlib.sha256(source.encode()).hexdigest()[:32]
+    with _kernels_lock:
+        if source not in _kernels:
+            folder = os.path.join(tempfile.gettempdir(), f"torch_scan_hop_triton_{os.getuid()}")
+            os.makedirs(folder, exist_ok=True)
+            path = os.path.join(folder, f"pointwise_scan_{key}.py")
+            if not os.path.exists(path):
+                tmp = f"{path}.{os.getpid()}.tmp"
+                with open(tmp, "w") as f:
+                    f.write(source)
+                os.replace(tmp, path)  # atomic: another process may load it at the same time
+            spec = importlib.util.spec_from_file_location(f"torch_scan_hop_pointwise_scan_{key}", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            _kernels[source] = triton_scan.read_header(source), getattr(module, triton_scan.KERNEL_NAME)
+        return _kernels[source]
+
+
+def _block(n, device):
+    """(BLOCK, num_warps): enough programs to fill the GPU (2 per SM) with the time loop serial
+    in each; a lane's loads are latency bound, so a few elements per thread hide some of it."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    block = min(256, max(32, 1 << max(0, math.ceil(math.log2(max(1, math.ceil(n / (2 * sms))))))))
+    return block, max(1, block // 64)
+
+
+def _strides(init, xs, lifted):
+    out = {}
+    for k, c in enumerate(init):
+        out.update({f"h{k}_in_s{d}": s for d, s in enumerate(c.stride())})
+    for k, x in enumerate(xs):
+        out.update({f"a{k}_s{d}": s for d, s in enumerate(x.stride()[1:])})
+        out[f"a{k}_st"] = x.stride(0)
+    for k, w in enumerate(lifted):
+        out.update({f"w{k}_s{d}": s for d, s in enumerate(w.stride())})
+    return out
+
+
+def _outputs_like(info, init, xs, lifted):
+    device = next(t.device for t in (*init, *xs, *lifted))
+    carries = [torch.empty(c.shape, dtype=c.dtype, device=device) for c in info["carries"]]
+    ys = [torch.empty((info["T"], *y.shape), dtype=y.dtype, device=device) for y in info["ys"]]
+    return carries, ys
+
+
+def _partials(info, outputs):
+    """What the kernel writes for each output: the output itself, or for a sum over elements (a carry
+    the body sums into, a y that is a sum) an E-shaped buffer of per-element partials (per step for
+    a y) in the compute dtype (float32 for 16-bit floats)."""
+    wide = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+    nc = len(info["carries"])
+    return [torch.empty((*(() if k < nc else (info["T"],)), *info["E"]), dtype=wide.get(o.dtype, o.dtype),
+                        device=o.device) if k in info["acc"] else o for k, o in enumerate(outputs)]
+
+
+def _finish_sums(info, init, outputs, partials):
+    """Each sum over elements: the partials summed over the dims they are summed along, at index 0
+    along the dims whose lanes hold copies; a carry's added to its initial value."""
+    nc = len(info["carries"])
+    for k, (summed, first) in info["acc"].items():
+        part, lead = partials[k], 0 if k < nc else 1
+        for j in first:
+            part = part.narrow(j + lead, 0, 1)
+        if summed:
+            part = part.sum(dim=[j + lead for j in summed], keepdim=True)
+        part = part.reshape(outputs[k].shape)
+        if k < nc:
+            torch.add(init[k], part, out=outputs[k])
+        else:
+            outputs[k].copy_(part)
+
+
+@torch.library.custom_op("torch_scan_hop::pointwise_scan", mutates_args=())
+def pointwise_scan(source: str, init: list[torch.Tensor], xs: list[torch.Tensor],
+                   additional_inputs: list[torch.Tensor], reverse: bool) -> list[torch.Tensor]:
+    """The scan ``source`` (from ``triton_scan.kernel_source``) computes, as one kernel launch.
+    Carries and ys come back new and contiguous."""
+    info, kernel = _kernel(source)
+    carries, ys = _outputs_like(info, init, xs, additional_inputs)
+    element, length = info["E"], info["T"]
+    if any(c.shape != w.shape for c, w in zip(init, carries)) or any(x.shape[0] != length for x in xs) \
+            or bool(info["reverse"]) != reverse or (len(xs), len(additional_inputs)) != (info["nx"], info["nl"]):
+        raise ValueError("torch_scan_hop::pointwise_scan: the inputs do not match the kernel's signature")
+    n = math.prod(element)
+    device = carries[0].device if carries else ys[0].device
+    block, warps = _block(n, device)
+    partials = _partials(info, [*carries, *ys])
+    args = [*init, *xs, *additional_inputs, *partials]
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        kernel[(-(-n // block),)](*args, **_strides(init, xs, additional_inputs),
+                                          N=n, T=length, BLOCK=block, num_warps=warps)
+    _finish_sums(info, init, [*carries, *ys], partials)
+    return [*carries, *ys]
+
+
+@pointwise_scan.register_fake
+def _(source, init, xs, additional_inputs, reverse):
+    carries, ys = _outputs_like(triton_scan.read_header(source), init, xs, additional_inputs)
+    return [*carries, *ys]
