@@ -14,12 +14,12 @@ transformers 5 runs a MoE layer's experts through an implementation chosen per m
 
 A traced scan (torch.compile, export, XLA) meeting the first two would fail deep in its trace,
 as a graph break on ``nonzero`` or the generic data-dependence message, naming neither the
-layer nor the fix. So before the scan the layer's experts are asked (``untraceable_experts``),
+layer nor the fix. So before the scan the layer's experts are asked (``check_experts_trace``),
 and the ScanError names the module, the implementation, why, and what traces. The scan does not
-switch the implementation itself: batched_mm's values are the same, but it holds a copy of an
-expert's weights per token and chosen expert, a memory cost the user chooses (``set_experts_implementation``),
-and eager scans (the loop) run any implementation. What the installed transformers does is read
-from its code, not its version number (``_compat.transformers``).
+switch the implementation itself: batched_mm computes the same (up to rounding), but it holds a
+copy of an expert's weights per token and chosen expert, a memory cost the user chooses
+(``set_experts_implementation``); eager scans (the loop) run any implementation. What the
+installed transformers does is read from its code, not its version number (``_compat.transformers``).
 """
 import torch
 
@@ -64,7 +64,7 @@ def _message(path, module, implementation, why):
     offered = _compat.transformers.offered_experts_implementations()
     fix = (f'set an implementation that traces before scanning: model.set_experts_implementation("{_TRACES}") '
            f'(or from_pretrained(..., experts_implementation="{_TRACES}"); each token\'s chosen experts\' weights '
-           "gathered: the same values, more memory), or run the layers eagerly" if _TRACES in offered
+           "gathered: the same values up to rounding, more memory), or run the layers eagerly" if _TRACES in offered
            else "run the layers eagerly")
     where = f"experts module {path!r}" if path else "experts module"
     return (f"scan_layers: the layers' {where} ({type(module).__name__}) runs transformers' experts "
