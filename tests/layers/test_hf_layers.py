@@ -69,11 +69,12 @@ def _bart():
             lambda o: (o.decoder_attentions, o.cross_attentions))
 
 
-def _qwen2_moe():
+def _qwen2_moe(**experts):
+    """``experts``: ``experts_implementation=...`` (transformers 5), else its default ("grouped_mm")."""
     cfg = transformers.Qwen2MoeConfig(hidden_size=D, intermediate_size=32, moe_intermediate_size=16,
                                       shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
                                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                      max_position_embeddings=T, **SMALL)
+                                      max_position_embeddings=T, **SMALL, **experts)
     return (transformers.Qwen2MoeModel(cfg), lambda m: m.layers,
             dict(output_router_logits=True), lambda o: (o.router_logits,))
 
@@ -147,10 +148,11 @@ def _captured(model, layers, call):
     return seen, out
 
 
-def build(name):
-    """(Stack, inputs, the model's own (last layer output, per-layer outputs)) for a fresh seeded model."""
+def build(name, **options):
+    """(Stack, inputs, the model's own (last layer output, per-layer outputs)) for a fresh seeded model
+    (``options``: its factory's)."""
     torch.manual_seed(0)
-    model, get_layers, call, own = {**MODELS, **SHARDED_ONLY}[name]()
+    model, get_layers, call, own = {**MODELS, **SHARDED_ONLY}[name](**options)
     model.eval()
     pad = torch.ones(B, T, dtype=torch.long)
     pad[1, -2:] = 0  # the second sequence ends in two padding positions
@@ -227,10 +229,23 @@ def test_compiled_fullgraph():
     """BERT (its layer counts the parameters of ``self.feed_forward_chunk``, a method bound to
     the body's view: ``inspect.signature`` under Dynamo, which torch before 2.15 could not
     trace for a ``functools.partial``) and, on transformers 5, Qwen2-MoE (its experts route
-    without data-dependent shapes when traced) under torch.compile(fullgraph=True), compiled
-    together: the loop's values and gradients. (GPT2, BART and Llama: test_inductor.)"""
+    without data-dependent shapes when traced: "grouped_mm", or on transformers 5.17, after the
+    refusal, "batched_mm") under torch.compile(fullgraph=True), compiled together: the loop's
+    values and gradients. (GPT2, BART and Llama: test_inductor.)"""
     torch._dynamo.reset()
-    built = [build(name) for name in ["bert"] + (["qwen2_moe"] if V5 else [])]
+    experts = {}
+    if V5 and _compat.transformers.grouped_mm_backward_reads_values():
+        # transformers 5.17: Qwen2-MoE's default experts ("grouped_mm") fall back, compiled in float32, to a grouped
+        # matmul whose backward reads .tolist() (layers.experts): refused by name; the implementation named traces
+        with pytest.raises(ScanError, match=r"'grouped_mm'.*set_experts_implementation\(\"batched_mm\"\)"):
+            _compiled_fullgraph({})
+        torch._dynamo.reset()
+        experts = dict(experts_implementation="batched_mm")
+    _compiled_fullgraph(experts)
+
+
+def _compiled_fullgraph(experts):
+    built = [build("bert")] + ([build("qwen2_moe", **experts)] if V5 else [])
     model, inputs = Stacks([b[0] for b in built]), tuple(b[1] for b in built)
     compiled = torch.compile(Collecting(model, []) if V5 else model, backend="aot_eager", fullgraph=True)
     got = value_and_grads(model, compiled, inputs)

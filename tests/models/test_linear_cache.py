@@ -30,28 +30,42 @@ def _filled(number_of_states=1, record_past=False):
     return layer
 
 
-def _decode(cache, x, y, more):
+def _states(cache, reads, state_idx=None):
+    """``(conv, recurrent, recording)`` as a layer reads them: through the ``Cache`` methods
+    (``reads="methods"``, newer transformers 5) or the cache's layer itself (``"layer"``:
+    ``cache.layers[i].conv_states[0]``, transformers 5.17's Qwen3-Next). The twin speaks both."""
+    if reads == "methods":
+        kw = {} if state_idx is None else dict(state_idx=state_idx)
+        return cache.get_conv_state(0, **kw), cache.get_recurrent_state(0, **kw), cache.is_recording_past(0)
+    layer = cache.layers[0]
+    return layer.conv_states[0], layer.recurrent_states[0], layer.record_past
+
+
+def _decode(cache, x, y, more, reads):
     """What the layer does with its cache: a one-token step (the conv state written in place by
     transformers' ``causal_conv1d_update``), a new recurrent state, then a 2-token step. (A state
     read before a write is not read after it: the twin's reads do not alias what it writes.)"""
     from transformers.models.qwen3_next.modeling_qwen3_next import causal_conv1d_update  # noqa: PLC0415
 
-    conv, rec = cache.get_conv_state(0, state_idx=0), cache.get_recurrent_state(0, state_idx=0)
+    conv, rec, _ = _states(cache, reads, state_idx=0)
     out = causal_conv1d_update(x, conv, torch.ones(C, K), None, "silu")
     cache.update_recurrent_state(rec * 0.5 + y, 0)
-    assert not cache.is_recording_past(0)
+    assert not _states(cache, reads)[2]
     full = cache.update_conv_state(more, 0, conv_kernel_size=K)
-    return out, full, cache.update_recurrent_state(cache.get_recurrent_state(0) + y, 0)
+    return out, full, cache.update_recurrent_state(_states(cache, reads)[1] + y, 0)
 
 
-def test_the_twin_computes_what_the_layer_does_and_hands_it_back_in_place():
+# the reference reads through the cache's layer, which every transformers with these layers offers
+# (transformers 5.17's Cache has no get_conv_state); the twin is checked reading either way
+@pytest.mark.parametrize("reads", ["methods", "layer"])
+def test_the_twin_computes_what_the_layer_does_and_hands_it_back_in_place(reads):
     real, target = _filled(), _filled()
     before = [t.clone() for t in (target.conv_states[0], target.recurrent_states[0])]
     addresses = [t.data_ptr() for t in (target.conv_states[0], target.recurrent_states[0])]
     twin = linear_twin(target, 1)
     x, y, more = torch.randn(B, C, 1), torch.randn(B, 2, 3, 3), torch.randn(B, C, 2)
-    want = _decode(cu.Cache(layers=[real]), x, y, more)
-    got = _decode(twin, x, y, more)
+    want = _decode(cu.Cache(layers=[real]), x, y, more, "layer")
+    got = _decode(twin, x, y, more, reads)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
     torch.testing.assert_close([target.conv_states[0], target.recurrent_states[0]], before, rtol=0, atol=0)

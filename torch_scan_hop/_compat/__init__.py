@@ -21,7 +21,8 @@ One module per subsystem:
   live in ``inductor/`` (``workarounds``, ``wrapper_patches``, ``cpp_wrapper``, ``codegen``);
 - ``nn``: ``nn.Module`` internals (state dicts, hooks);
 - ``distributed``: FSDP2's hooks and policies (scan_layers over ``fully_shard`` layers);
-- ``transformers``: Hugging Face transformers' output-capturing hooks (which of them are inert);
+- ``transformers``: Hugging Face transformers' output-capturing hooks (which of them are inert) and
+  its mixture-of-experts modules (which experts implementation, what it traces to);
 - ``xla``: ``torch_xla._XLAC`` and torch_xla's private ops;
 - ``dynamo``: the Dynamo internals of op.dynamo's VariableTracker;
 - ``unbacked``: what tracing raises or records when a function depends on tensor values;

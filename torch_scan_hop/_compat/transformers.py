@@ -1,4 +1,5 @@
-"""Hugging Face transformers' output-capturing hooks (transformers >= 5).
+"""Hugging Face transformers' output-capturing hooks (transformers >= 5), and (at the end) its
+mixture-of-experts modules' experts implementations (``layers.experts``).
 
 transformers 5 no longer has its layers return attention weights or hidden states: a model
 called with ``output_attentions`` / ``output_hidden_states`` / ``output_router_logits`` for
@@ -12,6 +13,8 @@ does not run hooks. These adapters let it tell the inert ones apart: a capture h
 key is not being collected would return at once in the loop too. Everything here reads
 transformers' private names, kept in this one file.
 """
+import functools
+import inspect
 import sys
 
 import torch
@@ -64,3 +67,52 @@ def collected_keys(keys):
     if collector is None:
         return ()
     return tuple(k for k in keys if k in collector)
+
+
+# transformers 5's mixture-of-experts modules (``transformers.integrations.moe``): which experts
+# implementation a module dispatches to, and what the installed release's implementations do,
+# read from its code (features, not version numbers), for ``layers.experts``.
+_MOE_MODULE = "transformers.integrations.moe"
+
+
+def experts_implementation(module):
+    """The experts implementation ``module`` dispatches to now ("eager", "grouped_mm",
+    "batched_mm", ...), or None for a module that is no transformers experts module (one whose
+    class ``use_experts_implementation`` decorated: it sets these attributes and wraps forward)."""
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(module, "is_concatenated") or not hasattr(module, "has_gate") \
+            or getattr(type(module).forward, "__wrapped__", None) is None:
+        return None
+    return getattr(config, "_experts_implementation", None)
+
+
+@functools.lru_cache(maxsize=None)
+def own_experts_forward_reads_routing(experts_class):
+    """The experts class's own forward (the "eager" implementation) gathers each expert's tokens
+    with ``nonzero()`` (a loop over the experts hit): shapes that depend on the routing."""
+    try:
+        source = inspect.getsource(inspect.unwrap(experts_class.forward))
+    except (OSError, TypeError):
+        return False
+    return ".nonzero(" in source or "torch.nonzero(" in source
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_mm_backward_reads_values():
+    """transformers' fallback grouped matmul (``transformers::grouped_mm_fallback``, run where
+    torch's grouped_mm cannot: under torch.compile with weights other than bfloat16) has a Python
+    backward reading each expert's token count with ``.tolist()`` (transformers 5.17; later
+    releases made that backward an op of its own, which traces)."""
+    moe = sys.modules.get(_MOE_MODULE)
+    backward = getattr(moe, "_grouped_mm_fallback_backward", None)
+    try:
+        return backward is not None and ".tolist()" in inspect.getsource(backward)
+    except (OSError, TypeError):
+        return False
+
+
+def offered_experts_implementations():
+    """The experts implementations the installed transformers offers (empty without them)."""
+    moe = sys.modules.get(_MOE_MODULE)
+    functions = getattr(moe, "ALL_EXPERTS_FUNCTIONS", None)
+    return ("eager", *functions.keys()) if functions is not None else ()

@@ -12,6 +12,8 @@
   attention weights) and what ``scan_layers`` returns for it (the extras stacked);
 - ``storage``: the stacked containers ``stack_layers`` returns;
 - ``checks``: what a scanned stack asks of its layers (no hooks, no running-stat updates);
+- ``experts``: transformers' mixture-of-experts modules in a traced scan: an experts implementation
+  whose shapes depend on the routing refused by name, with the one that traces;
 - ``attributes``: whether every layer's plain attributes equal layer 0's (asked per eager XLA call:
   then the body reads no peer layer);
 - ``grads``: where stacked storage's gradients go (per layer or on the stacks);

@@ -41,7 +41,8 @@ from .checks import (
 from .fsdp import check_fsdp, gathered_state, tensor_parallel_parts
 from .grads import check_flags_traced, stacks_swapped
 from .layer_state import check_sharded_alike, layer_state, layer_states
-from . import alike, blocks, module_state, patterns, written_rows
+from . import alike, blocks, module_state, patterns, trace_time, written_rows
+from .experts import check_experts_trace
 from .layer_kwargs import split as split_kwargs
 from .outputs import join_output, layer_name, split_output, stack_extras
 from .ownership import container_of, container_token, owner_of
@@ -263,6 +264,10 @@ def scan_layers(layers: Iterable[torch.nn.Module], *inputs: Any, remat: Remat = 
     if not over_rows:
         try:  # Dynamo: read in traced code (a guard), the hooks themselves once (checks.check_no_hooks_traced)
             collected = check_no_hooks_traced(layers, token) if dynamo else check_no_hooks(layers)
+            if dynamo:  # the experts' implementation traces (layers.experts), asked once, at trace time
+                trace_time.ask(check_experts_trace, None, template, torch.is_grad_enabled(), True)
+            else:
+                check_experts_trace(template, torch.is_grad_enabled(), False)
         except ScanError as e:
             surface(e)
         plan = capture_plan(template, collected) if collected else None

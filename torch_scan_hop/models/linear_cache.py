@@ -16,6 +16,12 @@ Like the key/value twins, it assumes what a layer got from its cache is not read
 the layer wrote that state through the cache: the real layer's reads alias its storage (so a
 stale read would see the write), the twin's do not. Qwen3-Next reads each state, then writes it.
 
+The twin speaks both ways transformers 5 layers read their cache: through the ``Cache``
+methods above (``get_conv_state``, ``is_recording_past``; newer releases) and through the cache's
+layer itself (``cache.layers[layer_idx].conv_states[0]``, ``.recurrent_states[0]``,
+``.record_past``; transformers 5.17's Qwen3-Next), whichever the layer's code uses: ``layers``
+hands out a view of the twin (``_LayerView``) whose reads are the methods'.
+
 Only the state a decode step reads is twinned: a layer with one state (``number_of_states``
 1), filled (``has_previous_state``) and not recording its past (``record_past``, whose conv
 states grow for a later ``crop``). Anything else returns None and the layers run one by one.
@@ -92,6 +98,12 @@ class LinearRows(WrittenRows):
         self.now[0] = full[..., -self.kernel:].to(self.conv.dtype)
         return full
 
+    @property
+    def layers(self):
+        """``cache.layers[layer_idx]`` (older transformers' layers read their states there):
+        this twin's view, whatever the index (the rows already are the layer's slot)."""
+        return _AnyIndex(_LayerView(self))
+
     def update_recurrent_state(self, recurrent_states, layer_idx=None, state_idx=0, **kwargs):
         """As ``LinearAttentionLayer.update_recurrent_state``: the state kept (cast as ``copy_``
         casts), which it also returns."""
@@ -102,6 +114,38 @@ class LinearRows(WrittenRows):
                             "the scanned cache twins keep the shape.")
         self.now[1] = recurrent_states.to(self.recurrent.dtype)
         return self.now[1]
+
+
+class _AnyIndex:
+    """``cache.layers`` of a twin: every index is the twin's own layer."""
+
+    def __init__(self, view):
+        self.view = view
+
+    def __getitem__(self, index):
+        return self.view
+
+
+class _States:
+    """A layer's ``conv_states`` / ``recurrent_states`` dict as the layer's code reads it
+    (``[state_idx]``): the twin's read, so the reads agree with ``get_conv_state`` /
+    ``get_recurrent_state`` (a conv state read this way is also written in place by
+    ``causal_conv1d_update``: a fresh tensor, as there)."""
+
+    def __init__(self, read):
+        self.read = read
+
+    def __getitem__(self, state_idx):
+        return self.read(state_idx=state_idx)
+
+
+class _LayerView:
+    """The twin as a ``LinearAttentionLayer`` read directly: its states and ``record_past``."""
+
+    record_past = False  # twinned only when not recording
+
+    def __init__(self, twin):
+        self.conv_states, self.recurrent_states = _States(twin.get_conv_state), _States(twin.get_recurrent_state)
 
 
 def linear_twin(layer, tokens):

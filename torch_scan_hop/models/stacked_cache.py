@@ -12,10 +12,11 @@ its rows back: copied into a static cache's tensors in place (same object, same 
 Twins exist for the four layer classes of transformers' ``StaticCache`` and ``DynamicCache``:
 ``StaticLayer``, ``StaticSlidingWindowLayer``, ``DynamicLayer``, ``DynamicSlidingWindowLayer``,
 and for their linear-attention layers (``LinearAttentionLayer``, Qwen3-Next's: ``models.linear_cache``).
-A linear-attention layer still empty when others are filled is one its model layer never calls
-(RecurrentGemma's recurrent blocks keep their states on their modules: ``layers.module_state``).
+A cache layer still empty when others are filled is one its model layer never calls
+(RecurrentGemma's recurrent blocks keep their states on their modules: ``layers.module_state``;
+their cache layers are ``LinearAttentionLayer``s, or in transformers 5.17 empty key/value layers).
 A cache holding anything else (the hybrid linear-and-attention layer classes, an offloaded or
-quantized cache, a subclass), a layer not yet filled (the prefill), or layers whose Python-side
+quantized cache, a subclass), no layer filled yet (the prefill), or layers whose Python-side
 counters disagree, runs the layers one by one, as the model's own loop does.
 """
 import collections
@@ -63,10 +64,12 @@ class _Rows(WrittenRows):
 
 
 class UnusedRows(WrittenRows):
-    """A linear-attention cache layer still empty when the cache's other layers were filled: its
-    model layer keeps its state elsewhere and never calls the cache (RecurrentGemma's recurrent
-    blocks keep theirs on their modules, scanned as rows by ``layers.module_state``). No rows; a
-    call to it is a ScanError naming the layer (never a wrong number)."""
+    """A cache layer still empty when the cache's other layers were filled (the prefill ran every
+    layer with the cache): its model layer keeps its state elsewhere and never calls the cache
+    (RecurrentGemma's recurrent blocks keep theirs on their modules, scanned as rows by
+    ``layers.module_state``; their cache layers are linear-attention ones, or in transformers 5.17
+    key/value ones left empty). No rows; a call to it is a ScanError naming the layer (never a
+    wrong number)."""
 
     selects = ("layer_idx",)
 
@@ -208,8 +211,12 @@ def _twin(cu, layer, tokens, index):
     kind = type(layer)
     if kind is cu.LinearAttentionLayer:
         return UnusedRows(index) if _empty(layer) else linear_twin(layer, tokens)
-    if not getattr(layer, "is_initialized", False) or layer.keys is None or layer.keys.dim() != 4:
-        return None  # not filled yet: the prefill runs the layers one by one
+    if kind not in (cu.StaticLayer, cu.StaticSlidingWindowLayer, cu.DynamicLayer, cu.DynamicSlidingWindowLayer):
+        return None
+    if not getattr(layer, "is_initialized", False) and layer.keys is None:
+        return UnusedRows(index)  # empty: unused (see UnusedRows), or all are (a prefill: None in stacked_slots)
+    if layer.keys is None or layer.keys.dim() != 4:
+        return None
     rows = (layer.keys, layer.values)
     if kind is cu.StaticLayer:
         return StaticRows((*rows, layer.cumulative_length), tokens, layer)
