@@ -58,7 +58,7 @@ def _mixed(c, x, w):
     return [new1, c2], [xt, y2, y3.to(c1.dtype)]
 
 
-def _inputs(case, dtype, strided=False):
+def _inputs(case, dtype, strided=False, t=T):
     g = torch.Generator().manual_seed(0)
 
     def r(*shape, positive=False):
@@ -66,17 +66,17 @@ def _inputs(case, dtype, strided=False):
         return t
 
     if case == "linear":
-        return [r(B, D)], [r(T, B, D, positive=True), r(T, B, D)], []
+        return [r(B, D)], [r(t, B, D, positive=True), r(t, B, D)], []
     if case == "rglru":
-        return [r(B, D)], [r(T, B, D), r(T, B, D), r(T, 1, D)], [r(D)]
+        return [r(B, D)], [r(t, B, D), r(t, B, D), r(t, 1, D)], [r(D)]
     if case == "wkv":
         return [torch.zeros(B, D, dtype=dtype), torch.zeros(B, D, dtype=dtype), torch.full((B, D), -1e30, dtype=dtype)], \
-            [r(T, B, D), r(T, B, D)], [r(D), r(D)]
+            [r(t, B, D), r(t, B, D)], [r(D), r(D)]
     if case == "mixed":
-        init, xs, lifted = [r(B, D), r(B, D)], [r(T, B, D), r(T, D)], [r(()), r(B, 1)]
+        init, xs, lifted = [r(B, D), r(B, D)], [r(t, B, D), r(t, D)], [r(()), r(B, 1)]
         if strided:  # non-contiguous init, xs and an expanded (stride 0) closed-over tensor
             init[0] = r(D, B).t()
-            xs[0] = r(B, T, D).transpose(0, 1)
+            xs[0] = r(B, t, D).transpose(0, 1)
             lifted[1] = r(B, 1)[:, :1].expand(B, 1)
         return init, xs, lifted
     raise ValueError(case)
@@ -86,8 +86,9 @@ BODIES = {"linear": _linear, "rglru": _rglru, "wkv": _wkv, "mixed": _mixed}
 
 
 def _loop(body, init, xs, lifted, reverse):
-    carry, ys = list(init), [None] * T
-    for t in (reversed(range(T)) if reverse else range(T)):
+    n = xs[0].shape[0]
+    carry, ys = list(init), [None] * n
+    for t in (reversed(range(n)) if reverse else range(n)):
         carry, ys[t] = body(carry, [x[t] for x in xs], lifted)
     return [*carry, *(torch.stack(col) for col in zip(*ys))]
 
@@ -139,19 +140,21 @@ def check_compiles_for_cuda(case, dtype_name, reverse):
     source, init, xs, lifted, _want = _generated(case, getattr(torch, dtype_name), reverse)
     info, kernel = pointwise_scan._kernel(source)
     carries, ys = pointwise_scan._outputs_like(info, init, xs, lifted)
-    args = [*init, *xs, *lifted, *pointwise_scan._partials(info, [*carries, *ys])]
-    consts = {**pointwise_scan._strides(init, xs, lifted), "N": B * D, "T": T, "BLOCK": 32}
+    args = [*init, *xs, *lifted, *pointwise_scan._partials(info, [*carries, *ys]), T]  # T: a launch argument
+    consts = {**pointwise_scan._strides(init, xs, lifted), "N": B * D, "BLOCK": 32}
     names = kernel.arg_names
     assert names[:len(args)] == [n for n in names if n not in consts] and len(names) == len(args) + len(consts)
-    signature = {n: _POINTERS[a.dtype] for n, a in zip(names, args)} | {n: "constexpr" for n in names[len(args):]}
+    assert names[len(args) - 1] == "T", names
+    signature = {n: _POINTERS[a.dtype] for n, a in zip(names, args[:-1])} | {"T": "i32"} \
+        | {n: "constexpr" for n in names[len(args):]}
     constexprs = {(i,): consts[n] for i, n in enumerate(names) if n in consts}
     compiled = triton_compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 1})
     assert "ld.global" in compiled.asm["ptx"] and compiled.asm["cubin"]
 
 
-def _training_inputs(case, device, dtype):
-    init, xs, lifted = _inputs(case, torch.float64)
+def _training_inputs(case, device, dtype, t=T):
+    init, xs, lifted = _inputs(case, torch.float64, t=t)
     return [t.to(device, dtype).requires_grad_() for t in (*init, *xs, *lifted)], len(init), len(xs)
 
 
@@ -191,6 +194,37 @@ def check_compiled(case, reverse, device="cpu", dtype_name="float64"):
     for code in (*codes, *backward):
         assert "torch.ops.torch_scan_hop.pointwise_scan.default(" in code, code[-3000:]
         assert "while_loop" not in code and "_step in range(" not in code, code[-3000:]
+
+
+def check_compiled_symbolic_length(case, reverse):
+    """A length Dynamo traces as a symbol (``mark_dynamic``): one compiled graph, the kernel in its
+    forward and backward scans, right for two lengths (T is a launch argument of the kernel)."""
+    pointwise_scan.DEVICE_TYPES.add("cpu")
+    torch._dynamo.reset()
+    body = BODIES[case]
+    nc, nx = None, None
+
+    def run(*flat):
+        init, xs, lifted = list(flat[:nc]), list(flat[nc:nc + nx]), list(flat[nc + nx:])
+        carry, ys = scan(lambda c, x: body(list(c), list(x), lifted), init, xs, reverse=reverse)
+        return [*carry, *ys]
+
+    reset_pass_counts()
+    compiled = torch.compile(run)
+    with torch._dynamo.config.patch(error_on_recompile=False):
+        for k, t in enumerate((T, T + 6)):
+            leaves, nc, nx = _training_inputs(case, "cpu", torch.float64, t=t)
+            for x in leaves[nc:nc + nx]:
+                torch._dynamo.mark_dynamic(x, 0)
+            with torch._dynamo.config.patch(error_on_recompile=k > 0):
+                got = compiled(*leaves)
+            want = _loop(body, leaves[:nc], leaves[nc:nc + nx], leaves[nc + nx:], reverse)
+            torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+            grads = torch.autograd.grad(sum(g.sum() for g in got), leaves)
+            expect = torch.autograd.grad(sum(w.sum() for w in want), leaves)
+            torch.testing.assert_close(grads, expect, atol=1e-10, rtol=1e-10)
+    counts = pass_counts()[pointwise_scan.PASS_NAME]
+    assert counts == {"applied": 2, "skipped": 0, "failed": 0}, counts  # one forward, one backward
 
 
 def check_bfloat16_forward(case, reverse, device):

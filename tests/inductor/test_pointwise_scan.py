@@ -53,6 +53,11 @@ def test_compiled_training_step_runs_both_scans_as_kernels(case, reverse):
     _interpreted("check_compiled", case, reverse)
 
 
+@pytest.mark.parametrize("case,reverse", [("linear", True), ("rglru", False)])
+def test_a_symbolic_length_keeps_the_kernel(case, reverse):
+    _interpreted("check_compiled_symbolic_length", case, reverse)
+
+
 # ---- the pass's decisions, on graphs of fake CUDA tensors (no GPU needed) ----------------------
 
 def _graph(body, init_shapes, xs_shapes, dtype=torch.float32, device="cuda", closure_shapes=()):
@@ -88,7 +93,7 @@ def test_applies_to_a_pointwise_body_and_counts_it():
     gm = _graph(_linear, [(4, 8)], [(16, 4, 8), (16, 4, 8)])
     source, why = pointwise_scan.plan(gm, _scan_node(gm))
     assert source is not None and why == ""
-    assert "for t in range(2):" in source and "tl.store" in source  # 16 steps: 2 iterations of 8
+    assert "for t in range(T // 8):" in source and "tl.store" in source  # T: a launch argument
     reset_pass_counts()
     assert pointwise_scan.lower_pointwise_scans(gm) == 1
     assert pass_counts()[pointwise_scan.PASS_NAME] == {"applied": 1, "skipped": 0, "failed": 0}

@@ -27,6 +27,7 @@ import warnings
 from typing import Optional
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import _compat
 from .codegen import pipeline, triton_scan
@@ -83,24 +84,51 @@ def _body_and_signature(gm, node):
     everything = [*inits, *rows, *closed, *outs]
     if not everything or len({v.device for v in everything}) != 1 or everything[0].device.type not in DEVICE_TYPES:
         raise Refused(f"devices {sorted({str(v.device) for v in everything})}")
-    if not all(type(s) is int for v in everything for s in (*v.shape, *v.stride())):
-        raise Refused("dynamic shapes")
     nc = len(inits)
     ys = outs[nc:]
-    length = rows[0].shape[0] if rows else ys[0].shape[0] if ys else 0
+    if not all(type(s) is int for v in (*inits, *closed, *outs[:nc]) for s in (*v.shape, *v.stride())):
+        raise Refused("dynamic shapes other than the length")
+    length = _length(rows, ys)
     if length == 0:
         raise Refused("a scan of no steps (or of unknown length)")
     element = _element_shape([*(c.shape for c in (*inits, *outs[:nc])), *(y.shape[1:] for y in ys)])
-    if math.prod(element) == 0 or any(not v.is_contiguous() for v in outs):
+    if math.prod(element) == 0 or not all(_contiguous(v.shape[lead:], v.stride()[lead:]) and
+                                          (not lead or v.stride(0) == math.prod(v.shape[1:]))
+                                          for lead, v in [*((0, c) for c in outs[:nc]), *((1, y) for y in ys)]):
         raise Refused("an empty or non-contiguous output")
-    if any(x.shape[0] != length for x in rows) or any(y.shape[0] != length for y in ys):
-        raise Refused("xs of different lengths")
     sig = triton_scan.Signature(
         element_shape=element, length=length, carries=tuple(triton_scan.Leaf(tuple(v.shape), v.dtype) for v in inits),
         xs=tuple(triton_scan.Leaf(tuple(x.shape[1:]), x.dtype) for x in rows),
         lifted=tuple(triton_scan.Leaf(tuple(w.shape), w.dtype) for w in closed),
         ys=tuple(triton_scan.Leaf(tuple(y.shape[1:]), y.dtype) for y in ys), reverse=bool(node.kwargs.get("reverse", False)))
     return getattr(gm, combine.target), sig
+
+
+def _contiguous(shape, strides):
+    """Row-major strides of ``shape`` (static sizes; a y's symbolic length is checked apart, with no
+    guard on its value)."""
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(strides)):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _length(rows, ys):
+    """The number of steps: an int, or None when it is symbolic (only the xs' and ys' leading dim may
+    be; every other size and every stride must be static, and the xs must give the length)."""
+    leading = [v.shape[0] for v in (*rows, *ys)]
+    rest = [s for v in (*rows, *ys) for s in (*v.shape[1:], *v.stride())]
+    if not leading or not all(type(s) is int for s in rest):
+        raise Refused("dynamic shapes other than the length")
+    if all(type(n) is int for n in leading):
+        if len(set(leading)) != 1:
+            raise Refused("xs of different lengths")
+        return leading[0]
+    if not rows or not all(statically_known_true(n == leading[0]) for n in leading):
+        raise Refused("a symbolic length the xs do not all give")
+    return None
 
 
 def _element_shape(shapes):
@@ -215,10 +243,15 @@ def _strides(init, xs, lifted):
     return out
 
 
+def _steps(info, xs):
+    """The number of steps: the xs' leading size (a SymInt under a fake run of a symbolic length)."""
+    return xs[0].shape[0] if xs else info["T"]
+
+
 def _outputs_like(info, init, xs, lifted):
     device = next(t.device for t in (*init, *xs, *lifted))
     carries = [torch.empty(c.shape, dtype=c.dtype, device=device) for c in info["carries"]]
-    ys = [torch.empty((info["T"], *y.shape), dtype=y.dtype, device=device) for y in info["ys"]]
+    ys = [torch.empty((_steps(info, xs), *y.shape), dtype=y.dtype, device=device) for y in info["ys"]]
     return carries, ys
 
 
@@ -228,7 +261,7 @@ def _partials(info, outputs):
     a y) in the compute dtype (float32 for 16-bit floats)."""
     wide = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
     nc = len(info["carries"])
-    return [torch.empty((*(() if k < nc else (info["T"],)), *info["E"]), dtype=wide.get(o.dtype, o.dtype),
+    return [torch.empty((*(() if k < nc else (o.shape[0],)), *info["E"]), dtype=wide.get(o.dtype, o.dtype),
                         device=o.device) if k in info["acc"] else o for k, o in enumerate(outputs)]
 
 
@@ -256,7 +289,7 @@ def pointwise_scan(source: str, init: list[torch.Tensor], xs: list[torch.Tensor]
     Carries and ys come back new and contiguous."""
     info, kernel = _kernel(source)
     carries, ys = _outputs_like(info, init, xs, additional_inputs)
-    element, length = info["E"], info["T"]
+    element, length = info["E"], _steps(info, xs)
     if any(c.shape != w.shape for c, w in zip(init, carries)) or any(x.shape[0] != length for x in xs) \
             or bool(info["reverse"]) != reverse or (len(xs), len(additional_inputs)) != (info["nx"], info["nl"]):
         raise ValueError("torch_scan_hop::pointwise_scan: the inputs do not match the kernel's signature")

@@ -8,8 +8,9 @@ the step's inputs: one program can own a block of elements and walk all T steps 
 registers (as mamba_ssm's selective-scan kernel does). The backward of such a body is again such
 a scan (reversed), so a training step gets the same treatment per scan node.
 
-The source is a pure function of the body graph and the signature (element shape, T, dtypes,
-reverse), self-contained (a compiled graph holding it needs nothing else of this process). Strides
+The source is a pure function of the body graph and the signature (element shape, dtypes, reverse;
+not T: the number of steps is a launch argument, so one source serves every length and a compiled
+graph whose length is symbolic gets the kernel too), self-contained (a compiled graph holding it needs nothing else of this process). Strides
 are ``tl.constexpr`` parameters given at launch from the real tensors: inductor may pad or relayout
 a buffer after the graph was traced, and Triton specializes on their values anyway. Its first line
 holds what the operator's fake and real implementations need (``read_header``).
@@ -21,6 +22,8 @@ offsets, and walks the steps in an unrolled loop (``_Step``).
 import dataclasses
 import json
 import math
+import os
+from typing import Optional
 
 import torch
 
@@ -30,6 +33,11 @@ from .triton_ops import FLOATS, Refused, compute_type
 KERNEL_NAME = "pointwise_scan_kernel"
 UNROLL = 8  # steps per iteration of the time loop (``_Step``)
 _HEADER = "# torch_scan_hop pointwise scan: "
+# T, the number of steps, is a launch argument: one compiled kernel for every length. Triton 3.5's
+# interpreter (tests on the CPU) cannot loop to a bound passed at run time, so a source generated
+# there takes T as a constant (Triton then compiles it per length); the GPU's text is compiled by
+# the tests too (``check_compiles_for_cuda``).
+_T_PARAM = "T: tl.constexpr" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "T"
 
 _HELPERS = '''
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -86,7 +94,7 @@ class Signature:
     the direction."""
 
     element_shape: tuple
-    length: int
+    length: Optional[int]  # None: symbolic (the operator takes it from the xs)
     carries: tuple  # Leaf per carry
     xs: tuple  # Leaf per x (row shape)
     lifted: tuple  # Leaf per closed-over tensor
@@ -98,13 +106,13 @@ def _header(sig, outs):
     """The source's first line: what the operator's fake and real implementations need."""
     leaves = lambda ls: [[str(v.dtype), list(v.shape)] for v in ls]  # noqa: E731
     acc = {str(k): [list(o.summed), list(o.first)] for k, o in enumerate(outs) if isinstance(o, Accumulated)}
-    data = {"E": list(sig.element_shape), "T": sig.length, "carries": leaves(sig.carries), "ys": leaves(sig.ys),
+    data = {"E": list(sig.element_shape), "T": None if sig.xs else sig.length, "carries": leaves(sig.carries), "ys": leaves(sig.ys),
             "nx": len(sig.xs), "nl": len(sig.lifted), "reverse": sig.reverse, "acc": acc}
     return _HEADER + json.dumps(data, sort_keys=True)
 
 
 def read_header(source: str) -> dict:
-    """The first line of a kernel source: ``E``, ``T``, ``carries`` and ``ys`` (``Leaf`` each), ``nx``,
+    """The first line of a kernel source: ``E``, ``T`` (None where the xs give it), ``carries`` and ``ys`` (``Leaf`` each), ``nx``,
     ``nl``, ``reverse``, ``acc`` ({output index: (summed E dims, E dims taken at 0)}: the kernel writes
     an E-shaped partial there, in the compute dtype)."""
     first = source.split("\n", 1)[0]
@@ -182,7 +190,7 @@ def _round(dtype):
 
 def _kernel(sig, body_lines, outs):
     nc, nx, nl, ny = len(sig.carries), len(sig.xs), len(sig.lifted), len(sig.ys)
-    E, T1 = sig.element_shape, sig.length - 1
+    E = sig.element_shape
     acc = {k for k, o in enumerate(outs) if isinstance(o, Accumulated)}
     ys = [Leaf(E, None) if nc + k in acc else y for k, y in enumerate(sig.ys)]  # a summed y: E-shaped partials
     strides = [*(f"h{k}_in_s{d}" for k, c in enumerate(sig.carries) for d in range(len(c.shape))),
@@ -191,8 +199,8 @@ def _kernel(sig, body_lines, outs):
                *(f"w{k}_s{d}" for k, w in enumerate(sig.lifted) for d in range(len(w.shape)))]
     ptrs = [*(f"h{k}_in" for k in range(nc)), *(f"a{k}_ptr" for k in range(nx)), *(f"w{k}_ptr" for k in range(nl)),
             *(f"h{k}_out" for k in range(nc)), *(f"y{k}_ptr" for k in range(ny))]
-    params = ", ".join([*ptrs, *(f"{s}: tl.constexpr" for s in strides),
-                        "N: tl.constexpr", "T: tl.constexpr", "BLOCK: tl.constexpr"])
+    params = ", ".join([*ptrs, _T_PARAM, *(f"{s}: tl.constexpr" for s in strides), "N: tl.constexpr",
+                        "BLOCK: tl.constexpr"])
     load = "tl.load({}, mask=mask, other=0).to({})"
     out = ["offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)",
            "mask = offs < N", "zero = offs * 0", *_coords(E)]
@@ -202,7 +210,7 @@ def _kernel(sig, body_lines, outs):
                    f"h{k} = " + load.format(f"h{k}_in + ({_offset(f'h{k}_in', E, E)})", ct))
     for k, w in enumerate(sig.lifted):
         out.append(f"w{k} = " + load.format(f"w{k}_ptr + ({_offset(f'w{k}', w.shape, E)})", compute_type(w.dtype)))
-    start = f" + {T1} * " if sig.reverse else None
+    start = " + (zero + (T - 1)) * " if sig.reverse else None  # int64: (T - 1) * stride may pass 2**31
     for k, x in enumerate(sig.xs):
         out.append(f"p{k} = a{k}_ptr + ({_offset(f'a{k}', x.shape, E)})" + (f"{start}a{k}_st" if start else ""))
     for k, y in enumerate(ys):
@@ -212,7 +220,7 @@ def _kernel(sig, body_lines, outs):
     summed = sorted(k for k in acc if k < nc)
     step = _Step(sig, ys, body_lines, outs, carried, summed)
     unroll = UNROLL if len(body_lines) <= 64 else UNROLL // 2
-    loops = [*step.loop(sig.length // unroll, unroll), *step.loop(sig.length % unroll, 1)]
+    loops = [*step.loop(f"T // {unroll}", unroll), *step.loop(f"T % {unroll}", 1)]
     end = [f"tl.store(h{k}_out + offs, h{k}.to(h{k}_out.dtype.element_ty), mask=mask)" for k in carried]
     end += [f"tl.store(h{k}_out + offs, r{k}.to(h{k}_out.dtype.element_ty), mask=mask)" for k in summed]
     return ["", "", "@triton.jit", f"def {KERNEL_NAME}({params}):", *("    " + line for line in (*out, *loops, *end))]
@@ -232,8 +240,6 @@ class _Step:
         return pointer if i == 0 else f"{pointer} {self.sign} {i} * {stride}"
 
     def loop(self, count, unroll):
-        if count == 0:
-            return []
         sig, nc = self.sig, len(self.sig.carries)
         loads, steps = [], []
         for i in range(unroll):
