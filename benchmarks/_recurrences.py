@@ -119,7 +119,8 @@ def rwkv_inputs(B, T, D, device, dtype):
 
 
 def rwkv_library(time_decay, time_first, key, value, num, den, max):  # noqa: A002 - the library's state name
-    out, (num, den, max) = RWKV_LINEAR_ATTENTION_CPU(time_decay, time_first, key, value, state=[num, den, max], return_state=True)
+    out, (num, den, max) = RWKV_LINEAR_ATTENTION_CPU(time_decay, time_first, key, value, state=[num, den, max],
+                                                     return_state=True)
     return out, num, den, max
 
 

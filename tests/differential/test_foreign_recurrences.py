@@ -60,7 +60,7 @@ def _values_and_grads(fn, inputs):
 def _assert_close(got, want, **tol):
     pairs = [("output", g, w) for g, w in zip(got[0], want[0])] + [("grad", g, w) for g, w in zip(got[1], want[1])]
     for what, g, w in pairs:
-        assert g.dtype == w.dtype and g.shape == w.shape, f"{what}: {g.dtype}{tuple(g.shape)} vs {w.dtype}{tuple(w.shape)}"
+        assert (g.dtype, g.shape) == (w.dtype, w.shape), f"{what}: {g.dtype}{tuple(g.shape)} vs {w.dtype}{tuple(w.shape)}"
         torch.testing.assert_close(g, w, **tol)
 
 
