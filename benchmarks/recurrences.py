@@ -69,6 +69,8 @@ def applies(rec, variant, t, args):
         return rec.name == "mamba" and HAS_ASSOCIATIVE_SCAN
     if variant == "loop compiled":
         return t <= args.loop_max_T
+    if variant.endswith("compiled") and variant.rsplit(" ", 1)[0] not in rec.forms:
+        return False  # a --forms entry this recurrence has no body for (scan_write: RWKV, RG-LRU)
     return variant.endswith("compiled") or t <= args.eager_max_T
 
 
