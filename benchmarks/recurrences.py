@@ -1,7 +1,7 @@
 """Training steps of four recurrences as transformers writes them, against the same loops as ``scan``.
 
 Mamba's selective scan, RWKV's wkv, xLSTM's mLSTM and RecurrentGemma's RG-LRU (the bodies and the
-library callers are ``_recurrences.py``, which ``tests/differential/test_foreign_recurrences.py``
+library callers are ``tests/support/foreign_recurrences.py``, which ``tests/differential/test_foreign_recurrences.py``
 checks against the libraries). One training step: forward, a scalar loss of every output, and the
 gradients w.r.t. every float input. Variants, each timed on the same inputs:
 
@@ -37,7 +37,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _recurrences import RECURRENCES, mamba_library  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "support"))
+from foreign_recurrences import RECURRENCES, mamba_library  # noqa: E402
 from _timing import interleaved_times, print_table  # noqa: E402
 
 COMPILED = ("loop compiled", "assoc compiled")  # and "<form> compiled" for each --forms entry

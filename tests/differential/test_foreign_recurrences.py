@@ -3,20 +3,18 @@
 Mamba's selective scan (``mamba_selective_scan``'s sequential loop), RWKV's wkv
 (``rwkv_linear_attention_cpu``), xLSTM's mLSTM (``mlstm_recurrent_sequence_native``; our body is the
 library's own ``mlstm_recurrent_step_native``) and RecurrentGemma's RG-LRU (``_rnn_scan``): each scan
-form of ``benchmarks/_recurrences.py`` (the module the benchmark times) against the library's function
+form of ``tests/support/foreign_recurrences.py`` (the module ``benchmarks/recurrences.py`` times) against the library's function
 called directly, values and the gradients of a fixed random weighting of every output w.r.t. every
 float input, in float64; ``gradcheck`` on the smallest sizes; under ``torch.compile`` (inductor,
 fullgraph) forward and backward in float32. CUDA cases run where a GPU is (TF32 off).
 """
 import os
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))  # the shared bodies
-from _recurrences import RECURRENCES  # noqa: E402
+from foreign_recurrences import RECURRENCES  # noqa: E402  (tests/support, on the path: pyproject)
 
 B, T, D = 2, 5, 8
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
