@@ -8,6 +8,7 @@ from torch._inductor.utils import run_and_get_code
 
 from torch_scan_hop import scan
 from torch_scan_hop.inductor import codegen
+from torch_scan_hop.inductor.codegen import blas
 from torch_scan_hop.inductor.codegen.carry_in_place import accumulate_carries_in_place, unreadable_addmm
 
 W = "empty_strided_cpu((64, 64), (64, 1), torch.float32)"
@@ -157,3 +158,33 @@ def test_compiled_gradients_match_the_loop(remat):
         torch.testing.assert_close(g, r, atol=1e-10, rtol=1e-10)
     assert codegen.pass_counts()["accumulate_carries_in_place"]["applied"] >= 1
     assert "# accumulated in place" in "\n".join(codes)
+
+
+@pytest.mark.parametrize("length", [9, 64])  # 64: the matmuls are blas's kernels where ATen's mm is sgemm
+def test_float32_gradients_are_the_bits_without_the_pass(length):
+    """The same kernels on the same operands in the same order: in place changes no bit. (The loop
+    kept in Python: run as one C++ kernel it accumulates in place itself, ``accumulate``.)"""
+    def grads(run):
+        gen = torch.Generator().manual_seed(0)
+        ws = [(torch.randn(32, 32, generator=gen) * 0.2).requires_grad_() for _ in range(2)]
+        c, xs = torch.randn(4, 32, generator=gen), torch.randn(length, 4, 32, generator=gen)
+        carry, ys = run(_mlp(ws), c, xs)
+        (carry.square().sum() + ys.sum()).backward()
+        return [w.grad for w in ws]
+
+    def compiled(off):
+        torch._dynamo.reset()
+        codegen.reset_pass_counts()
+        with torch._inductor.config.patch(force_disable_caches=True), \
+                codegen.passes_off("run_loops_as_one_kernel", *(["accumulate_carries_in_place"] if off else [])):
+            got = grads(torch.compile(lambda body, c, xs: scan(body, c, xs, remat="recompute_all")))
+        counts = codegen.pass_counts()
+        return got, (counts["accumulate_carries_in_place"]["applied"], counts["blas_extern_calls"]["applied"])
+
+    (want, _), (got, (applied, blas_calls)) = compiled(off=True), compiled(off=False)
+    assert applied >= 1
+    assert (blas_calls > 0) == (length == 64 and blas.blas_is_atens_float32_mm())
+    for g, w in zip(got, want):
+        assert torch.equal(g, w), (g - w).abs().max()
+    for g, r in zip(got, grads(reference_scan)):
+        torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)

@@ -106,7 +106,7 @@ PYTHON_WRAPPER = Pipeline("python", (
     Pass("run_loops_as_one_kernel", lambda code, _: loop_kernel.run_loops_as_one_kernel(code),
          _loops_and_kernels, _first(_unreadable_kernel_definitions, _no_wait_line)),
     Pass("accumulate_carries_in_place", lambda code, _: carry_in_place.accumulate_carries_in_place(code),
-         lambda code, _: _python_loops(code) and "extern_kernels.addmm(" in code,
+         lambda code, _: _python_loops(code) and ("extern_kernels.addmm(" in code or f"{blas._ADDMM}(" in code),
          lambda code, _: carry_in_place.unreadable_addmm(code)),
     Pass("release_finished_loops", lambda code, _: python_text.release_finished_loops(code),
          _python_loops_or_calls),
