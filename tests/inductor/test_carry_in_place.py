@@ -71,6 +71,7 @@ def test_an_initial_value_of_another_layout_is_copied_into_the_sums():
     ("", "b_arg1_1", "the old sum handed on"),
     ("            buf5[0] = b_buf7\n", "b_buf7", "the new sum handed on twice"),
     ("            if u3 > 3:\n                kernel(b_buf5)\n", "b_buf7", "a conditional block"),
+    ("            b_old = buf5[1]\n            kernel(b_old)\n", "b_buf7", "the old sum bound twice"),
 ])
 def test_loops_left_alone(extra, second, why):
     code = _loop(extra=extra, second=second)

@@ -97,6 +97,8 @@ def _accumulations(lines, start, end, indent, name, head):
             handed.setdefault(m.group(2), []).append(int(m.group(1)))
     found = []
     for position, (at, carry) in bindings.items():
+        if sum(t.count(f"{name}[{position}]") for t in text) != 2:
+            continue  # the slot read (or written) once more: another name for the old sum
         done = _accumulation(body, text, at, carry, position, handed, name, head[1])
         if done is not None:
             found.append((position, start + 1 + done[0], (done[1], done[2], carry), done[3]))
