@@ -72,9 +72,15 @@ def test_an_initial_value_of_another_layout_is_copied_into_the_sums():
     ("            buf5[0] = b_buf7\n", "b_buf7", "the new sum handed on twice"),
     ("            if u3 > 3:\n                kernel(b_buf5)\n", "b_buf7", "a conditional block"),
     ("            b_old = buf5[1]\n            kernel(b_old)\n", "b_buf7", "the old sum bound twice"),
+    ("", "b_buf7", "the sum written in a nested loop"),
 ])
 def test_loops_left_alone(extra, second, why):
     code = _loop(extra=extra, second=second)
+    if why == "the sum written in a nested loop":
+        lines = code.split("\n")
+        at = next(k for k, line in enumerate(lines) if line.startswith("            b_buf7 = "))
+        lines[at:at + 4] = ["            for c_step in range(2):", *("    " + line for line in lines[at:at + 4])]
+        code = "\n".join(lines)
     assert accumulate_carries_in_place(code) == code, why
 
 

@@ -14,7 +14,8 @@ numbers.
 
 When, for carry ``k`` of loop ``L`` whose body binds ``A = L[k]`` and hands on ``L[k] = N``:
 
-- the body's only blocks are ``with`` blocks and nested loops (no ``if``: every line runs every step);
+- the body's only blocks are ``with`` blocks and nested loops (no ``if``: every line runs every step),
+  and the ``addmm`` is not in a nested loop (it would add once a step of that loop);
 - ``A`` is read only as the ``addmm``'s ``self`` (besides its binding and ``del A``): nothing reads
   the old sum after it is overwritten, it is handed on nowhere else, no view of it exists;
 - ``N`` is bound once (a fresh ``empty_strided_*`` or a pool slot the body uses nowhere else), not
@@ -128,6 +129,8 @@ def _accumulation(body, text, at, carry, position, handed, name, pools):
     if len(binds) != 1 or not at < binds[0] < call or any(out_word.search(t) for t in text[binds[0] + 1:call]):
         return None
     bound = binds[0]
+    if any(_FOR.match(line) for line in body[at:call]):
+        return None  # the sum written in a nested loop: once a step of that loop, not of this one
     depth = _depth(body[bound])
     if _depth(body[call]) != depth or any(t and _depth(body[k]) < depth for k, t in
                                           enumerate(text[bound:call], bound)):
