@@ -23,6 +23,9 @@ Modules:
   the template instantiations GCC leaves pending at the end of a header done, by a GCC plugin's pragma;
 - ``accumulate``: in such a kernel, a carried sum ``scan_blas_addmm`` accumulates (a weight
   gradient) accumulated in its own buffer (no copy of the old sum a step);
+- ``carry_in_place``: in a counted loop left to Python, a carried sum an ``addmm`` accumulates (a
+  weight gradient) written into the carry's own buffer (the loop owns it: its initial value copied
+  once where the wrapper still reads it), not into a new buffer a step;
 - ``cpp_text``: the C++ wrapper's passes (buffer pools, row views as pointers, mm as BLAS);
 - ``blas``: float32 matmuls as ATen's own BLAS call (kernel sources, ATen's layout decisions);
 - ``fast_tanh``: float32 vector ``tanh`` in our loops' kernels, within 1 ulp at ~45% of Sleef's cost;

@@ -5,13 +5,14 @@ without a scan skips every pass) and which of inductor's lines it must be able t
 (``broken``: a reason when lines of that kind are there in a form it does not know, the sign of a
 torch that writes them differently). ``pipeline.run`` then uses the wrapper as generated, with one
 warning naming the pass. Order matters: the Python passes drop the counter's calls before pooling
-buffers, pool before ``run_loops_as_one_kernel`` reads the pools, and release what finished loops
+buffers, pool before ``run_loops_as_one_kernel`` reads the pools, accumulate carried sums in place
+in the loops it left to Python (its kernel does that itself, ``accumulate``), and release what finished loops
 hold last (a loop run as one kernel binds no body variables); the C++ passes pool first (its set-up
 goes in front of the ``for``, which the later passes expect).
 """
 import re
 
-from . import blas, cpp_text, loop_kernel, python_text
+from . import blas, carry_in_place, cpp_text, loop_kernel, python_text
 from .pipeline import Pass, Pipeline
 
 _PY_DEF = re.compile(r"^\w+ = async_compile\.cpp_pybinding\(")
@@ -104,6 +105,9 @@ PYTHON_WRAPPER = Pipeline("python", (
          _unwritten_carries),
     Pass("run_loops_as_one_kernel", lambda code, _: loop_kernel.run_loops_as_one_kernel(code),
          _loops_and_kernels, _first(_unreadable_kernel_definitions, _no_wait_line)),
+    Pass("accumulate_carries_in_place", lambda code, _: carry_in_place.accumulate_carries_in_place(code),
+         lambda code, _: _python_loops(code) and ("extern_kernels.addmm(" in code or f"{blas._ADDMM}(" in code),
+         lambda code, _: carry_in_place.unreadable_addmm(code)),
     Pass("release_finished_loops", lambda code, _: python_text.release_finished_loops(code),
          _python_loops_or_calls),
 ))
