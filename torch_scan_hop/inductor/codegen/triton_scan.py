@@ -16,8 +16,9 @@ a buffer after the graph was traced, and Triton specializes on their values anyw
 holds what the operator's fake and real implementations need (``read_header``).
 
 The element space E is the shape every carry and y row broadcasts to, or the carries' when a y row
-is a sum over E dims that does not (``triton_body`` checks that every value maps onto it); a program owns BLOCK consecutive elements of E flattened, with int64
-offsets, and walks the steps in an unrolled loop (``_Step``).
+is a sum over E dims that does not (``triton_body`` checks that every value maps onto it); a program
+owns BLOCK consecutive elements of E flattened, with int64 offsets, and walks the steps in an
+unrolled loop (``_Step``).
 """
 import dataclasses
 import json
