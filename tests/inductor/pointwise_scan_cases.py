@@ -8,6 +8,8 @@ forward and a training step with the pass allowed on CPU tensors (``DEVICE_TYPES
 gradients against the loop, the pass applied to the forward and the backward scan, and the wrapper
 calling the operator with no loop over steps.
 """
+import math
+
 import torch
 from torch._inductor.utils import run_and_get_code
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -16,7 +18,7 @@ from torch_scan_hop import scan
 from torch_scan_hop.inductor import pointwise_scan
 from torch_scan_hop.inductor.codegen import pass_counts, reset_pass_counts, triton_scan
 
-T, B, D = 19, 3, 5  # 19: two unrolled iterations of 8 steps and 3 single steps
+T, B, D, N = 19, 3, 5, 4  # 19: two unrolled iterations of 8 steps and 3 single steps; N: Mamba's state size
 
 
 def _linear(c, x, w):
@@ -58,6 +60,15 @@ def _mixed(c, x, w):
     return [new1, c2], [xt, y2, y3.to(c1.dtype)]
 
 
+def _mamba(c, x, w):
+    """Mamba's selective scan with the contraction over N in the body: E = (B, D, N) from the carry,
+    the y row (B, D) a sum over E's last dim, C_t (B, N) placed onto E by its unsqueeze (and in the
+    backward, the y's gradient row (B, D) by its unsqueeze(-1), C_t's gradient a (B, N) sum over D)."""
+    (h,), (da, dbu, ct) = c, x
+    h = da * h + dbu
+    return [h], [(h * ct[:, None, :]).sum(-1)]
+
+
 def _inputs(case, dtype, strided=False, t=T):
     g = torch.Generator().manual_seed(0)
 
@@ -72,6 +83,8 @@ def _inputs(case, dtype, strided=False, t=T):
     if case == "wkv":
         return [torch.zeros(B, D, dtype=dtype), torch.zeros(B, D, dtype=dtype), torch.full((B, D), -1e30, dtype=dtype)], \
             [r(t, B, D), r(t, B, D)], [r(D), r(D)]
+    if case == "mamba":
+        return [r(B, D, N)], [r(t, B, D, N, positive=True), r(t, B, D, N), r(t, B, N)], []
     if case == "mixed":
         init, xs, lifted = [r(B, D), r(B, D)], [r(t, B, D), r(t, D)], [r(()), r(B, 1)]
         if strided:  # non-contiguous init, xs and an expanded (stride 0) closed-over tensor
@@ -82,7 +95,7 @@ def _inputs(case, dtype, strided=False, t=T):
     raise ValueError(case)
 
 
-BODIES = {"linear": _linear, "rglru": _rglru, "wkv": _wkv, "mixed": _mixed}
+BODIES = {"linear": _linear, "rglru": _rglru, "wkv": _wkv, "mixed": _mixed, "mamba": _mamba}
 
 
 def _loop(body, init, xs, lifted, reverse):
@@ -105,8 +118,9 @@ def _generated(case, dtype, reverse, strided=False):
 
     graph = make_fx(flat_body, tracing_mode="fake")(*init, *(x[0] for x in xs), *lifted)
     want = _loop(body, init, xs, lifted, reverse)
+    element = pointwise_scan._element_shape([c.shape for c in init], [y.shape[1:] for y in want[nc:]])
     sig = triton_scan.Signature(
-        element_shape=(B, D), length=T, carries=tuple(triton_scan.Leaf(tuple(c.shape), c.dtype) for c in init),
+        element_shape=element, length=T, carries=tuple(triton_scan.Leaf(tuple(c.shape), c.dtype) for c in init),
         xs=tuple(triton_scan.Leaf(tuple(x.shape[1:]), x.dtype) for x in xs),
         lifted=tuple(triton_scan.Leaf(tuple(w.shape), w.dtype) for w in lifted),
         ys=tuple(triton_scan.Leaf(tuple(v.shape[1:]), v.dtype) for v in want[nc:]), reverse=reverse)
@@ -141,7 +155,7 @@ def check_compiles_for_cuda(case, dtype_name, reverse):
     info, kernel = pointwise_scan._kernel(source)
     carries, ys = pointwise_scan._outputs_like(info, init, xs, lifted)
     args = [*init, *xs, *lifted, *pointwise_scan._partials(info, [*carries, *ys]), T]  # T: a launch argument
-    consts = {**pointwise_scan._strides(init, xs, lifted), "N": B * D, "BLOCK": 32}
+    consts = {**pointwise_scan._strides(init, xs, lifted), "N": math.prod(info["E"]), "BLOCK": 32}
     names = kernel.arg_names
     assert names[:len(args)] == [n for n in names if n not in consts] and len(names) == len(args) + len(consts)
     assert names[len(args) - 1] == "T", names

@@ -4,7 +4,8 @@
 Without a GPU: the generated source runs on the CPU under Triton's interpreter, in a child
 interpreter started with ``TRITON_INTERPRET=1`` (``pointwise_scan_cases``), against the Python loop
 (float32 and float64, both directions, several carries and ys, broadcast x rows and closed-over
-tensors, non-contiguous inputs), also compiled end to end with the pass allowed on CPU tensors there;
+tensors, non-contiguous inputs, Mamba's body with its y a sum over the state dim and C_t placed by
+its view), also compiled end to end with the pass allowed on CPU tensors there;
 the same sources compiled by Triton for an sm_90 GPU (PTX and cubin, no GPU needed);
 and the pass's decisions on graphs of fake CUDA tensors (applied to pointwise bodies; a matmul, a
 reduction, an integer carry, mixed shapes, no steps, CPU tensors left exactly as they were). With a
@@ -24,13 +25,14 @@ pytest.importorskip("triton")
 INTERPRET = {"TRITON_INTERPRET": "1"}
 SCAN = torch.ops.higher_order.scan
 OP = torch.ops.torch_scan_hop.pointwise_scan.default
+CASES = ["linear", "rglru", "wkv", "mixed", "mamba"]
 
 
 def _interpreted(func, *args):
     _isolated.call("pointwise_scan_cases", func, *args, env=INTERPRET)
 
 
-@pytest.mark.parametrize("case", ["linear", "rglru", "wkv", "mixed"])
+@pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_generated_kernel_gives_the_loops_values(case, dtype, reverse):
@@ -41,14 +43,15 @@ def test_generated_kernel_reads_inputs_by_their_strides():
     _interpreted("check_generator", "mixed", "float64", True, True)
 
 
-@pytest.mark.parametrize("case", ["linear", "rglru", "wkv", "mixed"])
+@pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype,reverse", [("float32", True), ("bfloat16", False), ("float64", False)])
 def test_generated_kernel_compiles_for_a_cuda_gpu(case, dtype, reverse):
     """Triton's compiler (to PTX and ptxas's cubin) runs without a GPU: a child without the interpreter."""
     _isolated.call("pointwise_scan_cases", "check_compiles_for_cuda", case, dtype, reverse)
 
 
-@pytest.mark.parametrize("case,reverse", [("linear", False), ("rglru", True), ("wkv", False), ("mixed", True)])
+@pytest.mark.parametrize("case,reverse", [("linear", False), ("rglru", True), ("wkv", False), ("mixed", True),
+                                          ("mamba", False), ("mamba", True)])
 def test_compiled_training_step_runs_both_scans_as_kernels(case, reverse):
     _interpreted("check_compiled", case, reverse)
 
@@ -113,12 +116,33 @@ def test_applies_to_a_body_summing_into_a_smaller_carry():
     assert pointwise_scan.plan(gm, _scan_node(gm))[0] is not None
 
 
+def test_applies_to_a_y_summed_over_the_last_dim_and_an_x_row_placed_by_its_view():
+    """Mamba: E = (B, D, N) from the carry; the y row (B, D) is a sum over N; C_t (B, N) is not
+    broadcastable to E but its one use, ``unsqueeze(1)``, is."""
+    def body(c, x, w):
+        h = x[0] * c[0] + x[1]
+        return [h], [(h * x[2].unsqueeze(1)).sum(-1)]
+
+    gm = _graph(body, [(4, 8, 16)], [(16, 4, 8, 16), (16, 4, 8, 16), (16, 4, 16)])
+    source, why = pointwise_scan.plan(gm, _scan_node(gm))
+    assert source is not None, why
+    assert "a2_ptr + (e0 * a2_s0 + e2 * a2_s1)" in source  # C_t loaded along E's dims 0 and 2
+
+
 @pytest.mark.parametrize("name,body,init,xs,why", [
     ("matmul", lambda c, x, w: ([torch.tanh(c[0] @ w[0] + x[0])], [c[0]]), [(8, 8)], [(16, 8, 8)], "mm"),
     ("reduction", lambda c, x, w: ([c[0].sum(-1, keepdim=True) * x[0]], [c[0]]), [(4, 8)], [(16, 4, 8)], "sum"),
     ("integer carry", lambda c, x, w: ([c[0] + x[0], c[1] + 1], [c[0]]), [(4, 8), (torch.int64,)], [(16, 4, 8)],
      "dtype"),
     ("mixed shapes", lambda c, x, w: ([c[0] + x[0], c[1] * 2], [c[0]]), [(4, 8), (3,)], [(16, 4, 8)], "shape"),
+    ("a leaf placed two ways", lambda c, x, w: ([c[0] * x[0].unsqueeze(-1) + x[0].unsqueeze(1)], [c[0]]),
+     [(4, 8, 8)], [(16, 4, 8)], "different ways"),
+    ("a leaf used unviewed", lambda c, x, w: ([c[0] + x[0].unsqueeze(-1)], [x[0] * 2]), [(4, 8, 8)], [(16, 4, 8)],
+     "not broadcastable"),
+    ("a y sum constant along a dim", lambda c, x, w: ([c[0] + x[0]], [x[0].expand(4, 8, 16).sum(-1)]),
+     [(4, 8, 16)], [(16, 4, 1, 16)], "in order"),
+    ("a y neither E's nor a sum", lambda c, x, w: ([c[0] * 2], [c[0].sum(-1) + 1]), [(4, 8, 16)], [(16, 4, 8, 16)],
+     "sum over elements"),
     ("a view that moves data", lambda c, x, w: ([(c[0].reshape(8, 4) * 2).reshape(4, 8) + x[0]], [c[0]]),
      [(4, 8)], [(16, 4, 8)], "moves data"),
 ])
@@ -164,7 +188,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 
 @cuda
-@pytest.mark.parametrize("case", ["linear", "rglru", "wkv", "mixed"])
+@pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_cuda_forward_and_training_step_as_one_kernel_each(case, dtype, reverse, fresh_dynamo):

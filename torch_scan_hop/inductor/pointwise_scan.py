@@ -91,7 +91,7 @@ def _body_and_signature(gm, node):
     length = _length(rows, ys)
     if length == 0:
         raise Refused("a scan of no steps (or of unknown length)")
-    element = _element_shape([*(c.shape for c in (*inits, *outs[:nc])), *(y.shape[1:] for y in ys)])
+    element = _element_shape([c.shape for c in (*inits, *outs[:nc])], [y.shape[1:] for y in ys])
     if math.prod(element) == 0 or not all(_contiguous(v.shape[lead:], v.stride()[lead:]) and
                                           (not lead or v.stride(0) == math.prod(v.shape[1:]))
                                           for lead, v in [*((0, c) for c in outs[:nc]), *((1, y) for y in ys)]):
@@ -131,13 +131,30 @@ def _length(rows, ys):
     return None
 
 
-def _element_shape(shapes):
+def _element_shape(carries, rows):
     """E: the shape every carry and y row broadcasts to (a carry smaller than E must be a sum the
-    body accumulates, which the generator checks)."""
+    body accumulates, which the generator checks). When some y rows do not broadcast (Mamba's
+    ``(h * C_t).sum(-1)``: E without its last dim), E comes from the carries and the rows that
+    broadcast with them; the generator accepts such a y only as a sum over E dims whose other
+    dims are E's, in order."""
+    shapes = [*map(tuple, carries), *map(tuple, rows)]
     try:
         return tuple(torch.broadcast_shapes(*shapes))
     except RuntimeError:
-        raise Refused(f"carries and y rows of shapes {sorted({tuple(s) for s in shapes})}") from None
+        pass
+    try:
+        of_carries = torch.broadcast_shapes(*carries)
+        return tuple(torch.broadcast_shapes(*carries, *(r for r in rows if _broadcasts(of_carries, r))))
+    except RuntimeError:
+        raise Refused(f"carries and y rows of shapes {sorted(set(shapes))}") from None
+
+
+def _broadcasts(a, b):
+    try:
+        torch.broadcast_shapes(a, b)
+        return True
+    except RuntimeError:
+        return False
 
 
 def lower_pointwise_scans(gm: torch.fx.GraphModule) -> int:
@@ -267,7 +284,9 @@ def _partials(info, outputs):
 
 def _finish_sums(info, init, outputs, partials):
     """Each sum over elements: the partials summed over the dims they are summed along, at index 0
-    along the dims whose lanes hold copies; a carry's added to its initial value."""
+    along the dims whose lanes hold copies; a carry's added to its initial value. What is left has
+    size 1 but along the output's own E dims, in E's order (the generator checks it), so a reshape
+    gives the output, also a y smaller than E that does not broadcast to it (Mamba's (B, D))."""
     nc = len(info["carries"])
     for k, (summed, first) in info["acc"].items():
         part, lead = partials[k], 0 if k < nc else 1

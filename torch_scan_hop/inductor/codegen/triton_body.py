@@ -4,8 +4,10 @@ Why a module of its own: the question "is every value of this body a function of
 the carry?" is answered here, node by node, and the answer is what makes one kernel with the time
 loop inside right. E (the element space) is the carries' and ys' common shape; each value keeps a
 map from its dims to E's dims (None: constant along that dim). A leaf (x row, closed-over tensor) is
-broadcast onto E right-aligned, as the body's own broadcasting does; a view may only insert, remove
-or expand size-1 dims; anything else refuses the whole body (``Refused``).
+broadcast onto E right-aligned, as the body's own broadcasting does, or, when it is not broadcastable
+(Mamba's ``C_t[:, None, :]``), placed by the size-1 views it is used through, which all must agree
+(``leaf_maps``: the kernel loads each leaf by these maps); a view may only insert, remove or expand
+size-1 dims; anything else refuses the whole body (``Refused``).
 
 One non-pointwise shape is accepted, because every training step has it: the backward of a body
 that reads a closed-over tensor smaller than E accumulates that tensor's gradient in a carry of its
@@ -88,7 +90,7 @@ class Body:
     """``lines``: the step's statements; ``output(k, leaf)``: the text of output k (or ``Accumulated``).
     ``leaves``: the body's inputs in order (carries, x rows, closed-over tensors), ``names`` theirs."""
 
-    def __init__(self, body: torch.fx.GraphModule, element_shape: tuple, leaves: list, names: list):
+    def __init__(self, body: torch.fx.GraphModule, element_shape: tuple, leaves: list, names: list, carries: int):
         self.element, self.lines, self.value, self.maps, self.dtypes, self.shapes = element_shape, [], {}, {}, {}, {}
         self.partial = {}  # node -> E dims its lanes' values are still to be summed over
         self.accumulates = {}  # add node -> (the carry placeholder it adds to, the partial node)
@@ -96,9 +98,10 @@ class Body:
         if len(placeholders) != len(leaves):
             raise Refused(f"the body takes {len(placeholders)} inputs, the scan passes {len(leaves)}")
         self.placeholders = placeholders
-        for node, leaf, name in zip(placeholders, leaves, names):
+        for k, (node, leaf, name) in enumerate(zip(placeholders, leaves, names)):
             self.value[node], self.dtypes[node], self.shapes[node] = name, leaf.dtype, tuple(leaf.shape)
-            self.maps[node] = leaf_dim_map(leaf.shape, element_shape)
+            self.maps[node] = self._leaf_map(node, tuple(leaf.shape), is_carry=k < carries)
+        self.leaf_maps = [self.maps[node] for node in placeholders]  # how the kernel loads each leaf
         self.outputs = None
         for node in body.graph.nodes:
             if node.op == "call_function":
@@ -107,6 +110,30 @@ class Body:
                 self.outputs = list(node.args[0])
             elif node.op != "placeholder":
                 raise Refused(f"a {node.op} node in the body")
+
+    def _leaf_map(self, node, shape, is_carry):
+        """A leaf's dim map: right-aligned onto E, else (an x row or closed-over tensor only) the one
+        its size-1 views give, when every use is such a view whose result is right-aligned onto E and
+        all agree (anything else is ambiguous: refused)."""
+        try:
+            return leaf_dim_map(shape, self.element)
+        except Refused:
+            if is_carry or not node.users:
+                raise
+        found = set()
+        for use in node.users:
+            if use.target not in SIZE_ONE_VIEWS or use.args[0] is not node or \
+                    any(a is node for a in (*use.args[1:], *use.kwargs.values())):
+                raise Refused(f"a leaf of shape {shape} not broadcastable to {self.element}, used by {use.target}")
+            out_shape = self._shape(use)
+            kept = [m for s, m in zip(out_shape, leaf_dim_map(out_shape, self.element)) if s != 1]
+            if [s for s in shape if s != 1] != [s for s in out_shape if s != 1]:
+                raise Refused(f"a view {shape} -> {out_shape} that moves data")
+            it = iter(kept)
+            found.add(tuple(None if s == 1 else next(it) for s in shape))
+        if len(found) != 1:
+            raise Refused(f"a leaf of shape {shape} placed onto {self.element} in different ways")
+        return found.pop()
 
     def _shape(self, node):
         val = node.meta.get("val")
@@ -229,14 +256,15 @@ class Body:
         the operator sums them."""
         node, dtype = self.outputs[k], want.dtype
         if node in self.partial and not is_carry:
-            self._check_placed(k, node, want)
-            return Accumulated(self.value[node], tuple(sorted(self.partial[node])), self._first(want, node))
+            placed = self._sum_placed(k, node, want)
+            return Accumulated(self.value[node], tuple(sorted(self.partial[node])), self._first(placed, node))
         if node in self.accumulates and is_carry:
             carry, part = self.accumulates[node]
             if self.placeholders.index(carry) != k or self.outputs.count(node) != 1:
                 raise Refused(f"output {k} adds a sum to another carry")
             self._check_placed(k, part, want)
-            return Accumulated(self.value[part], tuple(sorted(self.partial[part])), self._first(want, part))
+            placed = leaf_dim_map(want.shape, self.element)
+            return Accumulated(self.value[part], tuple(sorted(self.partial[part])), self._first(placed, part))
         if not isinstance(node, torch.fx.Node) or node not in self.value or node in self.partial:
             raise Refused(f"output {k} is not a tensor of the body")
         self._check_placed(k, node, want)
@@ -244,9 +272,27 @@ class Body:
             raise Refused(f"output {k} is {self.dtypes[node]}, the scan's is {dtype}")
         return self.value[node]
 
-    def _first(self, want, part):
-        """The E dims along which every lane of the partial sum ``part`` holds the same value."""
-        covered = {j for j in leaf_dim_map(want.shape, self.element) if j is not None}
+    def _sum_placed(self, k, node, want):
+        """The E dim of each dim of a y that is a sum over E dims: right-aligned when its shape
+        broadcasts to E (checked as any output), else the sum's own map, which must give each dim
+        of size > 1 an E dim, in E's order (the operator's reshape of the partials relies on it)."""
+        try:
+            placed = leaf_dim_map(want.shape, self.element)
+        except Refused:
+            placed = None
+        if placed is not None:
+            self._check_placed(k, node, want)
+            return placed
+        shape, dims = self.shapes[node], self.maps[node]
+        kept = [m for m, size in zip(dims, shape) if size != 1]
+        if shape != tuple(want.shape) or None in kept or kept != sorted(set(kept)):
+            raise Refused(f"output {k} of shape {shape} is a sum whose dims are not {self.element}'s in order")
+        return tuple(None if size == 1 else m for m, size in zip(dims, shape))
+
+    def _first(self, placed, part):
+        """The E dims along which every lane of the partial sum ``part`` holds the same value
+        (``placed``: the E dim of each dim of the output)."""
+        covered = {j for j in placed if j is not None}
         return tuple(j for j, size in enumerate(self.element)
                      if size != 1 and j not in covered and j not in self.partial[part])
 

@@ -15,9 +15,10 @@ are ``tl.constexpr`` parameters given at launch from the real tensors: inductor 
 a buffer after the graph was traced, and Triton specializes on their values anyway. Its first line
 holds what the operator's fake and real implementations need (``read_header``).
 
-The element space E is the shape every carry and y row broadcasts to (``triton_body`` checks that
-every value maps onto it); a program owns BLOCK consecutive elements of E flattened, with int64
-offsets, and walks the steps in an unrolled loop (``_Step``).
+The element space E is the shape every carry and y row broadcasts to, or the carries' when a y row
+is a sum over E dims that does not (``triton_body`` checks that every value maps onto it); a program
+owns BLOCK consecutive elements of E flattened, with int64 offsets, and walks the steps in an
+unrolled loop (``_Step``).
 """
 import dataclasses
 import json
@@ -134,7 +135,7 @@ def kernel_source(body: torch.fx.GraphModule, sig: Signature) -> str:
         if leaf.dtype not in FLOATS:
             raise Refused(f"a carry or y of dtype {leaf.dtype}")
     names = [*(f"h{k}" for k in range(nc)), *(f"a{k}" for k in range(nx)), *(f"w{k}" for k in range(nl))]
-    translated = Body(body, sig.element_shape, [*sig.carries, *sig.xs, *sig.lifted], names)
+    translated = Body(body, sig.element_shape, [*sig.carries, *sig.xs, *sig.lifted], names, carries=nc)
     if len(translated.outputs) != nc + ny:
         raise Refused(f"the body returns {len(translated.outputs)} values, the scan has {nc + ny}")
     outs = [translated.output(k, want, k < nc) for k, want in enumerate((*sig.carries, *sig.ys))]
@@ -143,7 +144,7 @@ def kernel_source(body: torch.fx.GraphModule, sig: Signature) -> str:
             for c, o in zip(sig.carries, outs)):
         raise Refused("a carry of another shape than the element space that is not a sum")
     return "\n".join([_header(sig, outs), "import os", "import triton", "import triton.language as tl", _HELPERS,
-                      *_kernel(sig, translated.lines, outs)]) + "\n"
+                      *_kernel(sig, translated.lines, outs, translated.leaf_maps)]) + "\n"
 
 
 def _coords(element_shape):
@@ -156,9 +157,9 @@ def _coords(element_shape):
     return lines
 
 
-def _offset(name, shape, element_shape):
-    """The int64 element offset of leaf ``name`` (strides ``<name>_s<d>``) at the lane's element."""
-    dims = leaf_dim_map(shape, element_shape)
+def _offset(name, dims):
+    """The int64 element offset of leaf ``name`` (strides ``<name>_s<d>``) at the lane's element, its
+    dims placed on E's by ``dims`` (the body's map of that leaf: one source of truth)."""
     terms = [f"e{j} * {name}_s{d}" for d, j in enumerate(dims) if j is not None]
     return " + ".join(terms) if terms else "zero"
 
@@ -188,8 +189,9 @@ def _round(dtype):
     return f".to({FLOATS[dtype]})" if dtype in (torch.float16, torch.bfloat16) else ""
 
 
-def _kernel(sig, body_lines, outs):
+def _kernel(sig, body_lines, outs, leaf_maps):
     nc, nx, nl, ny = len(sig.carries), len(sig.xs), len(sig.lifted), len(sig.ys)
+    carry_maps, x_maps, lifted_maps = leaf_maps[:nc], leaf_maps[nc:nc + nx], leaf_maps[nc + nx:]
     E = sig.element_shape
     acc = {k for k, o in enumerate(outs) if isinstance(o, Accumulated)}
     ys = [Leaf(E, None) if nc + k in acc else y for k, y in enumerate(sig.ys)]  # a summed y: E-shaped partials
@@ -207,12 +209,12 @@ def _kernel(sig, body_lines, outs):
     for k, c in enumerate(sig.carries):
         ct = compute_type(c.dtype)
         out.append(f"r{k} = tl.zeros([BLOCK], {ct})" if k in acc else
-                   f"h{k} = " + load.format(f"h{k}_in + ({_offset(f'h{k}_in', E, E)})", ct))
+                   f"h{k} = " + load.format(f"h{k}_in + ({_offset(f'h{k}_in', carry_maps[k])})", ct))
     for k, w in enumerate(sig.lifted):
-        out.append(f"w{k} = " + load.format(f"w{k}_ptr + ({_offset(f'w{k}', w.shape, E)})", compute_type(w.dtype)))
+        out.append(f"w{k} = " + load.format(f"w{k}_ptr + ({_offset(f'w{k}', lifted_maps[k])})", compute_type(w.dtype)))
     start = " + (zero + (T - 1)) * " if sig.reverse else None  # int64: (T - 1) * stride may pass 2**31
     for k, x in enumerate(sig.xs):
-        out.append(f"p{k} = a{k}_ptr + ({_offset(f'a{k}', x.shape, E)})" + (f"{start}a{k}_st" if start else ""))
+        out.append(f"p{k} = a{k}_ptr + ({_offset(f'a{k}', x_maps[k])})" + (f"{start}a{k}_st" if start else ""))
     for k, y in enumerate(ys):
         out.append(f"q{k} = y{k}_ptr + ({_row_offset(y.shape, E)})" + (f"{start}{math.prod(y.shape)}" if start else ""))
         out.append(f"m{k} = {_first_lanes(y.shape, E)}")
