@@ -40,51 +40,24 @@ _HEADER = "# torch_scan_hop pointwise scan: "
 # the tests too (``check_compiles_for_cuda``).
 _T_PARAM = "T: tl.constexpr" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "T"
 
-_HELPERS = '''
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-if _INTERPRET:  # the interpreter has no libdevice; these are for tests on the CPU
-    @triton.jit
-    def _tanh(x):
-        return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+# The math functions a body may call that have no ``tl`` builtin: libdevice's on a GPU, and for tests
+# on the CPU (Triton's interpreter has no libdevice) the same function from ``tl`` builtins.
+_MATH = {"tanh": "2.0 * tl.sigmoid(2.0 * x) - 1.0", "log1p": "tl.log(1.0 + x)", "expm1": "tl.exp(x) - 1.0",
+         "sqrt": "tl.sqrt(x)", "rsqrt": "1.0 / tl.sqrt(x)"}
 
-    @triton.jit
-    def _log1p(x):
-        return tl.log(1.0 + x)
 
-    @triton.jit
-    def _expm1(x):
-        return tl.exp(x) - 1.0
+def _helpers():
+    """The kernel module's ``_<name>(x)`` helpers, chosen when the module loads (``TRITON_INTERPRET``)."""
+    def defs(body_of):
+        return [line for name, interpreted in _MATH.items()
+                for line in ("    @triton.jit", f"    def _{name}(x):", f"        return {body_of(name, interpreted)}", "")]
+    return "\n".join(["", '_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"', "if _INTERPRET:",
+                      *defs(lambda name, interpreted: interpreted), "else:",
+                      "    from triton.language.extra import libdevice", "",
+                      *defs(lambda name, interpreted: f"libdevice.{name}(x)")])
 
-    @triton.jit
-    def _sqrt(x):
-        return tl.sqrt(x)
 
-    @triton.jit
-    def _rsqrt(x):
-        return 1.0 / tl.sqrt(x)
-else:
-    from triton.language.extra import libdevice
-
-    @triton.jit
-    def _tanh(x):
-        return libdevice.tanh(x)
-
-    @triton.jit
-    def _log1p(x):
-        return libdevice.log1p(x)
-
-    @triton.jit
-    def _expm1(x):
-        return libdevice.expm1(x)
-
-    @triton.jit
-    def _sqrt(x):
-        return libdevice.sqrt(x)
-
-    @triton.jit
-    def _rsqrt(x):
-        return libdevice.rsqrt(x)
-'''
+_HELPERS = _helpers()
 
 
 @dataclasses.dataclass(frozen=True)
