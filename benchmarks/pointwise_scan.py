@@ -23,7 +23,7 @@ from _timing import interleaved_times, print_table  # noqa: E402
 
 from torch_scan_hop import scan  # noqa: E402
 from torch_scan_hop.inductor import pointwise_scan  # noqa: E402
-from torch_scan_hop.inductor.codegen import pass_counts, passes_off, reset_pass_counts  # noqa: E402
+from torch_scan_hop.inductor.codegen import pass_counts, reset_pass_counts  # noqa: E402
 
 LOOP_MAX_T = 256  # the compiled Python loop is unrolled by Dynamo: its compile grows with T
 
@@ -43,6 +43,12 @@ def _step(h, ax):
 
 
 def _scan_fn():
+    return lambda h0, a, x: scan(_step, h0, (a, x))[1]
+
+
+def _scan_fn_for_the_loop():
+    """The same function with a code object of its own: Dynamo caches compiled code per code object,
+    so the two variants would otherwise share one compiled graph (whichever compiled first)."""
     return lambda h0, a, x: scan(_step, h0, (a, x))[1]
 
 
@@ -93,36 +99,36 @@ def _call(fn, inputs, train, sync):
 
 
 def _prepared(name, make, inputs, train, sync):
-    """The compiled variant, called once inside its pass setting (the compile, forward and backward,
-    happens there); None where it cannot run."""
+    """The compiled variant, called once (the compile, forward and backward), each call inside its
+    pass setting (a recompile keeps it); None where it cannot run."""
     fn = make()
     if fn is None:
         return None
-    compiled = torch.compile(fn)
-    call = _call(compiled, inputs, train, sync)
-    try:
-        if name == "scan, loop lowering":
-            with passes_off(pointwise_scan.PASS_NAME):
-                call()
-        else:
+    call = _call(torch.compile(fn), inputs, train, sync)
+    on = name != "scan, loop lowering"
+
+    def in_setting():
+        with pointwise_scan.kernels_enabled(on):
             call()
+    try:
+        in_setting()
     except Exception as error:  # noqa: BLE001 - a variant torch cannot compile here is reported, not fatal
         print(f"  {name}: not run ({type(error).__name__}: {str(error).splitlines()[0][:100]})")
         return None
-    return call
+    return in_setting
 
 
 def run_length(t, args, train):
     device, sync = args.device, _sync(args.device)
     inputs = _inputs(t, args.batch, args.dim, device, train)
-    makers = {"scan, one kernel": _scan_fn, "scan, loop lowering": _scan_fn}
+    makers = {"scan, one kernel": _scan_fn, "scan, loop lowering": _scan_fn_for_the_loop}
     if t <= LOOP_MAX_T:
         makers["compiled Python loop"] = _loop_fn
     makers["associative_scan"] = lambda: _associative_fn(device)
     reset_pass_counts()
+    torch._dynamo.reset()  # once per length: each variant keeps its compiled code while all are timed
     calls, applied = {}, 0
     for name, make in makers.items():
-        torch._dynamo.reset()
         call = _prepared(name, make, inputs, train, sync)
         if call is not None:
             calls[name] = call

@@ -22,7 +22,14 @@ from torch_scan_hop.inductor import pointwise_scan
 from torch_scan_hop.inductor.codegen import pass_counts, passes_off, reset_pass_counts
 
 pytest.importorskip("triton")
-INTERPRET = {"TRITON_INTERPRET": "1"}
+INTERPRET = {"TRITON_INTERPRET": "1", pointwise_scan.ENV: "1"}
+
+
+@pytest.fixture(autouse=True)
+def _kernels_on():
+    """The pass is opt-in (``kernels_enabled``): on for this file's in-process checks."""
+    with pointwise_scan.kernels_enabled():
+        yield
 SCAN = torch.ops.higher_order.scan
 OP = torch.ops.torch_scan_hop.pointwise_scan.default
 CASES = ["linear", "rglru", "wkv", "mixed", "mamba"]
@@ -102,6 +109,9 @@ def test_applies_to_a_pointwise_body_and_counts_it():
     assert pass_counts()[pointwise_scan.PASS_NAME] == {"applied": 1, "skipped": 0, "failed": 0}
     assert not gm.graph.find_nodes(op="call_function", target=SCAN)
     (call,) = gm.graph.find_nodes(op="call_function", target=OP)
+    assert call.args[0].startswith("zb64:") and call.args[0].isascii() and "\n" not in call.args[0] \
+        and not set(call.args[0]) & set("()[]'\"# ")  # one token, wherever inductor writes it
+    assert pointwise_scan.unpack(call.args[0]) == source
     outs = call.meta["val"]
     assert [tuple(v.shape) for v in outs] == [(4, 8), (16, 4, 8)] and all(v.device.type == "cuda" for v in outs)
 
@@ -171,6 +181,15 @@ def test_refuses_a_scan_of_no_steps():
 def test_cpu_scans_keep_their_loop_kernel():
     gm = _graph(_linear, [(4, 8)], [(16, 4, 8), (16, 4, 8)], device="cpu")
     assert "devices" in pointwise_scan.plan(gm, _scan_node(gm))[1]
+
+
+def test_it_is_off_unless_enabled():
+    gm = _graph(_linear, [(4, 8)], [(16, 4, 8), (16, 4, 8)])
+    reset_pass_counts()
+    with pointwise_scan.kernels_enabled(False):
+        assert pointwise_scan.lower_pointwise_scans(gm) == 0
+    assert pass_counts()[pointwise_scan.PASS_NAME] == {"applied": 0, "skipped": 1, "failed": 0}
+    assert gm.graph.find_nodes(op="call_function", target=SCAN)
 
 
 def test_passes_off_turns_it_off():

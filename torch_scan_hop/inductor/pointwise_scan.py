@@ -15,7 +15,9 @@ exactly as it was, for the loop lowering; a generator error warns once and also 
 A training step's backward scan is another scan node (reversed) whose body is again pointwise for
 such recurrences: it gets the same treatment here, with no special case.
 """
+import base64
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import math
@@ -24,6 +26,7 @@ import tempfile
 import logging
 import threading
 import warnings
+import zlib
 from typing import Optional
 
 import torch
@@ -35,6 +38,30 @@ from .codegen.triton_ops import Refused
 
 log = logging.getLogger("torch_scan_hop.inductor.pointwise_scan")
 PASS_NAME = "pointwise_scan_kernel"
+ENV = "SCAN_POINTWISE_KERNEL"  # "1": the pass runs (``kernels_enabled``)
+_enabled = [os.environ.get(ENV) == "1"]
+
+
+@contextlib.contextmanager
+def kernels_enabled(on: bool = True):
+    """Within this block the pass runs (``on``) or not, whatever ``SCAN_POINTWISE_KERNEL`` says.
+
+    Why opt-in: on an H200 (torch 2.11) the kernel ran forward graphs and the training steps of
+    the linear and Mamba bodies, but inductor failed to load the wrapper it generated for the
+    training steps of bodies with closed-over tensors or math functions ("SyntaxError: unmatched
+    ')'", cause not found without the generated code); until a GPU run shows them compiling,
+    the loop lowering stays the default.
+
+    Example:
+        >>> with kernels_enabled():
+        ...     ys = torch.compile(f)(h0, a, b)  # compiled here: its pointwise scans are one kernel
+    """
+    before = _enabled[0]
+    _enabled[0] = on
+    try:
+        yield
+    finally:
+        _enabled[0] = before
 DEVICE_TYPES = {"cuda"}  # the CPU has its C++ loop kernel; tests add "cpu" under Triton's interpreter
 _SCAN = torch.ops.higher_order.scan
 
@@ -176,7 +203,7 @@ def lower_pointwise_scans(gm: torch.fx.GraphModule) -> int:
 
         def kernel_call(*flat):
             out = torch.ops.torch_scan_hop.pointwise_scan.default(
-                source, list(flat[:nc]), list(flat[nc:nc + nx]), list(flat[nc + nx:]),
+                pack(source), list(flat[:nc]), list(flat[nc:nc + nx]), list(flat[nc + nx:]),
                 bool(kwargs.get("reverse", False)))
             return out if len(out) != 1 else [*out, out[0]]  # see lowering._as_multi_output
 
@@ -195,7 +222,7 @@ def lower_pointwise_scans(gm: torch.fx.GraphModule) -> int:
 
 def _decide(gm, node):
     """The source for ``node`` or None, counted (and warned once when the generator fails)."""
-    if pipeline.is_off(PASS_NAME) or not _on_kernel_device(node):
+    if not _enabled[0] or pipeline.is_off(PASS_NAME) or not _on_kernel_device(node):
         pipeline.record(PASS_NAME, "skipped")
         return None
     try:
@@ -212,6 +239,25 @@ def _decide(gm, node):
 
 
 # ---- the operator -------------------------------------------------------------------------------
+
+_PACKED = "zb64:"
+
+
+def pack(source: str) -> str:
+    """``source`` as one token of letters, digits and ``+/=`` (zlib, then base64): the compiled
+    graph holds it as a string argument, and inductor writes that into its Python wrapper, and
+    may into comments and kernel metadata: a text of one line with no quotes or brackets reads
+    the same wherever it lands."""
+    return _PACKED + base64.b64encode(zlib.compress(source.encode(), 9)).decode("ascii")
+
+
+@functools.lru_cache(maxsize=256)
+def unpack(text: str) -> str:
+    """The kernel source of ``pack``'s output (a source given as it is passes through)."""
+    if not text.startswith(_PACKED):
+        return text
+    return zlib.decompress(base64.b64decode(text[len(_PACKED):])).decode()
+
 
 _kernels, _kernels_lock = {}, threading.Lock()
 
@@ -306,7 +352,7 @@ def pointwise_scan(source: str, init: list[torch.Tensor], xs: list[torch.Tensor]
                    additional_inputs: list[torch.Tensor], reverse: bool) -> list[torch.Tensor]:
     """The scan ``source`` (from ``triton_scan.kernel_source``) computes, as one kernel launch.
     Carries and ys come back new and contiguous."""
-    info, kernel = _kernel(source)
+    info, kernel = _kernel(unpack(source))
     carries, ys = _outputs_like(info, init, xs, additional_inputs)
     element, length = info["E"], _steps(info, xs)
     if any(c.shape != w.shape for c, w in zip(init, carries)) or any(x.shape[0] != length for x in xs) \
@@ -326,5 +372,5 @@ def pointwise_scan(source: str, init: list[torch.Tensor], xs: list[torch.Tensor]
 
 @pointwise_scan.register_fake
 def _(source, init, xs, additional_inputs, reverse):
-    carries, ys = _outputs_like(triton_scan.read_header(source), init, xs, additional_inputs)
+    carries, ys = _outputs_like(triton_scan.read_header(unpack(source)), init, xs, additional_inputs)
     return [*carries, *ys]
