@@ -199,12 +199,15 @@ def lower_pointwise_scans(gm: torch.fx.GraphModule) -> int:
 
     def replace(match, combine, init, xs, lifted, **kwargs):
         source, nc, nx = sources[match.nodes[0]], len(init), len(xs)
+        reverse = bool(kwargs.get("reverse", False))
         bodies.append(combine)
 
         def kernel_call(*flat):
-            out = torch.ops.torch_scan_hop.pointwise_scan.default(
-                pack(source), list(flat[:nc]), list(flat[nc:nc + nx]), list(flat[nc + nx:]),
-                bool(kwargs.get("reverse", False)))
+            # one statement a line: the nodes traced here carry this frame as their stack trace,
+            # which inductor may copy into its wrapper as a comment (Python 3.12+ shows a
+            # statement's every line; the second would not be a comment)
+            args = (pack(source), list(flat[:nc]), list(flat[nc:nc + nx]), list(flat[nc + nx:]), reverse)
+            out = torch.ops.torch_scan_hop.pointwise_scan.default(*args)
             return out if len(out) != 1 else [*out, out[0]]  # see lowering._as_multi_output
 
         match.replace_by_example(kernel_call, [*init, *xs, *lifted], run_functional_passes=False)
