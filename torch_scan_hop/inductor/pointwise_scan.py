@@ -9,8 +9,10 @@ body, every carry and y of one shape) by a call to ``torch_scan_hop::pointwise_s
 the kernel's SOURCE as a string: the compiled graph stays self-contained through inductor's FX
 graph cache, and the kernel is built (once per source, by hash) at its first run. The pass counts
 per scan node under ``pointwise_scan_kernel`` in ``codegen.pass_counts()`` (applied, skipped,
-failed) and ``codegen.passes_off("pointwise_scan_kernel")`` turns it off. A node it refuses is left
-exactly as it was, for the loop lowering; a generator error warns once and also leaves it.
+failed). It is opt-in (``kernels_enabled``, ``SCAN_POINTWISE_KERNEL=1``; why: its docstring), and
+``codegen.passes_off("pointwise_scan_kernel")`` turns it off inside an enabled block. A node it
+refuses is left exactly as it was, for the loop lowering; a generator error warns once and also
+leaves it.
 
 A training step's backward scan is another scan node (reversed) whose body is again pointwise for
 such recurrences: it gets the same treatment here, with no special case.
@@ -40,6 +42,8 @@ log = logging.getLogger("torch_scan_hop.inductor.pointwise_scan")
 PASS_NAME = "pointwise_scan_kernel"
 ENV = "SCAN_POINTWISE_KERNEL"  # "1": the pass runs (``kernels_enabled``)
 _enabled = [os.environ.get(ENV) == "1"]
+DEVICE_TYPES = {"cuda"}  # the CPU has its C++ loop kernel; tests add "cpu" under Triton's interpreter
+_SCAN = torch.ops.higher_order.scan
 
 
 @contextlib.contextmanager
@@ -62,8 +66,6 @@ def kernels_enabled(on: bool = True):
         yield
     finally:
         _enabled[0] = before
-DEVICE_TYPES = {"cuda"}  # the CPU has its C++ loop kernel; tests add "cpu" under Triton's interpreter
-_SCAN = torch.ops.higher_order.scan
 
 
 class PointwiseScanWarning(RuntimeWarning):

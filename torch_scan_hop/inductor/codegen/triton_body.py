@@ -20,8 +20,8 @@ import dataclasses
 
 import torch
 
-from .triton_ops import (CASTS, CONSTANTS, COPIES, EXPANDS, FLOATS, SIZE_ONE_VIEWS, Refused, cast_target,
-                         compute_type, constant_value, expression, literal)
+from .triton_ops import (CASTS, CONSTANTS, COPIES, EXPANDS, SIZE_ONE_VIEWS, Refused, cast_target, compute_type,
+                         constant_value, expression, literal, round_to)
 
 aten = torch.ops.aten
 _SUMS = {aten.sum.dim_IntList, aten.sum.default}
@@ -125,12 +125,8 @@ class Body:
             if use.target not in SIZE_ONE_VIEWS or use.args[0] is not node or \
                     any(a is node for a in (*use.args[1:], *use.kwargs.values())):
                 raise Refused(f"a leaf of shape {shape} not broadcastable to {self.element}, used by {use.target}")
-            out_shape = self._shape(use)
-            kept = [m for s, m in zip(out_shape, leaf_dim_map(out_shape, self.element)) if s != 1]
-            if [s for s in shape if s != 1] != [s for s in out_shape if s != 1]:
-                raise Refused(f"a view {shape} -> {out_shape} that moves data")
-            it = iter(kept)
-            found.add(tuple(None if s == 1 else next(it) for s in shape))
+            out_shape = self._shape(use)  # the view read backwards gives the leaf its dims' places
+            found.add(_view_map(out_shape, leaf_dim_map(out_shape, self.element), shape))
         if len(found) != 1:
             raise Refused(f"a leaf of shape {shape} placed onto {self.element} in different ways")
         return found.pop()
@@ -178,9 +174,7 @@ class Body:
             cast_target(node)  # refuses a _to_copy with other options
             if isinstance(src.meta.get("val"), torch.Tensor) and src.meta["val"].device != node.meta["val"].device:
                 raise Refused("a copy to another device")
-            expr = self._operand(src, None)
-            if dtype in (torch.float16, torch.bfloat16):
-                expr = f"{expr}.to({FLOATS[dtype]})"  # round through the narrow type
+            expr = f"{self._operand(src, None)}{round_to(dtype)}"  # round through a narrow type
             expr = f"{expr}.to({out_type})" if dtype != torch.bool else f"({expr} != 0)"
             self.maps[node] = self.maps[src]
         elif target in CONSTANTS:

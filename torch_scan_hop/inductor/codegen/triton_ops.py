@@ -23,6 +23,24 @@ FLOATS = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.floa
 NAN_ALL = "propagate_nan=tl.PropagateNan.ALL"  # torch.maximum/clamp propagate NaN; tl's default does not
 
 
+# The math functions with no ``tl`` builtin, called in kernels as ``_<name>(x)``: libdevice's on a GPU;
+# under Triton's interpreter (tests on the CPU, no libdevice) these ``tl`` expressions of ``x``
+# (``triton_scan`` writes both definitions into each kernel module).
+HELPERS = {"tanh": "2.0 * tl.sigmoid(2.0 * x) - 1.0", "log1p": "tl.log(1.0 + x)", "expm1": "tl.exp(x) - 1.0",
+           "sqrt": "tl.sqrt(x)", "rsqrt": "1.0 / tl.sqrt(x)"}
+
+
+def _helper(name):
+    assert name in HELPERS, name
+    return lambda x: f"_{name}({x})"
+
+
+def round_to(dtype: torch.dtype) -> str:
+    """The text that rounds a value through a narrow float ``dtype`` (float16/bfloat16; else none),
+    as storing it in that dtype does."""
+    return f".to({FLOATS[dtype]})" if dtype in (torch.float16, torch.bfloat16) else ""
+
+
 class Refused(Exception):
     """The body holds something one pointwise kernel cannot compute (the reason says what)."""
 
@@ -60,9 +78,9 @@ def _arith(a, b, alpha, op):
 
 def _pow(x, e):
     if e == 0.5:
-        return f"_sqrt({x})"
+        return _helper("sqrt")(x)
     if e == -0.5:
-        return f"_rsqrt({x})"
+        return _helper("rsqrt")(x)
     if float(e) == int(e) and -4 <= int(e) <= 4 and int(e) != 0:
         n = int(e)
         prod = " * ".join([f"({x})"] * abs(n))
@@ -76,11 +94,11 @@ _UNARY = {
     aten.neg.default: lambda x: f"(-{x})",
     aten.exp.default: lambda x: f"tl.exp({x})",
     aten.log.default: lambda x: f"tl.log({x})",
-    aten.log1p.default: lambda x: f"_log1p({x})",
-    aten.expm1.default: lambda x: f"_expm1({x})",
-    aten.sqrt.default: lambda x: f"_sqrt({x})",
-    aten.rsqrt.default: lambda x: f"_rsqrt({x})",
-    aten.tanh.default: lambda x: f"_tanh({x})",
+    aten.log1p.default: _helper("log1p"),
+    aten.expm1.default: _helper("expm1"),
+    aten.sqrt.default: _helper("sqrt"),
+    aten.rsqrt.default: _helper("rsqrt"),
+    aten.tanh.default: _helper("tanh"),
     aten.sigmoid.default: lambda x: f"tl.sigmoid({x})",
     aten.relu.default: lambda x: f"tl.maximum({x}, 0.0, {NAN_ALL})",
     aten.abs.default: lambda x: f"tl.abs({x})",

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from .triton_body import Accumulated, Body, Leaf, leaf_dim_map
-from .triton_ops import FLOATS, Refused, compute_type
+from .triton_ops import FLOATS, HELPERS, Refused, compute_type, round_to
 
 KERNEL_NAME = "pointwise_scan_kernel"
 UNROLL = 8  # steps per iteration of the time loop (``_Step``)
@@ -40,16 +40,11 @@ _HEADER = "# torch_scan_hop pointwise scan: "
 # the tests too (``check_compiles_for_cuda``).
 _T_PARAM = "T: tl.constexpr" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "T"
 
-# The math functions a body may call that have no ``tl`` builtin: libdevice's on a GPU, and for tests
-# on the CPU (Triton's interpreter has no libdevice) the same function from ``tl`` builtins.
-_MATH = {"tanh": "2.0 * tl.sigmoid(2.0 * x) - 1.0", "log1p": "tl.log(1.0 + x)", "expm1": "tl.exp(x) - 1.0",
-         "sqrt": "tl.sqrt(x)", "rsqrt": "1.0 / tl.sqrt(x)"}
-
 
 def _helpers():
     """The kernel module's ``_<name>(x)`` helpers, chosen when the module loads (``TRITON_INTERPRET``)."""
     def defs(body_of):
-        return [line for name, interpreted in _MATH.items()
+        return [line for name, interpreted in HELPERS.items()
                 for line in ("    @triton.jit", f"    def _{name}(x):", f"        return {body_of(name, interpreted)}", "")]
     return "\n".join(["", '_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"', "if _INTERPRET:",
                       *defs(lambda name, interpreted: interpreted), "else:",
@@ -157,11 +152,6 @@ def _first_lanes(shape, element_shape):
                                  and element_shape[j] != 1)])
 
 
-def _round(dtype):
-    """A narrow float carry is rounded to its dtype every step, as the loop stores it."""
-    return f".to({FLOATS[dtype]})" if dtype in (torch.float16, torch.bfloat16) else ""
-
-
 def _kernel(sig, body_lines, outs, leaf_maps):
     nc, nx, nl, ny = len(sig.carries), len(sig.xs), len(sig.lifted), len(sig.ys)
     carry_maps, x_maps, lifted_maps = leaf_maps[:nc], leaf_maps[nc:nc + nx], leaf_maps[nc + nx:]
@@ -226,7 +216,7 @@ class _Step:
                       f"mask=m{k})" for k, y in enumerate(self.ys)]
             steps += [f"r{k} = r{k} + ({self.outs[k].text}).to({compute_type(sig.carries[k].dtype)})"
                       for k in self.summed]
-            steps += [f"n{k} = ({self.outs[k]}){_round(sig.carries[k].dtype)}.to({compute_type(sig.carries[k].dtype)})"
+            steps += [f"n{k} = ({self.outs[k]}){round_to(sig.carries[k].dtype)}.to({compute_type(sig.carries[k].dtype)})"
                       for k in self.carried]
             steps += [f"h{k} = n{k}" for k in self.carried]
         advance = [f"p{k} {self.sign}= {unroll} * a{k}_st" for k in range(len(sig.xs))]
