@@ -77,10 +77,10 @@ def keep_final(kept, ys):
 
 
 def _bytes(shape, dtype):
-    n = 1
+    n = dtype.itemsize
     for d in shape:
         n *= d
-    return n * (dtype.itemsize if dtype is not torch.bool else 1)
+    return n
 
 
 def _take(shape, dtype, device, value):
