@@ -28,9 +28,11 @@ parameters: no stack per call, one gradient per stack).
 ``--no-shift`` adds a column for the default scan with the shifted carries off (``trace/shift.py``: the backward
 reads each layer's input from a stack of its own instead of rebuilding it from the previous layer's saved values),
 and its per-round ratio to the default's.
-``--thunks`` then prints, per depth, the loop's and the default scan's device time per step by XLA
+``--keep-ys`` adds a column for the default scan with its stacked ys buffers kept between steps
+(``xla/kept_ys.py``, ``SCAN_XLA_KEEP_YS=1``: no fill, no fresh pages per step), and its per-round ratio to the default's.
+``--thunks`` then prints, per depth, the loop's and the default scan's (and the kept-ys column's) device time per step by XLA
 thunk kind (``_xla_thunks.py``: the dots, each fusion, the fills; inside the While by its name).
-Run: python benchmarks/xla_long.py [--max-len N] [--modes fwd_ys,train] [--depths 8,32,64 | --depths 0] [--one-core] [--stacked] [--no-shift] [--thunks]
+Run: python benchmarks/xla_long.py [--max-len N] [--modes fwd_ys,train] [--depths 8,32,64 | --depths 0] [--one-core] [--stacked] [--no-shift] [--keep-ys] [--thunks]
 """
 import argparse
 import copy
@@ -101,13 +103,17 @@ def per_step(n, with_ys, train, repeat):
     return best / n
 
 
-def layer_step(layers, x, stacked, unroll=1, no_shift=False):
+def layer_step(layers, x, stacked, unroll=1, no_shift=False, keep_ys=False):
     from torch_scan_hop import scan_layers
     from torch_scan_hop.trace import shift
+    from torch_scan_hop.xla import kept_ys
 
     def run():
         if no_shift:  # the call's plan keeps every saved carry
             with unittest.mock.patch.object(shift, "use_shift", lambda *args: False):
+                return step()
+        if keep_ys:  # the stacked ys buffers kept between steps (xla/kept_ys.py)
+            with unittest.mock.patch.dict(os.environ, {kept_ys.ENV: "1"}):
                 return step()
         return step()
 
@@ -127,7 +133,7 @@ def layer_step(layers, x, stacked, unroll=1, no_shift=False):
     return run
 
 
-def layers_table(depths, repeat, clock=time.process_time, stacked=False, thunks=False, no_shift=False):
+def layers_table(depths, repeat, clock=time.process_time, stacked=False, thunks=False, no_shift=False, keep_ys=False):
     from _timing import interleaved_times, paired_ratio
     from torch_scan_hop import stack_layers
 
@@ -137,6 +143,8 @@ def layers_table(depths, repeat, clock=time.process_time, stacked=False, thunks=
         labels["stacked_g"] = "stacked_g"
     if no_shift:
         labels["no_shift"] = "no_shift"
+    if keep_ys:
+        labels["keep_ys"] = "keep_ys"
     for depth in depths:
         torch.manual_seed(depth)
         make = lambda: torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU())  # noqa: E731
@@ -148,6 +156,8 @@ def layers_table(depths, repeat, clock=time.process_time, stacked=False, thunks=
             fns["stacked_g"] = layer_step(stack_layers(copy.deepcopy(layers), grads="stacked"), x, True, unroll=None)
         if no_shift:
             fns["no_shift"] = layer_step(layers, x, True, unroll=None, no_shift=True)
+        if keep_ys:
+            fns["keep_ys"] = layer_step(layers, x, True, unroll=None, keep_ys=True)
         firsts = {}
         for name, fn in fns.items():  # first call compiles; the scan's second is Dynamo's capture
             t0 = time.perf_counter()
@@ -163,20 +173,22 @@ def layers_table(depths, repeat, clock=time.process_time, stacked=False, thunks=
             med, lo, hi = paired_ratio(rounds[name], rounds["loop"])
             row += [f"{ours / depth * 1e3:.3f}", f"{ours / loop:.2f}x", f"{med:.2f}x [{lo:.2f}, {hi:.2f}]",
                     f"{ratios[0]:.2f}-{ratios[-1]:.2f}"]
-        if no_shift:  # the question the column asks: with the shift off, faster or not (same rounds)
-            med, lo, hi = paired_ratio(rounds["no_shift"], rounds["scan_layers"])
-            row.append(f"{med:.2f}x [{lo:.2f}, {hi:.2f}]")
+        for name in ("no_shift", "keep_ys"):  # the question such a column asks: faster than the default or not
+            if name in labels:
+                med, lo, hi = paired_ratio(rounds[name], rounds["scan_layers"])
+                row.append(f"{med:.3f}x [{lo:.3f}, {hi:.3f}]")
         rows.append(row)
         print(*rows[-1], flush=True)
         if thunks:
             from _xla_thunks import print_thunks, thunk_times
             # at most THUNK_ROUNDS profiled rounds: the profiler's event buffer holds depth 8's for 7, not 9
-            print_thunks(thunk_times({"loop": fns["loop"], "scan_layers": fns["scan_layers"]}, min(repeat, THUNK_ROUNDS)))
+            profiled = {name: fns[name] for name in ("loop", "scan_layers", "keep_ys") if name in fns}
+            print_thunks(thunk_times(profiled, min(repeat, THUNK_ROUNDS)))
     print(f"XLA, one thread ({'wall clock, pinned to one core' if clock is time.perf_counter else 'CPU time'}): training step of Linear({WIDTH}, {WIDTH}) + GELU stacks on {ROWS} rows, best of {repeat}; "
           f"per-round ratios: median [95% interval], min-max; load {os.getloadavg()[0]:.1f}")
     print_table(["depth", "loop ms/layer"] + [f"{label} {c}" for label in labels.values()
                                               for c in ("ms/layer", "best/best", "round median", "rounds")]
-                + (["no_shift / scan_layers round median"] if no_shift else []), rows)
+                + [f"{name} / scan_layers round median" for name in ("no_shift", "keep_ys") if name in labels], rows)
 
 
 def main():
@@ -189,6 +201,7 @@ def main():
     parser.add_argument("--stacked", action="store_true", help="a column for stack_layers(layers, grads='stacked')")
     parser.add_argument("--no-shift", action="store_true", help="a column for the default scan without shifted carries")
     parser.add_argument("--thunks", action="store_true", help="device time per XLA thunk kind, loop and scan_layers")
+    parser.add_argument("--keep-ys", action="store_true", help="a column for the default scan with its stacked ys kept")
     args = parser.parse_args()
     torch.set_num_threads(1)
     import torch_scan_hop  # noqa: F401
@@ -207,7 +220,7 @@ def main():
         print_table(["mode", "T", "ms/call", "us/step", "vs T=1k"], rows)
     if depths:
         layers_table(depths, args.repeat, time.perf_counter if args.one_core else time.process_time, args.stacked,
-                     args.thunks, args.no_shift)
+                     args.thunks, args.no_shift, args.keep_ys)
 
 
 if __name__ == "__main__":

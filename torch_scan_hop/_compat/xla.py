@@ -6,6 +6,7 @@ our environments): every adapter here serves torch_xla 2.9 and imports
 torch_xla only when called.
 """
 import os
+import sys
 
 
 def xlac():
@@ -44,6 +45,32 @@ def user_computation(name, inputs, computation):
     """Run ``computation`` as one op named ``name`` on XLA tensors ``inputs``;
     returns its outputs. torch_xla 2.9: ``_xla_user_computation``."""
     return xlac()._xla_user_computation(name, inputs, computation)
+
+
+def on_next_sync(fn):
+    """Call ``fn()`` at the next ``torch_xla.sync()`` / ``mark_step`` (after its launch). torch_xla
+    2.9: ``torch_xla.core.xla_model.add_step_closure`` (public; here with the other torch_xla
+    names so every version question about them is asked in one place)."""
+    import torch_xla.core.xla_model as xm
+
+    xm.add_step_closure(fn)
+
+
+_BRIDGE_RUNS = ("extract_graph_helper", "extract_compiled_graph_helper")
+
+
+def in_openxla_bridge():
+    """Is torch_xla's Dynamo bridge (``backend="openxla"``) running a graph to extract its
+    program? Its replays then run that program without our Python, and tensors it read stay its
+    inputs. torch_xla 2.9 keeps no flag for it: its ``dynamo_bridge`` functions are looked for on
+    the Python stack (``sys._getframe``, ~10 us)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in _BRIDGE_RUNS and code.co_filename.endswith("dynamo_bridge.py"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def aot_mark_sharding(tensor, mesh, partition_spec):

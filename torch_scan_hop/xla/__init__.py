@@ -9,6 +9,8 @@
   While in place, one iteration late;
 - ``own_buffers``: the Whiles' constants and fill values in buffers of their own (a step's
   program then does not change with torch_xla's cache of scalar buffers);
+- ``kept_ys``: opt-in (``SCAN_XLA_KEEP_YS=1``), the stacked ys buffers kept from step to step and
+  updated in place (no fill, no fresh pages for them in each step's program);
 - ``eager``: an eager scan on XLA tensors routed through Dynamo, whose guards say when
   the body is unchanged;
 - ``mesh_texts``: SPMD meshes that keep their text, so Dynamo captures bodies that annotate shardings;

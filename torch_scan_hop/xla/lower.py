@@ -16,7 +16,7 @@ from .. import _compat
 from ..core import schedule
 from ..core.trees import ScanError
 from ..trace import cache
-from . import own_buffers
+from . import kept_ys
 from .body import lower_body
 from .own_buffers import OwnBuffer
 
@@ -109,8 +109,9 @@ def scan_on_xla(combine_fn, init, xs, additional_inputs, reverse, unroll):
     seeds = []
     if lowered.uses_seed:
         seeds = [torch.randint(0, 2**62, (length,), dtype=torch.int64, device=device)]
-    ys = [own_buffers.filled(_fill(k, dtype), dtype, device, (length, *shape))
-          for k, (shape, dtype) in enumerate(lowered.y_meta)] if lowered.takes_ys else []
+    ys, kept = kept_ys.initial_ys(lowered.y_meta, length, device, _fill) if lowered.takes_ys else ([], [])
     inputs = [*init, *xs, *seeds, *ys, *additional_inputs,
               *on_device([h.value() for h in lowered.hoisted], device)]
-    return list(_compat.xla.user_computation("xla::scan", inputs, lowered.computation))
+    out = list(_compat.xla.user_computation("xla::scan", inputs, lowered.computation))
+    kept_ys.keep_final(kept, out[len(init):])
+    return out
