@@ -203,9 +203,9 @@ def _scan(fn, init, inputs, reverse, remat, unroll, path=None):
         if carries_closures(fn):  # carried, still written: carrying them again would never end
             written = ", ".join(f"shape {tuple(t.shape)} {t.dtype}" for t in e.tensors)
             raise ScanError(f"scan: the body writes into closed-over tensors ({written}) that this "
-                            "scan already carries, and the trace still finds the writes (seen with "
-                            "remat='sqrt' under make_fx's fake mode, where the nested scans trace copies of "
-                            "them). Pass those tensors in the carry, or use another remat.") from None
+                            "scan already carries, and the trace still finds the writes: the body reaches "
+                            "them where no torch function mode sees it (with torch functions "
+                            "disabled). Pass those tensors in the carry.") from None
         return _scan_carrying(e.tensors, fn, init, inputs, reverse, remat, unroll)
     nc = inputs.num_carry
     carry = inputs.init_spec.unflatten(flat_out[:nc])

@@ -329,3 +329,19 @@ def test_a_data_dependent_body_under_symbolic_make_fx_is_an_error_not_a_hang(cas
         assert done.stdout.strip() == "traced", done.stdout + done.stderr
         return
     assert "ScanError:" in done.stdout and "depend on a tensor's values" in done.stdout, done.stdout + done.stderr
+
+
+def test_closure_writes_still_found_once_carried_are_refused_not_retried_forever():
+    """A scan carries the closed-over tensors its body writes (trace/closure_writes), and the body
+    then writes its carry wherever it names them, through a torch function mode. A write that no
+    mode sees (torch._C.DisableTorchFunction) is found again in the retrace: carrying the tensors
+    once more would never end (it ran into a RecursionError), so it is a ScanError naming them."""
+    def run(c0, xs, buf):
+        def body(c, x):
+            with torch._C.DisableTorchFunction():
+                buf.add_(1)
+            return c + x, None
+        return scan(body, c0, xs)
+
+    with raises(re.escape("closed-over tensors (shape (4, 3) torch.float32) that this scan already carries")):
+        make_fx(run, tracing_mode="fake")(torch.zeros(4, 3), torch.zeros(5, 4, 3), torch.zeros(4, 3))

@@ -26,17 +26,37 @@ class ClosureWrites(Exception):
 
 
 class ClosureSubstitution(TorchFunctionMode):
-    """Every torch call of the body sees ``carried[k]`` where it names ``closures[k]``."""
+    """Every torch call of the body sees ``carried[k]`` where it names ``closures[k]``.
+
+    A scan nested in the body (``remat="sqrt"``'s blocks, a scan in a scan) traces its own body
+    with its modes above this one: they see the closure's name before this mode swaps it, and
+    ask ``carried_by_an_enclosing_scan`` what it is."""
 
     def __init__(self, closures, carried):
         super().__init__()
         self.by_id = {id(c): v for c, v in zip(closures, carried)}
         self.closures = closures  # kept alive: ids are keys
 
+    def __enter__(self):
+        _active.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _active.remove(self)
+        return super().__exit__(*exc)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         swap = lambda t: self.by_id.get(id(t), t) if isinstance(t, torch.Tensor) else t  # noqa: E731
         args, kwargs = _compat.pytree.tree_map(swap, (args, kwargs or {}))
         return func(*args, **kwargs)
+
+
+_active = []  # the substitutions in force (one per scan carrying closures, outermost first)
+
+
+def carried_by_an_enclosing_scan(t):
+    """Does a scan whose body is running (being traced) carry the closed-over ``t``?"""
+    return any(id(t) in s.by_id for s in _active)
 
 
 def carries_closures(fn):

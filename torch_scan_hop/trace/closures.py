@@ -12,6 +12,7 @@ import torch
 
 from .. import _compat
 from .._compat import tracing as _tracing
+from .closure_writes import carried_by_an_enclosing_scan
 
 
 class _ClosureStandIns(torch.overrides.TorchFunctionMode):
@@ -115,7 +116,7 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
 
     def _is_closure(self, t):
         """A tensor from outside the trace (no step input, untraced), or a stand-in for one."""
-        if not isinstance(t, torch.Tensor) or id(t) in self.inputs or id(t) in self._outer:
+        if not isinstance(t, torch.Tensor) or id(t) in self.inputs or id(t) in self._outer or _nested_stand_in(t):
             return False
         if _compat.dispatch.is_functional_tensor(t) and not isinstance(t, _compat.FakeTensor):
             return False  # (XLA) stood in for anyway (``_stand_in``): the write goes to the stand-in
@@ -128,20 +129,24 @@ class _ClosureStandIns(torch.overrides.TorchFunctionMode):
         ``t``. Written itself, ``t`` would take the trace's writes into its autograd history (a
         ``CopySlices`` of the trace's fake values, which the caller's backward then ran into: fake
         gradients); the graph is only the one finding the write (``ClosureWrites``): the scan runs
-        again with ``t`` carried. A leaf that requires grad stays one, refused as the loop refuses it."""
+        again with ``t`` carried. A leaf that requires grad stays one, refused as the loop refuses it,
+        unless an enclosing scan carries ``t`` (``t`` is then no such leaf): ``t`` reads as that scan's
+        carry, a leaf in its first trace that its retry on copies (``FlatBody.copy_carry``) makes
+        writable; refused in this nested trace, the write could not be retried there."""
         if id(t) in self._written:
             return
         with _compat.disable_proxy_modes_tracing():
             alias = t.detach()
-            alias = alias.requires_grad_() if t.is_leaf and t.requires_grad else alias
+            user_leaf = t.is_leaf and t.requires_grad and not carried_by_an_enclosing_scan(t)
+            alias = alias.requires_grad_() if user_leaf else alias
         self._outer[id(alias)] = t
         self._written[id(t)] = (alias, t)  # t kept alive: ids are keys
 
     def _is_functional_closure_with_history(self, t):
         """(XLA) a closed-over functional tensor that requires grad and is no leaf (``buf = base.clone()``)."""
         return (isinstance(t, torch.Tensor) and id(t) not in self.inputs and id(t) not in self._outer
-                and _compat.dispatch.is_functional_tensor(t) and not isinstance(t, _compat.FakeTensor)
-                and t.requires_grad and not t.is_leaf)
+                and not _nested_stand_in(t) and _compat.dispatch.is_functional_tensor(t)
+                and not isinstance(t, _compat.FakeTensor) and t.requires_grad and not t.is_leaf)
 
     def _write_functional_stand_in(self, t):
         """The body writes into the closed-over XLA ``t`` that requires grad and is no leaf, which the
@@ -241,6 +246,21 @@ def _cpu_array(t):
     return isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() > 0
 
 
+_recording = []  # the stand-in modes of the traces under way, outermost first (nested scans' bodies)
+
+
+def _nested_stand_in(t):
+    """Is ``t`` a stand-in that one of the traces under way made for a closure?
+
+    A nested scan's body (``remat="sqrt"``'s blocks, a scan in a scan) is traced under the outer
+    body's mode too, which sees the ops the nested body's mode hands on: a write into the nested
+    mode's stand-in, which that mode lifts back to the user's tensor. Taken for a closure, it was
+    stood in for again: the nested graph wrote into a tensor neither mode maps back to the user's,
+    and the nested scan, carrying that tensor, found the body's write again on every trace.
+    Each mode keeps its stand-ins alive, so their ids are keys."""
+    return any(id(t) in mode._outer for mode in _recording)
+
+
 @contextlib.contextmanager
 def recording_functional_closures(tensors=()):
     """Yields the stand-in mode: ``.outer(t)`` / ``.inner(t)`` map between the
@@ -251,5 +271,9 @@ def recording_functional_closures(tensors=()):
     mode = _ClosureStandIns()
     mode.xla = next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "xla"), None)
     mode.inputs = {id(t): t for t in tensors}  # the step's own inputs are traced, not stood in for
-    with mode:
-        yield mode
+    _recording.append(mode)
+    try:
+        with mode:
+            yield mode
+    finally:
+        _recording.remove(mode)
