@@ -30,9 +30,15 @@ reads each layer's input from a stack of its own instead of rebuilding it from t
 and its per-round ratio to the default's.
 ``--keep-ys`` adds a column for the default scan with its stacked ys buffers kept between steps
 (``xla/kept_ys.py``, ``SCAN_XLA_KEEP_YS=1``: no fill, no fresh pages per step), and its per-round ratio to the default's.
+``--txla`` adds a column for torch_xla's own ``torch_xla.experimental.scan_layers.scan_layers`` (``is_layer_pure=True``:
+its traced layer cached between calls) over the same modules, in the same rounds (a cell "failed: ..." if it cannot run).
+``--jax`` adds a table for the same stack in JAX (``_xla_long_jax.py``, a process of its own: JAX brings an XLA of its
+own; same XLA_FLAGS, CPU mask and clock): ``jax.jit(value_and_grad)`` of the mean square w.r.t. the weights, biases and
+input, ``lax.scan`` over stacked parameters (and over per-layer ones stacked in the step, as our default does) against
+the layers unrolled in one jit, in interleaved rounds: what JAX's scan costs against JAX's loop, to judge ours by.
 ``--thunks`` then prints, per depth, the loop's and the default scan's (and the kept-ys column's) device time per step by XLA
 thunk kind (``_xla_thunks.py``: the dots, each fusion, the fills; inside the While by its name).
-Run: python benchmarks/xla_long.py [--max-len N] [--modes fwd_ys,train] [--depths 8,32,64 | --depths 0] [--one-core] [--stacked] [--no-shift] [--keep-ys] [--thunks]
+Run: python benchmarks/xla_long.py [--max-len N] [--modes fwd_ys,train] [--depths 8,32,64 | --depths 0] [--one-core] [--stacked] [--no-shift] [--keep-ys] [--thunks] [--txla] [--jax]
 """
 import argparse
 import copy
