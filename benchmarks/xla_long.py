@@ -30,9 +30,15 @@ reads each layer's input from a stack of its own instead of rebuilding it from t
 and its per-round ratio to the default's.
 ``--keep-ys`` adds a column for the default scan with its stacked ys buffers kept between steps
 (``xla/kept_ys.py``, ``SCAN_XLA_KEEP_YS=1``: no fill, no fresh pages per step), and its per-round ratio to the default's.
+``--txla`` adds a column for torch_xla's own ``torch_xla.experimental.scan_layers.scan_layers`` (``is_layer_pure=True``:
+its traced layer cached between calls) over the same modules, in the same rounds (a cell "failed: ..." if it cannot run).
+``--jax`` adds a table for the same stack in JAX (``_xla_long_jax.py``, a process of its own: JAX brings an XLA of its
+own; same XLA_FLAGS, CPU mask and clock): ``jax.jit(value_and_grad)`` of the mean square w.r.t. the weights, biases and
+input, ``lax.scan`` over stacked parameters (and over per-layer ones stacked in the step, as our default does) against
+the layers unrolled in one jit, in interleaved rounds: what JAX's scan costs against JAX's loop, to judge ours by.
 ``--thunks`` then prints, per depth, the loop's and the default scan's (and the kept-ys column's) device time per step by XLA
 thunk kind (``_xla_thunks.py``: the dots, each fusion, the fills; inside the While by its name).
-Run: python benchmarks/xla_long.py [--max-len N] [--modes fwd_ys,train] [--depths 8,32,64 | --depths 0] [--one-core] [--stacked] [--no-shift] [--keep-ys] [--thunks]
+Run: python benchmarks/xla_long.py [--max-len N] [--modes fwd_ys,train] [--depths 8,32,64 | --depths 0] [--one-core] [--stacked] [--no-shift] [--keep-ys] [--thunks] [--txla] [--jax]
 """
 import argparse
 import copy
@@ -103,7 +109,7 @@ def per_step(n, with_ys, train, repeat):
     return best / n
 
 
-def layer_step(layers, x, stacked, unroll=1, no_shift=False, keep_ys=False):
+def layer_step(layers, x, stacked, unroll=1, no_shift=False, keep_ys=False, txla=False):
     from torch_scan_hop import scan_layers
     from torch_scan_hop.trace import shift
     from torch_scan_hop.xla import kept_ys
@@ -120,7 +126,10 @@ def layer_step(layers, x, stacked, unroll=1, no_shift=False, keep_ys=False):
     def step():
         layers.zero_grad(set_to_none=True)
         h = x
-        if stacked:
+        if txla:  # torch_xla's own; is_layer_pure: its traced layer cached between calls (its fast form)
+            from torch_xla.experimental.scan_layers import scan_layers as txla_scan_layers
+            h = txla_scan_layers(layers, h, is_layer_pure=True)
+        elif stacked:
             h = scan_layers(layers, h, unroll=unroll)
         else:
             for layer in layers:
@@ -133,7 +142,8 @@ def layer_step(layers, x, stacked, unroll=1, no_shift=False, keep_ys=False):
     return run
 
 
-def layers_table(depths, repeat, clock=time.process_time, stacked=False, thunks=False, no_shift=False, keep_ys=False):
+def layers_table(depths, repeat, clock=time.process_time, stacked=False, thunks=False, no_shift=False, keep_ys=False,
+                 txla=False):
     from _timing import interleaved_times, paired_ratio
     from torch_scan_hop import stack_layers
 
@@ -145,6 +155,8 @@ def layers_table(depths, repeat, clock=time.process_time, stacked=False, thunks=
         labels["no_shift"] = "no_shift"
     if keep_ys:
         labels["keep_ys"] = "keep_ys"
+    if txla:
+        labels["txla"] = "torch_xla scan_layers"
     for depth in depths:
         torch.manual_seed(depth)
         make = lambda: torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU())  # noqa: E731
@@ -158,16 +170,28 @@ def layers_table(depths, repeat, clock=time.process_time, stacked=False, thunks=
             fns["no_shift"] = layer_step(layers, x, True, unroll=None, no_shift=True)
         if keep_ys:
             fns["keep_ys"] = layer_step(layers, x, True, unroll=None, keep_ys=True)
-        firsts = {}
-        for name, fn in fns.items():  # first call compiles; the scan's second is Dynamo's capture
+        if txla:
+            fns["txla"] = layer_step(layers, x, True, txla=True)
+        firsts, failed = {}, {}
+        for name, fn in list(fns.items()):  # first call compiles; the scan's second is Dynamo's capture
             t0 = time.perf_counter()
-            fn()
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001  (torch_xla's scan_layers may not take this case: say why)
+                if name != "txla":
+                    raise
+                failed[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+                del fns[name]
+                continue
             firsts[name] = time.perf_counter() - t0
         print(f"depth {depth}, first call (s):", ", ".join(f"{n} {t:.2f}" for n, t in firsts.items()), flush=True)
         rounds = interleaved_times(fns, repeat, clock=clock)
         loop = min(rounds["loop"])
         row = [depth, f"{loop / depth * 1e3:.3f}"]
         for name in labels:
+            if name in failed:
+                row += [failed[name], "-", "-", "-"]
+                continue
             ours = min(rounds[name])
             ratios = sorted(a / b for a, b in zip(rounds[name], rounds["loop"]))
             med, lo, hi = paired_ratio(rounds[name], rounds["loop"])
@@ -191,6 +215,42 @@ def layers_table(depths, repeat, clock=time.process_time, stacked=False, thunks=
                 + [f"{name} / scan_layers round median" for name in ("no_shift", "keep_ys") if name in labels], rows)
 
 
+def jax_table(depths, repeat, clock):
+    """JAX's own scan against its own unrolled loop, same stack and step (_xla_long_jax.py: a
+    process of its own, since JAX and torch_xla both bring an XLA): the reference for our ratio."""
+    import importlib.util
+
+    from _timing import paired_ratio
+    from _xla_long_jax import FORMS, rounds
+
+    if importlib.util.find_spec("jax") is None:
+        print("jax is not installed (pip install -e '.[bench]'): no JAX table.")
+        return
+    wall = clock is time.perf_counter
+    res, why = rounds(depths, repeat, "wall" if wall else "cpu", WIDTH, ROWS)
+    if res is None:
+        print(f"JAX table: {why}")
+        return
+    rows = []
+    for depth in depths:
+        r = res[str(depth)]["rounds"]
+        loop = min(r["loop"])
+        row = [depth, f"{loop / depth * 1e3:.3f}"]
+        for form in FORMS[1:]:
+            med, lo, hi = paired_ratio(r[form], r["loop"])
+            ratios = sorted(a / b for a, b in zip(r[form], r["loop"]))
+            row += [f"{min(r[form]) / depth * 1e3:.3f}", f"{min(r[form]) / loop:.2f}x",
+                    f"{med:.2f}x [{lo:.2f}, {hi:.2f}]", f"{ratios[0]:.2f}-{ratios[-1]:.2f}"]
+        rows.append(row)
+    version = res[str(depths[0])]["version"]
+    print(f"JAX {version} on the CPU, one thread ({'wall clock, pinned to one core' if wall else 'CPU time'}): "
+          f"jax.jit(value_and_grad) of the same stack (grads of the weights, biases and input), lax.scan vs the "
+          f"layers unrolled in one jit, best of {repeat}; per-round ratios: median [95% interval], min-max; "
+          f"load {os.getloadavg()[0]:.1f}")
+    print_table(["depth", "jax loop ms/layer"] + [f"{label} {c}" for label in ("lax.scan", "lax.scan, stacked in step")
+                                                  for c in ("ms/layer", "best/best", "round median", "rounds")], rows)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--max-len", type=int, default=LENGTHS[-1])
@@ -202,6 +262,8 @@ def main():
     parser.add_argument("--no-shift", action="store_true", help="a column for the default scan without shifted carries")
     parser.add_argument("--thunks", action="store_true", help="device time per XLA thunk kind, loop and scan_layers")
     parser.add_argument("--keep-ys", action="store_true", help="a column for the default scan with its stacked ys kept")
+    parser.add_argument("--txla", action="store_true", help="a column for torch_xla's own scan_layers")
+    parser.add_argument("--jax", action="store_true", help="a table of jax.lax.scan vs its unrolled loop, same stack")
     args = parser.parse_args()
     torch.set_num_threads(1)
     import torch_scan_hop  # noqa: F401
@@ -218,9 +280,11 @@ def main():
     print(f"XLA on {os.environ['PJRT_DEVICE']}, one thread: tanh RNN H={H} B={B}, steady call, best of {args.repeat}")
     if rows:
         print_table(["mode", "T", "ms/call", "us/step", "vs T=1k"], rows)
+    clock = time.perf_counter if args.one_core else time.process_time
     if depths:
-        layers_table(depths, args.repeat, time.perf_counter if args.one_core else time.process_time, args.stacked,
-                     args.thunks, args.no_shift, args.keep_ys)
+        layers_table(depths, args.repeat, clock, args.stacked, args.thunks, args.no_shift, args.keep_ys, args.txla)
+    if depths and args.jax:
+        jax_table(depths, args.repeat, clock)
 
 
 if __name__ == "__main__":
