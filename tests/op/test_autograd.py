@@ -429,3 +429,52 @@ def test_outputs_require_grad_as_after_that_many_loop_steps(length, remat, mode,
     if length:
         assert ys.requires_grad == want_ys.requires_grad
         assert_trees_close((carry, ys), (want_carry, want_ys))
+
+
+def _written_buffer_body(w):
+    """A carried buffer written and read at the step index (``buf[:, t]``), its row through
+    an attention: a body whose backward reads a symbolic size (the buffer's width), where
+    torch 2.9 keeps the attention (a seeded op) and everything before it in any graph."""
+    def body(state, x, t):
+        c, buf = state
+        buf[:, t] = buf[:, t] + c
+        r = buf.select(1, (t - 1) % buf.shape[1]).clone() * w
+        q = r.reshape(1, 1, 1, 3)
+        r = torch.nn.functional.scaled_dot_product_attention(q, q, q)[0, 0, 0]
+        h = torch.tanh(c * r + x)
+        return (h, buf), (h * r).sum()
+    return body
+
+
+@pytest.mark.parametrize("remat", ["save_all", "partition_fn"])
+@pytest.mark.parametrize("tracing_mode", ["symbolic", "fake"])
+def test_make_fx_graph_holds_no_stand_ins_of_the_step(tracing_mode, remat):
+    """The backward's symbolic sizes come from the inputs' sizes: no stand-in of one step
+    (``new_empty``) is in the traced graph. The sizes were once computed by running the
+    forward step on stand-ins under the trace, so its ops were recorded on uninitialized
+    tensors, and the graph indexed a buffer by an uninitialized step index (an IndexError
+    or a read anywhere, by what memory held)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    kw = dict(remat=_partition_fn() if remat == "partition_fn" else remat)
+
+    def f(c0, b0, xs, w):
+        (c, b), ys = scan(_written_buffer_body(w), (c0, b0.clone()), xs, with_index=True, **kw)
+        return c, b, ys, torch.autograd.grad(c.sum() + ys.sum() + b.sum(), [c0, b0, xs, w])
+
+    def loop(c0, b0, xs, w):
+        body = _written_buffer_body(w)
+        (c, b), ys = reference_scan(lambda s, xt: body(s, *xt), (c0, b0.clone()), (xs, torch.arange(xs.shape[0])))
+        return c, b, ys, torch.autograd.grad(c.sum() + ys.sum() + b.sum(), [c0, b0, xs, w])
+
+    def inputs(n):
+        return (torch.randn(3, dtype=D, requires_grad=True), torch.randn(3, n, dtype=D, requires_grad=True),
+                torch.randn(n, 3, dtype=D, requires_grad=True), torch.randn(3, dtype=D, requires_grad=True))
+
+    gm = make_fx(f, tracing_mode=tracing_mode, decomposition_table={})(*inputs(4))
+    stand_ins = [n for n in gm.graph.nodes if n.target in (torch.ops.aten.new_empty.default,
+                                                           torch.ops.aten.empty_like.default)]
+    assert not stand_ins, gm.code
+    for n in (4, 6) if tracing_mode == "symbolic" else (4,):
+        args = inputs(n)
+        assert_trees_close(gm(*args), loop(*args))

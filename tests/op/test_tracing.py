@@ -417,3 +417,17 @@ def test_make_fx_of_upstreams_front_end_on_inputs_that_require_grad(tracing_mode
         _assert_values_and_grads_of_the_loop(gm, loop, c.detach(), xs.detach())
     else:
         assert_trees_close(gm(c, xs), loop(c, xs), atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["real", "fake", "symbolic"])
+def test_schema_of_a_call_under_make_fx_records_no_stand_ins(mode):
+    """``scan_op.gen_schema`` traces the body on stand-ins (``core.op_args.example_args``);
+    asked for under a make_fx trace, those stand-ins (clones of init, zeros for a slice)
+    were once recorded in the caller's graph."""
+    def f(c, xs):
+        schema = scan_op.gen_schema(lambda c, x: [c + x, c * x], [c], [xs], ())
+        assert [a.name for a in schema.arguments] == ["combine_fn", "init0", "xs0"]
+        return c + 1
+
+    gm = make_fx(f, tracing_mode=mode)(torch.randn(3), torch.randn(4, 3))
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [torch.ops.aten.add.Tensor], gm.code

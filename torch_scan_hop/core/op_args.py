@@ -6,6 +6,7 @@ examples a body is traced on once, and the split of its flat outputs.
 """
 import torch
 
+from .. import _compat
 from .dtensors import is_dtensor, zero_slice
 
 
@@ -21,5 +22,10 @@ def slice_example(x):
 
 
 def example_args(init, xs, additional_inputs):
-    """Inputs for tracing the body once: fresh carries, one x slice, the closures."""
-    return [*(c.clone() for c in init), *(slice_example(x) for x in xs), *additional_inputs]
+    """Inputs for tracing the body once: fresh carries, one x slice, the closures.
+
+    Made outside any make_fx trace under way: a stand-in is never a node of the caller's
+    graph (a trace of the body takes them as its own inputs). Recorded, the body's ops on
+    them would compute values from stand-ins in the graph that runs the scan."""
+    with _compat.disable_proxy_modes_tracing():
+        return [*(c.clone() for c in init), *(slice_example(x) for x in xs), *additional_inputs]

@@ -43,6 +43,35 @@ def _sym_graph(fb: FwdBwd, sym_saved):
     return gm
 
 
+def _step_sym_sizes(plan, init, xs, lifted):
+    """The symbolic sizes the backward step reads (``plan.sym_saved``), each made from the
+    inputs' own sizes. They depend on shapes only, so ``plan.sym_graph`` runs on stand-ins of
+    one step (x slices made from nothing: xs may have no row) outside any make_fx trace. Run
+    under the trace, its ops were recorded on the stand-ins: uninitialized tensors in the
+    caller's graph, where a step index read from one (``buf[:, t]``, kept alive by an op
+    torch 2.9 never drops, a seeded one) failed or read out of range when the graph ran."""
+    if plan.sym_graph is None:
+        return []
+    with _compat.disable_proxy_modes_tracing():
+        sizes = plan.sym_graph(*init, *(x.new_empty(x.shape[1:]) for x in xs), *lifted)
+    known = _symbolic_sizes_of([*init, *xs, *lifted])
+    return [_compat.tracing.size_from(s, known) for s in sizes]
+
+
+def _symbolic_sizes_of(values):
+    """{sympy expression: SymInt} of the sizes and strides of ``values`` (and of SymInt
+    values themselves: Dynamo lifts free symbols), the first one of each expression."""
+    known = {}
+    for v in values:
+        ints = [v] if isinstance(v, torch.SymInt) else []
+        if isinstance(v, torch.Tensor):
+            ints = [*v.shape, *(v.stride() if v.layout == torch.strided else ())]
+        for i in ints:
+            if isinstance(i, torch.SymInt):
+                known.setdefault(i.node.expr, i)
+    return known
+
+
 def _fwd_step_graph(fb: FwdBwd, step_saved):
     """fwd graph trimmed to (*new_carry, *y, *per-step saved); outputs that are
     inputs get a clone so the body never returns an alias of its argument."""
@@ -160,8 +189,7 @@ class ScanAutogradFn(torch.autograd.Function):
         ctx.unroll, ctx.length, ctx.xs_device = unroll, xs[0].shape[0], xs[0].device
         num_out = num_init + plan.fb.num_y
         result, step_saved = out[:num_out], out[num_out:]
-        ctx.sym_sizes = [] if plan.sym_graph is None else list(plan.sym_graph(
-            *init, *(x.new_empty(x.shape[1:]) for x in xs), *lifted))
+        ctx.sym_sizes = _step_sym_sizes(plan, init, xs, lifted)
         ctx.plan, ctx.num_init, ctx.num_xs = plan, num_init, num_xs
         # additional inputs may be SymInts (Dynamo lifts free symbols): only tensors are saved
         ctx.lifted_scalars = [None if isinstance(a, torch.Tensor) else a for a in lifted]
