@@ -159,30 +159,6 @@ def get_proxy_slot(obj, tracer, default):
     return _proxy_tensor.get_proxy_slot(obj, tracer, default)
 
 
-def size_from(value, known):
-    """The SymInt ``value`` computed from ``known`` ({sympy expression: SymInt}), so that a
-    make_fx trace records it from values it traced: a known one as it is, else the Python
-    arithmetic of its expression over the known symbols (a known compound expression, ``2*s``
-    with no ``s`` known, substituted whole first). An int, or a value with a symbol none of
-    ``known`` holds, is returned as it is. torch 2.9 to 2.15: a SymInt's ``node.expr``, and
-    ``python_value_of`` (``sympy_interp``)."""
-    import sympy
-
-    from .inductor import python_value_of
-
-    if not isinstance(value, torch.SymInt):
-        return value
-    expr = value.node.expr
-    if expr in known:
-        return known[expr]
-    compound = {e: sympy.Dummy() for e in known if not e.is_symbol}
-    env = {compound.get(e, e): v for e, v in known.items()}
-    expr = expr.subs(compound) if compound else expr
-    if not expr.free_symbols <= env.keys():
-        return value
-    return python_value_of(expr, env)
-
-
 def fake_rule_checks():
     """The list FakeTensorMode consults before an op's meta kernel, ``[(applies(func),
     rule(fake_mode, func, *args, **kwargs))]`` (a rule returning NotImplemented passes the call

@@ -12,6 +12,7 @@
 - ``schedule``: the loop schedule (step order, ``unroll`` blocks and remainder) every path runs;
 - ``op_args``: the op's flat calling convention (examples to trace one step, output split);
 - ``step_index``: ``scan(..., with_index=True)``'s step index, an ``arange`` scanned as one more xs leaf;
+- ``sym_sizes``: symbolic sizes computed again from SymInts a trace holds (``KnownSizes``);
 - ``dtensors``: a DTensor as local tensor plus layout (public ``torch.distributed.tensor`` API);
 - ``torch_xla_keywords``: torch_xla's scan keywords (``partition_fn``, ``is_fn_pure``) mapped
   onto ours;

@@ -15,11 +15,11 @@ expanded gradient), as while_loop requires; scans of static length 0 become
 their init and empty ys. ``install`` also puts in the workarounds of
 ``workarounds`` that every scan's while_loop needs on torch 2.9.
 """
-import sympy
 import torch
 
 from .. import _compat
 from ..core.schedule import segments, step_index
+from ..core.sym_sizes import KnownSizes
 from ..core.trees import ScanError, split_counts
 from . import (
     body_passes,
@@ -282,36 +282,19 @@ def _in_traced_layout(init):
 
 def _preallocate(ys_vals, symbols):
     """Empty ys like ``ys_vals``, on storage reused between calls (see ``buffer_pool``):
-    one operator call per dtype and device."""
-    resolve = _resolve_shape
+    one operator call per dtype and device. Their sizes are computed from ``symbols`` ({sympy
+    expression: SymInt} of the loop's inputs): traced values (``core.sym_sizes``)."""
+    sizes = KnownSizes(symbols)
+    resolve = lambda shape: [sizes.value_of(s) for s in shape]  # noqa: E731
     groups = {}
     for i, v in enumerate(ys_vals):
         groups.setdefault((v.dtype, v.device), []).append(i)
     ys = [None] * len(ys_vals)
     for (dtype, device), idx in groups.items():
-        shapes = [(resolve(ys_vals[i].size(), symbols), resolve(ys_vals[i].stride(), symbols)) for i in idx]
+        shapes = [(resolve(ys_vals[i].size()), resolve(ys_vals[i].stride())) for i in idx]
         for i, y in zip(idx, buffer_pool.stacked_buffers(shapes, dtype, device)):
             ys[i] = y
     return ys
-
-
-def _resolve_shape(shape, symbols):
-    """Sizes or strides with symbols replaced by traced values computed from ``symbols``
-    ({sympy expression: SymInt}), as upstream's scan decomposition preallocates its ys
-    (``post_grad.resolve_shape_to_proxy``). A key may also be a compound expression whose
-    symbols no input carries (xs made by ``cat([a, a])``: length ``2*s``): it is substituted
-    as a whole first."""
-    compound = {e: sympy.Dummy() for e in symbols if not e.is_symbol}
-    env = {compound.get(e, e): v for e, v in symbols.items()}
-    out = []
-    for s in shape:
-        if isinstance(s, torch.SymInt):
-            expr = s.node.expr
-            expr = compound[expr] if expr in compound else expr.subs(compound) if compound else expr
-            out.append(_compat.inductor.python_value_of(expr, env))
-        else:
-            out.append(s)
-    return out
 
 
 def _loop_inputs(lifted):

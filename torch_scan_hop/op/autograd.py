@@ -18,6 +18,7 @@ import torch
 from .. import _compat
 from ..core import route, trace_lock
 from ..core.op_args import example_args
+from ..core.sym_sizes import KnownSizes
 from ..trace import cache, shift
 from ..trace.body_checks import mark_functional
 from ..trace.lift import source_of
@@ -54,8 +55,8 @@ def _step_sym_sizes(plan, init, xs, lifted):
         return []
     with _compat.disable_proxy_modes_tracing():
         sizes = plan.sym_graph(*init, *(x.new_empty(x.shape[1:]) for x in xs), *lifted)
-    known = _symbolic_sizes_of([*init, *xs, *lifted])
-    return [_compat.tracing.size_from(s, known) for s in sizes]
+    known = KnownSizes(_symbolic_sizes_of([*init, *xs, *lifted]))
+    return [known.value_of(s) if isinstance(s, torch.SymInt) and known.computable(s) else s for s in sizes]
 
 
 def _symbolic_sizes_of(values):
