@@ -142,6 +142,18 @@ def layer_step(layers, x, stacked, unroll=1, no_shift=False, keep_ys=False, txla
     return run
 
 
+def ratio_cells(times, loop_times, depth):
+    """A column's cells against the loop's, from the same interleaved rounds: ms per layer (best),
+    best/best, the median of the per-round ratios [95% interval], their min-max."""
+    from _timing import paired_ratio
+
+    best, loop = min(times), min(loop_times)
+    ratios = sorted(a / b for a, b in zip(times, loop_times))
+    med, lo, hi = paired_ratio(times, loop_times)
+    return [f"{best / depth * 1e3:.3f}", f"{best / loop:.2f}x", f"{med:.2f}x [{lo:.2f}, {hi:.2f}]",
+            f"{ratios[0]:.2f}-{ratios[-1]:.2f}"]
+
+
 def layers_table(depths, repeat, clock=time.process_time, stacked=False, thunks=False, no_shift=False, keep_ys=False,
                  txla=False):
     from _timing import interleaved_times, paired_ratio
@@ -192,11 +204,7 @@ def layers_table(depths, repeat, clock=time.process_time, stacked=False, thunks=
             if name in failed:
                 row += [failed[name], "-", "-", "-"]
                 continue
-            ours = min(rounds[name])
-            ratios = sorted(a / b for a, b in zip(rounds[name], rounds["loop"]))
-            med, lo, hi = paired_ratio(rounds[name], rounds["loop"])
-            row += [f"{ours / depth * 1e3:.3f}", f"{ours / loop:.2f}x", f"{med:.2f}x [{lo:.2f}, {hi:.2f}]",
-                    f"{ratios[0]:.2f}-{ratios[-1]:.2f}"]
+            row += ratio_cells(rounds[name], rounds["loop"], depth)
         for name in ("no_shift", "keep_ys"):  # the question such a column asks: faster than the default or not
             if name in labels:
                 med, lo, hi = paired_ratio(rounds[name], rounds["scan_layers"])
@@ -220,7 +228,6 @@ def jax_table(depths, repeat, clock):
     process of its own, since JAX and torch_xla both bring an XLA): the reference for our ratio."""
     import importlib.util
 
-    from _timing import paired_ratio
     from _xla_long_jax import FORMS, rounds
 
     if importlib.util.find_spec("jax") is None:
@@ -237,10 +244,7 @@ def jax_table(depths, repeat, clock):
         loop = min(r["loop"])
         row = [depth, f"{loop / depth * 1e3:.3f}"]
         for form in FORMS[1:]:
-            med, lo, hi = paired_ratio(r[form], r["loop"])
-            ratios = sorted(a / b for a, b in zip(r[form], r["loop"]))
-            row += [f"{min(r[form]) / depth * 1e3:.3f}", f"{min(r[form]) / loop:.2f}x",
-                    f"{med:.2f}x [{lo:.2f}, {hi:.2f}]", f"{ratios[0]:.2f}-{ratios[-1]:.2f}"]
+            row += ratio_cells(r[form], r["loop"], depth)
         rows.append(row)
     version = res[str(depths[0])]["version"]
     print(f"JAX {version} on the CPU, one thread ({'wall clock, pinned to one core' if wall else 'CPU time'}): "
