@@ -10,7 +10,7 @@ buffer's contents after the scan are compared with the Python loop.
 """
 import pytest
 import torch
-import torch.utils._pytree as pytree
+from conftest import assert_trees_close, reference_scan
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from torch_scan_hop import ScanError, scan
@@ -40,10 +40,7 @@ def _nested(buf, c0, xs, reverse):
 
 
 def _loop(buf, c0, xs, reverse):
-    c, ys = c0, [None] * T
-    for t in reversed(range(T)) if reverse else range(T):
-        c, ys[t] = _step(buf, c, xs[t], torch.tensor(t))
-    return c, torch.stack(ys)
+    return reference_scan(lambda c, xt: _step(buf, c, *xt), c0, (xs, torch.arange(T)), reverse=reverse)
 
 
 def _outputs(run, c0, xs, base, reverse):
@@ -61,8 +58,7 @@ def test_nested_scans_writing_a_closed_over_buffer_give_the_loops_values(tracing
     args = [torch.randn(*s, generator=g, dtype=D, requires_grad=True) for s in [(3,), (T, 3), (T, 3)]]
     gm = make_fx(lambda *a: _outputs(run, *a, reverse), tracing_mode=tracing_mode)(*args)
     got, want = gm(*args), _outputs(_loop, *args, reverse)
-    for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(want)):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
 
 
 def _block(buf, c, xb, steps):
@@ -72,14 +68,6 @@ def _block(buf, c, xb, steps):
     c, ys = steps(lambda c, xt: _step(buf, c, *xt), c, (x, tb))
     buf.mul_(0.9)
     return c + buf.sum(0), ys
-
-
-def _loop_steps(fn, c, xs):
-    ys = []
-    for k in range(xs[0].shape[0]):
-        c, y = fn(c, (xs[0][k], xs[1][k]))
-        ys.append(y)
-    return c, torch.stack(ys)
 
 
 def _both_levels(steps, outer):
@@ -97,9 +85,8 @@ def test_a_buffer_written_by_both_levels_holds_what_the_loop_leaves(tracing_mode
     g = torch.Generator().manual_seed(1)
     args = [torch.randn(*s, generator=g, dtype=D, requires_grad=True) for s in [(3,), (T, 3), (T, 3)]]
     gm = make_fx(lambda *a: _outputs(_both_levels(scan, scan), *a, False), tracing_mode=tracing_mode)(*args)
-    got, want = gm(*args), _outputs(_both_levels(_loop_steps, _loop_steps), *args, False)
-    for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(want)):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    got, want = gm(*args), _outputs(_both_levels(reference_scan, reference_scan), *args, False)
+    assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("tracing_mode", ["fake", "symbolic"])

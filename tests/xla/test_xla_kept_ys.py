@@ -8,7 +8,7 @@ buffer), several scans between two syncs (each takes its own buffer or fills one
 """
 import pytest
 import torch
-from conftest import assert_trees_close
+from conftest import assert_trees_close, reference_scan
 
 from torch_scan_hop import scan, scan_layers
 
@@ -33,11 +33,7 @@ def body(c, x):
 
 
 def loop(c, xs):
-    ys = []
-    for x in xs:
-        c, y = body(c, x)
-        ys.append(y)
-    return c, torch.stack(ys)
+    return reference_scan(body, c, xs)
 
 
 def _xs(seed, length=5):

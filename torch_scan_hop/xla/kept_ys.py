@@ -22,6 +22,7 @@ torch_xla then does not donate (XLA copies it into the While: slower than a fill
 A program that takes a donated buffer makes torch_xla's sync wait for it to finish (as one with
 an optimizer's in-place updates already does). ``clear()`` lets every kept buffer go.
 """
+import math
 import os
 
 import torch
@@ -77,10 +78,7 @@ def keep_final(kept, ys):
 
 
 def _bytes(shape, dtype):
-    n = dtype.itemsize
-    for d in shape:
-        n *= d
-    return n
+    return math.prod(shape) * dtype.itemsize
 
 
 def _take(shape, dtype, device, value):
