@@ -8,7 +8,16 @@ from torch.utils._pytree import tree_leaves
 from conftest import reference_scan
 
 from torch_scan_hop import scan
+from torch_scan_hop.inductor.codegen import small_gemm
 from torch_scan_hop.inductor.codegen.blas import blas_is_atens_float32_mm, mm_plan
+
+
+@pytest.fixture(autouse=True)
+def atens_gemm(monkeypatch):
+    """The BLAS kernels call MKL's ``sgemm_`` here, whatever the CPU: ``small_gemm`` (on by default
+    where MKL runs no AVX-512) has its own tests (test_small_gemm.py)."""
+    monkeypatch.setenv(small_gemm.ENV, "0")
+
 
 needs_blas = pytest.mark.skipif(
     not blas_is_atens_float32_mm(),

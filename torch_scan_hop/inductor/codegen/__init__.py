@@ -28,6 +28,8 @@ Modules:
   once where the wrapper still reads it), not into a new buffer a step;
 - ``cpp_text``: the C++ wrapper's passes (buffer pools, row views as pointers, mm as BLAS);
 - ``blas``: float32 matmuls as ATen's own BLAS call (kernel sources, ATen's layout decisions);
+- ``small_gemm``: those BLAS kernels' products by our AVX-512 gemm where MKL runs no AVX-512 (x86
+  CPUs not Intel's: AMD EPYC's MKL path is AVX2, ~2.4x slower on the MLP's step matmul);
 - ``fast_tanh``: float32 vector ``tanh`` in our loops' kernels, within 1 ulp at ~45% of Sleef's cost;
 - ``counted_loops``: which loops are counted, and what their bodies read while generated;
 - ``python_loop``: the Python wrapper's ``codegen_while_loop`` (and dynamic scalars, asserts) patched
@@ -45,7 +47,8 @@ while_loop of ours written as a counted loop, or left to inductor's loop) and
 ``blas_extern_calls`` (a matmul in such a loop written as a BLAS call, or left to ATen) and
 ``accumulate_in_place`` (a ``scan_blas_addmm`` of a loop run as one kernel accumulating in its own
 buffer, or not) and ``fast_tanh`` (a vector ``tanh`` in such a loop's kernel written as
-``fast_tanh``'s, or left to ATen's) and ``pointwise_scan_kernel`` (a CUDA scan node run as one Triton
+``fast_tanh``'s, or left to ATen's) and ``small_gemm`` (a BLAS call's product by our gemm, or by
+``sgemm_``) and ``pointwise_scan_kernel`` (a CUDA scan node run as one Triton
 kernel, or left to the loop lowering; ``passes_off("pointwise_scan_kernel")`` turns it off).
 
 The patches of inductor that scan installs (``inductor.lowering.install``), as one table. Scan-only

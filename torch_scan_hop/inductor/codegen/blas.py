@@ -11,7 +11,8 @@ decisions, ``resolve_conj`` copies of the operands, string-keyed precision look-
 argument parsing: ~2.3 us a call in all, against ~0.8 us for a C++ kernel call that makes the
 ``sgemm_`` call directly. The call is the one ``addmm_impl_cpu_(out, out, a, b, beta=0,
 alpha=1)`` makes through ``cpublas::gemm`` (its ``normalize_last_dims`` and
-``use_blas_gemm``), so the numbers are ATen's to the bit; any case where ATen would do
+``use_blas_gemm``), so the numbers are ATen's to the bit (except where ``small_gemm`` computes the
+product: CPUs on which MKL runs no AVX-512); any case where ATen would do
 something else (another dtype, a size 0, a layout it copies first, a leading dimension past
 ``int``) keeps ATen's mm. In the Python wrapper the backward's weight-gradient accumulation,
 ``addmm(g, a, b, alpha=1, beta=1, out=c)``, is the same: ``addmm_impl_cpu_`` copies ``g`` into
@@ -29,6 +30,8 @@ the shim's ``aoti_torch_get_{dtype,device_type,dim,sizes,strides,data_ptr}``,
 ``aoti_torch_dtype_float32``, ``aoti_torch_device_type_cpu``, ``aoti_torch_cpu_mm_out``.
 """
 import functools
+
+from . import pipeline, small_gemm
 
 # The C++ wrapper's ``scan_blas_mm_out(out, a, b)``: for float32 CPU matrices the ``sgemm_`` call
 # ATen's ``mm_out`` makes (``addmm_impl_cpu_`` with beta=0, alpha=1, then ``cpublas::gemm``), any
@@ -81,7 +84,7 @@ BLAS_MM_OUT = (
 
 SGEMM_ARGTYPES = ["float*", "const float*", "const float*"] + ["const int64_t"] * 8
 SGEMM_KERNEL = r'''
-#include <cstdint>
+#include <cstdint>%(prelude)s
 extern "C" void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*,
                        const float*, const int*, const float*, const int*, const float*, float*, const int*);
 // ATen's addmm_impl_cpu_(c, c, a, b, 0, 1) for float32 after its layout decisions (mm_plan)
@@ -92,12 +95,12 @@ extern "C" void kernel(float* c, const float* a, const float* b, const int64_t t
     const char transa = ta ? 'T' : 'N', transb = tb ? 'T' : 'N';
     const int m_ = m, n_ = n, k_ = k, lda_ = lda, ldb_ = ldb, ldc_ = ldc;
     const float one = 1.f, zero = 0.f;
-    sgemm_(&transa, &transb, &m_, &n_, &k_, &one, a, &lda_, b, &ldb_, &zero, c, &ldc_);
+    %(small_gemm_or)ssgemm_(&transa, &transb, &m_, &n_, &k_, &one, a, &lda_, b, &ldb_, &zero, c, &ldc_);
 }
 '''
 ADDMM_ARGTYPES = ["float*", "const float*", "const float*", "const float*"] + ["const int64_t"] * 14
 ADDMM_KERNEL = r'''
-#include <cstdint>
+#include <cstdint>%(prelude)s
 extern "C" void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*,
                        const float*, const int*, const float*, const int*, const float*, float*, const int*);
 // ATen's addmm_impl_cpu_(c, self, a, b, 1, 1) for float32: self copied into c (c = self is a no-op: the
@@ -116,7 +119,7 @@ extern "C" void kernel(float* c, const float* self, const float* a, const float*
     const char transa = ta ? 'T' : 'N', transb = tb ? 'T' : 'N';
     const int m_ = m, n_ = n, k_ = k, lda_ = lda, ldb_ = ldb, ldc_ = ldc;
     const float one = 1.f;
-    sgemm_(&transa, &transb, &m_, &n_, &k_, &one, a, &lda_, b, &ldb_, &one, c, &ldc_);
+    %(small_gemm_or)ssgemm_(&transa, &transb, &m_, &n_, &k_, &one, a, &lda_, b, &ldb_, &one, c, &ldc_);
 }
 '''
 _KERNEL = "scan_blas_sgemm"
@@ -217,13 +220,30 @@ def plan_extern_call(node, trip_counts):
     if kind not in KINDS or not _long_enough(trip_counts):
         return None
     plan = _plan_of(node, accumulates=kind == "extern_kernels.addmm")
-    return None if plan is None else (kind, plan)
+    if plan is None:
+        return None
+    pipeline.record(small_gemm.NAME, "applied" if small_gemm.enabled() else "skipped")
+    return kind, plan
 
 
 def kernel_definition(plan):
     """``(name, the line of the wrapper's header that defines it)`` of the kernel ``plan`` calls."""
     name, argtypes, source = KINDS[plan[0]]
+    source = kernel_source(source, accumulates=name == _ADDMM)
     return name, f"\n\n{name} = async_compile.cpp_pybinding({argtypes!r}, r'''{source}''')\n"
+
+
+def kernel_source(template, accumulates):
+    """``SGEMM_KERNEL`` / ``ADDMM_KERNEL`` (``template``) as this process builds it: the product by
+    ``sgemm_``, or by ``small_gemm``'s kernel where ``small_gemm.enabled()`` (``sgemm_`` for the
+    shapes it leaves)."""
+    import torch
+
+    if not small_gemm.enabled():
+        return template % {"prelude": "", "small_gemm_or": ""}
+    beta = "true" if accumulates else "false"
+    condition = small_gemm.call("ta", "tb", "m", "n", "k", "a", "lda", "b", "ldb", beta, "c", "ldc")
+    return template % {"prelude": small_gemm.source(torch.get_num_threads()), "small_gemm_or": f"if (!{condition}) "}
 
 
 def call_line(plan, args, out):
