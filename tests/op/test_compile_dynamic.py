@@ -156,5 +156,7 @@ def test_inductor_xs_whose_length_is_an_expression_of_another_size(train):
         assert_trees_close(got, want)
         if train:
             grads = [torch.autograd.grad(sum(t.sum() for t in out), (w, a)) for out in (got, want)]
-            assert_trees_close(*grads)
+            # w's gradient sums 2n steps through tanh: float32 roundings (the compiled tanh is not
+            # eager's Sleef) add up to ~1e-6 of its largest element (|26|: 3e-5 on an AMD EPYC)
+            assert_trees_close(*grads, rtol=1e-5, atol=1e-4)
     assert counters["stats"]["unique_graphs"] == 1
