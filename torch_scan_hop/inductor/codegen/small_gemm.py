@@ -64,18 +64,11 @@ __attribute__((target("avx512f"))) static void columns(
     int64_t kc, float* c, int64_t ldc, bool load_c, int64_t n) {
   int64_t j = 0;
   for (; j + NR <= n; j += NR) block<NR>(a, a_p, m0, m1, b + j * b_j, b_p, b_j, kc, c + j * ldc, ldc, load_c);
-  const float* bj = b + j * b_j;
-  float* cj = c + j * ldc;
-  switch (n - j) {
-    case 7: block<7>(a, a_p, m0, m1, bj, b_p, b_j, kc, cj, ldc, load_c); break;
-    case 6: block<6>(a, a_p, m0, m1, bj, b_p, b_j, kc, cj, ldc, load_c); break;
-    case 5: block<5>(a, a_p, m0, m1, bj, b_p, b_j, kc, cj, ldc, load_c); break;
-    case 4: block<4>(a, a_p, m0, m1, bj, b_p, b_j, kc, cj, ldc, load_c); break;
-    case 3: block<3>(a, a_p, m0, m1, bj, b_p, b_j, kc, cj, ldc, load_c); break;
-    case 2: block<2>(a, a_p, m0, m1, bj, b_p, b_j, kc, cj, ldc, load_c); break;
-    case 1: block<1>(a, a_p, m0, m1, bj, b_p, b_j, kc, cj, ldc, load_c); break;
-    default: break;
+  if (j + 4 <= n) {
+    block<4>(a, a_p, m0, m1, b + j * b_j, b_p, b_j, kc, c + j * ldc, ldc, load_c);
+    j += 4;
   }
+  for (; j < n; ++j) block<1>(a, a_p, m0, m1, b + j * b_j, b_p, b_j, kc, c + j * ldc, ldc, load_c);
 }
 // BLAS's sgemm_ (column-major) with alpha 1 and beta 0 or 1: C = op(A) op(B) (+ C). False where
 // it leaves the product to sgemm_ (module docstring of small_gemm).
