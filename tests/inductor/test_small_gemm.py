@@ -89,10 +89,10 @@ def test_products_as_close_to_exact_as_mkls(forced, ta, tb, m, n, k, beta):
 
 def test_shapes_it_leaves_get_mkls_bits():
     """op(A) transposed with fewer than 32 columns (the copy would be most of the work) and, in a
-    process of two threads, a product past ``_SERIAL_MAX``: ``sgemm_``'s call, its bits."""
-    mkl, ours, ours_two_threads = _kernels(ours=False)[0], _kernels()[0], _kernels(threads=2)[0]
+    process of four threads, a product past ``_SERIAL_MAX``: ``sgemm_``'s call, its bits."""
+    mkl, ours, ours_four_threads = _kernels(ours=False)[0], _kernels()[0], _kernels(threads=4)[0]
     gen = torch.Generator().manual_seed(0)
-    for kernel, (ta, m, n, k) in ((ours, (1, 64, 8, 1000)), (ours_two_threads, (0, 128, 128, 1000))):
+    for kernel, (ta, m, n, k) in ((ours, (1, 64, 8, 1000)), (ours_four_threads, (0, 128, 128, 1000))):
         _, a_store, lda = _operand(m, k, ta, 0, gen)
         _, b_store, ldb = _operand(k, n, False, 0, gen)
         got, want = torch.empty(n, m), torch.empty(n, m)
