@@ -149,3 +149,32 @@ def test_turned_off_gives_atens_call(monkeypatch, how):
 def test_default_follows_mkls_vendor_check(monkeypatch):
     monkeypatch.delenv(small_gemm.ENV, raising=False)
     assert small_gemm.enabled() == (not small_gemm._mkl_takes_intel_path())
+
+
+@pytest.mark.parametrize("batch, hidden, inputs", [(5, 40, 17), (33, 7, 48), (1, 32, 3), (16, 70, 33)])
+def test_random_matmul_bodies_against_the_loop_in_float64(forced, batch, hidden, inputs):
+    """A body with each kind of product the loops hand BLAS (a weight on either side, transposed or
+    not, a Linear's bias, a carry's transpose times the input) at sizes off the register blocks,
+    64 steps, trained: the compiled scan's values and gradients against the loop in float64."""
+    gen = torch.Generator().manual_seed(batch * 100 + hidden)
+    w, v = torch.randn(hidden, hidden, generator=gen) / hidden ** 0.5, torch.randn(hidden, inputs, generator=gen) / inputs ** 0.5
+    b, c0, xs = torch.randn(hidden, generator=gen), torch.randn(batch, hidden, generator=gen), torch.randn(64, batch, inputs, generator=gen)
+
+    def run(scan_fn, w, v, b, c0, xs):
+        def step(c, x):
+            c = torch.tanh(c @ w.t() * 0.5 + torch.nn.functional.linear(x, v, b) + c @ w)
+            return c, c.t() @ x
+        c, ys = scan_fn(step, c0, xs)
+        return c.sum() + (ys * torch.linspace(-1, 1, inputs)).sum(), (c, ys)
+
+    inputs_ = [t.requires_grad_() for t in (w, v, b, c0, xs)]
+    torch._dynamo.reset()
+    codegen.reset_pass_counts()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        loss, outs = torch.compile(lambda *a: run(scan, *a), fullgraph=True)(*inputs_)
+        got = outs, torch.autograd.grad(loss, inputs_)
+    doubles = [t.detach().double().requires_grad_() for t in inputs_]
+    loss64, outs64 = run(reference_scan, *doubles)
+    want = tuple(t.float() for t in outs64), tuple(g.float() for g in torch.autograd.grad(loss64, doubles))
+    assert_trees_close(got, want, rtol=1e-4, atol=1e-4)
+    assert codegen.pass_counts()[small_gemm.NAME]["applied"] >= 4
