@@ -10,11 +10,14 @@ ran the whole MLP forward in 0.47x our time there. The kernel: 32 rows by up to 
 ``op(A)`` transposed is first copied into a 32-row panel. It runs where it pays: with up to two
 intra-op threads (one thread of it beat MKL's two there, 64x256x256 to 512x512x512: 32 vs 46 us,
 1.08 vs 1.28 ms), with more only for products of at most ``_SERIAL_MAX`` multiply-adds (which MKL
-would hardly split across threads), and not for ``op(A)`` transposed with fewer than 32 columns in C (the copy is then most
-of the work: the tanh RNN's backward 64x8 product is MKL's).
+would hardly split across threads), and not for ``op(A)`` transposed times one column (MKL's
+matrix-vector product is faster there than the panel's copy). 64x256 @ 256x64 with op(A)
+transposed (a backward's input gradient): 78 us in ``sgemm_``, 36 us here (the copy by 16x16
+transposes in registers).
 
-Numbers: float32 FMAs summed in order over K (per 256-chunk, carried in C): a rounding of the same
-sum as MKL's, not its bits (MKL blocks K its own way). So where this kernel is used the loop's
+Numbers: float32 FMAs summed in order over K in chunks of 256, each chunk's sum then added to C
+(as BLAS adds beta C): a rounding of the same sum as MKL's, not always its bits (MKL blocks K its
+own way; on short K they often agree). So where this kernel is used the loop's
 matmuls are no longer ATen's to the bit (``blas``'s promise elsewhere); they are as close to the
 exact product as MKL's (tests/inductor/test_small_gemm.py compares both with float64).
 
@@ -61,6 +64,41 @@ __attribute__((target("avx512f"))) static inline void block(
     _mm512_mask_storeu_ps(c + j * ldc + 16, m1, c1[j]);
   }
 }
+// dst[q * MR + r] = src[q + r * lda] for q, r < 16: a 16x16 transpose in registers
+__attribute__((target("avx512f"))) static inline void transpose16(const float* src, int64_t lda, float* dst) {
+  __m512 v[16], s[16];
+  for (int r = 0; r < 16; ++r) v[r] = _mm512_loadu_ps(src + r * lda);
+  for (int r = 0; r < 16; r += 2) {  // per 128-bit lane: rows r, r+1 interleaved, columns 0-1 / 2-3
+    s[r] = _mm512_unpacklo_ps(v[r], v[r + 1]);
+    s[r + 1] = _mm512_unpackhi_ps(v[r], v[r + 1]);
+  }
+  for (int r = 0; r < 16; r += 4) {  // v[r + c]: lane l holds column 4l + c of rows r..r+3
+    v[r] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s[r]), _mm512_castps_pd(s[r + 2])));
+    v[r + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s[r]), _mm512_castps_pd(s[r + 2])));
+    v[r + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s[r + 1]), _mm512_castps_pd(s[r + 3])));
+    v[r + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s[r + 1]), _mm512_castps_pd(s[r + 3])));
+  }
+  for (int c = 0; c < 4; ++c) {  // column 4l + c: lane l of v[c], v[4 + c], v[8 + c], v[12 + c]
+    const __m512 x = _mm512_shuffle_f32x4(v[c], v[4 + c], 0x44), y = _mm512_shuffle_f32x4(v[c], v[4 + c], 0xEE);
+    const __m512 z = _mm512_shuffle_f32x4(v[8 + c], v[12 + c], 0x44), w = _mm512_shuffle_f32x4(v[8 + c], v[12 + c], 0xEE);
+    _mm512_storeu_ps(dst + c * MR, _mm512_shuffle_f32x4(x, z, 0x88));
+    _mm512_storeu_ps(dst + (4 + c) * MR, _mm512_shuffle_f32x4(x, z, 0xDD));
+    _mm512_storeu_ps(dst + (8 + c) * MR, _mm512_shuffle_f32x4(y, w, 0x88));
+    _mm512_storeu_ps(dst + (12 + c) * MR, _mm512_shuffle_f32x4(y, w, 0xDD));
+  }
+}
+// panel[q * MR + r] = A[q + r * lda] for q < kc, r < rows: op(A)'s rows as a panel of columns
+__attribute__((target("avx512f"))) static void pack(const float* A, int64_t lda, int64_t rows, int64_t kc, float* panel) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 16)
+    for (int64_t q0 = 0; q0 < kc; q0 += 16) {
+      if (r0 + 16 <= rows && q0 + 16 <= kc) {
+        transpose16(A + q0 + r0 * lda, lda, panel + q0 * MR + r0);
+        continue;
+      }
+      for (int64_t q = q0; q < q0 + 16 && q < kc; ++q)
+        for (int64_t r = r0; r < r0 + 16 && r < rows; ++r) panel[q * MR + r] = A[q + r * lda];
+    }
+}
 __attribute__((target("avx512f"))) static void columns(
     const float* a, int64_t a_p, __mmask16 m0, __mmask16 m1, const float* b, int64_t b_p, int64_t b_j,
     int64_t kc, float* c, int64_t ldc, bool load_c, int64_t n) {
@@ -77,7 +115,7 @@ __attribute__((target("avx512f"))) static void columns(
 __attribute__((target("avx512f"))) static bool sgemm(
     bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* A, int64_t lda,
     const float* B, int64_t ldb, bool beta, float* C, int64_t ldc) {
-  if ((ta && n < 32) || (SERIAL_MAX > 0 && m * n * k > SERIAL_MAX)) return false;
+  if ((ta && n < 2) || (SERIAL_MAX > 0 && m * n * k > SERIAL_MAX)) return false;
   alignas(64) float panel[KC * MR];
   const int64_t b_p = tb ? ldb : 1, b_j = tb ? 1 : ldb;
   for (int64_t i = 0; i < m; i += MR) {
@@ -89,8 +127,7 @@ __attribute__((target("avx512f"))) static bool sgemm(
       const float* a = A + i + p * lda;
       int64_t a_p = lda;
       if (ta) {  // op(A)'s rows i.. as a panel: column q at panel + q * MR
-        for (int64_t q = 0; q < kc; ++q)
-          for (int64_t r = 0; r < rows; ++r) panel[q * MR + r] = A[(p + q) + (i + r) * lda];
+        pack(A + p + i * lda, lda, rows, kc, panel);
         a = panel;
         a_p = MR;
       }
