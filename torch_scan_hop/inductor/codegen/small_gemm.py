@@ -30,6 +30,8 @@ planned as a BLAS call (``pipeline.pass_counts``).
 import functools
 import os
 
+from . import pipeline
+
 NAME = "small_gemm"
 ENV = "SCAN_SMALL_GEMM"
 _SERIAL_MAX = 1 << 20  # multiply-adds of a product past which MKL's threads win (more than 2 of them)
@@ -144,8 +146,6 @@ __attribute__((target("avx512f"))) static bool sgemm(
 def enabled():
     """Whether this process's loops compute their float32 BLAS products with ``SOURCE``'s gemm
     (module docstring: the CPU, MKL's path, the switches)."""
-    from . import pipeline
-
     forced = os.environ.get(ENV)
     if pipeline.is_off(NAME) or forced == "0" or not _avx512():
         return False
