@@ -25,7 +25,8 @@ When (``enabled``): ATen's float32 mm is a plain ``sgemm_`` call (``blas``), ATe
 ``AVX512``, MKL says the CPU is not Intel's (``mkl_serv_intel_cpu_true``, exported by libtorch_cpu;
 absent: not used), and ``passes_off("small_gemm")`` is not in force. ``SCAN_SMALL_GEMM=1`` uses it
 on any AVX-512 CPU (tests), ``=0`` never. Counted as ``small_gemm`` applied / skipped per matmul
-planned as a BLAS call (``pipeline.pass_counts``).
+planned as a BLAS call (``pipeline.pass_counts``): applied where its kernel carries this gemm (the
+shapes it leaves still go to ``sgemm_`` when they run).
 """
 import functools
 import os
