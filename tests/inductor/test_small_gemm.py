@@ -5,7 +5,6 @@ the register blocks, K past a chunk, K = 0, beta 0 never reading C), as close to
 as MKL's; the shapes it leaves to ``sgemm_`` get MKL's bits; a compiled scan's values and
 gradients with it on; ``SCAN_SMALL_GEMM`` and ``passes_off`` turn it off."""
 import contextlib
-import os
 
 import pytest
 import torch
@@ -33,14 +32,14 @@ def forced(monkeypatch):
 
 def _kernels(threads=1, ours=True):
     """(sgemm kernel, addmm kernel) built from ``blas``'s sources, with our gemm in them or not."""
-    prev, env = torch.get_num_threads(), os.environ.get(small_gemm.ENV)
+    prev = torch.get_num_threads()
     torch.set_num_threads(threads)
-    os.environ[small_gemm.ENV] = "1" if ours else "0"
     try:
-        sources = blas.kernel_source(blas.SGEMM_KERNEL, False), blas.kernel_source(blas.ADDMM_KERNEL, True)
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv(small_gemm.ENV, "1" if ours else "0")
+            sources = blas.kernel_source(blas.SGEMM_KERNEL, False), blas.kernel_source(blas.ADDMM_KERNEL, True)
     finally:
         torch.set_num_threads(prev)
-        os.environ.pop(small_gemm.ENV) if env is None else os.environ.__setitem__(small_gemm.ENV, env)
     assert all(("scan_small_gemm::sgemm(" in s) == ours for s in sources)
     return (CppPythonBindingsCodeCache.load_pybinding(blas.SGEMM_ARGTYPES, sources[0]),
             CppPythonBindingsCodeCache.load_pybinding(blas.ADDMM_ARGTYPES, sources[1]))

@@ -141,8 +141,6 @@ def blas_is_atens_float32_mm():
 
 @functools.lru_cache(maxsize=None)
 def _mkl_sgemm_exported():
-    import ctypes
-    import os
     import platform
 
     import torch
@@ -151,11 +149,7 @@ def _mkl_sgemm_exported():
         return False
     if not torch.backends.mkl.is_available():
         return False
-    try:
-        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        return hasattr(lib, "sgemm_")
-    except OSError:
-        return False
+    return small_gemm.torch_cpu_function("sgemm_") is not None
 
 
 def mm_plan(out, a, b):

@@ -175,12 +175,21 @@ def _mkl_takes_intel_path():
     """MKL's own answer (``mkl_serv_intel_cpu_true``: its vendor check); True where it cannot be asked."""
     import ctypes
 
-    import torch
-
-    try:
-        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        check = lib.mkl_serv_intel_cpu_true
-    except (OSError, AttributeError):
+    check = torch_cpu_function("mkl_serv_intel_cpu_true")
+    if check is None:
         return True
     check.restype = ctypes.c_int
     return bool(check())
+
+
+def torch_cpu_function(name):
+    """The C function ``name`` exported by torch's ``libtorch_cpu.so`` (where MKL is linked in), as a
+    ctypes function; None where the library or the symbol is missing. Also ``blas``'s ``sgemm_`` check."""
+    import ctypes
+
+    import torch
+
+    try:
+        return getattr(ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")), name)
+    except (OSError, AttributeError):
+        return None
