@@ -6,7 +6,8 @@ its generated Triton source on the CPU, under Triton's interpreter: a child inte
 operator, against the Python loop of the same body. ``check_compiled``: torch.compile (inductor) of a
 forward and a training step with the pass allowed on CPU tensors (``DEVICE_TYPES``), values and float64
 gradients against the loop, the pass applied to the forward and the backward scan, and the wrapper
-calling the operator with no loop over steps.
+calling the operator with no loop over steps; ``check_compiled_beside_inductor_triton_kernels``: the same
+with inductor's kernels in Triton as well, the wrapper a GPU gets.
 """
 import math
 
@@ -208,6 +209,24 @@ def check_compiled(case, reverse, device="cpu", dtype_name="float64"):
     for code in (*codes, *backward):
         assert "torch.ops.torch_scan_hop.pointwise_scan.default(" in code, code[-3000:]
         assert "while_loop" not in code and "_step in range(" not in code, code[-3000:]
+    return [*codes, *backward]
+
+
+def check_compiled_beside_inductor_triton_kernels(case, reverse):
+    """``check_compiled`` with inductor's own kernels written in Triton too (``cpu_backend="triton"``,
+    hashed for an sm_90 target, run by the interpreter): the wrapper inductor writes for a GPU, our
+    operator beside ``async_compile.triton`` kernels. There inductor copies the scan node's text into
+    comments; a kernel source travelling as multi-line text broke the wrapper's Python (an H200's
+    "SyntaxError: unmatched ')'" for the training steps of these bodies), hence ``pointwise_scan.pack``."""
+    import torch.utils._triton as triton_utils
+    from torch._inductor import config
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    triton_utils.triton_backend = lambda: CUDABackend(GPUTarget("cuda", 90, 32))  # no CPU driver to ask
+    with config.patch(cpu_backend="triton"):
+        codes = check_compiled(case, reverse)
+    assert any("async_compile.triton(" in code for code in codes), "no inductor Triton kernel beside ours"
 
 
 def check_compiled_symbolic_length(case, reverse):

@@ -63,6 +63,12 @@ def test_compiled_training_step_runs_both_scans_as_kernels(case, reverse):
     _interpreted("check_compiled", case, reverse)
 
 
+@pytest.mark.parametrize("case,reverse", [("rglru", False), ("wkv", False), ("mixed", True)])
+def test_the_wrapper_with_inductor_triton_kernels_beside_ours_loads_and_runs(case, reverse):
+    """The training steps that failed to load on an H200 (inductor's Triton kernels beside ours)."""
+    _interpreted("check_compiled_beside_inductor_triton_kernels", case, reverse)
+
+
 @pytest.mark.parametrize("case,reverse", [("linear", True), ("rglru", False)])
 def test_a_symbolic_length_keeps_the_kernel(case, reverse):
     _interpreted("check_compiled_symbolic_length", case, reverse)

@@ -53,8 +53,10 @@ def kernels_enabled(on: bool = True):
     Why opt-in: on an H200 (torch 2.11) the kernel ran forward graphs and the training steps of
     the linear and Mamba bodies, but inductor failed to load the wrapper it generated for the
     training steps of bodies with closed-over tensors or math functions ("SyntaxError: unmatched
-    ')'", cause not found without the generated code); until a GPU run shows them compiling,
-    the loop lowering stays the default.
+    ')'"). The cause, found since on the CPU with inductor's kernels in Triton beside ours: inductor
+    copies the scan node's text into a wrapper comment, and the source, then a multi-line string
+    argument, ended that comment; ``pack`` makes it one token. Until a GPU run shows those steps
+    right on CUDA, the loop lowering stays the default.
 
     Example:
         >>> with kernels_enabled():
