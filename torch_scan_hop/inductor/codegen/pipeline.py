@@ -62,8 +62,10 @@ _off = set()  # names of passes turned off by ``passes_off`` (tests, bisecting a
 
 
 def run(pipeline, code, context=None):
-    """``code`` after every pass of ``pipeline``, or ``code`` itself when a pass fails."""
-    context = {} if context is None else context
+    """``code`` after every pass of ``pipeline``, or ``code`` itself when a pass fails. A pass may
+    append ``(name, outcome)`` pairs to ``context["decisions"]`` (what it chose per call, such as
+    ``small_gemm``'s per matmul): counted like ``record``'s, only when its text is the one used."""
+    context = dict(context or {}, decisions=[])
     original, outcomes = code, {}
     for p in pipeline.passes:
         try:
@@ -73,6 +75,8 @@ def run(pipeline, code, context=None):
             _warn(pipeline, p, error)
             return original
     _record(outcomes)
+    for name, how in context["decisions"]:
+        _record({name: how})
     log.debug("%s wrapper: %s", pipeline.kind, ", ".join(f"{name} {how}" for name, how in outcomes.items()))
     return code
 
