@@ -132,6 +132,29 @@ def test_cpp_mm_with_nowhere_to_define_its_blas_helper_leaves_the_generated_wrap
     assert codegen.pass_counts()["call_blas_for_mm"] == {"applied": 1, "skipped": 0, "failed": 1}
 
 
+def test_cpp_mm_helper_computes_with_small_gemm_where_the_header_defines_it(monkeypatch):
+    """``call_blas_for_mm``'s helper calls small_gemm's kernel first where its source is defined
+    before the entry (put in the header at codegen), else ``sgemm_`` alone; one ``small_gemm``
+    decision counted per call rewritten, and none when the pipeline's text is dropped."""
+    from torch_scan_hop.inductor.codegen import small_gemm
+
+    monkeypatch.setattr(blas, "blas_is_atens_float32_mm", lambda: True)
+    loop = "void inductor_entry_impl(\n" + CPP_LOOP + "\n" + CPP_LOOP
+    for header, how in (("", "skipped"), (small_gemm.NAMESPACE + "\n}\n", "applied")):
+        codegen.reset_pass_counts()
+        lines = pipeline.run(passes.CPP_WRAPPER, header + loop, {"jit": True}).split("\n")
+        assert len(lines) == len((header + loop).split("\n"))
+        assert lines[header.count("\n")] == blas.mm_out_helper(how == "applied") + "void inductor_entry_impl("
+        assert ("scan_small_gemm::sgemm(" in lines[header.count("\n")]) == (how == "applied")
+        assert codegen.pass_counts()[small_gemm.NAME] == {"applied": 0, "skipped": 0, how: 2, "failed": 0}
+    codegen.reset_pass_counts()
+    rewrite = passes.cpp_text.call_blas_for_mm
+    monkeypatch.setattr(passes.cpp_text, "call_blas_for_mm", lambda code, decisions: rewrite(code, decisions)[1 / 0])
+    with pytest.warns(pipeline.WrapperPassWarning, match="call_blas_for_mm"):
+        assert pipeline.run(passes.CPP_WRAPPER, loop, {"jit": True}) == loop
+    assert small_gemm.NAME not in codegen.pass_counts()
+
+
 def test_passes_off_skips_a_pass():
     code = "        buf5 = [buf0]\n        for buf5_step in range(3):\n            buf5[0] = buf5[0]\n        buf6 = 1"
     with codegen.passes_off("release_finished_loops"):

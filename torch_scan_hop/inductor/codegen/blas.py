@@ -36,7 +36,8 @@ from . import pipeline, small_gemm
 # The C++ wrapper's ``scan_blas_mm_out(out, a, b)``: for float32 CPU matrices the ``sgemm_`` call
 # ATen's ``mm_out`` makes (``addmm_impl_cpu_`` with beta=0, alpha=1, then ``cpublas::gemm``), any
 # other case ``aoti_torch_cpu_mm_out`` as before; ``mm_plan`` is the same decisions in Python.
-BLAS_MM_OUT = (
+# ``%(small_gemm_or)s``: nothing, or small_gemm's call in front of ``sgemm_`` (``mm_out_helper``).
+_MM_OUT_HELPER = (
     'extern "C" void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, '
     'const float*, const int*, const float*, const int*, const float*, float*, const int*); '
     "namespace { struct ScanMatrix { int64_t size[2]; int64_t stride[2]; void* data; }; "
@@ -76,10 +77,40 @@ BLAS_MM_OUT = (
     "|| ldb < std::max<int64_t>(1, tb ? n : k) || ldc < std::max<int64_t>(1, m)) return aoti_torch_cpu_mm_out(out, a, b); "
     "const char transa = ta ? 'T' : 'N', transb = tb ? 'T' : 'N'; "
     "const int m_ = m, n_ = n, k_ = k, lda_ = lda, ldb_ = ldb, ldc_ = ldc; const float one = 1.f, zero = 0.f; "
-    "sgemm_(&transa, &transb, &m_, &n_, &k_, &one, static_cast<const float*>(m1.data), &lda_, "
+    "%(small_gemm_or)ssgemm_(&transa, &transb, &m_, &n_, &k_, &one, static_cast<const float*>(m1.data), &lda_, "
     "static_cast<const float*>(m2.data), &ldb_, &zero, static_cast<float*>(c.data), &ldc_); "
     "return AOTI_TORCH_SUCCESS; } } "  # the end of an anonymous namespace (no // comment: the line goes on)
 )
+BLAS_MM_OUT = _MM_OUT_HELPER % {"small_gemm_or": ""}
+
+
+def mm_out_helper(small):
+    """The C++ wrapper's helper (one line, no newline): ``BLAS_MM_OUT``, or (``small``) the same with
+    the product by ``small_gemm``'s kernel first (``sgemm_`` for the shapes it leaves), which needs
+    ``cpp_prelude``'s source defined before it."""
+    if not small:
+        return BLAS_MM_OUT
+    condition = small_gemm.call("ta", "tb", "m", "n", "k", "static_cast<const float*>(m1.data)", "lda",
+                                "static_cast<const float*>(m2.data)", "ldb", "false", "static_cast<float*>(c.data)", "ldc")
+    return _MM_OUT_HELPER % {"small_gemm_or": f"if (!{condition}) "}
+
+
+def cpp_prelude(node, trip_counts):
+    """``small_gemm``'s source (``(name, text)``) for the C++ wrapper's header, where ``node`` (an extern
+    kernel generated in the body of counted loops of ``trip_counts``) is a float32 CPU ``mm`` that
+    ``cpp_text.call_blas_for_mm`` hands to ``mm_out_helper`` and ``small_gemm.enabled()``; else None.
+    It goes in the wrapper's header at codegen (as the Python wrapper's kernel definitions do), not
+    by a text pass: lines added there would shift the wrapper's line map (``cpp_text``)."""
+    import torch
+
+    if getattr(node, "python_kernel_name", None) != "extern_kernels.mm" or not trip_counts:
+        return None
+    layout = node.get_layout()
+    if layout.dtype != torch.float32 or layout.device.type != "cpu":
+        return None
+    if not blas_is_atens_float32_mm() or not small_gemm.enabled():
+        return None
+    return small_gemm.NAME, small_gemm.source(torch.get_num_threads())
 
 
 SGEMM_ARGTYPES = ["float*", "const float*", "const float*"] + ["const int64_t"] * 8

@@ -7,8 +7,10 @@ the order ``passes.CPP_WRAPPER`` declares.
   ``python_text.pool_loop_buffers``).
 - ``inline_row_views``: a row view read only through its data pointer becomes pointer arithmetic
   on its base (no ``TensorImpl`` made and freed per step).
-- ``call_blas_for_mm``: ``aoti_torch_cpu_mm_out`` becomes ``blas.BLAS_MM_OUT``'s
-  ``scan_blas_mm_out``, ATen's own ``sgemm_`` call without ATen's dispatch around it.
+- ``call_blas_for_mm``: ``aoti_torch_cpu_mm_out`` becomes ``blas.mm_out_helper``'s
+  ``scan_blas_mm_out``, ATen's own ``sgemm_`` call without ATen's dispatch around it (on CPUs
+  where MKL runs no AVX-512, ``small_gemm``'s product first: its source is put in the wrapper's
+  header at codegen, ``blas.cpp_prelude``, since the helper's one line cannot ``#include``).
 
 What a step of the tanh RNN (H=64, B=8, one thread) cost besides its two kernels, from ``perf``:
 ~1 us of its ~2.55 us (``mm_out``'s checks and layout decisions around MKL's 0.5 us, a
@@ -22,7 +24,8 @@ torch 2.9 to 2.15: the shim's ``aoti_torch_empty_strided``, ``aoti_torch_assign_
 """
 import re
 
-from .blas import BLAS_MM_OUT
+from . import small_gemm
+from .blas import mm_out_helper
 from .python_text import _POOL_MAX_BYTES, _nbytes
 
 _CPP_FOR = re.compile(r"^( *)for \(int64_t (\w+)_step = 0; \2_step < (\w+); \+\+\2_step\) \{$")
@@ -119,11 +122,14 @@ def inline_row_views(code):
     return "\n".join(lines)
 
 
-def call_blas_for_mm(code):
+def call_blas_for_mm(code, decisions=None):
     """``code`` with, inside our counted loops, ``aoti_torch_cpu_mm_out`` called as
     ``scan_blas_mm_out``, whose definition goes in front of ``inductor_entry_impl`` (where that
     line is missing the code is returned as it is: ``blas_mm_unplaceable`` tells). Only where
-    ATen's float32 mm is that BLAS call (``blas.blas_is_atens_float32_mm``, the caller's test)."""
+    ATen's float32 mm is that BLAS call (``blas.blas_is_atens_float32_mm``, the caller's test).
+    Where ``small_gemm``'s source is defined before that line (``blas.cpp_prelude``, put in the
+    wrapper's header at codegen) the helper computes the product with it first; ``decisions``
+    gets ``("small_gemm", "applied" / "skipped")`` per call rewritten."""
     lines = code.split("\n")
     mm_calls = 0
     for start, end in _loop_bodies(lines):
@@ -133,7 +139,10 @@ def call_blas_for_mm(code):
     entry = _entry_line(lines)
     if not mm_calls or entry is None:
         return code
-    lines[entry] = BLAS_MM_OUT + lines[entry]
+    small = small_gemm.NAMESPACE in lines[:entry]
+    lines[entry] = mm_out_helper(small) + lines[entry]
+    if decisions is not None:
+        decisions.extend([(small_gemm.NAME, "applied" if small else "skipped")] * mm_calls)
     return "\n".join(lines)
 
 

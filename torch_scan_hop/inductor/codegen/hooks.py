@@ -16,7 +16,7 @@ def install(is_ours):
     cpp_loop.run_counted_loops_as_cpp_for_loops(counted_loops)
     python_loop.rewrite_generated_python_wrapper(rewrite_python_wrapper)
     cpp_loop.rewrite_generated_cpp_wrapper(rewrite_cpp_wrapper)
-    write_extern_calls_as_kernels(plan_blas_call, blas.kernel_definition, blas.call_line)
+    write_extern_calls_as_kernels(plan_blas_call, blas.kernel_definition, blas.call_line, cpp_prelude)
     fast_tanh.install()
 
 
@@ -40,16 +40,27 @@ def plan_blas_call(node):
     return plan
 
 
-def write_extern_calls_as_kernels(plan_for, definition_of, line_of):
+def cpp_prelude(node):
+    """``blas.cpp_prelude`` of an extern kernel ``node`` in the counted loops a JIT C++ wrapper is
+    generating (an AOTInductor package keeps the shim's mm: nothing)."""
+    V = _compat.inductor.virtualized()
+    if getattr(V.graph, "aot_mode", True):
+        return None
+    return blas.cpp_prelude(node, counted_loops.counted_loop_trip_counts())
+
+
+def write_extern_calls_as_kernels(plan_for, definition_of, line_of, cpp_prelude_for):
     """In the Python wrapper, write an extern kernel call (``extern_kernels.mm(a, b, out=c)``)
     for which ``plan_for(node)`` gives a plan as ``line_of(plan, args, out)`` (``args``: the
     node's argument references, ``out``: its output's), the kernel that line calls defined once
-    per wrapper from ``definition_of(plan)`` (``(name, header text)``). Idempotent.
+    per wrapper from ``definition_of(plan)`` (``(name, header text)``). In the C++ wrapper, the
+    text ``cpp_prelude_for(node)`` gives (``(name, C++ text)`` or None) goes in its header, once
+    per wrapper, for its text passes to call (the call stays inductor's). Idempotent.
 
     torch 2.9 to 2.15: ``PythonWrapperCodegen.generate_extern_kernel_out(node)`` writing an
     ``ExternKernelOutLine(wrapper, node)`` whose ``codegen(code)`` calls the node's
     ``codegen_args()`` / ``codegen_reference()`` / ``output_view``; the wrapper's ``header``
-    (``splice``); ``V.graph.cpp_wrapper``."""
+    (``splice``), the C++ wrapper's too; ``V.graph.cpp_wrapper``, ``V.graph.aot_mode``."""
     wrapper, V = _compat.inductor.wrapper_codegen(), _compat.inductor.virtualized()
     python_wrapper, extern_line = wrapper.PythonWrapperCodegen, wrapper.ExternKernelOutLine
     if getattr(python_wrapper.generate_extern_kernel_out, "_scan_blas", False):
@@ -58,13 +69,18 @@ def write_extern_calls_as_kernels(plan_for, definition_of, line_of):
     line_codegen = extern_line.codegen
 
     def generate_extern_kernel_out(self, node):
-        plan = None if V.graph.cpp_wrapper else plan_for(node)
-        if plan is not None:
-            name, definition = definition_of(plan)
+        if V.graph.cpp_wrapper:
+            plan, definition = None, cpp_prelude_for(node)
+        else:
+            plan = plan_for(node)
+            definition = None if plan is None else definition_of(plan)
+        if definition is not None:
+            name, text = definition
             defined = self.__dict__.setdefault("_scan_blas_defined", set())
             if name not in defined:
                 defined.add(name)
-                self.header.splice(definition)
+                self.header.splice(text)
+        if plan is not None:
             node._scan_blas_plan = plan  # read by the ExternKernelOutLine written next
         return generate_out(self, node)
 

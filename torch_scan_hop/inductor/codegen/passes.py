@@ -156,6 +156,7 @@ CPP_WRAPPER = Pipeline("cpp", (
     Pass("pool_cpp_loop_buffers", lambda code, _: cpp_text.pool_cpp_loop_buffers(code), _cpp_loops,
          _first(_unclosed_cpp_loops, _unreadable_cpu_allocations)),
     Pass("inline_row_views", lambda code, _: cpp_text.inline_row_views(code), _cpp_loops),
-    Pass("call_blas_for_mm", lambda code, _: cpp_text.call_blas_for_mm(code), _blas_wanted,
+    Pass("call_blas_for_mm", lambda code, context: cpp_text.call_blas_for_mm(code, context["decisions"]),
+         _blas_wanted,
          lambda code, _: cpp_text.blas_mm_unplaceable(code)),
 ))

@@ -38,6 +38,7 @@ ENV = "SCAN_SMALL_GEMM"
 _SERIAL_MAX = 1 << 20  # multiply-adds of a product past which MKL's threads win (more than 2 of them)
 _THREADS_ANY_SIZE = 2  # up to this many intra-op threads, this kernel's one thread wins at any size
 
+NAMESPACE = "namespace scan_small_gemm {"  # SOURCE's line that says it is defined (``cpp_text``)
 SOURCE = r'''
 #include <immintrin.h>
 namespace scan_small_gemm {
