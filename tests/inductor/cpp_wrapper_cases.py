@@ -270,3 +270,47 @@ def check_blas_mm_matches_aten(how):
         assert all(torch.equal(g, w) for g, w in zip(got, want)), [(g - w).abs().max() for g, w in zip(got, want)]
         loop = codes[0][codes[0].index("for (int64_t "):]
         assert loop.count("scan_blas_mm_out(") == (3 if batch > 1 else 2)  # x.t() @ c of a batch of 1: a product
+
+
+def check_small_gemm(how, on, batch, hidden, inputs):
+    """A body with each kind of product a loop hands ``scan_blas_mm_out`` (a weight on either side,
+    transposed or not, a carry's transpose times the input; a Linear's bias, which stays ATen's
+    addmm) at sizes off small_gemm's register blocks, 64 steps, trained: values and gradients
+    against the loop in float64, and each mm call rewritten in the C++ wrapper's loops counted as
+    ``small_gemm`` applied (``on``: the helper computes it with small_gemm's kernel, defined in the
+    wrapper's header) or skipped (the helper is ``sgemm_``'s alone). The child's ``SCAN_SMALL_GEMM``
+    decides ``on``."""
+    from torch._inductor.utils import run_and_get_code
+
+    from torch_scan_hop.inductor import codegen
+    from torch_scan_hop.inductor.codegen import small_gemm
+
+    assert small_gemm.enabled() == on
+    gen = torch.Generator().manual_seed(batch * 100 + hidden)
+    w, v = torch.randn(hidden, hidden, generator=gen) / hidden ** 0.5, torch.randn(hidden, inputs, generator=gen) / inputs ** 0.5
+    b, c0, xs = torch.randn(hidden, generator=gen), torch.randn(batch, hidden, generator=gen), torch.randn(64, batch, inputs, generator=gen)
+
+    def run(scan_fn, w, v, b, c0, xs):
+        def step(c, x):
+            c = torch.tanh(c @ w.t() * 0.5 + torch.nn.functional.linear(x, v, b) + c @ w)
+            return c, c.t() @ x
+        c, ys = scan_fn(step, c0, xs)
+        return c.sum() + (ys * torch.linspace(-1, 1, inputs)).sum(), (c, ys)
+
+    inputs_ = [t.requires_grad_() for t in (w, v, b, c0, xs)]
+    codegen.reset_pass_counts()
+    with _cpp_wrapper(how) as compile_, torch._inductor.config.patch(force_disable_caches=True):
+        compiled = compile_(lambda *a: run(scan, *a), fullgraph=True)
+        (loss, outs), codes = run_and_get_code(compiled, *inputs_)
+        grads, more = run_and_get_code(lambda: torch.autograd.grad(loss, inputs_))
+    doubles = [t.detach().double().requires_grad_() for t in inputs_]
+    loss64, outs64 = run(reference_scan, *doubles)
+    want = tuple(t.float() for t in outs64), tuple(g.float() for g in torch.autograd.grad(loss64, doubles))
+    assert_trees_close((outs, grads), want, rtol=1e-4, atol=1e-4)
+    code = "\n".join(codes + more)
+    calls = code.count("AOTI_TORCH_ERROR_CODE_CHECK(scan_blas_mm_out(")
+    assert calls >= 6, calls  # 3 forward, 3+ backward
+    counts = codegen.pass_counts()[small_gemm.NAME]
+    assert counts == {"applied": calls if on else 0, "skipped": 0 if on else calls, "failed": 0}, (counts, calls)
+    assert code.count("if (!scan_small_gemm::sgemm(ta, tb, m, n, k, ") == (2 if on else 0)  # each wrapper's helper
+    assert (small_gemm.NAMESPACE in code.split("\n")) == on

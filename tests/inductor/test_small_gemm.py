@@ -178,3 +178,13 @@ def test_random_matmul_bodies_against_the_loop_in_float64(forced, batch, hidden,
     want = tuple(t.float() for t in outs64), tuple(g.float() for g in torch.autograd.grad(loss64, doubles))
     assert_trees_close(got, want, rtol=1e-4, atol=1e-4)
     assert codegen.pass_counts()[small_gemm.NAME]["applied"] >= 4
+
+
+@pytest.mark.parametrize("on, how, batch, hidden, inputs", [(True, "option", 16, 70, 33), (False, "global", 5, 40, 17)])
+def test_cpp_wrapper_scan_values_gradients_and_counts(on, how, batch, hidden, inputs):
+    """The C++ wrapper's twin (``cpp_text.call_blas_for_mm``): ``cpp_wrapper_cases.check_small_gemm`` in a
+    child interpreter whose ``SCAN_SMALL_GEMM`` is 1 / 0 (a crash in generated code fails this test only)."""
+    import _isolated
+
+    _isolated.call("cpp_wrapper_cases", "check_small_gemm", how, on, batch, hidden, inputs,
+                   env={small_gemm.ENV: "1" if on else "0"})
