@@ -252,8 +252,14 @@ def check_blas_mm_matches_aten(how):
     ATen's mm's numbers to the bit, for the layouts ATen itself hands to BLAS: a row-major
     weight, a transposed one on either side, a batch of 1 (size-1 dims), and shapes whose m, n,
     k all differ.
-    The step is matmuls and an exact scale only, so the loop's own torch.mm gives the same bits."""
+    The step is matmuls and an exact scale only, so the loop's own torch.mm gives the same bits.
+    MKL's ``sgemm_`` whatever the CPU (``SCAN_SMALL_GEMM=0``): ``small_gemm``, on by default where MKL
+    runs no AVX-512, is not ATen's to the bit (``check_small_gemm``)."""
+    from unittest import mock
+
     from torch._inductor.utils import run_and_get_code
+
+    from torch_scan_hop.inductor.codegen import small_gemm
 
     def run(scan_fn, c0, xs, w1, w2):
         return scan_fn(lambda c, x: (((c @ w1) @ w2.t()) * 0.5 + x, (c, x.t() @ c)), c0, xs)
@@ -262,7 +268,7 @@ def check_blas_mm_matches_aten(how):
     rand = lambda *shape: torch.randn(*shape, generator=gen)
     for batch in (5, 1):
         c0, xs, w1, w2 = rand(batch, 6), rand(4, batch, 6), rand(6, 3), rand(6, 3)
-        with _cpp_wrapper(how) as compile_:
+        with _cpp_wrapper(how) as compile_, mock.patch.dict("os.environ", {small_gemm.ENV: "0"}):
             compiled = compile_(lambda *a: run(scan, *a), fullgraph=True)
             got, codes = run_and_get_code(compiled, c0, xs, w1, w2)
         want = run(reference_scan, c0, xs, w1, w2)
