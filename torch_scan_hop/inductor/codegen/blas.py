@@ -2,7 +2,8 @@
 ATen's dispatch around it: the kernels' sources, ATen's layout decisions (``mm_plan``) and, for the
 Python wrapper, which extern ``mm``/``addmm`` calls become such a kernel (``plan_extern_call``) and
 the line that calls it (``call_line``); ``hooks`` patches them into inductor's codegen.
-The C++ wrapper's text rewrite is ``cpp_text.call_blas_for_mm`` (its helper: ``BLAS_MM_OUT``).
+The C++ wrapper's text rewrite is ``cpp_text.call_blas_for_mm`` (its helper: ``mm_out_helper``, with
+``small_gemm``'s product where ``cpp_prelude`` put that gemm's source in the wrapper's header).
 
 A step of the tanh RNN (H=64, B=8, one thread) spends ~0.5 us in MKL's ``sgemm_`` and, around
 it, ~0.9 us in ATen's ``mm_out`` (structured meta checks, ``addmm_impl_cpu_``'s layout

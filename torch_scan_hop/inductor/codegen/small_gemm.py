@@ -1,5 +1,6 @@
-"""Float32 matmuls in our loops' BLAS kernels (``blas``) as a register-blocked AVX-512 gemm of our
-own, on the CPUs where MKL's ``sgemm_`` does not use AVX-512: x86 CPUs that are not Intel's.
+"""Float32 matmuls in our loops' BLAS kernels (``blas``; in the C++ wrapper its ``scan_blas_mm_out``
+helper, ``blas.mm_out_helper``) as a register-blocked AVX-512 gemm of our own, on the CPUs where MKL's
+``sgemm_`` does not use AVX-512: x86 CPUs that are not Intel's.
 
 Why: MKL picks its code path by the CPU's vendor, not by its instruction sets. On an AMD EPYC with
 AVX-512 (Zen 4 / Zen 5), torch's MKL runs its AVX2 path: one thread, the MLP body's step matmul
@@ -25,8 +26,10 @@ When (``enabled``): ATen's float32 mm is a plain ``sgemm_`` call (``blas``), ATe
 ``AVX512``, MKL says the CPU is not Intel's (``mkl_serv_intel_cpu_true``, exported by libtorch_cpu;
 absent: not used), and ``passes_off("small_gemm")`` is not in force. ``SCAN_SMALL_GEMM=1`` uses it
 on any AVX-512 CPU (tests), ``=0`` never. Counted as ``small_gemm`` applied / skipped per matmul
-planned as a BLAS call (``pipeline.pass_counts``): applied where its kernel carries this gemm (the
-shapes it leaves still go to ``sgemm_`` when they run).
+planned as a BLAS call (``pipeline.pass_counts``; in the C++ wrapper per ``mm`` call its text pass
+rewrites): applied where its kernel (helper) carries this gemm (the shapes it leaves still go to
+``sgemm_`` when they run). The C++ wrapper gets ``SOURCE`` in its header at codegen
+(``blas.cpp_prelude``): the helper is one line of the wrapper and cannot include ``<immintrin.h>``.
 """
 import functools
 import os
