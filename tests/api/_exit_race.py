@@ -37,3 +37,19 @@ def hold_thread_end():
         return
     _held.done = True
     _at_thread_exit(ctypes.cast(_libc.sem_wait, ctypes.c_void_p), ctypes.addressof(_sem), None)
+
+
+def plain_backward_in_a_thread():
+    """torch alone, no scan: a thread that ran one backward ends at exit's doorstep. torch 2.12 aborts
+    here (SIGABRT; seen 2026-12-01): its ``_engine_run_backward`` leaves a Python object (the stashed
+    context, then None) in a C++ thread_local that is freed, taking the GIL, after the thread's Python
+    state. torch 2.9 stashes nothing there; 2.15 erases it (``_remove_obj_from_tls``)."""
+    import torch
+
+    def work():
+        torch.ones(3, requires_grad=True).sum().backward()
+        hold_thread_end()
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()

@@ -10,7 +10,8 @@ thread whose backward had failed ended just before the interpreter finalized (ro
 core/drain.py's drain_at_thread_end), and torch 2.11 and 2.15 aborted at exit when a thread that
 had run a scan was still alive then (a daemon thread; on CUDA the engine's device threads,
 where a remat backward's hooks run): the drain armed there ran a backward while the
-interpreter finalized.
+interpreter finalized. Where torch itself dies at that thread end (a plain backward, no scan:
+torch 2.12's backward leaves a Python object in a C++ thread_local), route "threads" skips saying so.
 """
 import os
 import subprocess
@@ -18,8 +19,16 @@ import sys
 
 import _isolated
 import pytest
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _torch_alone_dies_at_a_thread_end(env):
+    """The "threads" route's exit race with torch alone (``_exit_race.plain_backward_in_a_thread``)."""
+    plain = subprocess.run([sys.executable, "-c", "import _exit_race; _exit_race.plain_backward_in_a_thread()"],
+                           capture_output=True, text=True, timeout=120, cwd=HERE, env=env)
+    return plain.returncode != 0
 
 
 def _xla():
@@ -41,5 +50,9 @@ def test_an_error_in_a_scan_leaves_the_process_working_and_able_to_exit(route):
                          capture_output=True, text=True, timeout=600, cwd=HERE, env=env)
     failures = out.stdout.rsplit("end\n", 1)[0].strip()
     assert out.stdout.endswith("end\n") and not failures, failures or out.stderr[-3000:]
+    if out.returncode != 0 and route == "threads" and _torch_alone_dies_at_a_thread_end(env):
+        pytest.skip(f"torch {torch.__version__} itself dies when a thread that ran any backward ends at exit "
+                    "(a plain backward, no scan, dies there too): its backward leaves a Python "
+                    "object in a C++ thread_local; torch 2.15 erases it")
     assert out.returncode == 0, (out.returncode, out.stderr[-3000:])
     assert "Fatal Python error" not in out.stderr and "Segmentation fault" not in out.stderr, out.stderr[-3000:]
