@@ -282,6 +282,26 @@ def threads(failures):
     _alive_at_exit(failures)
 
 
+def inference_threads(failures):
+    """Threads that run scans forward only (no backward of their own) and end at exit's doorstep. Each
+    armed the drain (core/drain.py), whose small backward at the thread's end once went through
+    torch's Python wrapper: on torch 2.12 that left a Python object in a C++ thread_local, freed
+    after the hold (its thread_local is made first here, so freed after it): SIGABRT at exit."""
+    from _exit_race import hold_thread_end
+
+    def work(grad):
+        torch._C._is_key_in_tls("context")  # makes the thread_local (empty) before the hold
+        hold_thread_end()
+        body, args, _ = problem()
+        with torch.set_grad_enabled(grad):
+            got, want = scan(body, *args), reference_scan(body, *args)
+        if not all(torch.equal(a, b) for a, b in zip(torch.utils._pytree.tree_leaves(got),
+                                                    torch.utils._pytree.tree_leaves(want))):
+            failures.append(f"inference thread (grad {grad}): differs from the loop")
+
+    _run_threads([functools.partial(work, False), functools.partial(work, True)])
+
+
 def _alive_at_exit(failures):
     """A daemon thread that trained through scans and is still running at exit: the finalizing
     interpreter clears its Python state (as it does the engine's CUDA threads', where the
@@ -310,7 +330,8 @@ def _alive_at_exit(failures):
 
 def main(route):
     failures = []
-    {"eager": eager, "compiled": compiled, "xla": xla, "threads": threads}[route](failures)
+    {"eager": eager, "compiled": compiled, "xla": xla, "threads": threads,
+     "inference_threads": inference_threads}[route](failures)
     print("\n".join(failures))
     print("end")
     sys.stdout.flush()

@@ -50,6 +50,7 @@ from .autograd import (  # noqa: F401
     custom_op_lacks_autograd,
     drop_checkpoint_tags,
     eager_autograd_engine,
+    engine_backward,
     extract_fwd_bwd,
     leaf_grad_hooks,
     partitioner,

@@ -108,3 +108,17 @@ def apply_unbound(cls, *args):
     if torch._C._are_functorch_transforms_active():
         return cls.apply(*args)
     return super(torch.autograd.Function, cls).apply(*unwrap_dead_wrappers(args))
+
+
+def engine_backward(output):
+    """The autograd engine's backward of the scalar ``output``, without ``torch.autograd.backward``'s
+    Python wrapper around it. torch 2.12's wrapper (``_engine_run_backward``) leaves its stashed
+    context (then None) in a C++ thread_local of the calling thread, which is freed after the
+    thread's Python state and takes the GIL: a thread ending as the interpreter finalizes then
+    aborts (2.9 stashes nothing; 2.15 erases it). torch 2.9 to 2.15: ``Variable._execution_engine
+    .run_backward(tensors, grad_tensors, keep_graph, create_graph, inputs, allow_unreachable=,
+    accumulate_grad=)``."""
+    from torch.autograd.variable import Variable
+
+    Variable._execution_engine.run_backward((output,), (torch.ones_like(output),), False, False, (),
+                                            allow_unreachable=True, accumulate_grad=True)

@@ -28,12 +28,17 @@ import threading
 
 import torch
 
+from .. import _compat
+
 _draining = []
 _thread = threading.local()
 
 
 def _small_backward():
-    torch.ones(1, requires_grad=True).sum().backward()
+    """A backward of one element, run by the engine itself (``_compat.engine_backward``): through
+    ``Tensor.backward`` torch 2.12 leaves a Python object in a C++ thread_local, which aborted
+    threads that had run scans forward only (no backward of their own) as they ended at exit."""
+    _compat.engine_backward(torch.ones(1, requires_grad=True).sum())
 
 
 def drain_at_exit():
