@@ -280,3 +280,19 @@ def test_in_place_carry_under_compiled_vmap():
     xs = torch.randn(2, T, B, H, dtype=D, generator=g)
     got = outputs_and_grads(torch.compile(torch.vmap(f), backend="aot_eager")(c0, xs), (c0,))
     assert_trees_close(got, outputs_and_grads(torch.vmap(f)(c0, xs), (c0,)))
+
+
+def test_writes_into_a_vmapped_closed_over_tensor_under_compile_are_refused():
+    """Dynamo's check misses a write into a vmapped closure as into a vmapped carry; refused when
+    Dynamo captures the scan, not later under AOTAutograd's vmap levels, where torch 2.9's cleanup
+    masked the ScanError with an internal assert (fuzz seed 20000, func_vmap_compile)."""
+    def f(v):
+        cache = v * 1.0  # a batched closed-over tensor
+
+        def body(c, x):
+            cache.mul_(0.5)
+            return c + cache.sum() * x, None
+        return scan(body, v.new_zeros(()), v.new_ones(2))[0]
+
+    with pytest.raises(ScanError, match=r"closed-over tensor 0.*under torch.compile"):
+        torch.compile(torch.vmap(f), backend="aot_eager", fullgraph=True)(torch.randn(2, 3, dtype=D))

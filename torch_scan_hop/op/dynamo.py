@@ -71,8 +71,10 @@ def _make_tracker_class():
                                           ("xs", [example_of(v) for v in xs_vars]),
                                           ("closure", [example_of(v) for v in add_vars])])
             body = _Body(combine_fn, len(init_vars), len(xs_vars))
+            versions = _outer_versions(tx)
             (_, spec), graph, freevars = carry_grads.speculate(tx, body, init_vars, xs_vars, add_vars, self.value)
             _drop_unread_freevars(graph, freevars)
+            _refuse_missed_writes(versions, len(init_vars), len(xs_vars), len(add_vars), freevars)
             _check_dtensor_sharded_sizes([("closure", [p.node.meta.get("example_value") for p in freevars])])
             _reject_constant_ys(spec)
             same_branches.inline_identical_conds(graph, lambda name: dyn.installed_subgraph(tx, name))
@@ -135,6 +137,35 @@ class _Body:
 
         self.copied = True
         self.fn = dyn.partial_tracker(rewritten_step, [dyn.constant(self.num_carry), self.fn])
+
+
+def _unwrapped_version(e):
+    """The version counter of a tensor below any functorch wrapper, None for a non-tensor."""
+    while isinstance(e, torch.Tensor) and _compat.functorch.is_functorch_wrapped(e):
+        e = _compat.functorch.functorch_unwrap(e)
+    return e._version if isinstance(e, torch.Tensor) else None
+
+
+def _outer_versions(tx):
+    """{node: version below functorch wrappers} of the example values of the graphs the scan is
+    traced in, before its body is speculated (``_refuse_missed_writes``)."""
+    from .._compat import dynamo as dyn
+
+    return {node: _unwrapped_version(node.meta.get("example_value"))
+            for graph in dyn.tracer_graphs(tx) for node in graph.nodes}
+
+
+def _refuse_missed_writes(versions, num_carry, num_x, num_add, freevars):
+    """Dynamo compares its placeholders' own version counters: a write into a vmapped closed-over
+    tensor bumps the batched value's only, which Dynamo misses. Refused here, as Dynamo's own check
+    refuses the others: later, under AOTAutograd's trace of the graph's vmap levels, torch 2.9's
+    cleanup of those levels masks the ScanError with an internal assert ("!dynamicLayerStack.empty()",
+    fuzz seed 20000). ``versions``: ``_outer_versions`` before the speculation."""
+    names = [input_name(num_carry + num_x + num_add + k, num_carry, num_x) for k, outer in enumerate(freevars)
+             if outer.node in versions
+             and versions[outer.node] != _unwrapped_version(outer.node.meta.get("example_value"))]
+    if names:
+        raise compile_error(mutation_message(", ".join(names)))
 
 
 def _inputs_mode(sub_args):
