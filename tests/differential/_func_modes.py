@@ -1,11 +1,12 @@
 """The ``func_*`` modes of the differential fuzzer: torch.func's transforms of the scan (eager, under
 make_fx and under torch.compile) against the same transform of the loop."""
+import contextlib
 import re
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from _fuzz import materialize, run_loop
+from _fuzz import generate, materialize, run_loop
 from _fuzz_check import Mismatch, check, traceable_kwargs
 from _fuzz_func import vector_function
 from torch_scan_hop import ScanError, scan
@@ -39,12 +40,40 @@ def run_func(p, mode, want_out, want_grads, weights):
     in eager, the problem's own; ``func_<t>_make_fx`` and ``func_<t>_compile`` (aot_eager)
     trace the transformed function, the latter at length 0 or 1 (by seed and transform)."""
     transform, traced = mode.split("_")[1], "_".join(mode.split("_")[2:])
-    if transform in ("jvp", "jacfwd"):  # torch has no forward AD for CPU flash attention: the math kernel
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+    with _sdpa_for(transform):
+        return _run_func(p, mode, transform, traced)
 
-        with sdpa_kernel(SDPBackend.MATH):
-            return _run_func(p, mode, transform, traced)
-    return _run_func(p, mode, transform, traced)
+
+def _sdpa_for(transform):
+    """torch has no forward AD for CPU flash attention: jvp and jacfwd take the math kernel."""
+    if transform not in ("jvp", "jacfwd"):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
+
+
+def _draws(q, ref, v):
+    """The weights of ``ref``'s outputs, a tangent and a batch of ``v``."""
+    g = torch.Generator().manual_seed(q.seed + 2)
+    size = ref(v).numel()
+    return (torch.randn(size, generator=g, dtype=torch.float64).to(v.device, q.dtype),
+            torch.randn(v.shape, generator=g, dtype=torch.float64).to(v.device, q.dtype),
+            torch.stack([v, v * 0.5 + 0.25]))
+
+
+def trace_loop(mode, seed):
+    """make_fx of ``mode``'s transform of the loop (not of the scan), at the lengths a ``func_<t>_make_fx``
+    case traces: where this crashes the interpreter, there is no reference for the scan's trace
+    (``test_differential.check_func_make_fx``)."""
+    transform = mode.split("_")[1]
+    torch.manual_seed(0)
+    p = generate(seed)
+    with _sdpa_for(transform):
+        for q in (p.with_length(n) for n in (0, 1)):
+            ref, v, _ = vector_function(q, materialize(q), run_loop, batched=transform == "vmap")
+            r = _draws(q, ref, v)
+            make_fx(lambda v, *r: FUNC[transform](ref, v, r))(v, *r)
 
 
 def _run_func(p, mode, transform, traced):
@@ -58,11 +87,7 @@ def _run_func(p, mode, transform, traced):
         ours, v, seen = vector_function(q, inst, lambda q, body, init, xs, _: scan(body, init, xs, **kw),
                                         batched=transform == "vmap")
         ref, _, ref_seen = vector_function(q, materialize(q), run_loop, batched=transform == "vmap")
-        g = torch.Generator().manual_seed(q.seed + 2)
-        size = ref(v).numel()
-        r = (torch.randn(size, generator=g, dtype=torch.float64).to(v.device, q.dtype),
-             torch.randn(v.shape, generator=g, dtype=torch.float64).to(v.device, q.dtype),
-             torch.stack([v, v * 0.5 + 0.25]))
+        r = _draws(q, ref, v)
         want = torch.stack([ref(b) for b in r[2]]) if transform == "vmap" else FUNC[transform](ref, v, r)
         apply = lambda v, *r: FUNC[transform](ours, v, r)  # noqa: E731
         # vmap cannot run the loop (an in-place op on an unbatched value): ours may say the same, or,
