@@ -102,7 +102,10 @@ class WritingBody:
                 o = TO_SHAPE[leaf.shape].format(TO_BD[src[1].shape].format(src[0]))
             else:
                 o = "t.to(%s) * 0.1" % self.dt() if w.index else "0.25"
-            self.lines.append(wr.choice(CARRY_OPS).format(c=path, o=o))
+            op = wr.choice(CARRY_OPS)
+            if o == "0.25" and "sigmoid" in op:  # torch.sigmoid takes no float (seed 24045)
+                o = f"{path}.new_tensor(0.25)"
+            self.lines.append(op.format(c=path, o=o))
 
     def read_inputs(self):
         self.carry_writes()
