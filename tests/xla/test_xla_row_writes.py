@@ -153,3 +153,40 @@ def test_a_view_of_a_read_taken_before_the_write_shows_it():
         return [t.cpu() for t in [*out[0], out[1], *grads]]
 
     assert_trees_close(run(torch_xla.device(), True), run("cpu", False), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("unroll", [1, 2])
+def test_a_recomputed_step_reads_the_row_the_step_before_wrote(unroll):
+    """remat="recompute_all" saves each step's carry input, which the While writes from the step
+    before's carry output; a carry whose rows it writes holds that step's row pending there, so the
+    saved buffer lacked it and the recomputed step read the old row (fuzz seed 24004: a closed-over
+    buffer read at ``t - 1``, ``tanh`` of it the carry): values and gradients against the loop."""
+    import torch
+    import torch_xla
+    from conftest import assert_trees_close
+
+    from torch_scan_hop import scan
+
+    def run(device, on_xla):
+        g = torch.Generator().manual_seed(4)
+        base, s, xs = (torch.randn(sh, generator=g).to(device).requires_grad_() for sh in [(6, 2, 3), (), (5, 2)])
+        buf = base * 1.0
+
+        def body(carry, x, t):
+            v = torch.tanh(buf[(t - 1) % 6] * 1.5)
+            buf[t] = buf[t] + s * torch.arange(3.0, device=x.device) + x[:, None]
+            return carry + v, v.sum()
+        if on_xla:
+            out = scan(body, torch.zeros(2, 3, device=device), xs, with_index=True, remat="recompute_all",
+                       unroll=unroll)
+        else:
+            carry, ys = torch.zeros(2, 3, device=device), []
+            for i in range(5):
+                carry, y = body(carry, xs[i], torch.tensor(i))
+                ys.append(y)
+            out = carry, torch.stack(ys)
+        outs = [*out, buf]
+        grads = torch.autograd.grad(sum((t * (k + 1)).sum() for k, t in enumerate(outs)), (base, s, xs))
+        return [t.detach().cpu() for t in [*outs, *grads]]
+
+    assert_trees_close(run(torch_xla.device(), True), run("cpu", False), rtol=1e-5, atol=1e-5)

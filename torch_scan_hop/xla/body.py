@@ -302,11 +302,16 @@ def lower_body(combine_fn, init, xs, additional_inputs):
     for k, dim in rows.writes:
         carry_rows[k] = dim
     return BodyHlo(ctx.hlo(), params, [(tuple(y.shape), y.dtype) for y in ys], hoisted, uses_seed,
-                   [_carry_of(ctx, y, params) for y in ys], carry_rows, [k for k, _ in rows.writes])
+                   [_carry_of(ctx, y, params, carry_rows) for y in ys], carry_rows, [k for k, _ in rows.writes])
 
 
-def _carry_of(ctx, y, params):
-    """The carry index ``y`` is a parameter of (a saved step input), else -1."""
+def _carry_of(ctx, y, params, carry_rows):
+    """The carry index ``y`` is a parameter of (a saved step input), else -1. The While writes such a
+    y from the step's carry output into the next step's row, but a carry whose rows it writes
+    (``carry_rows``) holds the step's row pending there: that y stays a y (fuzz seed 24004, a
+    recomputed step read its buffer without the row the step before wrote)."""
     pid = ctx.tensor_parameter_id(y)
-    return params[pid][1] if pid != -1 and params[pid][0] == CARRY else -1
+    if pid == -1 or params[pid][0] != CARRY or carry_rows[params[pid][1]] != -1:
+        return -1
+    return params[pid][1]
 
