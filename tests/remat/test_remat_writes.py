@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import reference_scan
 
 from torch_scan_hop import ScanError, scan
 from torch_scan_hop.remat import writes
@@ -112,3 +113,28 @@ def test_a_recipe_reads_the_carry_before_the_body_writes_it(policy):
         got = run(lambda b, i, x: scan(b, i, x, remat=policy))
     for g_, w_ in zip(got, want):
         torch.testing.assert_close(g_, w_, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_carry_that_a_write_made_require_grad_is_kept_with_the_flag_it_began_with(policy):
+    """``a.mul_(sigmoid(u))``: ``a`` does not require grad, ``u`` does from step 1 on. Kept, then
+    written, that step's carry is computed again; it took the flags the write left (``a`` requiring
+    grad), and its re-run saved a tensor more than the step did, a ScanError (fuzz seed 25092)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 3, dtype=D, generator=g, requires_grad=True)
+    init = (torch.rand(2, dtype=D, generator=g) + 0.5, torch.randn(3, dtype=D, generator=g))
+    xs = torch.randn(4, 3, dtype=D, generator=g, requires_grad=True)
+
+    def body(c, x):
+        a, u = c
+        a.mul_(torch.sigmoid(u.mean()))
+        return (a, torch.tanh(u @ w + x)), a.sum()
+
+    def run(scan_fn):
+        (a, u), ys = scan_fn(body, tuple(t.clone() for t in init), xs)
+        return [a, u, ys, *torch.autograd.grad((a * 2).sum() + u.sum() + ys.sum(), (w, xs))]
+
+    got, want = run(lambda *a: scan(*a, remat=policy)), run(reference_scan)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+

@@ -71,6 +71,7 @@ class StepReplay(SelectiveReplay):
         self.keep_at = None if slots is None else {0, *revolve.descent(0, length, slots - 1)}
         self.rest, self.carries, self.counts, self.kept = [], {}, [], []
         self.carry_versions = {}  # position -> the versions of its kept carry's tensors when kept
+        self.kept_flags = {}  # position -> its kept carry's tensors' requires_grad when kept
         self.copy_carries = False  # the body wrote into a kept carry: keep copies from then on
         self.devices = None  # the carry's CUDA device indices (RNG states to keep), found at step 0
         self.rng = []  # (position, cpu state, (devices, device states)) at step 0 and where it changed
@@ -98,6 +99,7 @@ class StepReplay(SelectiveReplay):
             # init, and every carry once the body was seen writing into one, is kept as a copy
             self.carries[pos] = own_copy(carry) if pos == 0 or self.copy_carries else carry
             self.carry_versions[pos] = _versions(self.carries[pos])
+            self.kept_flags[pos] = [t.requires_grad for t in _leaves(self.carries[pos], [])]
         if pos == 0:
             self._note_rng(0, carry)
         self.pos, self.n = pos, 0
@@ -135,13 +137,13 @@ class StepReplay(SelectiveReplay):
         (no tape; init is always a copy), and later carries are kept as copies. Keeping copies
         from the start would cost a carry's memory per kept step for the bodies that never write."""
         self.copy_carries = True
-        written = self.carries[pos]
         prev = max(p for p in self.carries if p < pos)
         carry = self.carries[prev]
         with torch.no_grad(), (self.rng_at(prev) if len(self.rng) > 1 else contextlib.nullcontext()):
             for p in range(prev, pos):
                 carry = self.step(own_copy(carry), *self.rest[p])[0]
-        self.carries[pos] = requiring_grad(carry, [t.requires_grad for t in _leaves(written, [])])
+        # the flags the step began with: a write by a value requiring grad (c.mul_(w)) made one require grad
+        self.carries[pos] = requiring_grad(carry, self.kept_flags[pos])
         self.carry_versions[pos] = _versions(self.carries[pos])
 
     def _step_on_hooks(self, pos, carry, rest):
