@@ -278,6 +278,24 @@ def check_blas_mm_matches_aten(how):
         assert loop.count("scan_blas_mm_out(") == (3 if batch > 1 else 2)  # x.t() @ c of a batch of 1: a product
 
 
+def matmul_body_problem(batch, hidden, inputs):
+    """``(run, leaves)``: a trained scan whose body has each kind of product the loops hand BLAS (a
+    weight on either side, transposed or not, a Linear's bias, a carry's transpose times the input),
+    64 steps; ``run(scan_fn, *leaves)`` gives ``(loss, (carry, ys))`` (``scan_fn``: ours or the loop)."""
+    gen = torch.Generator().manual_seed(batch * 100 + hidden)
+    w, v = torch.randn(hidden, hidden, generator=gen) / hidden ** 0.5, torch.randn(hidden, inputs, generator=gen) / inputs ** 0.5
+    b, c0, xs = torch.randn(hidden, generator=gen), torch.randn(batch, hidden, generator=gen), torch.randn(64, batch, inputs, generator=gen)
+
+    def run(scan_fn, w, v, b, c0, xs):
+        def step(c, x):
+            c = torch.tanh(c @ w.t() * 0.5 + torch.nn.functional.linear(x, v, b) + c @ w)
+            return c, c.t() @ x
+        c, ys = scan_fn(step, c0, xs)
+        return c.sum() + (ys * torch.linspace(-1, 1, inputs)).sum(), (c, ys)
+
+    return run, [t.requires_grad_() for t in (w, v, b, c0, xs)]
+
+
 def check_small_gemm(how, on, batch, hidden, inputs):
     """A body with each kind of product a loop hands ``scan_blas_mm_out`` (a weight on either side,
     transposed or not, a carry's transpose times the input; a Linear's bias, which stays ATen's
@@ -292,18 +310,7 @@ def check_small_gemm(how, on, batch, hidden, inputs):
     from torch_scan_hop.inductor.codegen import small_gemm
 
     assert small_gemm.enabled() == on
-    gen = torch.Generator().manual_seed(batch * 100 + hidden)
-    w, v = torch.randn(hidden, hidden, generator=gen) / hidden ** 0.5, torch.randn(hidden, inputs, generator=gen) / inputs ** 0.5
-    b, c0, xs = torch.randn(hidden, generator=gen), torch.randn(batch, hidden, generator=gen), torch.randn(64, batch, inputs, generator=gen)
-
-    def run(scan_fn, w, v, b, c0, xs):
-        def step(c, x):
-            c = torch.tanh(c @ w.t() * 0.5 + torch.nn.functional.linear(x, v, b) + c @ w)
-            return c, c.t() @ x
-        c, ys = scan_fn(step, c0, xs)
-        return c.sum() + (ys * torch.linspace(-1, 1, inputs)).sum(), (c, ys)
-
-    inputs_ = [t.requires_grad_() for t in (w, v, b, c0, xs)]
+    run, inputs_ = matmul_body_problem(batch, hidden, inputs)
     codegen.reset_pass_counts()
     with _cpp_wrapper(how) as compile_, torch._inductor.config.patch(force_disable_caches=True):
         compiled = compile_(lambda *a: run(scan, *a), fullgraph=True)

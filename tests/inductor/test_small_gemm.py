@@ -9,6 +9,7 @@ import contextlib
 import pytest
 import torch
 from conftest import assert_trees_close, reference_scan
+from cpp_wrapper_cases import matmul_body_problem
 from torch._inductor.codecache import CppPythonBindingsCodeCache
 from torch._inductor.utils import run_and_get_code
 
@@ -156,18 +157,7 @@ def test_random_matmul_bodies_against_the_loop_in_float64(forced, batch, hidden,
     """A body with each kind of product the loops hand BLAS (a weight on either side, transposed or
     not, a Linear's bias, a carry's transpose times the input) at sizes off the register blocks,
     64 steps, trained: the compiled scan's values and gradients against the loop in float64."""
-    gen = torch.Generator().manual_seed(batch * 100 + hidden)
-    w, v = torch.randn(hidden, hidden, generator=gen) / hidden ** 0.5, torch.randn(hidden, inputs, generator=gen) / inputs ** 0.5
-    b, c0, xs = torch.randn(hidden, generator=gen), torch.randn(batch, hidden, generator=gen), torch.randn(64, batch, inputs, generator=gen)
-
-    def run(scan_fn, w, v, b, c0, xs):
-        def step(c, x):
-            c = torch.tanh(c @ w.t() * 0.5 + torch.nn.functional.linear(x, v, b) + c @ w)
-            return c, c.t() @ x
-        c, ys = scan_fn(step, c0, xs)
-        return c.sum() + (ys * torch.linspace(-1, 1, inputs)).sum(), (c, ys)
-
-    inputs_ = [t.requires_grad_() for t in (w, v, b, c0, xs)]
+    run, inputs_ = matmul_body_problem(batch, hidden, inputs)
     torch._dynamo.reset()
     codegen.reset_pass_counts()
     with torch._inductor.config.patch(force_disable_caches=True):
