@@ -80,6 +80,7 @@ from .dispatch import (  # noqa: F401
 from .functorch import (  # noqa: F401
     TransformType,
     add_batch_dim,
+    below_functorch_wrappers,
     differentiating_transform_active,
     forward_ad_disabled,
     functorch_bdim,

@@ -41,6 +41,15 @@ def is_functorch_wrapped(t):
     return torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
+def below_functorch_wrappers(t):
+    """``t`` with every functorch wrapper taken off (the value a vmapped or grad-wrapped tensor
+    stands for, whose version counter and storage a write reaches); ``t`` itself if it has none
+    or is not a tensor."""
+    while isinstance(t, torch.Tensor) and is_functorch_wrapped(t):
+        t = functorch_unwrap(t)
+    return t
+
+
 def functorch_disabled_guard():
     """A guard object that excludes functorch's dispatch keys while it lives, restoring the
     state it was made in when it is freed (torch 2.9 to 2.15: ``torch._C._DisableFuncTorch``)."""

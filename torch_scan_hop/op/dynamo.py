@@ -141,8 +141,7 @@ class _Body:
 
 def _unwrapped_version(e):
     """The version counter of a tensor below any functorch wrapper, None for a non-tensor."""
-    while isinstance(e, torch.Tensor) and _compat.functorch.is_functorch_wrapped(e):
-        e = _compat.functorch.functorch_unwrap(e)
+    e = _compat.below_functorch_wrappers(e)
     return e._version if isinstance(e, torch.Tensor) else None
 
 
@@ -181,13 +180,7 @@ def _inputs_mode(sub_args):
 def _versions(carry_vars):
     """The version counters of the carries' example values, below any functorch wrapper (a write into a
     vmapped carry bumps its batched value's counter only)."""
-    versions = []
-    for var in carry_vars:
-        e = example_of(var)
-        while isinstance(e, torch.Tensor) and _compat.functorch.is_functorch_wrapped(e):
-            e = _compat.functorch.functorch_unwrap(e)
-        versions.append(e._version if isinstance(e, torch.Tensor) else None)
-    return versions
+    return [_unwrapped_version(example_of(var)) for var in carry_vars]
 
 
 def _input_names(sub_args):

@@ -29,8 +29,7 @@ def storage(t):
     from torch.multiprocessing.reductions import StorageWeakRef
 
     try:
-        while isinstance(t, torch.Tensor) and _compat.is_functorch_wrapped(t):
-            t = _compat.functorch_unwrap(t)
+        t = _compat.below_functorch_wrappers(t)
         return StorageWeakRef(t.untyped_storage()) if isinstance(t, torch.Tensor) else None
     except (NotImplementedError, RuntimeError, AttributeError):
         return None
